@@ -1,0 +1,50 @@
+"""cuLA's CuTeDSL kernels and the machinery to compile them.
+
+Importing this package imports neither CuTeDSL (``cutlass``) nor torch, and needs no GPU: every name below is
+resolved on first use. Kernel modules (``cula_runtime.cute.kda.prepare``, ...) import CuTeDSL when they are
+imported and raise an ``ImportError`` that names the fix (``pip install "cula-runtime[cute]"``) when it is missing.
+
+* :mod:`.arch`: the two knobs, ``CULA_ARCH`` (dispatch) and ``CUTE_DSL_ARCH`` (compile target).
+* :mod:`.compile_cache`: the one compile cache of the monorepo; the only caller of ``cute.compile``.
+* :mod:`.machine_code`: SASS of a compiled kernel (nvdisasm) and the SM its cubin targets.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+_LAZY_EXPORTS = {
+    "compile_target": "cula_runtime.cute.arch",
+    "launch_target": "cula_runtime.cute.arch",
+    "dispatch_target": "cula_runtime.cute.arch",
+    "supported_targets": "cula_runtime.cute.arch",
+    "compile_kernel": "cula_runtime.cute.compile_cache",
+    "compile_records": "cula_runtime.cute.compile_cache",
+    "cache_info": "cula_runtime.cute.compile_cache",
+    "require_cutlass": "cula_runtime.cute.compile_cache",
+    "INSTALL_HINT": "cula_runtime.cute.compile_cache",
+    "disassemble": "cula_runtime.cute.machine_code",
+    "MachineCode": "cula_runtime.cute.machine_code",
+}
+
+__all__ = ["is_available", *_LAZY_EXPORTS]
+
+
+def is_available() -> bool:
+    """True when CuTeDSL (the ``cutlass`` package of ``nvidia-cutlass-dsl``) is installed; imports nothing."""
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cula_runtime.cute' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

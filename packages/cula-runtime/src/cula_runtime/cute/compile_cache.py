@@ -1,0 +1,258 @@
+"""The one compile cache of cuLA's CuTeDSL kernels, and the only place that calls ``cute.compile``.
+
+A kernel family is a class in the CUTLASS shape (see ``STYLE.md``): ``__init__(config)`` with a frozen dataclass,
+a static ``can_implement(config) -> (ok, reason)``, a ``@cute.jit __call__`` and ``compile_arguments()``, which
+returns the *fake* arguments to compile against (:func:`fake_tensor` for every tensor, so token and batch
+extents are symbolic). :func:`compile_kernel` builds one binary per ``(kernel class, config, target)``; a new T,
+batch size or ``cu_seqlens`` reuses it.
+
+The tensor contract between compile time and launch is one rule, applied on both sides by :class:`TensorSpec`:
+every tensor argument has a dynamic shape and dynamic strides except a unit stride in its last mode
+(:func:`fake_tensor` at compile time, :func:`runtime_tensor` at launch), and its other strides and data pointer
+keep the divisibility the spec promises (checked at launch; a nonconforming input is copied).
+
+The cache is in memory only (per process). Compiling a small kernel takes well under a second; see
+:func:`compile_records` for the measured times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import threading
+import time
+from collections.abc import Hashable
+from typing import Any, NamedTuple, Protocol
+
+from .arch import compile_target, normalize_target
+
+__all__ = [
+    "INSTALL_HINT",
+    "CacheInfo",
+    "CompileRecord",
+    "CuteKernelFamily",
+    "cache_info",
+    "clear_cache",
+    "compile_kernel",
+    "compile_records",
+    "compile_seconds",
+    "fake_tensor",
+    "require_cutlass",
+    "runtime_tensor",
+    "TensorSpec",
+]
+
+INSTALL_HINT = 'pip install "cula-runtime[cute]"'
+
+
+def require_cutlass() -> Any:
+    """Import CuTeDSL and return ``cutlass.cute``.
+
+    Raises:
+        ImportError: CuTeDSL is not installed (or does not import); the message names the fix.
+    """
+    try:
+        import cutlass.cute as cute
+    except ImportError as exc:
+        raise ImportError(
+            f"cuLA's CuTeDSL kernels need CuTeDSL (the nvidia-cutlass-dsl package): {INSTALL_HINT} "
+            f"(importing it failed: {exc})"
+        ) from exc
+    return cute
+
+
+class CuteKernelFamily(Protocol):
+    """What :func:`compile_kernel` needs from a kernel class."""
+
+    def __init__(self, config: Any) -> None: ...
+
+    @staticmethod
+    def can_implement(config: Any) -> tuple[bool, str]: ...
+
+    def compile_arguments(self) -> tuple[Any, ...]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecord:
+    """One compilation: which kernel and config, for which target, and how long ``cute.compile`` took."""
+
+    kernel: str
+    config: Hashable
+    target: str
+    seconds: float
+
+
+class CacheInfo(NamedTuple):
+    hits: int
+    misses: int
+    size: int
+
+
+_lock = threading.Lock()
+_compiled: dict[tuple[type, Hashable, str], Any] = {}
+_records: dict[tuple[type, Hashable, str], CompileRecord] = {}
+_hits = 0
+_misses = 0
+
+
+def _check_config(config: object) -> None:
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"a kernel config must be a frozen dataclass instance, got {type(config).__name__}")
+    if not type(config).__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"kernel config {type(config).__name__} must be a frozen dataclass (it is a cache key)")
+
+
+def compile_kernel(kernel_cls: type[CuteKernelFamily], config: Hashable, *, target: str | None = None) -> Any:
+    """Compile ``kernel_cls(config)`` for ``target`` once per process and return the compiled callable.
+
+    Args:
+        kernel_cls: a kernel family (see :class:`CuteKernelFamily`).
+        config: its frozen config dataclass: the cache key, with the class and the target.
+        target: ``"sm_90a"``, ``"sm_100a"`` or ``"sm_103a"``; default :func:`~cula_runtime.cute.arch.compile_target`
+            (``CUTE_DSL_ARCH``, else the current GPU). Compiling needs no GPU; running needs one of this target.
+
+    The compiled object keeps its cubin in memory (``compiled.__cubin__``) for
+    :func:`cula_runtime.cute.machine_code.disassemble`; nothing is left on disk.
+
+    Raises:
+        ValueError: ``kernel_cls.can_implement(config)`` refuses (the message has its reason), or the target is
+            not supported.
+        ImportError: CuTeDSL is not installed (the message names the fix).
+    """
+    global _hits, _misses
+    _check_config(config)
+    target = normalize_target(target) if target is not None else compile_target()
+    key = (kernel_cls, config, target)
+    compiled = _compiled.get(key)
+    if compiled is not None:
+        with _lock:
+            _hits += 1
+        return compiled
+    with _lock:
+        compiled = _compiled.get(key)
+        if compiled is not None:
+            _hits += 1
+            return compiled
+        ok, reason = kernel_cls.can_implement(config)
+        if not ok:
+            raise ValueError(f"{kernel_cls.__name__} cannot implement {config}: {reason}")
+        cute = require_cutlass()
+        kernel = kernel_cls(config)
+        args = kernel.compile_arguments()
+        # --keep-cubin makes CuTeDSL read the cubin back into compiled.__cubin__; the dump folder is then dropped.
+        with tempfile.TemporaryDirectory(prefix="cula-cute-") as dump_dir:
+            start = time.perf_counter()
+            compiled = cute.compile(kernel, *args, options=f"--gpu-arch {target} --keep-cubin --dump-dir {dump_dir}")
+            seconds = time.perf_counter() - start
+        _misses += 1
+        _compiled[key] = compiled
+        _records[key] = CompileRecord(kernel_cls.__name__, config, target, seconds)
+        return compiled
+
+
+def compile_records() -> list[CompileRecord]:
+    """Every compilation this process did, in order (benchmarks report first-call compile time from these)."""
+    with _lock:
+        return list(_records.values())
+
+
+def compile_seconds(kernel_cls: type, config: Hashable, target: str | None = None) -> float | None:
+    """Seconds ``cute.compile`` took for this key, or None if it was not compiled in this process."""
+    target = normalize_target(target) if target is not None else compile_target()
+    record = _records.get((kernel_cls, config, target))
+    return None if record is None else record.seconds
+
+
+def cache_info() -> CacheInfo:
+    """Hits, misses and entries of the compile cache."""
+    with _lock:
+        return CacheInfo(_hits, _misses, len(_compiled))
+
+
+def clear_cache() -> None:
+    """Forget every compiled kernel and record (tests use this to count compilations)."""
+    global _hits, _misses
+    with _lock:
+        _compiled.clear()
+        _records.clear()
+        _hits = _misses = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What a kernel promises itself about one tensor argument, at compile time and at launch.
+
+    Every extent is symbolic and every stride symbolic except a unit stride in the last mode; the other strides
+    are multiples of ``vec`` elements and the data pointer is aligned to ``vec`` elements, so the kernel may use
+    ``vec``-wide loads along the last mode.
+
+    Attributes:
+        dtype: the CuTeDSL numeric type (``cutlass.BFloat16``...).
+        ndim: rank.
+        vec: the divisibility / alignment promise, in elements.
+    """
+
+    dtype: Any
+    ndim: int
+    vec: int = 1
+
+    @property
+    def align(self) -> int:
+        """Promised byte alignment of the data pointer."""
+        return max(self.vec * self.dtype.width // 8, 1)
+
+    def fake(self) -> Any:
+        """The compile-time stand-in (see :func:`fake_tensor`)."""
+        return fake_tensor(self.dtype, self.ndim, divisibility=self.vec, assumed_align=self.align)
+
+    def conforms(self, tensor: Any) -> bool:
+        """Whether a torch tensor keeps the promises (rank, unit last stride, divisible strides, alignment)."""
+        if tensor.dim() != self.ndim or tensor.stride(-1) != 1:
+            return False
+        strides = (s for s, n in zip(tensor.stride()[:-1], tensor.shape[:-1], strict=True) if n > 1)
+        return all(s % self.vec == 0 for s in strides) and tensor.data_ptr() % self.align == 0
+
+    def launch_arg(self, tensor: Any, *, output: bool = False) -> Any:
+        """The launch argument for a torch tensor: an input that breaks a promise is copied into a fresh
+        (compact) tensor first; an output must keep them.
+
+        Raises:
+            ValueError: ``output`` and the tensor breaks a promise.
+        """
+        if not self.conforms(tensor):
+            if output:
+                raise ValueError(
+                    f"output tensor {tuple(tensor.shape)} strides {tensor.stride()} breaks the kernel's layout "
+                    f"promise (unit last stride, other strides multiples of {self.vec}, {self.align}-byte aligned)"
+                )
+            fresh = tensor.new_empty(tensor.shape)
+            fresh.copy_(tensor)
+            tensor = fresh
+        return runtime_tensor(tensor, assumed_align=self.align)
+
+
+def fake_tensor(dtype: Any, ndim: int, *, divisibility: int = 1, assumed_align: int | None = None) -> Any:
+    """A compile-time stand-in for a tensor argument: every extent symbolic, every stride symbolic except a unit
+    stride in the last mode (the run-time side is :func:`runtime_tensor`).
+
+    Args:
+        dtype: a CuTeDSL numeric type (``cutlass.BFloat16``...).
+        ndim: rank.
+        divisibility: what every non-unit stride is promised to be divisible by (in elements).
+        assumed_align: promised byte alignment of the data pointer (default: one element).
+    """
+    cute = require_cutlass()
+    shape = tuple(cute.sym_int() for _ in range(ndim))
+    stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(ndim - 1)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=assumed_align)
+
+
+def runtime_tensor(tensor: Any, *, assumed_align: int | None = None) -> Any:
+    """A torch tensor as a launch argument matching :func:`fake_tensor`: dynamic layout, unit last stride.
+
+    No checks (:meth:`TensorSpec.launch_arg` does them), no copy, no synchronisation.
+    """
+    require_cutlass()
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(tensor, assumed_align=assumed_align).mark_layout_dynamic(leading_dim=tensor.ndim - 1)

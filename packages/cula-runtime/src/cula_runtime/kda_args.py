@@ -1,0 +1,245 @@
+"""Validation of ``kda_prefill`` arguments: the one validator shared by every backend.
+
+``validate_kda_prefill`` checks every argument before any backend sees it and raises ``TypeError`` (wrong type or
+dtype) or ``ValueError`` (wrong shape, size or value) with a message that names the argument and the value
+expected. It returns a frozen :class:`KdaPrefillArgs` holding the tensors (made contiguous) and the problem sizes.
+
+Strides: any strides are accepted; a non-contiguous input is copied to a contiguous tensor here, once, so every
+backend receives dense row-major tensors. Pass contiguous tensors to avoid the copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .index import cached_on_version, check_cu_seqlens_values
+
+__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
+
+MAX_HEAD_DIM = 256
+SAFE_GATE_LOWER_BOUND_MIN = -5.0
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class KdaPrefillArgs:
+    """Validated ``kda_prefill`` arguments (tensors contiguous) and the sizes derived from them.
+
+    Sizes: ``B`` batch rows, ``T`` tokens per row, ``H`` q/k heads, ``HV`` value heads (``HV % H == 0``),
+    ``K``/``V`` head dims, ``N`` sequences (``B`` without ``cu_seqlens``, else ``len(cu_seqlens) - 1``).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    scale: float
+    initial_state: torch.Tensor | None
+    output_final_state: bool
+    use_qk_l2norm_in_kernel: bool
+    use_gate_in_kernel: bool
+    use_beta_sigmoid_in_kernel: bool
+    allow_neg_eigval: bool
+    safe_gate: bool
+    lower_bound: float | None
+    A_log: torch.Tensor | None
+    dt_bias: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+    state_v_first: bool
+    B: int
+    T: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    N: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def state_shape(self) -> tuple[int, int, int, int]:
+        """Shape of ``initial_state`` / the final state: ``[N, HV, K, V]``, or ``[N, HV, V, K]`` if V-first."""
+        return (self.N, self.HV, self.V, self.K) if self.state_v_first else (self.N, self.HV, self.K, self.V)
+
+    def reference_kwargs(self) -> dict:
+        """Keyword arguments for the reference functions ``kda_naive`` / ``kda_chunked``."""
+        return dict(
+            q=self.q, k=self.k, v=self.v, g=self.g, beta=self.beta, scale=self.scale,
+            initial_state=self.initial_state, output_final_state=self.output_final_state,
+            use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel, use_gate_in_kernel=self.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=self.use_beta_sigmoid_in_kernel, allow_neg_eigval=self.allow_neg_eigval,
+            lower_bound=self.lower_bound, A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=self.cu_seqlens,
+            state_v_first=self.state_v_first,
+        )
+
+
+def _tensor(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _dtype(name: str, x: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if x.dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+
+
+def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name} must have shape {list(expected)} ({what}), got {list(x.shape)}")
+
+
+def _flag(name: str, x: object) -> bool:
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return x
+
+
+def validate_kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> KdaPrefillArgs:
+    """Check every ``kda_prefill`` argument (see ``cula.kda.kda_prefill`` for their meaning).
+
+    Raises ``TypeError`` or ``ValueError`` naming the argument and the expected value; returns the validated,
+    contiguous arguments.
+    """
+    q, k, v, g, beta = (_tensor(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
+    flags = {
+        "output_final_state": output_final_state, "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
+        "use_gate_in_kernel": use_gate_in_kernel, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
+        "allow_neg_eigval": allow_neg_eigval, "safe_gate": safe_gate, "state_v_first": state_v_first,
+    }
+    for name, value in flags.items():
+        _flag(name, value)
+
+    if q.ndim != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    _shape("k", k, (B, T, H, K), "the shape of q: [B, T, H, K]")
+    if v.ndim != 4 or tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {list(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV == 0 or HV % H != 0:
+        raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H} (GVA)")
+    for name, size in (("K (q.shape[-1])", K), ("V (v.shape[-1])", V)):
+        if not 1 <= size <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {size}")
+    _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    _shape("beta", beta, (B, T, HV), "[B, T, HV]")
+
+    _dtype("q", q, _INPUT_DTYPES)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
+    _dtype("g", g, _INPUT_DTYPES)
+    _dtype("beta", beta, _INPUT_DTYPES)
+
+    device = q.device
+    optional = {"initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu_seqlens}
+    for name, x in {"k": k, "v": v, "g": g, "beta": beta, **optional}.items():
+        if x is None:
+            continue
+        _tensor(name, x)
+        if x.device != device:
+            raise ValueError(f"{name} must be on q's device ({device}), got {x.device}")
+
+    if scale is None:
+        scale = K**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None (default K**-0.5), got {type(scale).__name__}")
+    elif not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive float or None (default K**-0.5), got {scale}")
+
+    if cu_seqlens is not None:
+        if cu_seqlens.dtype != torch.int32:
+            raise TypeError(f"cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+        if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
+        # one host copy per (tensor, version): cached, so repeated calls with one cu_seqlens never synchronise
+        cached_on_version("cu_seqlens_values", cu_seqlens, T, lambda: check_cu_seqlens_values(cu_seqlens, T))
+        N = cu_seqlens.numel() - 1
+    else:
+        N = B
+
+    state_dims = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if initial_state is not None:
+        _shape("initial_state", initial_state, state_shape, f"{state_dims}, state_v_first={state_v_first}")
+        _dtype("initial_state", initial_state, _STATE_DTYPES)
+
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (beta = 2*sigmoid(beta))")
+
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        if not (use_gate_in_kernel or safe_gate):
+            raise ValueError(
+                "lower_bound is only used with use_gate_in_kernel=True (the safe gate form) or safe_gate=True; "
+                f"got lower_bound={lower_bound} with both False"
+            )
+        lower_bound = float(lower_bound)
+        if not (math.isfinite(lower_bound) and lower_bound < 0):
+            raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound}")
+    if use_gate_in_kernel:
+        if safe_gate:
+            if lower_bound is None:
+                raise ValueError("safe_gate=True with use_gate_in_kernel=True requires lower_bound in [-5, 0)")
+            if lower_bound < SAFE_GATE_LOWER_BOUND_MIN:
+                raise ValueError(f"safe_gate=True requires lower_bound in [-5, 0), got {lower_bound}")
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True requires A_log (shape [HV]) unless lower_bound is set")
+        if A_log is not None:
+            _shape("A_log", A_log, (HV,), "[HV]")
+            _dtype("A_log", A_log, (torch.float32, torch.float64, torch.bfloat16))
+        if dt_bias is not None:
+            flat_ok = dt_bias.ndim == 1 and dt_bias.numel() == HV * K
+            if not (flat_ok or tuple(dt_bias.shape) == (HV, K)):
+                raise ValueError(f"dt_bias must have shape [HV*K]=[{HV * K}] or [HV, K]=[{HV}, {K}], got "
+                                 f"{list(dt_bias.shape)}")
+            _dtype("dt_bias", dt_bias, (torch.float32, torch.float64, torch.bfloat16))
+            dt_bias = dt_bias.reshape(HV * K)
+    else:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None:
+                raise ValueError(f"{name} is only used with use_gate_in_kernel=True; pass {name}=None or enable it")
+
+    def dense(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.contiguous()
+
+    return KdaPrefillArgs(
+        q=dense(q), k=dense(k), v=dense(v), g=dense(g), beta=dense(beta), scale=float(scale),
+        initial_state=dense(initial_state), output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, A_log=dense(A_log), dt_bias=dense(dt_bias),
+        cu_seqlens=dense(cu_seqlens), state_v_first=state_v_first,
+        B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
+    )

@@ -1,0 +1,150 @@
+"""Token-by-token KDA recurrence in float64: the oracle of every KDA test (KDA_SPEC §1.2).
+
+For each sequence and value head ``hv`` (qk head ``hv // (HV // H)``), starting from ``S = h0`` (zeros if absent)::
+
+    S  <- diag(exp(g_t)) S            # decay the K rows
+    v' <- beta_t (v_t - k_t . S)      # delta-rule residual against the decayed state
+    S  <- S + outer(k_t, v')          # rank-1 write
+    o_t <- (scale q_t) . S            # read with the updated state
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .preprocess import expand_qk_heads, merge_sequences, prepare_kda_inputs, split_sequences, validate_cu_seqlens
+
+__all__ = ["check_kda_shapes", "kda_naive"]
+
+
+def check_kda_shapes(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    state_v_first: bool,
+) -> tuple[list[int] | None, int]:
+    """Validate KDA argument shapes (KDA_SPEC §1.1, §4).
+
+    Expects q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]``, beta ``[B, T, HV]`` and initial_state
+    ``[N, HV, K, V]`` (``[N, HV, V, K]`` if ``state_v_first``). Returns ``(cu, N)``: the varlen boundaries as a Python
+    list (None for fixed length) and the number of sequences.
+    """
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H != 0:
+        raise ValueError(f"HV={HV} must be a multiple of H={H}")
+    if tuple(g.shape) != (B, T, HV, K):
+        raise ValueError(f"g must be {(B, T, HV, K)}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
+    cu = None if cu_seqlens is None else validate_cu_seqlens(cu_seqlens, B, T)
+    N = B if cu is None else len(cu) - 1
+    if initial_state is not None:
+        expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if tuple(initial_state.shape) != expected:
+            raise ValueError(f"initial_state must be {expected}, got {tuple(initial_state.shape)}")
+    return cu, N
+
+
+def kda_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+    *,
+    return_v_new: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """KDA forward by the per-token recurrence, entirely in float64.
+
+    Args:
+        q, k: ``[B, T, H, K]`` any float dtype.
+        v: ``[B, T, HV, V]``.
+        g: ``[B, T, HV, K]`` log-gate (or raw gate with ``use_gate_in_kernel``).
+        beta: ``[B, T, HV]`` (or logits with ``use_beta_sigmoid_in_kernel``).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` if ``state_v_first``), any float dtype; not modified.
+        output_final_state: return ht instead of None.
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+            A_log (``[HV]``), dt_bias (``[HV*K]``): preprocessing, see :func:`prepare_kda_inputs` (done in float64).
+        cu_seqlens: ``[N + 1]`` int32 boundaries for packed varlen inputs (then ``B == 1``).
+        state_v_first: state layout of initial_state / ht.
+        return_v_new: also return the per-token delta residual v' (what the chunked algorithm calls ``v_new``).
+
+    Returns:
+        ``(o, ht)``: o float64 ``[B, T, HV, V]``; ht float64 ``[N, HV, K, V]`` (or ``[N, HV, V, K]``) or None.
+        With ``return_v_new``: ``(o, ht, v_new)`` with v_new float64 ``[B, T, HV, V]``.
+    """
+    cu, N = check_kda_shapes(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
+    K = q.shape[-1]
+    HV, V = v.shape[2], v.shape[3]
+    f64 = torch.float64
+    if scale is None:
+        scale = K**-0.5
+
+    q, k, g, beta = prepare_kda_inputs(
+        q, k, g, beta, dtype=f64,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
+    )  # fmt: skip
+    q = expand_qk_heads(q, HV)
+    k = expand_qk_heads(k, HV)
+    v = v.to(f64)
+
+    # Per-sequence padded layout [N, T_max, HV, ...]; padded steps are skipped through `active`.
+    qs, lens = split_sequences(q, cu)
+    ks, _ = split_sequences(k, cu)
+    vs, _ = split_sequences(v, cu)
+    gs, _ = split_sequences(g, cu)
+    bs, _ = split_sequences(beta, cu)
+
+    if initial_state is None:
+        S = torch.zeros(N, HV, K, V, dtype=f64, device=q.device)
+    else:
+        S = initial_state.to(device=q.device, dtype=f64)
+        S = S.transpose(-1, -2) if state_v_first else S
+        S = S.clone()
+
+    T_max = qs.shape[1]
+    o = torch.zeros(N, T_max, HV, V, dtype=f64, device=q.device)
+    v_new = torch.zeros(N, T_max, HV, V, dtype=f64, device=q.device)
+    for t in range(T_max):
+        q_t, k_t, v_t = qs[:, t], ks[:, t], vs[:, t]  # [N, HV, K], [N, HV, K], [N, HV, V]
+        g_t, b_t = gs[:, t], bs[:, t]  # [N, HV, K], [N, HV]
+        S_dec = torch.exp(g_t).unsqueeze(-1) * S  # 1. decay rows
+        kS = torch.einsum("nhk,nhkv->nhv", k_t, S_dec)
+        vp = b_t.unsqueeze(-1) * (v_t - kS)  # 2. residual against the decayed state
+        S_upd = S_dec + k_t.unsqueeze(-1) * vp.unsqueeze(-2)  # 3. rank-1 write
+        o[:, t] = torch.einsum("nhk,nhkv->nhv", scale * q_t, S_upd)  # 4. read the updated state
+        v_new[:, t] = vp
+        active = (lens > t).view(N, 1, 1, 1)
+        S = torch.where(active, S_upd, S)
+
+    o_out = merge_sequences(o, cu)
+    ht = None
+    if output_final_state:
+        ht = S.transpose(-1, -2).contiguous() if state_v_first else S
+    if return_v_new:
+        return o_out, ht, merge_sequences(v_new, cu)
+    return o_out, ht

@@ -1,0 +1,110 @@
+"""The static kernel registry: one entry per kernel, entry points resolved lazily.
+
+Every kernel cuLA ships is listed in ``KERNELS`` with what it serves and a ``status`` string that says exactly
+where it was verified. Looking an entry up imports nothing; :meth:`KernelEntry.load` imports its module on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["KernelEntry", "KERNELS", "list_kernels", "get_kernel", "FAMILIES", "BACKENDS"]
+
+FAMILIES = ("kda", "lightning")
+BACKENDS = ("reference", "cutedsl", "sm90-native")
+ANY_ARCH = "any"
+
+
+@dataclass(frozen=True)
+class KernelEntry:
+    """One registered kernel.
+
+    ``archs``: compute targets it runs on (``"cpu"``, ``"sm_90a"``, ``"sm_100a"``, ``"sm_103a"`` or ``"any"`` for
+    torch code that runs on every device); ``entry``: ``"module:attr"`` of the callable.
+    """
+
+    name: str
+    family: str
+    backend: str
+    archs: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    features: tuple[str, ...]
+    status: str
+    entry: str
+    summary: str
+
+    def load(self) -> Callable:
+        """Import the entry point and return the callable (this is where heavy imports happen)."""
+        module_name, _, attr = self.entry.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+
+_REF_STATUS = "torch reference; tested on CPU against the fp64 recurrence (CI); not yet run on a GPU"
+_REF_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_KDA_FEATURES = ("gva", "varlen", "tail-chunks", "zero-length-seqs", "gate-in-kernel", "qk-l2norm", "beta-sigmoid",
+                 "state-kv", "state-vk", "initial-state", "final-state")
+
+KERNELS: tuple[KernelEntry, ...] = (
+    KernelEntry(
+        name="kda_naive", family="kda", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
+        features=_KDA_FEATURES, status=_REF_STATUS + "; it is the fp64 oracle itself",
+        entry="cula_runtime.reference.kda_naive:kda_naive",
+        summary="token-by-token KDA recurrence in float64: the oracle of every test",
+    ),
+    KernelEntry(
+        name="kda_chunked", family="kda", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
+        features=_KDA_FEATURES + ("intermediates",), status=_REF_STATUS,
+        entry="cula_runtime.reference.kda_chunked:kda_chunked",
+        summary="chunk-64 KDA in float32 exposing FLA's intermediates (Aqk, Tinv, w, u, kg, qg, h, v_new)",
+    ),
+    KernelEntry(
+        name="kda_prefill_reference", family="kda", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
+        features=_KDA_FEATURES, status=_REF_STATUS,
+        entry="cula_runtime.reference.backend:kda_prefill_reference",
+        summary="the reference backend of cula.kda.kda_prefill (validated arguments -> kda_chunked)",
+    ),
+    KernelEntry(
+        name="lightning_naive", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
+        features=("varlen", "tail-chunks", "state-kv", "state-vk"), status=_REF_STATUS + "; the fp64 oracle itself",
+        entry="cula_runtime.reference.lightning:lightning_naive",
+        summary="Lightning Attention recurrence in float64",
+    ),
+    KernelEntry(
+        name="lightning_chunked", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
+        features=("varlen", "tail-chunks", "state-kv", "state-vk"), status=_REF_STATUS,
+        entry="cula_runtime.reference.lightning:lightning_chunked",
+        summary="chunk-64 Lightning Attention prefill in float32 (exact tail-chunk decay)",
+    ),
+    KernelEntry(
+        name="lightning_decode", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
+        features=("state-kv", "state-vk"), status=_REF_STATUS,
+        entry="cula_runtime.reference.lightning:lightning_decode",
+        summary="single-token Lightning Attention decode step",
+    ),
+)
+
+_BY_NAME = {entry.name: entry for entry in KERNELS}
+assert len(_BY_NAME) == len(KERNELS), "duplicate kernel names in the registry"
+
+
+def list_kernels(family: str | None = None, arch: str | None = None, backend: str | None = None) -> list[KernelEntry]:
+    """Registered kernels, optionally filtered by family, arch (e.g. ``"sm_90a"``, ``"cpu"``) and backend."""
+    for name, value, allowed in (("family", family, FAMILIES), ("backend", backend, BACKENDS)):
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed} or None, got {value!r}")
+    return [
+        e for e in KERNELS
+        if (family is None or e.family == family)
+        and (backend is None or e.backend == backend)
+        and (arch is None or arch in e.archs or ANY_ARCH in e.archs)
+    ]
+
+
+def get_kernel(name: str) -> KernelEntry:
+    """The registry entry called ``name``; ``KeyError`` listing the known names otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no kernel named {name!r}; registered: {sorted(_BY_NAME)}") from None

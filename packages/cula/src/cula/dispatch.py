@@ -1,0 +1,167 @@
+"""Which backend serves a ``kda_prefill`` call: one table by device capability.
+
+Backends:
+
+- ``reference``: the torch reference in cula-runtime (float32 chunked algorithm). Serves every call, on any device.
+- ``cutedsl``: CuTeDSL kernels in cula-runtime (needs ``nvidia-cutlass-dsl``: ``pip install "cula[cute]"``).
+- ``sm90``: the native Hopper extension ``cula_sm90`` (``pip install "cula[sm90]"``).
+
+Order: CPU tensors → reference. CUDA SM90 → sm90, then cutedsl. SM100/SM103 → cutedsl. Each backend answers
+``verify(args) -> (ok, reason)`` without side effects; the first that accepts runs the call. While the GPU kernels
+are being built, a call on SM90/SM100/SM103 that no GPU backend accepts runs the reference on the GPU (correct,
+slow) and says so in a ``CulaFallbackWarning``. Other GPUs raise ``NotImplementedError``.
+``CULA_BACKEND=reference|cutedsl|sm90`` forces one backend; if it rejects the call, ``NotImplementedError`` says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from cula_runtime.kda_args import KdaPrefillArgs
+
+from ._version import __version__
+
+__all__ = ["BACKEND_NAMES", "Choice", "Decision", "explain", "select_backend", "CulaFallbackWarning",
+           "GPU_BACKENDS_BY_ARCH"]
+
+BACKEND_NAMES = ("reference", "cutedsl", "sm90")
+ENV_FORCE = "CULA_BACKEND"
+
+#: compute capability -> GPU backends to try, in order (the one table of the arch split).
+GPU_BACKENDS_BY_ARCH: dict[tuple[int, int], tuple[str, ...]] = {
+    (9, 0): ("sm90", "cutedsl"),
+    (10, 0): ("cutedsl",),
+    (10, 3): ("cutedsl",),
+}
+
+
+class CulaFallbackWarning(UserWarning):
+    """A GPU call ran on the slow torch reference because no GPU kernel could serve it."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One backend's answer for a call: whether it serves it, and why (or why not)."""
+
+    backend: str
+    ok: bool
+    reason: str
+
+
+Runner = Callable[[KdaPrefillArgs], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The dispatch outcome: every backend's answer, the runner chosen (None: nothing serves the call), a summary,
+    and whether the choice is the reference standing in for a GPU kernel."""
+
+    decisions: list[Decision]
+    runner: Runner | None
+    summary: str
+    gpu_fallback: bool = False
+
+
+def _reference(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
+    from cula_runtime.reference import backend
+
+    ok, reason = backend.verify(args)
+    return Decision("reference", ok, reason), backend.kda_prefill_reference if ok else None
+
+
+def _cutedsl(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
+    return (
+        Decision("cutedsl", False, f"cula-runtime {__version__} has no CuTeDSL KDA prefill kernel yet "
+                                   "(the pure CuTeDSL KDA forward is in progress)"),
+        None,
+    )
+
+
+def _sm90(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
+    if importlib.util.find_spec("cula_sm90") is None:
+        return Decision("sm90", False, "cula-sm90 is not installed (pip install \"cula[sm90]\" on Hopper)"), None
+    shim = importlib.import_module("cula_sm90")
+    version = getattr(shim, "__version__", "unknown")
+    if version != __version__:
+        return Decision("sm90", False, f"cula-sm90 {version} does not match cula {__version__}: "
+                                       f"pip install \"cula-sm90=={__version__}\""), None
+    verify = getattr(shim, "verify_kda_prefill", None)
+    run = getattr(shim, "kda_prefill", None)
+    if verify is None or run is None:
+        return Decision("sm90", False, f"cula-sm90 {version} has no KDA prefill kernel yet"), None
+    ok, reason = verify(args)
+    return Decision("sm90", ok, reason), run if ok else None
+
+
+_BACKENDS: dict[str, Callable[[KdaPrefillArgs], tuple[Decision, Runner | None]]] = {
+    "reference": _reference,
+    "cutedsl": _cutedsl,
+    "sm90": _sm90,
+}
+
+
+@cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def forced_backend() -> str | None:
+    """The backend named by ``CULA_BACKEND``, or ``None``; ``ValueError`` for an unknown name."""
+    name = os.environ.get(ENV_FORCE, "").strip()
+    if not name:
+        return None
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"{ENV_FORCE} must be one of {BACKEND_NAMES}, got {name!r}")
+    return name
+
+
+def explain(args: KdaPrefillArgs) -> Choice:
+    """Ask the backends in dispatch order and return the :class:`Choice`."""
+    forced = forced_backend()
+    if forced is not None:
+        decision, runner = _BACKENDS[forced](args)
+        return Choice([decision], runner, f"{ENV_FORCE}={forced} forces the {forced} backend")
+    device = args.device
+    if device.type == "cpu":
+        decision, runner = _reference(args)
+        return Choice([decision], runner, "CPU tensors run on the torch reference backend")
+    if device.type != "cuda":
+        return Choice([], None, f"cuLA has no backend for {device.type} tensors (CPU and CUDA only)")
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    chain = GPU_BACKENDS_BY_ARCH.get((major, minor))
+    arch = f"sm_{major}{minor}"
+    if chain is None:
+        return Choice([], None, (f"no cuLA GPU kernel targets {arch} (compute capability {major}.{minor}); cuLA "
+                                 f"targets SM90 (Hopper) and SM100/SM103 (Blackwell). Set {ENV_FORCE}=reference to "
+                                 "run the slow torch reference on this GPU, or move the tensors to the CPU"))
+    decisions: list[Decision] = []
+    for name in chain:
+        decision, runner = _BACKENDS[name](args)
+        decisions.append(decision)
+        if runner is not None:
+            return Choice(decisions, runner, f"{arch}: {name} is the first backend in {chain} to accept this call")
+    decision, runner = _reference(args)
+    decisions.append(decision)
+    rejected = "; ".join(f"{d.backend}: {d.reason}" for d in decisions if not d.ok)
+    summary = f"{arch}: no GPU kernel accepted this call ({rejected}); running the torch reference on the GPU " \
+              "(correct, slow)"
+    return Choice(decisions, runner, summary, gpu_fallback=True)
+
+
+def select_backend(args: KdaPrefillArgs) -> Runner:
+    """The runner for ``args``; ``NotImplementedError`` naming every backend tried and why, if none serves it."""
+    choice = explain(args)
+    if choice.runner is None:
+        tried = "; ".join(f"{d.backend} rejected it: {d.reason}" for d in choice.decisions)
+        raise NotImplementedError(f"cula.kda.kda_prefill: {choice.summary}" + (f" ({tried})" if tried else ""))
+    if choice.gpu_fallback:
+        warnings.warn(f"cula.kda.kda_prefill: {choice.summary}", CulaFallbackWarning, stacklevel=3)
+    return choice.runner

@@ -1,0 +1,75 @@
+"""``python -m cula info``: versions, the GPU, and which backend ``kda_prefill`` picks for a typical call and why."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+import torch
+
+from cula_runtime.kda_args import validate_kda_prefill
+
+from . import dispatch
+
+__all__ = ["collect_info", "format_info", "typical_call"]
+
+_DISTRIBUTIONS = ("cula", "cula-runtime", "cula-sm90", "torch", "nvidia-cutlass-dsl")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def typical_call(device: torch.device):
+    """Validated arguments of a typical serving call (bf16, K=V=128, gate/L2 norm/beta sigmoid in kernel)."""
+    B, T, H, HV, K, V = 1, 128, 4, 4, 128, 128
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    return validate_kda_prefill(
+        rand(B, T, H, K), rand(B, T, H, K), rand(B, T, HV, V), rand(B, T, HV, K), rand(B, T, HV, dt=torch.float32),
+        initial_state=rand(B, HV, K, V, dt=torch.float32), output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+        A_log=rand(HV, dt=torch.float32), dt_bias=rand(HV * K, dt=torch.float32),
+    )
+
+
+def collect_info() -> dict:
+    """Everything ``python -m cula info`` prints, as a dict."""
+    info: dict = {"versions": {d: _version(d) for d in _DISTRIBUTIONS}}
+    info["cutlass_importable"] = importlib.util.find_spec("cutlass") is not None
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        info["gpu"] = f"{torch.cuda.get_device_name(index)} (compute capability {major}.{minor}, sm_{major}{minor})"
+        device = torch.device("cuda", index)
+    else:
+        info["gpu"] = "none (torch.cuda.is_available() is False)"
+        device = torch.device("cpu")
+    args = typical_call(device)
+    choice = dispatch.explain(args)
+    info["typical_call"] = f"B=1 T=128 H=HV=4 K=V=128 bf16 on {device}, gate/L2 norm/beta sigmoid in kernel"
+    info["choice"] = choice.summary
+    info["backends"] = {}
+    for name, ask in dispatch._BACKENDS.items():
+        decision, _ = ask(args)
+        info["backends"][name] = ("accepts" if decision.ok else "rejects") + f": {decision.reason}"
+    return info
+
+
+def format_info(info: dict) -> str:
+    lines = ["cuLA info", "versions:"]
+    lines += [f"  {dist:20s} {version}" for dist, version in info["versions"].items()]
+    lines.append(f"  cutlass importable:  {info['cutlass_importable']}")
+    lines.append(f"gpu: {info['gpu']}")
+    lines.append(f"typical kda_prefill call: {info['typical_call']}")
+    lines.append(f"  picks: {info['choice']}")
+    for name, answer in info["backends"].items():
+        lines.append(f"  {name:10s} {answer}")
+    return "\n".join(lines)

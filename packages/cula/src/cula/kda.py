@@ -1,0 +1,71 @@
+"""Kimi Delta Attention: the public prefill API (FLA-compatible names) and the varlen index helpers."""
+
+from __future__ import annotations
+
+import torch
+
+from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_lens
+from cula_runtime.kda_args import validate_kda_prefill
+
+from .dispatch import select_backend
+
+__all__ = ["kda_prefill", "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets"]
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    state_v_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA forward over whole sequences (prefill), on the best backend for the tensors' device.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys (bf16, fp16 or fp32; one dtype for q, k, v).
+        v: ``[B, T, HV, V]`` values; ``HV`` must be a multiple of ``H`` (GVA: value head ``hv`` reads q/k head
+            ``hv // (HV // H)``).
+        g: ``[B, T, HV, K]`` per-channel log-decay (``<= 0``), or the raw gate when ``use_gate_in_kernel``.
+        beta: ``[B, T, HV]`` step sizes (bf16 or fp32), or logits when ``use_beta_sigmoid_in_kernel``.
+        scale: query scale; ``None`` means ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` if ``state_v_first``), fp32 (bf16 accepted), one per
+            sequence; ``None`` means zeros.
+        output_final_state: also return the final state (fp32, same layout as ``initial_state``).
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head (``x / sqrt(sum x^2 + 1e-6)``).
+        use_gate_in_kernel: compute the log gate from the raw ``g``: ``-exp(A_log) * softplus(g + dt_bias)``, or
+            with ``lower_bound`` set, ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
+        use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)`` (``2 * sigmoid`` with ``allow_neg_eigval``).
+        safe_gate: the gate is bounded in ``[lower_bound, 0]`` with ``lower_bound >= -5`` (lets kernels use
+            tensor cores on the diagonal blocks). With ``use_gate_in_kernel`` it requires ``lower_bound``.
+        A_log: ``[HV]`` fp32, for the in-kernel gate. dt_bias: ``[HV * K]`` or ``[HV, K]`` fp32, optional.
+        cu_seqlens: int32 ``[N + 1]`` cumulative lengths of a packed batch (then ``B`` must be 1).
+        state_v_first: states laid out ``[N, HV, V, K]``.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 or ``None``.
+
+    Any strides are accepted (non-contiguous inputs are copied once). Bad arguments raise ``TypeError`` or
+    ``ValueError`` naming the argument; a call no backend can serve raises ``NotImplementedError`` saying which
+    backends were tried and why. ``CULA_BACKEND=reference|cutedsl|sm90`` forces a backend.
+    """
+    args = validate_kda_prefill(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first,
+    )
+    return select_backend(args)(args)

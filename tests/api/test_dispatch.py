@@ -1,0 +1,106 @@
+"""Dispatch: CPU → reference; the capability table; forced backends; clear NotImplementedError when none serves."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cula import dispatch
+from cula.kda import kda_prefill
+from cula_runtime.reference.kda_naive import kda_naive
+from tests.helpers import rel_l2
+
+
+def _inputs(dtype: torch.dtype = torch.float32, T: int = 90):
+    gen = torch.Generator().manual_seed(7)
+    B, H, HV, K, V = 1, 2, 4, 32, 32
+    return dict(
+        q=torch.randn(B, T, H, K, generator=gen).to(dtype), k=torch.randn(B, T, H, K, generator=gen).to(dtype),
+        v=torch.randn(B, T, HV, V, generator=gen).to(dtype), g=torch.randn(B, T, HV, K, generator=gen).to(dtype),
+        beta=torch.randn(B, T, HV, generator=gen), initial_state=torch.randn(2, HV, K, V, generator=gen),
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, A_log=torch.randn(HV, generator=gen),
+        dt_bias=torch.randn(HV * K, generator=gen), cu_seqlens=torch.tensor([0, 70, T], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_call_runs_the_reference_and_matches_the_oracle(dtype: torch.dtype, monkeypatch) -> None:
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    kwargs = _inputs(dtype)
+    o, ht = kda_prefill(**kwargs)
+    o_ref, ht_ref = kda_naive(**kwargs)
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of o
+    assert rel_l2(o, o_ref) < bound
+    assert rel_l2(ht, ht_ref) < 1e-5
+
+
+def test_final_state_is_none_unless_asked(monkeypatch) -> None:
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    kwargs = _inputs()
+    kwargs["output_final_state"] = False
+    assert kda_prefill(**kwargs)[1] is None
+
+
+def _fake_cuda_args():
+    return SimpleNamespace(device=torch.device("cuda", 0))
+
+
+CHAINS = [((9, 0), ["sm90", "cutedsl", "reference"]), ((10, 0), ["cutedsl", "reference"]),
+          ((10, 3), ["cutedsl", "reference"])]
+
+
+@pytest.mark.parametrize("cap,expected", CHAINS, ids=["sm90", "sm100", "sm103"])
+def test_supported_gpu_without_kernels_falls_back_to_reference_with_a_warning(cap, expected, monkeypatch) -> None:
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch, "_capability", lambda index: cap)
+    monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: None)  # no cula_sm90 installed
+    choice = dispatch.explain(_fake_cuda_args())
+    assert [d.backend for d in choice.decisions] == expected
+    assert choice.gpu_fallback and choice.runner is not None
+    assert "no GPU kernel accepted" in choice.summary
+    with pytest.warns(dispatch.CulaFallbackWarning, match="torch reference on the GPU"):
+        dispatch.select_backend(_fake_cuda_args())
+    if cap == (9, 0):
+        assert "pip install \"cula[sm90]\"" in choice.decisions[0].reason
+
+
+def test_unsupported_gpu_raises_with_the_fix(monkeypatch) -> None:
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (8, 0))
+    with pytest.raises(NotImplementedError, match="sm_80.*CULA_BACKEND=reference"):
+        dispatch.select_backend(_fake_cuda_args())
+
+
+@pytest.mark.parametrize("name,words", [("sm90", "cula-sm90"), ("cutedsl", "CuTeDSL")], ids=["sm90", "cutedsl"])
+def test_forced_backend_that_cannot_serve_raises(name, words, monkeypatch) -> None:
+    monkeypatch.setenv("CULA_BACKEND", name)
+    monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda mod: None)
+    with pytest.raises(NotImplementedError, match=f"CULA_BACKEND={name}.*{words}"):
+        kda_prefill(**_inputs())
+
+
+def test_forced_reference_runs(monkeypatch) -> None:
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    o, _ = kda_prefill(**_inputs())
+    assert torch.isfinite(o).all()
+
+
+def test_unknown_forced_backend_is_a_value_error(monkeypatch) -> None:
+    monkeypatch.setenv("CULA_BACKEND", "triton")
+    with pytest.raises(ValueError, match="CULA_BACKEND"):
+        kda_prefill(**_inputs())
+
+
+def test_info_command_explains_the_choice() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "CULA_BACKEND"}
+    out = subprocess.run([sys.executable, "-m", "cula", "info"], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    for words in ("cula-runtime", "torch", "nvidia-cutlass-dsl", "picks:", "reference", "cutedsl", "sm90"):
+        assert words in out, out

@@ -1,0 +1,108 @@
+"""cula, cula-runtime and cula-sm90 share one version, and cula pins its siblings to exactly that version.
+
+Each package reads its version from its own ``_version.py`` (setuptools ``attr`` / scikit-build-core's regex
+provider); cula's pyproject.toml pins ``cula-runtime`` and ``cula-sm90`` with ``==``. A release bumps all of them
+together, and these tests fail until it does.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# dist -> (package folder, import name)
+PACKAGES = {
+    "cula": ("packages/cula", "cula"),
+    "cula-runtime": ("packages/cula-runtime", "cula_runtime"),
+    "cula-sm90": ("packages/cula-sm90", "cula_sm90"),
+}
+
+
+def version_of(dist: str) -> str:
+    """The literal ``__version__ = "..."`` of a package's _version.py, read without importing it."""
+    folder, import_name = PACKAGES[dist]
+    path = ROOT / folder / "src" / import_name / "_version.py"
+    for node in ast.parse(path.read_text()).body:
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            return node.value.value
+    raise AssertionError(f"{path} has no literal __version__ = '...'")
+
+
+def pyproject(dist: str) -> dict[str, Any]:
+    return tomllib.loads((ROOT / PACKAGES[dist][0] / "pyproject.toml").read_text())
+
+
+def sibling_pin_problems(project: dict[str, Any], version: str) -> list[str]:
+    """What is wrong with cula's pins on its siblings in a parsed [project] table, given the shared version."""
+    problems = []
+    expected = {
+        None: [Requirement(f"cula-runtime=={version}")],
+        "sm90": [Requirement(f"cula-sm90=={version}")],
+        "cute": [Requirement(f"cula-runtime[cute]=={version}")],
+    }
+    groups = {None: project.get("dependencies", []), **project.get("optional-dependencies", {})}
+    for group, wanted in expected.items():
+        where = "dependencies" if group is None else f"optional-dependencies.{group}"
+        found = [Requirement(r) for r in groups.get(group, []) if Requirement(r).name.startswith("cula")]
+        if [str(r) for r in found] != [str(r) for r in wanted]:
+            problems.append(f"{where}: cuLA pins are {[str(r) for r in found]}, expected {[str(r) for r in wanted]}")
+    return problems
+
+
+def test_the_three_versions_agree() -> None:
+    versions = {dist: version_of(dist) for dist in PACKAGES}
+    assert len(set(versions.values())) == 1, f"versions differ: {versions}"
+
+
+@pytest.mark.parametrize("dist", ["cula", "cula-runtime"])
+def test_setuptools_reads_the_version_from_version_py(dist: str) -> None:
+    config = pyproject(dist)
+    assert config["project"]["name"] == dist
+    assert "version" in config["project"]["dynamic"] and "version" not in config["project"]
+    attr = config["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == f"{PACKAGES[dist][1]}._version.__version__"
+
+
+def test_scikit_build_reads_the_sm90_version_from_version_py() -> None:
+    config = pyproject("cula-sm90")
+    assert config["project"]["name"] == "cula-sm90"
+    assert "version" in config["project"]["dynamic"] and "version" not in config["project"]
+    provider = config["tool"]["scikit-build"]["metadata"]["version"]
+    assert provider["provider"] == "scikit_build_core.metadata.regex"
+    assert provider["input"] == "src/cula_sm90/_version.py"
+
+
+def test_cula_pins_its_siblings_to_its_own_version() -> None:
+    assert sibling_pin_problems(pyproject("cula")["project"], version_of("cula")) == []
+
+
+@pytest.mark.parametrize(
+    ("group", "index", "pin", "expected"),
+    [
+        pytest.param(None, 1, "cula-runtime==0.1.9", "dependencies: cuLA pins are ['cula-runtime==0.1.9']", id="stale"),
+        pytest.param(None, 1, "cula-runtime>=0.2", "dependencies: cuLA pins are ['cula-runtime>=0.2']", id="range"),
+        pytest.param("sm90", 0, "cula-sm90", "optional-dependencies.sm90: cuLA pins are ['cula-sm90']", id="unpinned"),
+        pytest.param("cute", 0, "cula-runtime=={version}", "optional-dependencies.cute", id="cute-extra-lost"),
+    ],
+)
+def test_pin_check_catches_drift(group: str | None, index: int, pin: str, expected: str) -> None:
+    project = copy.deepcopy(pyproject("cula")["project"])
+    requirements = project["dependencies"] if group is None else project["optional-dependencies"][group]
+    assert requirements[index].startswith(("cula-runtime", "cula-sm90"))
+    version = version_of("cula")
+    requirements[index] = pin.format(version=version)
+    problems = sibling_pin_problems(project, version)
+    assert any(p.startswith(expected) for p in problems), problems
