@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,20 +46,30 @@ def pyproject(dist: str) -> dict[str, Any]:
     return tomllib.loads((ROOT / PACKAGES[dist][0] / "pyproject.toml").read_text())
 
 
-def sibling_pin_problems(project: dict[str, Any], version: str) -> list[str]:
-    """What is wrong with cula's pins on its siblings in a parsed [project] table, given the shared version."""
+# Each package's pins on its cuLA siblings, by dependency group (None: the base dependencies), with
+# {version} standing for the shared version. Every pin is exact: the three wheels release together.
+SIBLING_PINS: dict[str, dict[str | None, list[str]]] = {
+    "cula": {
+        None: ["cula-runtime=={version}"],
+        "sm90": ["cula-sm90=={version}"],
+        "cute": ["cula-runtime[cute]=={version}"],
+    },
+    "cula-runtime": {None: []},
+    "cula-sm90": {None: ["cula-runtime=={version}"]},
+}
+
+
+def sibling_pin_problems(dist: str, project: dict[str, Any], version: str) -> list[str]:
+    """What is wrong with a package's pins on its siblings in a parsed [project] table, given the shared version."""
     problems = []
-    expected = {
-        None: [Requirement(f"cula-runtime=={version}")],
-        "sm90": [Requirement(f"cula-sm90=={version}")],
-        "cute": [Requirement(f"cula-runtime[cute]=={version}")],
-    }
     groups = {None: project.get("dependencies", []), **project.get("optional-dependencies", {})}
-    for group, wanted in expected.items():
+    expected = SIBLING_PINS[dist]
+    for group in sorted(set(groups) | set(expected), key=str):
         where = "dependencies" if group is None else f"optional-dependencies.{group}"
-        found = [Requirement(r) for r in groups.get(group, []) if Requirement(r).name.startswith("cula")]
-        if [str(r) for r in found] != [str(r) for r in wanted]:
-            problems.append(f"{where}: cuLA pins are {[str(r) for r in found]}, expected {[str(r) for r in wanted]}")
+        found = [str(r) for r in map(Requirement, groups.get(group, [])) if canonicalize_name(r.name) in PACKAGES]
+        wanted = [str(Requirement(r.format(version=version))) for r in expected.get(group, [])]
+        if found != wanted:
+            problems.append(f"{where}: cuLA pins are {found}, expected {wanted}")
     return problems
 
 
@@ -85,8 +96,9 @@ def test_scikit_build_reads_the_sm90_version_from_version_py() -> None:
     assert provider["input"] == "src/cula_sm90/_version.py"
 
 
-def test_cula_pins_its_siblings_to_its_own_version() -> None:
-    assert sibling_pin_problems(pyproject("cula")["project"], version_of("cula")) == []
+@pytest.mark.parametrize("dist", list(PACKAGES))
+def test_sibling_pins_equal_the_shared_version(dist: str) -> None:
+    assert sibling_pin_problems(dist, pyproject(dist)["project"], version_of(dist)) == []
 
 
 @pytest.mark.parametrize(
@@ -104,5 +116,14 @@ def test_pin_check_catches_drift(group: str | None, index: int, pin: str, expect
     assert requirements[index].startswith(("cula-runtime", "cula-sm90"))
     version = version_of("cula")
     requirements[index] = pin.format(version=version)
-    problems = sibling_pin_problems(project, version)
+    problems = sibling_pin_problems("cula", project, version)
     assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_pin_check_catches_a_stale_sm90_pin() -> None:
+    project = copy.deepcopy(pyproject("cula-sm90")["project"])
+    project["dependencies"] = [
+        r.replace("==", "==0.0.") if r.startswith("cula") else r for r in project["dependencies"]
+    ]
+    problems = sibling_pin_problems("cula-sm90", project, version_of("cula-sm90"))
+    assert any(p.startswith("dependencies: cuLA pins are ['cula-runtime==0.0.") for p in problems), problems

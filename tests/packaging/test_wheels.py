@@ -117,7 +117,8 @@ def sm90_files(
     if extension is not None:
         files[extension] = make_elf(GOOD_NEEDED) if so is None else so
     files[f"{dist_info}/METADATA"] = (
-        f"Metadata-Version: 2.2\nName: cula-sm90\nVersion: {VERSION}\nRequires-Dist: torch>=2.9.1\n"
+        f"Metadata-Version: 2.2\nName: cula-sm90\nVersion: {VERSION}\n"
+        f"Requires-Dist: torch>=2.9.1\nRequires-Dist: cula-runtime=={VERSION}\n"
     ).encode()
     files[f"{dist_info}/WHEEL"] = (
         f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: {'true' if pure else 'false'}\nTag: {tag}\n"
@@ -382,9 +383,10 @@ def test_malformed_sm90_wheel_is_rejected(tmp_path: Path, make: Callable[[Path],
 def test_sm90_requirements_are_checked(tmp_path: Path) -> None:
     files = sm90_files()
     replace_in(files, "/METADATA", "Requires-Dist: torch>=2.9.1\n", "Requires-Dist: torch==2.9.1+cu128\n")
+    replace_in(files, "/METADATA", f"Requires-Dist: cula-runtime=={VERSION}\n", "")
     problems = inspect_wheels.check_sm90_wheel(_with(files)(tmp_path), list_device_code=sm90_code("sm_90a"))
     assert "unexpected Requires-Dist: torch==2.9.1+cu128" in problems
-    assert "missing Requires-Dist: torch>=2.9.1" in problems
+    assert f"missing Requires-Dist: cula-runtime=={VERSION}, torch>=2.9.1" in problems
 
 
 # ---------------------------------------------------------------------------------------------------

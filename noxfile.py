@@ -1,0 +1,122 @@
+"""cuLA's developer and CI sessions: ``nox -s lint tests wheel_inspect`` is what CI (.ci/run) runs.
+
+Sessions that install torch take the CPU build through constraints/cpu.txt, never a CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["lint", "tests", "wheel_inspect"]
+
+ROOT = Path(__file__).resolve().parent
+PYTHON = "3.11"
+CPU_CONSTRAINTS = ("-c", "constraints/cpu.txt")
+PURE_PACKAGES = ("packages/cula-runtime", "packages/cula")
+SM90_PACKAGE = "packages/cula-sm90"
+DIST = "dist"
+RUFF = "ruff==0.17.6"
+CUOBJDUMP = "nvidia-cuda-cuobjdump>=13.2,<14"
+
+
+def install_torch_cpu(session: nox.Session, *others: str) -> None:
+    """torch, CPU build only (constraints/cpu.txt), with any other packages named."""
+    session.install("torch", *others, *CPU_CONSTRAINTS)
+
+
+def built_pure_wheels(session: nox.Session) -> list[str]:
+    """Build the cula-runtime and cula wheels into the session's tmp folder; return their paths."""
+    wheels = Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(wheels, ignore_errors=True)
+    session.run("python", "tools/build_wheels.py", "--dest", str(wheels), *PURE_PACKAGES)
+    return [str(path) for path in sorted(wheels.glob("*.whl"))]
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check over the whole repository (configuration in the root pyproject.toml)."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """pytest on the CPU: GPU tests (marked gpu) skip without a CUDA GPU. Extra arguments go to pytest."""
+    install_torch_cpu(session, "pytest", "numpy")
+    # One pip call, so the local cula-runtime satisfies cula's cula-runtime==<version> pin. The [cute] extra brings
+    # CuTeDSL, so the compile tests build every shipped CuTeDSL kernel for sm_90a, sm_100a and sm_103a here.
+    session.install("-e", f"{PURE_PACKAGES[0]}[cute]", "-e", PURE_PACKAGES[1], *CPU_CONSTRAINTS)
+    session.run("pytest", "-q", *session.posargs)
+
+
+def build_wheels(session: nox.Session) -> bool:
+    """Build into a clean dist/: the pure wheels always, cula-sm90 when nvcc is on PATH. True if sm90 was built."""
+    packages = list(PURE_PACKAGES)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        session.log(f"nvcc found at {nvcc}: building the cula-sm90 wheel too")
+        packages.append(SM90_PACKAGE)
+    else:
+        session.warn("nvcc is not on PATH: skipping the cula-sm90 wheel (only the pure wheels are built)")
+    session.run("python", "tools/build_wheels.py", "--clean", "--dest", DIST, *packages)
+    return bool(nvcc)
+
+
+@nox.session(python=PYTHON)
+def wheel(session: nox.Session) -> None:
+    """Build cula-runtime and cula (and cula-sm90 with nvcc) wheels into dist/."""
+    build_wheels(session)
+
+
+@nox.session(python=PYTHON)
+def wheel_inspect(session: nox.Session) -> None:
+    """Build the wheels (as ``nox -s wheel``), then check them with tools/inspect_wheels.py."""
+    with_sm90 = build_wheels(session)
+    session.install("packaging", *([CUOBJDUMP] if with_sm90 else []))
+    session.run("python", "tools/inspect_wheels.py", DIST, *(["--require-sm90"] if with_sm90 else []))
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Install torch (CPU) and the cula-runtime and cula wheels, then run ``python -m cula demo``."""
+    install_torch_cpu(session, "numpy")  # numpy only to spare torch's "Failed to initialize NumPy" warning
+    session.install(*built_pure_wheels(session), *CPU_CONSTRAINTS)
+    session.run("python", "-m", "cula", "demo")
+
+
+_HAS_CUDA_GPU = """
+try:
+    import torch
+except ImportError:
+    print(False)
+else:
+    print(torch.cuda.is_available())
+"""
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """Run every benchmarks/bench_*.py on a CUDA GPU; without one, say so and pass.
+
+    Runs in the interpreter that runs nox (on the GPU machine: the one holding its CUDA build of torch),
+    with cuLA's sources on PYTHONPATH: nothing is installed, so no torch is ever downloaded.
+    """
+    has_gpu = session.run(sys.executable, "-c", _HAS_CUDA_GPU, silent=True).strip().splitlines()[-1] == "True"
+    if not has_gpu:
+        session.log("bench: no CUDA GPU here; benchmarks need the H200 (see benchmarks/README)")
+        return
+    scripts = sorted((ROOT / "benchmarks").glob("bench_*.py"))
+    if not scripts:
+        session.error("bench: no benchmarks/bench_*.py found")
+    # cula-sm90, when wanted, is the wheel installed in that interpreter (its extension is not in the sources).
+    env = {"PYTHONPATH": os.pathsep.join(str(ROOT / package / "src") for package in PURE_PACKAGES)}
+    for script in scripts:
+        session.run(sys.executable, str(script.relative_to(ROOT)), *session.posargs, env=env)
