@@ -93,10 +93,12 @@ def _sm90(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
     if version != __version__:
         return Decision("sm90", False, f"cula-sm90 {version} does not match cula {__version__}: "
                                        f"pip install \"cula-sm90=={__version__}\""), None
-    verify = getattr(shim, "verify_kda_prefill", None)
-    run = getattr(shim, "kda_prefill", None)
-    if verify is None or run is None:
-        return Decision("sm90", False, f"cula-sm90 {version} has no KDA prefill kernel yet"), None
+    try:
+        shim.load_extension()
+    except ImportError as error:
+        return Decision("sm90", False, str(error)), None
+    backend = importlib.import_module("cula_sm90.kda")
+    verify, run = backend.verify_kda_prefill, backend.kda_prefill
     ok, reason = verify(args)
     return Decision("sm90", ok, reason), run if ok else None
 

@@ -1,0 +1,251 @@
+"""KDA prefill on the H200: cuLA's backends against FLA Triton ``chunk_kda``, side by side in one process.
+
+    python benchmarks/bench_kda_prefill.py [--out benchmarks/results/kda_prefill_h200.md] [--reps 50]
+
+Every contender gets the same inputs and flags: bf16 q/k/v and raw gate, gate / L2 norm / beta sigmoid in kernel,
+safe_gate=True, lower_bound=-5, fp32 initial state, final state out. Time = median of ``--reps`` CUDA-event
+timings after warm-up. FLA runs with FLA_FLASH_KDA=0 (never FlashKDA). The table adds the roofline floor of
+KDA_SPEC.md §8 (measured ceilings 790 TFLOP/s, 4.3 TB/s) and the goal of the native-kernel issue: cula's time
+<= 0.8 x FlashKDA's, judged through FLA in this run (FLA/cula >= 1.25 x FLA/FlashKDA from the issue's anchor run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+
+import torch  # noqa: E402
+
+PEAK_FLOPS = 790e12
+PEAK_BYTES = 4.3e12
+FLOP_PER_CHUNK_HEAD = 10.89e6  # KDA_SPEC §8, K = V = 128, C = 64
+K = V = 128
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    B: int
+    T: int
+    H: int
+    HV: int
+    lens: tuple[int, ...] | None = None  # varlen sequence lengths (B = 1, sum = T)
+    fla_ms: float | None = None  # the issue's anchor run
+    flashkda_ms: float | None = None
+
+
+def _varlen(total: int, n: int, kind: str, seed: int) -> tuple[int, ...]:
+    if kind == "uniform":
+        base = [total // n] * n
+        base[-1] += total - sum(base)
+        return tuple(base)
+    if kind == "skewed":
+        half = total // 2
+        rest = [(total - half) // (n - 1)] * (n - 1)
+        rest[-1] += total - half - sum(rest)
+        return (*rest[: (n - 1) // 2], half, *rest[(n - 1) // 2:])
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, total), n - 1))
+    return tuple(b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True))
+
+
+ANCHOR_FIXED = {  # (B, T): (FLA ms, FlashKDA ms) from the native-kernel issue
+    (1, 512): (1.68, 0.179), (1, 1024): (1.59, 0.258), (1, 4096): (1.31, 0.694), (1, 8192): (2.62, 1.366),
+    (1, 16384): (4.25, 2.631), (2, 512): (2.03, 0.221), (2, 1024): (1.30, 0.296), (2, 4096): (2.24, 0.899),
+    (2, 8192): (3.96, 1.716), (2, 16384): (7.37, 3.416),
+}
+ANCHOR_VARLEN_FLASHKDA = {  # (T, n): FlashKDA ms for (uniform, random, skewed)
+    (4096, 10): (0.552, 0.599, 0.676), (4096, 20): (0.564, 0.612, 0.760),
+    (8192, 10): (0.959, 1.040, 1.221), (8192, 20): (0.970, 1.053, 1.351),
+    (16384, 10): (1.729, 1.981, 2.362), (16384, 20): (1.676, 2.092, 2.433),
+}
+
+
+def configs() -> list[Config]:
+    out = [Config(f"fixed B{b} T{t}", b, t, 64, 64, None, *ANCHOR_FIXED[(b, t)]) for (b, t) in ANCHOR_FIXED]
+    for (t, n), fk in ANCHOR_VARLEN_FLASHKDA.items():
+        for kind, fk_ms in zip(("uniform", "random", "skewed"), fk, strict=True):
+            out.append(Config(f"varlen T{t} {n}x{kind}", 1, t, 64, 64, _varlen(t, n, kind, seed=t + n), None, fk_ms))
+    out.append(Config("GVA H16 HV64 B2 T8192", 2, 8192, 16, 64))
+    out.append(Config("B1 H16 T32768", 1, 32768, 16, 16))
+    return out
+
+
+def make_inputs(cfg: Config, seed: int = 0) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    N = cfg.B if cfg.lens is None else len(cfg.lens)
+
+    def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+    kwargs = dict(
+        q=randn(cfg.B, cfg.T, cfg.H, K), k=randn(cfg.B, cfg.T, cfg.H, K), v=randn(cfg.B, cfg.T, cfg.HV, V),
+        g=randn(cfg.B, cfg.T, cfg.HV, K), beta=randn(cfg.B, cfg.T, cfg.HV, dtype=torch.float32),
+        initial_state=randn(N, cfg.HV, K, V, dtype=torch.float32), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+        lower_bound=-5.0, A_log=randn(cfg.HV, dtype=torch.float32), dt_bias=randn(cfg.HV * K, dtype=torch.float32),
+    )
+    if cfg.lens is not None:
+        cu = [0]
+        for length in cfg.lens:
+            cu.append(cu[-1] + length)
+        kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    return kwargs
+
+
+def floor_ms(cfg: Config) -> float:
+    lens = cfg.lens if cfg.lens is not None else (cfg.T,) * cfg.B
+    N = len(lens)
+    chunks = sum(math.ceil(n / 64) for n in lens)
+    G = cfg.HV // cfg.H
+    flops = chunks * cfg.HV * FLOP_PER_CHUNK_HEAD
+    per_token_head = (2 + 2) * K / G + 2 * V + 2 * K + 4 + 2 * V  # q,k (shared by G), v, raw g bf16, beta fp32, o
+    bytes_ = cfg.B * cfg.T * cfg.HV * per_token_head + N * cfg.HV * 2 * 4 * K * V
+    return max(flops / PEAK_FLOPS, bytes_ / PEAK_BYTES) * 1e3
+
+
+def time_ms(fn, reps: int, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def contenders() -> dict:
+    from cula.kda import kda_prefill
+
+    runs = {}
+    try:
+        from fla.ops.kda import chunk_kda
+
+        def fla(kw):
+            call = dict(kw)
+            if "cu_seqlens" in call:
+                call["cu_seqlens"] = call["cu_seqlens"].long()
+            return chunk_kda(**call)
+
+        runs["fla"] = fla
+    except ImportError as error:
+        print(f"FLA not importable ({error}); FLA columns stay empty")
+    for backend in ("sm90", "cutedsl"):
+        def run(kw, backend=backend):
+            os.environ["CULA_BACKEND"] = backend
+            try:
+                return kda_prefill(**kw)
+            finally:
+                os.environ.pop("CULA_BACKEND", None)
+
+        runs[f"cula-{backend}"] = run
+    return runs
+
+
+def environment() -> list[str]:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout.strip()
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    try:
+        import fla
+
+        fla_version = fla.__version__
+    except ImportError:
+        fla_version = "absent"
+    return [
+        f"- GPU / driver: {smi}",
+        f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, fla-core {fla_version} "
+        f"(FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}), Python {platform.python_version()}",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
+        f"- command: `python {' '.join(sys.argv)}`",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/kda_prefill_h200.md")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
+    args = parser.parse_args()
+    runs = contenders()
+    rows = []
+    for cfg in configs():
+        if args.only and not any(s in cfg.name for s in args.only.split(",")):
+            continue
+        kwargs = make_inputs(cfg)
+        times: dict[str, float | str] = {}
+        for name, fn in runs.items():
+            try:
+                start = time.perf_counter()
+                fn(kwargs)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - start
+                times[name] = time_ms(lambda fn=fn, kw=kwargs: fn(kw), args.reps)
+                times[name + " first-call s"] = first
+            except (NotImplementedError, RuntimeError) as error:
+                times[name] = f"n/a ({str(error)[:60]})"
+        rows.append((cfg, times))
+        print(cfg.name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()}, flush=True)
+    write_table(rows, args.out)
+
+
+def write_table(rows: list, out: str) -> None:
+    lines = ["# KDA prefill on the H200: cuLA vs FLA Triton", "", *environment(), "",
+             "H=HV=64 unless named, K=V=128, bf16, gate/L2 norm/beta sigmoid in kernel, safe gate lower_bound=-5, "
+             "fp32 h0, final state out. ms = median CUDA-event time. Goal: FLA/cula >= 1.25 x FLA/FlashKDA "
+             "(the issue's anchor ratios), i.e. cula <= 0.8 x FlashKDA.", "",
+             "| config | FLA ms | cula-sm90 ms | FLA/cula | anchor FLA/FlashKDA | goal ratio | goal met | floor ms | "
+             "cula/floor |", "|---|---|---|---|---|---|---|---|---|"]
+    for cfg, times in rows:
+        fla, ours = times.get("fla"), times.get("cula-sm90")
+        have = isinstance(fla, float) and isinstance(ours, float)
+        ratio = fla / ours if have else None
+        anchor_fla = cfg.fla_ms if cfg.fla_ms is not None else None
+        anchor = (anchor_fla / cfg.flashkda_ms) if (anchor_fla and cfg.flashkda_ms) else None
+        goal = 1.25 * anchor if anchor else None
+        if goal and ratio:
+            met = "yes" if ratio >= goal else "no"
+        elif cfg.flashkda_ms and isinstance(ours, float):
+            met = ("yes" if ours <= 0.8 * cfg.flashkda_ms else "no") + " (abs. ms vs 0.8 x FlashKDA)"
+        else:
+            met = "-"
+        floor = floor_ms(cfg)
+
+        def fmt(x, digits=3):
+            return f"{x:.{digits}f}" if isinstance(x, float) else (x if x else "-")
+
+        over_floor = ours / floor if isinstance(ours, float) else None
+        lines.append(f"| {cfg.name} | {fmt(fla)} | {fmt(ours)} | {fmt(ratio, 2)} | {fmt(anchor, 2)} | "
+                     f"{fmt(goal, 2)} | {met} | {floor:.3f} | {fmt(over_floor, 1)} |")
+    first = [f"{name}: {times[name]:.1f} s" for _, times in rows[:1] for name in times
+             if name.endswith("first-call s")]
+    lines += ["", f"First call (compile/autotune included) on the first config: {', '.join(first)}", ""]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+// Host entry points of the KDA kernels for module.cpp: plain C++ types only (no CUDA header), device pointers
+// and the stream as integers, errors returned as cudaError_t codes. See kda_params.h for the meaning of each value.
+#pragma once
+
+#include <cstdint>
+
+namespace cula_sm90 {
+
+struct KdaIntraArgs {
+  std::uintptr_t q, k, v, g, beta, A_log, dt_bias;
+  int g_type, beta_type;  // 0: fp32, 1: bf16
+  std::uintptr_t cu_seqlens, chunk_indices, chunk_offsets;
+  int num_tokens, num_chunks, num_heads, num_value_heads;
+  float scale, lower_bound;
+  bool l2norm_qk, gate_in_kernel, beta_sigmoid, allow_neg_eigval;
+  std::uintptr_t qg, kg, w, u, Aqk, g_last;
+};
+
+struct KdaRecurrenceArgs {
+  std::uintptr_t qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, initial_state;
+  int state_type;  // 0: fp32, 1: bf16
+  std::uintptr_t final_state, o;
+  int num_seqs, num_value_heads;
+  float scale;
+  bool state_v_first;
+  int block_v;  // 0: the default; else 32, 64 or 128
+};
+
+int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);
+int kda_recurrence(const KdaRecurrenceArgs& args, std::uintptr_t stream);
+
+}  // namespace cula_sm90

@@ -1,0 +1,91 @@
+// Small inline-PTX helpers for the KDA "intra" kernel (sm_90a): cp.async, ldmatrix, mma.sync (bf16 -> fp32),
+// ex2, bf16 packing and the XOR swizzles of the shared-memory tiles.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace cula::sm90::intra_ptx {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; src_bytes == 0 zero-fills the destination without reading src.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Four 8x8 b16 matrices. Lane l supplies the address of row (l & 7) of matrix (l >> 3); register i of lane
+// (4*row + w) receives word w (columns 2w, 2w+1) of row `row` of matrix i (transposed with .trans).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// D = A (16x16, row) * B (16x8, col) + D, bf16 inputs, fp32 accumulate.
+// Fragments (g = lane >> 2, t = lane & 3):
+//   a[0]: A[g][2t..2t+1]   a[1]: A[g+8][2t..]   a[2]: A[g][2t+8..]   a[3]: A[g+8][2t+8..]
+//   b0:   B[2t..2t+1][g]   b1:   B[2t+8..2t+9][g]
+//   d[0], d[1]: D[g][2t], D[g][2t+1]     d[2], d[3]: D[g+8][2t], D[g+8][2t+1]
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x, flushing subnormal results to zero (one MUFU.EX2). Used where the result is known to be normal.
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// 2^x with subnormal results kept (used for the per-column anchor factors, which may be tiny).
+__device__ __forceinline__ float ex2_full(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1/x, max 1 ulp error, subnormal results flushed (rcp.approx(+inf) = 0).
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Round two floats to bf16 (round to nearest even) and pack: `lo` in bits 0..15, `hi` in bits 16..31.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float bf16_bits(unsigned short h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
+__device__ __forceinline__ float round_bf16(float x) { return bf16_lo(pack_bf16x2(x, 0.f)); }
+
+// Byte offset of 16-byte chunk `ch` of row `r` in a tile of 256-byte rows (128 bf16), XOR-swizzled so that
+// 8 consecutive rows at one logical chunk fall in 8 different bank groups (ldmatrix is conflict-free).
+__device__ __forceinline__ uint32_t swz256(int r, int ch) {
+  return static_cast<uint32_t>(r * 256 + ((ch ^ (r & 7)) << 4));
+}
+// Same for tiles of 128-byte rows (64 bf16).
+__device__ __forceinline__ uint32_t swz128(int r, int ch) {
+  return static_cast<uint32_t>(r * 128 + ((ch ^ (r & 7)) << 4));
+}
+
+}  // namespace cula::sm90::intra_ptx

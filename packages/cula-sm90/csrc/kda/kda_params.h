@@ -1,0 +1,85 @@
+// Parameters of the two SM90 KDA prefill kernels (the split design: chunk-parallel "intra", then the
+// sequential "recurrence"), and the workspace contract between them.
+//
+// Every tensor is dense and token-major. Fixed-length batches are passed as one packed batch: the Python shim
+// turns B sequences of length T into cu_seqlens = [0, T, 2T, ..., B*T], so the kernels only know packed varlen.
+//   Ttot = total tokens, N = sequences, NT = total chunks (64 tokens; each sequence's chunks start at its first
+//   token; only a sequence's last chunk may be partial), H = q/k heads, HV = value heads (HV % H == 0; value
+//   head hv reads q/k head hv / (HV / H)), K = V = 128.
+// Index tensors (int32, on the device):
+//   cu_seqlens    [N + 1]   sequence n is tokens [cu_seqlens[n], cu_seqlens[n+1])
+//   chunk_indices [NT, 2]   row i = (sequence id, chunk id within the sequence), sequences in order
+//   chunk_offsets [N + 1]   global index of sequence n's first chunk; chunk_offsets[N] = NT
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace cula::sm90 {
+
+constexpr int kChunk = 64;
+constexpr int kHeadDim = 128;  // K = V = 128
+
+enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1 };
+
+// Kernel 1 ("intra"): one CTA per (chunk, value head); no dependency between chunks.
+struct KdaIntraParams {
+  // inputs
+  const void* q;          // bf16 [Ttot, H, K]
+  const void* k;          // bf16 [Ttot, H, K]
+  const void* v;          // bf16 [Ttot, HV, V]
+  const void* g;          // [Ttot, HV, K], dtype g_type: raw gate if gate_in_kernel, else log-gate in [lower_bound, 0]
+  const void* beta;       // [Ttot, HV], dtype beta_type: logits if beta_sigmoid, else beta itself
+  const float* A_log;     // [HV] or nullptr (gate multiplier exp(A_log[hv]); nullptr means 1)
+  const float* dt_bias;   // [HV * K] or nullptr
+  ScalarType g_type;
+  ScalarType beta_type;
+  const int32_t* cu_seqlens;
+  const int32_t* chunk_indices;
+  const int32_t* chunk_offsets;
+  int num_tokens;         // Ttot
+  int num_chunks;         // NT
+  int num_heads;          // H
+  int num_value_heads;    // HV
+  float scale;            // query scale (already resolved; K**-0.5 by default)
+  float lower_bound;      // safe gate: g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)); in [-5, 0)
+  bool l2norm_qk;         // q, k <- x / sqrt(sum(x^2) + 1e-6), fp32 math, rounded to bf16 before use
+  bool gate_in_kernel;    // compute the safe gate from raw g (else g is already the log-gate)
+  bool beta_sigmoid;      // beta <- sigmoid(beta) (2 * sigmoid with allow_neg_eigval)
+  bool allow_neg_eigval;
+  // outputs (the workspace), all dense:
+  void* qg;               // bf16 [Ttot, HV, K]  q ⊙ exp(Γ)              (no scale)
+  void* kg;               // bf16 [Ttot, HV, K]  k ⊙ exp(Γ_last − Γ)
+  void* w;                // bf16 [Ttot, HV, K]  Tinv · (β ⊙ k ⊙ exp(Γ))
+  void* u;                // bf16 [Ttot, HV, V]  Tinv · (β ⊙ v)
+  void* Aqk;              // bf16 [Ttot, HV, 64] scale·Σ_k q_i k_j exp(Γ_i − Γ_j) for j <= i (local index j), 0 above
+                          //                      the diagonal and past the chunk end
+  float* g_last;          // fp32 [NT, HV, K]    Γ_last / ln 2 (log2 units): the chunk's total decay exponent
+};
+
+// Kernel 2 ("recurrence"): one CTA per (sequence, value head, V block); walks the sequence's chunks in order.
+struct KdaRecurrenceParams {
+  const void* qg;         // workspace from kernel 1
+  const void* kg;
+  const void* w;
+  const void* u;
+  const void* Aqk;
+  const float* g_last;
+  const int32_t* cu_seqlens;
+  const int32_t* chunk_offsets;
+  const void* initial_state;  // [N, HV, K, V] (or [N, HV, V, K] if state_v_first), dtype state_type, or nullptr
+  ScalarType state_type;
+  float* final_state;         // fp32, same layout, or nullptr
+  void* o;                    // bf16 [Ttot, HV, V]
+  int num_seqs;               // N
+  int num_value_heads;        // HV
+  float scale;
+  bool state_v_first;
+};
+
+// Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).
+cudaError_t launch_kda_intra(const KdaIntraParams& params, cudaStream_t stream);
+cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, cudaStream_t stream);
+
+}  // namespace cula::sm90

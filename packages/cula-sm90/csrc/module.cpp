@@ -1,0 +1,102 @@
+// cula_sm90._C: the pybind11 module. It never sees a torch tensor: the Python shim passes device
+// pointers, sizes and the CUDA stream as integers, so this module links neither libtorch nor libpython.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kda/kda_entry.h"
+#include "probe_kernel.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// Raises RuntimeError naming the kernel when a launch returned a CUDA error.
+int check_launch(const char* kernel, int code) {
+  if (code != 0) {
+    throw std::runtime_error(std::string("cula_sm90.") + kernel + ": CUDA error " + std::to_string(code) + " (" +
+                             cula_sm90::cuda_error_name(code) + "): " + cula_sm90::cuda_error_string(code));
+  }
+  return code;
+}
+
+int probe_fill(std::uintptr_t ptr, std::int64_t n, float value, std::uintptr_t stream) {
+  if (n < 0) {
+    throw std::invalid_argument("cula_sm90.probe_fill: n must be >= 0, got " + std::to_string(n));
+  }
+  if (n > 0 && ptr == 0) {
+    throw std::invalid_argument("cula_sm90.probe_fill: null device pointer");
+  }
+  if (ptr % alignof(float) != 0) {
+    throw std::invalid_argument("cula_sm90.probe_fill: pointer is not aligned to 4 bytes (fp32)");
+  }
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = cula_sm90::probe_fill(ptr, n, value, stream);
+  }
+  return check_launch("probe_fill", code);
+}
+
+// The KDA kernels: argument order as in cula_sm90/kda.py. Pointers arrive as integers (0 = absent).
+int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr_t g, std::uintptr_t beta,
+              std::uintptr_t A_log, std::uintptr_t dt_bias, int g_type, int beta_type, std::uintptr_t cu_seqlens,
+              std::uintptr_t chunk_indices, std::uintptr_t chunk_offsets, int num_tokens, int num_chunks,
+              int num_heads, int num_value_heads, float scale, float lower_bound, bool l2norm_qk,
+              bool gate_in_kernel, bool beta_sigmoid, bool allow_neg_eigval, std::uintptr_t qg, std::uintptr_t kg,
+              std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, std::uintptr_t stream) {
+  const cula_sm90::KdaIntraArgs args{q, k, v, g, beta, A_log, dt_bias, g_type, beta_type, cu_seqlens,
+                                     chunk_indices, chunk_offsets, num_tokens, num_chunks, num_heads,
+                                     num_value_heads, scale, lower_bound, l2norm_qk, gate_in_kernel, beta_sigmoid,
+                                     allow_neg_eigval, qg, kg, w, u, Aqk, g_last};
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = cula_sm90::kda_intra(args, stream);
+  }
+  return check_launch("kda_intra", code);
+}
+
+int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk,
+                   std::uintptr_t g_last, std::uintptr_t cu_seqlens, std::uintptr_t chunk_offsets,
+                   std::uintptr_t initial_state, int state_type, std::uintptr_t final_state, std::uintptr_t o,
+                   int num_seqs, int num_value_heads, float scale, bool state_v_first, int block_v,
+                   std::uintptr_t stream) {
+  if (block_v != 0 && block_v != 32 && block_v != 64 && block_v != 128) {
+    throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 0, 32, 64 or 128, got " +
+                                std::to_string(block_v));
+  }
+  const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, initial_state,
+                                          state_type, final_state, o, num_seqs, num_value_heads, scale,
+                                          state_v_first, block_v};
+  int code;
+  {
+    py::gil_scoped_release release;
+    code = cula_sm90::kda_recurrence(args, stream);
+  }
+  return check_launch("kda_recurrence", code);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "cuLA native SM90 kernels (sm_90a). Use through the cula_sm90 shim, not directly.";
+
+  m.def(
+      "version", [] { return std::string(CULA_SM90_VERSION); },
+      "The cula-sm90 version this extension was built as (must equal cula_sm90.__version__).");
+  m.def(
+      "compiled_archs", [] { return std::vector<std::string>{CULA_SM90_ARCHS}; },
+      "The GPU architectures this extension holds machine code for, e.g. ['sm_90a'].");
+  m.def("probe_fill", &probe_fill, py::arg("ptr"), py::arg("n"), py::arg("value"), py::arg("stream"),
+        "Fill n fp32 values at device address ptr with value on the CUDA stream given as an integer "
+        "(0: the legacy default stream). Returns the CUDA error code (0); raises RuntimeError naming the "
+        "kernel when the launch fails, ValueError for a bad pointer or size.");
+  m.def("kda_intra", &kda_intra, "KDA chunk-parallel kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
+  m.def("kda_recurrence", &kda_recurrence,
+        "KDA state recurrence + output kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
+}

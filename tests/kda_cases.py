@@ -1,0 +1,125 @@
+"""The KDA GPU test matrix, shared by every GPU backend's tests and by the FLA error measurement.
+
+Each case is one ``kda_prefill`` call with bf16 q/k/v, the safe gate (``lower_bound=-5``) and fresh random inputs
+(never zeros). ``make_inputs`` builds the keyword arguments on a device; the fp64 oracle runs on the same values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HEAD_DIM = 128
+LOWER_BOUND = -5.0
+
+
+@dataclass(frozen=True)
+class KdaCase:
+    name: str
+    B: int
+    T: int
+    H: int
+    HV: int
+    cu: tuple[int, ...] | None = None
+    beta_dtype: torch.dtype = torch.float32
+    gate_in_kernel: bool = True
+    l2norm: bool = True
+    beta_sigmoid: bool = True
+    h0: torch.dtype | None = torch.float32
+    state_v_first: bool = False
+    final_state: bool = True
+    scale: float | None = None
+    g_dtype: torch.dtype = torch.float32
+    gate_bias: float = 0.0  # added to the raw gate: larger means weaker decay
+
+
+def _case(name: str, **kw) -> KdaCase:
+    return KdaCase(name=name, **kw)
+
+
+bf16, f32 = torch.bfloat16, torch.float32
+
+CASES: list[KdaCase] = [
+    # fixed length, tails of every kind
+    _case("B1-T1-H2", B=1, T=1, H=2, HV=2),
+    _case("B1-T63-H2", B=1, T=63, H=2, HV=2),
+    _case("B1-T64-H2", B=1, T=64, H=2, HV=2),
+    _case("B1-T65-H2", B=1, T=65, H=2, HV=2),
+    _case("B2-T200-H4", B=2, T=200, H=4, HV=4),
+    _case("B2-T1000-H4-betabf16", B=2, T=1000, H=4, HV=4, beta_dtype=bf16),
+    _case("B1-T2048-H8", B=1, T=2048, H=8, HV=8),
+    _case("B3-T130-H2-noh0", B=3, T=130, H=2, HV=2, h0=None),
+    _case("B2-T300-H2-h0bf16", B=2, T=300, H=2, HV=2, h0=bf16),
+    _case("B2-T257-H2-vk", B=2, T=257, H=2, HV=2, state_v_first=True),
+    _case("B1-T500-H4-nofinal", B=1, T=500, H=4, HV=4, final_state=False),
+    _case("B1-T333-H2-scale0.05", B=1, T=333, H=2, HV=2, scale=0.05),
+    # GVA
+    _case("B2-T200-H2-HV4", B=2, T=200, H=2, HV=4),
+    _case("B1-T700-H2-HV8", B=1, T=700, H=2, HV=8),
+    _case("B2-T129-H4-HV8-vk", B=2, T=129, H=4, HV=8, state_v_first=True),
+    _case("B1-T1000-H1-HV4-betabf16", B=1, T=1000, H=1, HV=4, beta_dtype=bf16),
+    # gate and preprocessing variants
+    _case("B1-T300-H2-gate-precomputed", B=1, T=300, H=2, HV=2, gate_in_kernel=False),
+    _case("B1-T300-H2-gate-precomputed-bf16", B=1, T=300, H=2, HV=2, gate_in_kernel=False, g_dtype=bf16),
+    _case("B1-T300-H2-rawgate-bf16", B=1, T=300, H=2, HV=2, g_dtype=bf16),
+    _case("B1-T300-H2-no-l2norm", B=1, T=300, H=2, HV=2, l2norm=False),
+    _case("B1-T300-H2-beta-activated", B=1, T=300, H=2, HV=2, beta_sigmoid=False),
+    _case("B1-T300-H2-beta-activated-bf16", B=1, T=300, H=2, HV=2, beta_sigmoid=False, beta_dtype=bf16),
+    _case("B1-T1000-H2-weak-decay", B=1, T=1000, H=2, HV=2, gate_bias=8.0),
+    _case("B1-T1000-H2-strong-decay", B=1, T=1000, H=2, HV=2, gate_bias=-8.0),
+    # varlen: tails, empty and 1-token sequences
+    _case("varlen-0-15", B=1, T=15, H=2, HV=2, cu=(0, 15)),
+    _case("varlen-0-100-100-228", B=1, T=228, H=2, HV=2, cu=(0, 100, 100, 228)),
+    _case("varlen-0-1-64-65-200", B=1, T=200, H=2, HV=4, cu=(0, 1, 64, 65, 200)),
+    _case("varlen-0-0-70", B=1, T=70, H=2, HV=2, cu=(0, 0, 70)),
+    _case("varlen-0-256-500-1000-betabf16", B=1, T=1000, H=4, HV=4, cu=(0, 256, 500, 1000), beta_dtype=bf16),
+    _case("varlen-6seqs-GVA2-vk", B=1, T=2000, H=2, HV=4, cu=(0, 15, 100, 300, 1200, 2000), state_v_first=True),
+    _case("varlen-5seqs-noh0", B=1, T=4096, H=2, HV=2, cu=(0, 100, 300, 1200, 3000, 4096), h0=None),
+    _case("varlen-3seqs-h0bf16-GVA4", B=1, T=777, H=1, HV=4, cu=(0, 77, 77, 777), h0=bf16),
+]
+
+
+def make_inputs(case: KdaCase, device: torch.device | str, seed: int = 0) -> dict:
+    """Keyword arguments of ``kda_prefill`` for ``case`` (bf16 q/k/v), on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, H, HV, K, V = case.B, case.T, case.H, case.HV, HEAD_DIM, HEAD_DIM
+    N = B if case.cu is None else len(case.cu) - 1
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q, k = randn(B, T, H, K), randn(B, T, H, K)
+    if not case.l2norm:  # the caller normalises; unnormalised keys make the delta rule diverge
+        q = q / q.norm(dim=-1, keepdim=True)
+        k = k / k.norm(dim=-1, keepdim=True)
+    if case.gate_in_kernel:
+        g = randn(B, T, HV, K) + case.gate_bias
+    else:
+        g = LOWER_BOUND * torch.sigmoid(randn(B, T, HV, K) - case.gate_bias)
+    beta = randn(B, T, HV) if case.beta_sigmoid else torch.sigmoid(randn(B, T, HV))
+    kwargs = dict(
+        q=q.to(bf16), k=k.to(bf16), v=randn(B, T, HV, V).to(bf16), g=g.to(case.g_dtype), beta=beta.to(case.beta_dtype),
+        scale=case.scale, output_final_state=case.final_state, use_qk_l2norm_in_kernel=case.l2norm,
+        use_gate_in_kernel=case.gate_in_kernel, use_beta_sigmoid_in_kernel=case.beta_sigmoid, safe_gate=True,
+        lower_bound=LOWER_BOUND, state_v_first=case.state_v_first,
+    )
+    if case.gate_in_kernel:
+        kwargs["A_log"] = (0.5 * randn(HV)).float()
+        kwargs["dt_bias"] = randn(HV * K).float()
+    if case.h0 is not None:
+        shape = (N, HV, V, K) if case.state_v_first else (N, HV, K, V)
+        kwargs["initial_state"] = randn(*shape).to(case.h0)
+    if case.cu is not None:
+        kwargs["cu_seqlens"] = torch.tensor(case.cu, dtype=torch.int32)
+    return {name: (x.to(device) if isinstance(x, torch.Tensor) else x) for name, x in kwargs.items()}
+
+
+def oracle(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp64 recurrence on the same (already rounded) inputs, on their device, returned on the CPU."""
+    from cula_runtime.reference.kda_naive import kda_naive
+
+    call = dict(kwargs)
+    call.pop("safe_gate")
+    o, ht = kda_naive(**call)
+    return o.cpu(), (None if ht is None else ht.cpu())

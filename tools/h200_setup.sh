@@ -1,0 +1,8 @@
+# Source on the lent H200, after .devcarry/bootstrap.sh: builds cula-sm90 for that machine's Python into
+# /tmp/cula-site and puts it and the pure packages' sources on PYTHONPATH.
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/cula-site ./packages/cula-sm90 \
+  2>&1 | tail -3
+export PYTHONPATH="/tmp/cula-site:$PWD/packages/cula-runtime/src:$PWD/packages/cula/src:$PWD:${PYTHONPATH:-}"
+export OUT=${OUT:-/tmp/cula-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
