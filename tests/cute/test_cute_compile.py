@@ -1,13 +1,13 @@
 """CuTeDSL compilation on the CPU (no GPU): KdaPrepare builds for sm_90a, sm_100a and sm_103a with the machine
 code we expect, the compile cache compiles each key once, and one binary serves every T and every cu_seqlens.
 
-The compile tests need CuTeDSL (``pip install "cula-runtime[cute]"``) and skip without it; the import test runs
-everywhere.
+The compile tests need CuTeDSL and TVM-FFI (``pip install "cula-runtime[cute]"``) and skip without them; the import
+and architecture tests run everywhere.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -19,29 +19,29 @@ from cula_runtime import cute as cula_cute
 from cula_runtime.cute import arch
 
 needs_cutedsl = pytest.mark.skipif(
-    not cula_cute.is_available(), reason='CuTeDSL is not installed (pip install "cula-runtime[cute]")'
+    not cula_cute.is_available(), reason='CuTeDSL or TVM-FFI is not installed (pip install "cula-runtime[cute]")'
 )
 
 SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
 
 
-def _configs() -> dict:
+# KdaPrepareConfig fields of the compiled configurations (built lazily: the kernel module imports CuTeDSL)
+CONFIGS = {
+    "fixed-safe-betaf32-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128),
+    "varlen-softplus-betabf16-H2-HV4-K128": dict(
+        num_heads=2, num_v_heads=4, head_dim=128, gate="softplus", beta_dtype="bfloat16", varlen=True
+    ),
+    "fixed-rawgate-gbf16-nol2norm-H4-HV4-K64": dict(
+        num_heads=4, num_v_heads=4, head_dim=64, g_dtype="bfloat16", l2norm=False, gate="none", has_A_log=False,
+        has_dt_bias=False, beta_sigmoid=False,
+    ),
+}
+
+
+def _config(config_id: str):
     from cula_runtime.cute.kda.prepare import KdaPrepareConfig
 
-    return {
-        "fixed-safe-betaf32-H2-HV4-K128": KdaPrepareConfig(num_heads=2, num_v_heads=4, head_dim=128),
-        "varlen-softplus-betabf16-H2-HV4-K128": KdaPrepareConfig(
-            num_heads=2, num_v_heads=4, head_dim=128, gate="softplus", beta_dtype="bfloat16", varlen=True
-        ),
-        "fixed-rawgate-gbf16-nol2norm-H4-HV4-K64": KdaPrepareConfig(
-            num_heads=4, num_v_heads=4, head_dim=64, g_dtype="bfloat16", l2norm=False, gate="none",
-            has_A_log=False, has_dt_bias=False, beta_sigmoid=False,
-        ),
-    }
-
-
-CONFIG_IDS = ["fixed-safe-betaf32-H2-HV4-K128", "varlen-softplus-betabf16-H2-HV4-K128",
-              "fixed-rawgate-gbf16-nol2norm-H4-HV4-K64"]
+    return KdaPrepareConfig(**CONFIGS[config_id])
 
 
 def test_cute_packages_import_without_cutedsl() -> None:
@@ -52,14 +52,15 @@ def test_cute_packages_import_without_cutedsl() -> None:
 
         class Block:
             def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in {"cutlass", "cuda"}:
+                if name.split(".")[0] in {"cutlass", "cuda", "tvm_ffi"}:
                     raise ImportError(f"blocked for this test: {name}")
                 return None
 
         sys.meta_path.insert(0, Block())
         import cula_runtime.cute, cula_runtime.cute.kda, cula_runtime.cute.arch
         assert cula_runtime.cute.supported_targets() == ("sm_90a", "sm_100a", "sm_103a")
-        assert not [m for m in sys.modules if m.split(".")[0] in {"cutlass", "torch"}]
+        assert not cula_runtime.cute.is_available()
+        assert not [m for m in sys.modules if m.split(".")[0] in {"cutlass", "tvm_ffi", "torch"}]
         try:
             cula_runtime.cute.kda.kda_prepare
         except ImportError as exc:
@@ -94,7 +95,7 @@ def test_the_two_knobs_are_separate(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("target", list(SM))
-@pytest.mark.parametrize("config_id", CONFIG_IDS)
+@pytest.mark.parametrize("config_id", list(CONFIGS))
 @pytest.mark.compile
 @needs_cutedsl
 def test_kda_prepare_machine_code(config_id: str, target: str) -> None:
@@ -102,12 +103,10 @@ def test_kda_prepare_machine_code(config_id: str, target: str) -> None:
     from cula_runtime.cute.kda.prepare import KdaPrepare
     from cula_runtime.cute.machine_code import disassemble
 
-    config = _configs()[config_id]
+    config = _config(config_id)
     kernel = KdaPrepare(config)
     code = disassemble(compile_kernel(KdaPrepare, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
-    header = re.search(r"\.target\s+(sm_\d+a?)|EF_CUDA_(SM\d+)", code.sass)
-    assert header is not None and header.group(header.lastindex) in (target, SM[target])
+    assert (code.sm, code.target) == (SM[target], target)  # ELF header and nvdisasm's header agree on it
     assert compile_seconds(KdaPrepare, config, target) > 0
 
     # Vector global memory access: every g row segment is one 4-wide access, every q/k row segment one 16-byte one.
@@ -139,7 +138,7 @@ def test_same_config_compiles_once() -> None:
     from cula_runtime.cute import compile_cache
     from cula_runtime.cute.kda.prepare import KdaPrepare
 
-    config = _configs()["fixed-rawgate-gbf16-nol2norm-H4-HV4-K64"]
+    config = _config("fixed-rawgate-gbf16-nol2norm-H4-HV4-K64")
     compile_cache.clear_cache()
     first = compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a")
     again = compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a")
@@ -150,62 +149,42 @@ def test_same_config_compiles_once() -> None:
     assert compile_cache.cache_info().misses == 2
     assert [r.target for r in compile_cache.compile_records()] == ["sm_90a", "sm_100a"]
     with pytest.raises(ValueError, match="cannot implement"):
-        compile_cache.compile_kernel(KdaPrepare, _bad_config(), target="sm_90a")
-
-
-def _bad_config():
-    from cula_runtime.cute.kda.prepare import KdaPrepareConfig
-
-    return KdaPrepareConfig(num_heads=1, num_v_heads=1, head_dim=100)
-
-
-def _normalised(mlir_type: object) -> str:
-    """A tensor type without what only the compile side states (address space, stride divisibility)."""
-    return re.sub(r" div=\d+", "", str(mlir_type)).replace("generic", "gmem")
+        compile_cache.compile_kernel(KdaPrepare, dataclasses.replace(config, head_dim=100), target="sm_90a")
 
 
 @pytest.mark.compile
 @needs_cutedsl
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_one_binary_serves_every_length(varlen: bool) -> None:
-    """The launch arguments for T = 100 and T = 1000 (and two cu_seqlens) have exactly the compiled argument types,
-    and the compiled callable marshals both: no recompilation, no mismatch."""
-    import cuda.bindings.driver as cuda
-    from cutlass._mlir import ir
-
+    """Nothing length-dependent is compiled in: every extent of every tensor argument is symbolic, and the launch
+    arguments for T = 100 and T = 1000 (and two cu_seqlens) are the caller's tensors, unchanged, for one binary."""
     from cula_runtime.cute import compile_cache
     from cula_runtime.cute.kda.prepare import KdaPrepare, KdaPrepareConfig
+    from cula_runtime.index import prepare_chunk_indices
 
     H, HV, K = 2, 4, 128
     config = KdaPrepareConfig(num_heads=H, num_v_heads=HV, head_dim=K, varlen=varlen)
     compile_cache.clear_cache()
     compiled = compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a")
     specs = KdaPrepare(config).argument_specs()
-    fakes = [None if spec is None else spec.fake() for spec in specs]
-    marshalled = []
+    for spec in specs:
+        if spec is not None:
+            fake = spec.fake()
+            assert all(fake.dynamic_shapes_mask) and fake.dynamic_strides_mask[:-1] == (1,) * (spec.ndim - 1)
     for B, T, cu in ((1, 100, [0, 40, 40, 100]), (1 if varlen else 3, 1000, [0, 1000])):
-        bf16, f32 = torch.bfloat16, torch.float32
+        bf16 = torch.bfloat16
         cu_seqlens = torch.tensor(cu, dtype=torch.int32) if varlen else None
-        chunk_indices = None
-        if varlen:
-            from cula_runtime.index import prepare_chunk_indices
-
-            chunk_indices = prepare_chunk_indices(cu_seqlens, 64)
         tensors = (
             torch.randn(B, T, H, K, dtype=bf16), torch.randn(B, T, H, K, dtype=bf16), torch.randn(B, T, HV, K),
             torch.randn(B, T, HV), torch.randn(HV), torch.randn(HV, K), torch.empty(B, T, H, K, dtype=bf16),
-            torch.empty(B, T, H, K, dtype=bf16), torch.empty(B, T, HV, K, dtype=f32), torch.empty(B, T, HV),
-            cu_seqlens, chunk_indices,
+            torch.empty(B, T, H, K, dtype=bf16), torch.empty(B, T, HV, K), torch.empty(B, T, HV),
+            cu_seqlens, prepare_chunk_indices(cu_seqlens, 64) if varlen else None,
         )
-        args = [None if s is None else s.launch_arg(t) for s, t in zip(specs, tensors, strict=True)]
-        with ir.Context():
-            for arg, fake in zip(args, fakes, strict=True):
-                assert (arg is None) == (fake is None)
-                if arg is not None:
-                    assert _normalised(arg.mlir_type) == _normalised(fake.mlir_type)
-        exe_args, _ = compiled.generate_execution_args(*args, -5.0, cuda.CUstream(0))
-        marshalled.append(len(exe_args))
-    assert marshalled[0] == marshalled[1] == sum(spec is not None for spec in specs) + 2
+        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True)):
+            assert (spec is None) == (tensor is None)
+            if spec is not None:
+                assert spec.launch_arg(tensor, output=6 <= i <= 9) is tensor
+        assert compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a") is compiled
     assert compile_cache.cache_info().misses == 1
 
 
@@ -225,8 +204,6 @@ def test_one_binary_serves_every_length(varlen: bool) -> None:
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:
-    import dataclasses
-
     from cula_runtime.cute.kda.prepare import KdaPrepare, KdaPrepareConfig
 
     config = dataclasses.replace(KdaPrepareConfig(num_heads=2, num_v_heads=4, head_dim=128), **changes)
@@ -246,6 +223,7 @@ def test_launch_arg_copies_inputs_and_refuses_outputs_that_break_the_promises() 
     assert spec.conforms(fused[..., :128])  # a q slice of a fused projection keeps the promises: no copy
     odd = torch.randn(2, 10, 3, 129, dtype=torch.bfloat16)[..., 1:]
     assert not spec.conforms(odd)
-    spec.launch_arg(odd)  # an input is copied
+    copy = spec.launch_arg(odd)  # an input is copied
+    assert copy is not odd and spec.conforms(copy) and torch.equal(copy, odd)
     with pytest.raises(ValueError, match="layout promise"):
         spec.launch_arg(odd, output=True)

@@ -1,8 +1,9 @@
 """cuLA's CuTeDSL kernels and the machinery to compile them.
 
-Importing this package imports neither CuTeDSL (``cutlass``) nor torch, and needs no GPU: every name below is
-resolved on first use. Kernel modules (``cula_runtime.cute.kda.prepare``, ...) import CuTeDSL when they are
-imported and raise an ``ImportError`` that names the fix (``pip install "cula-runtime[cute]"``) when it is missing.
+Importing this package imports neither CuTeDSL (``cutlass``) nor TVM-FFI nor torch, and needs no GPU: every name
+below is resolved on first use. Kernel modules (``cula_runtime.cute.kda.prepare``, ...) import CuTeDSL and TVM-FFI
+when they are imported and raise an ``ImportError`` that names the fix (``pip install "cula-runtime[cute]"``)
+when either is missing.
 
 * :mod:`.arch`: the two knobs, ``CULA_ARCH`` (dispatch) and ``CUTE_DSL_ARCH`` (compile target).
 * :mod:`.compile_cache`: the one compile cache of the monorepo; the only caller of ``cute.compile``.
@@ -23,7 +24,7 @@ _LAZY_EXPORTS = {
     "compile_kernel": "cula_runtime.cute.compile_cache",
     "compile_records": "cula_runtime.cute.compile_cache",
     "cache_info": "cula_runtime.cute.compile_cache",
-    "require_cutlass": "cula_runtime.cute.compile_cache",
+    "require_cutedsl": "cula_runtime.cute.compile_cache",
     "INSTALL_HINT": "cula_runtime.cute.compile_cache",
     "disassemble": "cula_runtime.cute.machine_code",
     "MachineCode": "cula_runtime.cute.machine_code",
@@ -33,8 +34,16 @@ __all__ = ["is_available", *_LAZY_EXPORTS]
 
 
 def is_available() -> bool:
-    """True when CuTeDSL (the ``cutlass`` package of ``nvidia-cutlass-dsl``) is installed; imports nothing."""
-    return importlib.util.find_spec("cutlass") is not None
+    """True when CuTeDSL (``cutlass``, from ``nvidia-cutlass-dsl``) and TVM-FFI (``tvm_ffi``, from ``apache-tvm-ffi``)
+    are installed; imports neither."""
+    return all(_installed(name) for name in ("cutlass", "tvm_ffi"))
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a finder refusing the name counts as "not installed"
+        return False
 
 
 def __getattr__(name: str) -> Any:

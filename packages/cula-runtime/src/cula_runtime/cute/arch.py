@@ -13,6 +13,7 @@ Nothing here imports CuTeDSL; torch is imported only where a GPU is queried.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -47,6 +48,7 @@ def target_capability(target: str) -> tuple[int, int]:
     return next(cap for cap, name in _TARGETS.items() if name == target)
 
 
+@functools.cache
 def normalize_target(name: str) -> str:
     """Canonical spelling of a target: ``"sm90"``, ``"90a"``, ``"9.0"``, ``"sm_90a"`` -> ``"sm_90a"``.
 
@@ -74,12 +76,22 @@ def device_target(device: int | None = None) -> str:
     """
     import torch
 
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"no CUDA device to take the architecture from; set {CUTE_DSL_ARCH_ENV} to one of {supported_targets()} "
-            "to compile without a GPU"
-        )
-    cap = torch.cuda.get_device_capability(device)
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"no CUDA device to take the architecture from; set {CUTE_DSL_ARCH_ENV} to one of "
+                f"{supported_targets()} to compile without a GPU"
+            )
+        device = torch.cuda.current_device()
+    return _device_target(device)
+
+
+@functools.cache
+def _device_target(index: int) -> str:
+    """Target of CUDA device ``index`` (a device's capability never changes: asked once per process)."""
+    import torch
+
+    cap = torch.cuda.get_device_capability(index)
     if cap not in _TARGETS:
         raise RuntimeError(
             f"GPU capability {cap[0]}.{cap[1]} is not a cuLA CuTeDSL target (supported: {supported_targets()})"

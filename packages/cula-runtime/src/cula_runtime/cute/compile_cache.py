@@ -2,22 +2,23 @@
 
 A kernel family is a class in the CUTLASS shape (see ``STYLE.md``): ``__init__(config)`` with a frozen dataclass,
 a static ``can_implement(config) -> (ok, reason)``, a ``@cute.jit __call__`` and ``compile_arguments()``, which
-returns the *fake* arguments to compile against (:func:`fake_tensor` for every tensor, so token and batch
-extents are symbolic). :func:`compile_kernel` builds one binary per ``(kernel class, config, target)``; a new T,
-batch size or ``cu_seqlens`` reuses it.
+returns the *fake* arguments to compile against (:meth:`TensorSpec.fake` for every tensor, so token and batch
+extents are symbolic, and :func:`fake_stream`). :func:`compile_kernel` builds one binary per
+``(kernel class, config, target)``; a new T, batch size or ``cu_seqlens`` reuses it.
 
-The tensor contract between compile time and launch is one rule, applied on both sides by :class:`TensorSpec`:
-every tensor argument has a dynamic shape and dynamic strides except a unit stride in its last mode
-(:func:`fake_tensor` at compile time, :func:`runtime_tensor` at launch), and its other strides and data pointer
-keep the divisibility the spec promises (checked at launch; a nonconforming input is copied).
+Launch convention (TVM-FFI, ``--enable-tvm-ffi``): the compiled callable takes the torch tensors themselves (None
+for an absent optional tensor) and the scalars, in ``__call__``'s order without the stream; it launches on the
+caller's current torch stream and device. On the H200 host a call of the 12-tensor KdaPrepare costs about 7 us;
+converting the same tensors through DLPack (``from_dlpack``) cost about 230 us. TVM-FFI checks every tensor
+against its :class:`TensorSpec` (dtype, rank, device, alignment) and raises ``ValueError`` naming the argument.
 
-The cache is in memory only (per process). Compiling a small kernel takes well under a second; see
-:func:`compile_records` for the measured times.
+The cache is in memory only (per process); :func:`compile_records` has the measured compile times.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import tempfile
 import threading
 import time
@@ -31,33 +32,42 @@ __all__ = [
     "CacheInfo",
     "CompileRecord",
     "CuteKernelFamily",
+    "TensorSpec",
     "cache_info",
     "clear_cache",
     "compile_kernel",
     "compile_records",
     "compile_seconds",
+    "fake_stream",
     "fake_tensor",
-    "require_cutlass",
-    "runtime_tensor",
-    "TensorSpec",
+    "missing_cutedsl",
+    "require_cutedsl",
 ]
 
 INSTALL_HINT = 'pip install "cula-runtime[cute]"'
 
 
-def require_cutlass() -> Any:
-    """Import CuTeDSL and return ``cutlass.cute``.
+def missing_cutedsl(exc: ImportError) -> ImportError:
+    """The ImportError to raise when importing CuTeDSL or TVM-FFI failed with ``exc``: it names the fix."""
+    return ImportError(
+        "cuLA's CuTeDSL kernels need CuTeDSL and TVM-FFI (the nvidia-cutlass-dsl and apache-tvm-ffi packages): "
+        f"{INSTALL_HINT} (the import failed: {exc})"
+    )
+
+
+def require_cutedsl() -> Any:
+    """Import CuTeDSL (``nvidia-cutlass-dsl``) and TVM-FFI (``apache-tvm-ffi``, the launch path of every compiled
+    kernel); return ``cutlass.cute``.
 
     Raises:
-        ImportError: CuTeDSL is not installed (or does not import); the message names the fix.
+        ImportError: either is missing (or does not import); the message names the fix.
     """
     try:
         import cutlass.cute as cute
+
+        importlib.import_module("tvm_ffi")
     except ImportError as exc:
-        raise ImportError(
-            f"cuLA's CuTeDSL kernels need CuTeDSL (the nvidia-cutlass-dsl package): {INSTALL_HINT} "
-            f"(importing it failed: {exc})"
-        ) from exc
+        raise missing_cutedsl(exc) from exc
     return cute
 
 
@@ -109,7 +119,7 @@ def compile_kernel(kernel_cls: type[CuteKernelFamily], config: Hashable, *, targ
         kernel_cls: a kernel family (see :class:`CuteKernelFamily`).
         config: its frozen config dataclass: the cache key, with the class and the target.
         target: ``"sm_90a"``, ``"sm_100a"`` or ``"sm_103a"``; default :func:`~cula_runtime.cute.arch.compile_target`
-            (``CUTE_DSL_ARCH``, else the current GPU). Compiling needs no GPU; running needs one of this target.
+            (``CUTE_DSL_ARCH``, else the current GPU). Compiling needs no GPU; calling needs a GPU of this target.
 
     The compiled object keeps its cubin in memory (``compiled.__cubin__``) for
     :func:`cula_runtime.cute.machine_code.disassemble`; nothing is left on disk.
@@ -117,7 +127,7 @@ def compile_kernel(kernel_cls: type[CuteKernelFamily], config: Hashable, *, targ
     Raises:
         ValueError: ``kernel_cls.can_implement(config)`` refuses (the message has its reason), or the target is
             not supported.
-        ImportError: CuTeDSL is not installed (the message names the fix).
+        ImportError: CuTeDSL or TVM-FFI is not installed (the message names the fix).
     """
     global _hits, _misses
     _check_config(config)
@@ -136,13 +146,14 @@ def compile_kernel(kernel_cls: type[CuteKernelFamily], config: Hashable, *, targ
         ok, reason = kernel_cls.can_implement(config)
         if not ok:
             raise ValueError(f"{kernel_cls.__name__} cannot implement {config}: {reason}")
-        cute = require_cutlass()
+        cute = require_cutedsl()
         kernel = kernel_cls(config)
         args = kernel.compile_arguments()
         # --keep-cubin makes CuTeDSL read the cubin back into compiled.__cubin__; the dump folder is then dropped.
         with tempfile.TemporaryDirectory(prefix="cula-cute-") as dump_dir:
+            options = f"--gpu-arch {target} --enable-tvm-ffi --keep-cubin --dump-dir {dump_dir}"
             start = time.perf_counter()
-            compiled = cute.compile(kernel, *args, options=f"--gpu-arch {target} --keep-cubin --dump-dir {dump_dir}")
+            compiled = cute.compile(kernel, *args, options=options)
             seconds = time.perf_counter() - start
         _misses += 1
         _compiled[key] = compiled
@@ -184,7 +195,7 @@ class TensorSpec:
 
     Every extent is symbolic and every stride symbolic except a unit stride in the last mode; the other strides
     are multiples of ``vec`` elements and the data pointer is aligned to ``vec`` elements, so the kernel may use
-    ``vec``-wide loads along the last mode.
+    ``vec``-wide accesses along the last mode.
 
     Attributes:
         dtype: the CuTeDSL numeric type (``cutlass.BFloat16``...).
@@ -206,34 +217,41 @@ class TensorSpec:
         return fake_tensor(self.dtype, self.ndim, divisibility=self.vec, assumed_align=self.align)
 
     def conforms(self, tensor: Any) -> bool:
-        """Whether a torch tensor keeps the promises (rank, unit last stride, divisible strides, alignment)."""
-        if tensor.dim() != self.ndim or tensor.stride(-1) != 1:
+        """Whether a torch tensor keeps the layout promises (rank, unit last stride, divisible strides, alignment).
+
+        Its dtype and device are left to TVM-FFI, which checks them at the call.
+        """
+        if tensor.dim() != self.ndim or tensor.data_ptr() % self.align:
             return False
-        strides = (s for s, n in zip(tensor.stride()[:-1], tensor.shape[:-1], strict=True) if n > 1)
-        return all(s % self.vec == 0 for s in strides) and tensor.data_ptr() % self.align == 0
+        if tensor.is_contiguous():  # every stride is a multiple of the last extent
+            return tensor.shape[-1] % self.vec == 0
+        if tensor.stride(-1) != 1:
+            return False
+        return all(s % self.vec == 0 for s, n in zip(tensor.stride()[:-1], tensor.shape[:-1], strict=True) if n > 1)
 
     def launch_arg(self, tensor: Any, *, output: bool = False) -> Any:
-        """The launch argument for a torch tensor: an input that breaks a promise is copied into a fresh
-        (compact) tensor first; an output must keep them.
+        """``tensor`` itself if it keeps the promises; else an input is copied into a fresh compact tensor and an
+        output is refused.
 
         Raises:
             ValueError: ``output`` and the tensor breaks a promise.
         """
-        if not self.conforms(tensor):
-            if output:
-                raise ValueError(
-                    f"output tensor {tuple(tensor.shape)} strides {tensor.stride()} breaks the kernel's layout "
-                    f"promise (unit last stride, other strides multiples of {self.vec}, {self.align}-byte aligned)"
-                )
-            fresh = tensor.new_empty(tensor.shape)
-            fresh.copy_(tensor)
-            tensor = fresh
-        return runtime_tensor(tensor, assumed_align=self.align)
+        if self.conforms(tensor):
+            return tensor
+        if output:
+            raise ValueError(
+                f"output tensor {tuple(tensor.shape)} with strides {tensor.stride()} breaks the kernel's layout "
+                f"promise (rank {self.ndim}, unit last stride, other strides multiples of {self.vec}, "
+                f"{self.align}-byte aligned)"
+            )
+        fresh = tensor.new_empty(tensor.shape)
+        fresh.copy_(tensor)
+        return fresh
 
 
 def fake_tensor(dtype: Any, ndim: int, *, divisibility: int = 1, assumed_align: int | None = None) -> Any:
     """A compile-time stand-in for a tensor argument: every extent symbolic, every stride symbolic except a unit
-    stride in the last mode (the run-time side is :func:`runtime_tensor`).
+    stride in the last mode.
 
     Args:
         dtype: a CuTeDSL numeric type (``cutlass.BFloat16``...).
@@ -241,18 +259,12 @@ def fake_tensor(dtype: Any, ndim: int, *, divisibility: int = 1, assumed_align: 
         divisibility: what every non-unit stride is promised to be divisible by (in elements).
         assumed_align: promised byte alignment of the data pointer (default: one element).
     """
-    cute = require_cutlass()
+    cute = require_cutedsl()
     shape = tuple(cute.sym_int() for _ in range(ndim))
     stride = tuple(cute.sym_int64(divisibility=divisibility) for _ in range(ndim - 1)) + (1,)
     return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=assumed_align)
 
 
-def runtime_tensor(tensor: Any, *, assumed_align: int | None = None) -> Any:
-    """A torch tensor as a launch argument matching :func:`fake_tensor`: dynamic layout, unit last stride.
-
-    No checks (:meth:`TensorSpec.launch_arg` does them), no copy, no synchronisation.
-    """
-    require_cutlass()
-    from cutlass.cute.runtime import from_dlpack
-
-    return from_dlpack(tensor, assumed_align=assumed_align).mark_layout_dynamic(leading_dim=tensor.ndim - 1)
+def fake_stream() -> Any:
+    """The compile-time stream argument: at the call, TVM-FFI passes the caller's current torch stream."""
+    return require_cutedsl().runtime.make_fake_stream(use_tvm_ffi_env_stream=True)

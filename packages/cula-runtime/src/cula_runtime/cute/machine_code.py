@@ -22,10 +22,12 @@ import subprocess
 import tempfile
 from typing import Any
 
-__all__ = ["MachineCode", "cubin_bytes", "cubin_target", "disassemble", "nvdisasm_path"]
+__all__ = ["MachineCode", "cubin_bytes", "cubin_sm", "disassemble", "nvdisasm_path"]
 
 _ELF_MAGIC = b"\x7fELF"
 _EM_CUDA = 190
+_TARGET_LINE = re.compile(r"^\s*\.target\s+(sm_\d+[af]?)\s*$", re.MULTILINE)
+_HEADER_FLAGS = re.compile(r'^\s*\.headerflags\s+@"([^"]*)"', re.MULTILINE)
 _OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.MULTILINE)
 
 
@@ -68,19 +70,29 @@ def cubin_bytes(compiled: Any) -> bytes:
     return bytes(data)
 
 
-def cubin_target(cubin: bytes) -> tuple[int, bool]:
-    """``(sm, arch_specific)`` from a cubin's ELF header: ``(90, True)`` for sm_90a, ``(100, True)`` for sm_100a.
+def cubin_sm(cubin: bytes) -> int:
+    """The SM number a cubin's ELF header names: 90, 100, 103...
 
-    CUDA ELF ABI version 7 (up to SM90) keeps the SM in the low byte of ``e_flags`` and marks "a" targets with
-    ``0x800``; ABI version 8 (SM100 on) keeps it in the second byte and marks "a" with ``0x8``.
+    CUDA ELF ABI version 7 (older toolchains, up to SM90) keeps it in the low byte of ``e_flags``; ABI version 8
+    keeps it in the second byte. (Whether the target is arch-specific, the "a", is encoded differently by different
+    ptxas versions; :func:`disassemble` takes it from nvdisasm's header instead.)
     """
     if len(cubin) < 52 or cubin[:4] != _ELF_MAGIC or struct.unpack_from("<H", cubin, 18)[0] != _EM_CUDA:
         raise ValueError("not a CUDA ELF (cubin)")
-    abi_version = cubin[8]
     flags = struct.unpack_from("<I", cubin, 48)[0]
-    if abi_version < 8:
-        return flags & 0xFF, bool(flags & 0x800)
-    return (flags >> 8) & 0xFF, bool(flags & 0x8)
+    return flags & 0xFF if cubin[8] < 8 else (flags >> 8) & 0xFF
+
+
+def _header_target(text: str) -> str:
+    """The compile target from nvdisasm's header: ``.target sm_100a`` (ABI 8) or ``.headerflags`` (ABI 7)."""
+    match = _TARGET_LINE.search(text)
+    if match:
+        return match.group(1)
+    match = _HEADER_FLAGS.search(text)
+    sm = re.search(r"\bEF_CUDA_SM(\d+)\b", match.group(1)) if match else None
+    if sm is None:
+        raise RuntimeError("nvdisasm printed neither a .target nor an EF_CUDA_SM header flag")
+    return f"sm_{sm.group(1)}{'a' if 'EF_CUDA_ACCELERATORS' in match.group(1) else ''}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,9 +117,13 @@ def nvdisasm_path() -> str:
 
 
 def disassemble(compiled: Any) -> MachineCode:
-    """SASS and target of a compiled kernel (or of cubin bytes)."""
+    """SASS and target of a compiled kernel (or of cubin bytes).
+
+    Raises:
+        RuntimeError: nvdisasm fails, or its header disagrees with the ELF header about the SM.
+    """
     cubin = cubin_bytes(compiled)
-    sm, arch_specific = cubin_target(cubin)
+    sm = cubin_sm(cubin)
     with tempfile.TemporaryDirectory(prefix="cula-sass-") as folder:
         path = os.path.join(folder, "kernel.cubin")
         with open(path, "wb") as handle:
@@ -115,4 +131,7 @@ def disassemble(compiled: Any) -> MachineCode:
         result = subprocess.run([nvdisasm_path(), "-c", path], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"nvdisasm failed ({result.returncode}): {result.stderr.strip()}")
-    return MachineCode(sm=f"SM{sm}", target=f"sm_{sm}{'a' if arch_specific else ''}", sass=result.stdout)
+    target = _header_target(result.stdout)
+    if not re.fullmatch(rf"sm_{sm}[af]?", target):
+        raise RuntimeError(f"the ELF header says SM{sm} but nvdisasm says {target}")
+    return MachineCode(sm=f"SM{sm}", target=target, sass=result.stdout)

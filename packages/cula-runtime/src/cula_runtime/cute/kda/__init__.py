@@ -1,7 +1,7 @@
 """KDA kernels written in CuTeDSL.
 
 Importing this package needs neither CuTeDSL nor a GPU; the names below import their kernel module (and so
-CuTeDSL) on first use, raising an ``ImportError`` that names the fix when CuTeDSL is missing.
+CuTeDSL) on first use, raising an ``ImportError`` that names the fix when CuTeDSL or TVM-FFI is missing.
 
 * :func:`kda_prepare`, :class:`KdaPrepare`, :class:`KdaPrepareConfig` (``prepare.py``): l2norm of q/k, beta
   activation and the chunk-local cumsum of the activated gate, in one launch.

@@ -14,25 +14,25 @@ the others L2-normalise q and k of qk head ``y - HV`` (absent when ``l2norm`` is
 reads row ``x`` of the chunk-index tensor ``[NT, 2]`` = (sequence, chunk within it) and the sequence bounds from
 ``cu_seqlens``; a row with a negative sequence id is padding and does nothing. Loads and stores past a sequence end
 are predicated off. Only plain CUDA-core code and vector global loads: the same source runs on SM90, SM100, SM103.
+
+:func:`kda_prepare` is the host wrapper: it checks the arguments, allocates the outputs, gets the compiled kernel
+from :mod:`cula_runtime.cute.compile_cache` (one binary per configuration, whatever T, B or cu_seqlens) and calls it
+through TVM-FFI on the current torch stream (about 7 us of host time per call on the H200 host).
 """
 
 import dataclasses
 import functools
-import math
+
+from ..arch import launch_target
+from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
 
 try:
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr
-except ImportError as _exc:  # pragma: no cover - exercised only without CuTeDSL
-    from ..compile_cache import require_cutlass
-
-    require_cutlass()
-    raise
-
-from ..arch import launch_target
-from ..compile_cache import TensorSpec, compile_kernel
+except ImportError as exc:
+    raise missing_cutedsl(exc) from exc
 
 __all__ = ["GATE_FORMS", "KdaPrepare", "KdaPrepareConfig", "kda_prepare"]
 
@@ -152,7 +152,7 @@ class KdaPrepare:
     def compile_arguments(self) -> tuple:
         """Fake arguments for ``cute.compile``: symbolic B, T, N and NT; nothing allocated."""
         fakes = tuple(None if spec is None else spec.fake() for spec in self.argument_specs())
-        return (*fakes, Float32(0.0), cute.runtime.make_fake_stream())
+        return (*fakes, Float32(0.0), fake_stream())
 
     @cute.jit
     def __call__(
@@ -335,20 +335,29 @@ class KdaPrepare:
         return x
 
 
-def _dtype_name(tensor, what: str) -> str:
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise TypeError(f"{what} must be bfloat16, float16 or float32, got {tensor.dtype}")
-    return name
-
-
 # positions of q_hat, k_hat, g_cum and beta_out among the tensor arguments
 _OUTPUTS = frozenset({6, 7, 8, 9})
 
 
-@functools.cache
-def _argument_specs(config: KdaPrepareConfig) -> tuple[TensorSpec | None, ...]:
-    return KdaPrepare(config).argument_specs()
+@functools.lru_cache(maxsize=256)
+def _plan(H: int, HV: int, K: int, qk_dtype, g_dtype, beta_dtype, flags: tuple) -> tuple:
+    """The config and argument specs of one call signature (torch dtypes in, cached: no work per call)."""
+    names = []
+    for what, dtype in (("q", qk_dtype), ("g", g_dtype), ("beta", beta_dtype)):
+        name = str(dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise TypeError(f"{what} must be bfloat16, float16 or float32, got {dtype}")
+        names.append(name)
+    l2norm, gate, has_A_log, has_dt_bias, beta_sigmoid, allow_neg_eigval, varlen = flags
+    config = KdaPrepareConfig(
+        num_heads=H, num_v_heads=HV, head_dim=K, qk_dtype=names[0], g_dtype=names[1], beta_dtype=names[2],
+        l2norm=l2norm, gate=gate, has_A_log=has_A_log, has_dt_bias=has_dt_bias, beta_sigmoid=beta_sigmoid,
+        allow_neg_eigval=allow_neg_eigval, varlen=varlen,
+    )
+    ok, reason = KdaPrepare.can_implement(config)
+    if not ok:
+        raise ValueError(f"kda_prepare: {reason}")
+    return config, KdaPrepare(config).argument_specs()
 
 
 def kda_prepare(
@@ -410,13 +419,17 @@ def kda_prepare(
     if A_log is not None:
         if A_log.numel() != HV:
             raise ValueError(f"A_log must have HV = {HV} elements, got {A_log.numel()}")
-        A_log = A_log.to(device=device, dtype=torch.float32).reshape(HV).contiguous()
+        if A_log.dim() != 1 or A_log.dtype != torch.float32 or A_log.device != device:
+            A_log = A_log.to(device=device, dtype=torch.float32).reshape(HV)
     if dt_bias is not None:
         if dt_bias.numel() != HV * K:
             raise ValueError(f"dt_bias must have HV*K = {HV * K} elements, got {dt_bias.numel()}")
-        dt_bias = dt_bias.to(device=device, dtype=torch.float32).reshape(HV, K).contiguous()
+        if dt_bias.dtype != torch.float32 or dt_bias.device != device:
+            dt_bias = dt_bias.to(device=device, dtype=torch.float32)
+        dt_bias = dt_bias.view(HV, K) if dt_bias.is_contiguous() else dt_bias.reshape(HV, K)
 
-    if cu_seqlens is not None:
+    varlen = cu_seqlens is not None
+    if varlen:
         if B != 1:
             raise ValueError(f"varlen (cu_seqlens given) needs B = 1, got B = {B}")
         if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != device:
@@ -427,37 +440,29 @@ def kda_prepare(
             chunk_indices = prepare_chunk_indices(cu_seqlens, 64)
         if chunk_indices.dtype != torch.int32 or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
             raise ValueError("chunk_indices must be an int32 [NT, 2] tensor")
-        cu_seqlens, chunk_indices = cu_seqlens.contiguous(), chunk_indices.contiguous()
         num_chunks = chunk_indices.shape[0]
     else:
-        num_chunks = B * math.ceil(T / 64)
+        num_chunks = B * ((T + 63) // 64)
+    flags = (use_qk_l2norm_in_kernel, gate, A_log is not None, dt_bias is not None, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval, varlen)
+    config, specs = _plan(H, HV, K, q.dtype, g.dtype, beta.dtype, flags)
 
-    config = KdaPrepareConfig(
-        num_heads=H, num_v_heads=HV, head_dim=K, qk_dtype=_dtype_name(q, "q"), g_dtype=_dtype_name(g, "g"),
-        beta_dtype=_dtype_name(beta, "beta"), l2norm=use_qk_l2norm_in_kernel, gate=gate,
-        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, beta_sigmoid=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, varlen=cu_seqlens is not None,
-    )
-    ok, reason = KdaPrepare.can_implement(config)
-    if not ok:
-        raise ValueError(f"kda_prepare: {reason}")
-
-    if out is None:
-        out = (None, None, None, None)
-    q_hat, k_hat, g_cum, beta_out = out
-    if use_qk_l2norm_in_kernel:
-        q_hat = torch.empty_like(q, memory_format=torch.contiguous_format) if q_hat is None else q_hat
-        k_hat = torch.empty_like(k, memory_format=torch.contiguous_format) if k_hat is None else k_hat
+    if out is not None:
+        q_hat, k_hat, g_cum, beta_out = out
+        expected = (("g_cum", g_cum, (B, T, HV, K), torch.float32), ("beta_out", beta_out, (B, T, HV), torch.float32))
+        if use_qk_l2norm_in_kernel:
+            expected += (("q_hat", q_hat, q.shape, q.dtype), ("k_hat", k_hat, q.shape, q.dtype))
+        for name, t, shape, dtype in expected:
+            if t is None or t.shape != shape or t.dtype != dtype or t.device != device:
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                raise ValueError(f"out: {name} must be {dtype} {tuple(shape)} on {device}, got {got}")
     else:
+        q_hat = torch.empty_like(q) if use_qk_l2norm_in_kernel else None
+        k_hat = torch.empty_like(k) if use_qk_l2norm_in_kernel else None
+        g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=device)
+        beta_out = torch.empty(B, T, HV, dtype=torch.float32, device=device)
+    if not use_qk_l2norm_in_kernel:
         q_hat, k_hat = q, k
-    g_cum = torch.empty(B, T, HV, K, dtype=torch.float32, device=device) if g_cum is None else g_cum
-    beta_out = torch.empty(B, T, HV, dtype=torch.float32, device=device) if beta_out is None else beta_out
-    expected = (("q_hat", q_hat, q.shape, q.dtype), ("k_hat", k_hat, q.shape, q.dtype),
-                ("g_cum", g_cum, (B, T, HV, K), torch.float32), ("beta_out", beta_out, (B, T, HV), torch.float32))
-    for name, t, shape, dtype in expected:
-        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
-            raise ValueError(f"out: {name} must be {dtype} {tuple(shape)} on {device}, got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
     outputs = q_hat, k_hat, g_cum, beta_out
     if num_chunks == 0:
         return outputs
@@ -467,10 +472,8 @@ def kda_prepare(
     tensors = (q, k, g, beta, A_log, dt_bias, q_hat, k_hat, g_cum, beta_out, cu_seqlens, chunk_indices)
     args = [
         None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
-        for i, (spec, tensor) in enumerate(zip(_argument_specs(config), tensors, strict=True))
+        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
     ]
     compiled = compile_kernel(KdaPrepare, config, target=launch_target(device.index))
-    with torch.cuda.device(device):
-        stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-        compiled(*args, float(lower_bound) if gate == "safe" else 0.0, stream)
+    compiled(*args, float(lower_bound) if gate == "safe" else 0.0)  # TVM-FFI: the tensors' device, current stream
     return outputs
