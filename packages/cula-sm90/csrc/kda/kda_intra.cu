@@ -29,13 +29,13 @@
 
 #include <cstdint>
 
-#include "kda/kda_intra_ptx.cuh"
+#include "kda/ptx.cuh"
 #include "kda/kda_params.h"
 
 namespace cula::sm90 {
 namespace {
 
-using namespace intra_ptx;
+using namespace ptx;
 
 constexpr int kThreads = 256;
 constexpr int kD = 128;  // K = V

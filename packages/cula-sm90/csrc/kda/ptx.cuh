@@ -1,12 +1,12 @@
-// Small inline-PTX helpers for the KDA "intra" kernel (sm_90a): cp.async, ldmatrix, mma.sync (bf16 -> fp32),
-// ex2, bf16 packing and the XOR swizzles of the shared-memory tiles.
+// Inline-PTX helpers shared by the SM90 KDA kernels: cp.async, ldmatrix/stmatrix, mma.sync (bf16 -> fp32),
+// ex2/rcp, bf16 packing, vector shared-memory accesses and the XOR swizzles of the shared-memory tiles.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
-namespace cula::sm90::intra_ptx {
+namespace cula::sm90::ptx {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -18,6 +18,7 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_group0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Four 8x8 b16 matrices. Lane l supplies the address of row (l & 7) of matrix (l >> 3); register i of lane
 // (4*row + w) receives word w (columns 2w, 2w+1) of row `row` of matrix i (transposed with .trans).
@@ -34,6 +35,12 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "memory");
 }
 
+__device__ __forceinline__ void stsm_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // D = A (16x16, row) * B (16x8, col) + D, bf16 inputs, fp32 accumulate.
 // Fragments (g = lane >> 2, t = lane & 3):
 //   a[0]: A[g][2t..2t+1]   a[1]: A[g+8][2t..]   a[2]: A[g][2t+8..]   a[3]: A[g+8][2t+8..]
@@ -42,6 +49,13 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// The same MMA without `volatile`: the compiler may schedule it freely (the recurrence kernel's choice).
+__device__ __forceinline__ void mma_bf16_16816_free(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -78,6 +92,32 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 __device__ __forceinline__ float bf16_bits(unsigned short h) { return __uint_as_float(static_cast<uint32_t>(h) << 16); }
 __device__ __forceinline__ float round_bf16(float x) { return bf16_lo(pack_bf16x2(x, 0.f)); }
 
+__device__ __forceinline__ float4 ld_shared_f4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 ld_shared_f2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_f4(uint32_t addr, float4 v) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_u4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // Byte offset of 16-byte chunk `ch` of row `r` in a tile of 256-byte rows (128 bf16), XOR-swizzled so that
 // 8 consecutive rows at one logical chunk fall in 8 different bank groups (ldmatrix is conflict-free).
 __device__ __forceinline__ uint32_t swz256(int r, int ch) {
@@ -88,4 +128,4 @@ __device__ __forceinline__ uint32_t swz128(int r, int ch) {
   return static_cast<uint32_t>(r * 128 + ((ch ^ (r & 7)) << 4));
 }
 
-}  // namespace cula::sm90::intra_ptx
+}  // namespace cula::sm90::ptx
