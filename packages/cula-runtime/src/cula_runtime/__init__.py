@@ -6,9 +6,7 @@ name below is resolved on first use from the module that defines it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ._lazy import lazy_exports
 from ._version import __version__
 
 _LAZY_EXPORTS = {
@@ -30,14 +28,4 @@ _LAZY_EXPORTS = {
 __all__ = ["__version__", *_LAZY_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cula_runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY_EXPORTS)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any
+
+from .._lazy import lazy_exports
 
 _LAZY_EXPORTS = {
     "compile_target": "cula_runtime.cute.arch",
@@ -46,14 +47,4 @@ def _installed(name: str) -> bool:
         return False
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cula_runtime.cute' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY_EXPORTS)

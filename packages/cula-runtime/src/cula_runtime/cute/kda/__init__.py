@@ -9,8 +9,7 @@ CuTeDSL) on first use, raising an ``ImportError`` that names the fix when CuTeDS
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..._lazy import lazy_exports
 
 _LAZY_EXPORTS = {
     "kda_prepare": "cula_runtime.cute.kda.prepare",
@@ -21,14 +20,4 @@ _LAZY_EXPORTS = {
 __all__ = list(_LAZY_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cula_runtime.cute.kda' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY_EXPORTS)
