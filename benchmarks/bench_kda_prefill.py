@@ -245,6 +245,35 @@ def write_table(rows: list, out: str) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("\n".join(lines))
     print("\n".join(lines))
+    write_plot(rows, Path(out).with_suffix(".png"))
+
+
+def write_plot(rows: list, path: Path) -> None:
+    """Bar chart of ms per config and contender (log scale), beside the markdown table; skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot written")
+        return
+    names = [cfg.name for cfg, _ in rows]
+    series = {"FLA": "fla", "cula-sm90": "cula-sm90", "cula-cutedsl": "cula-cutedsl"}
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(names)), 5))
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series.items()):
+        values = [t.get(key) if isinstance(t.get(key), float) else 0.0 for _, t in rows]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+    floors = [floor_ms(cfg) for cfg, _ in rows]
+    ax.plot([x + 0.4 - width / 2 for x in range(len(names))], floors, "k_", markersize=12, label="roofline floor")
+    ax.set_yscale("log")
+    ax.set_ylabel("ms (median)")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=70, ha="right", fontsize=7)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
