@@ -104,3 +104,17 @@ def test_info_command_explains_the_choice() -> None:
                          env=env).stdout
     for words in ("cula-runtime", "torch", "nvidia-cutlass-dsl", "picks:", "reference", "cutedsl", "sm90"):
         assert words in out, out
+
+
+def test_cutedsl_backend_refuses_until_its_kernels_have_run(monkeypatch) -> None:
+    from cula_runtime.cute import is_available
+    from cula_runtime.cute.kda import backend
+
+    if not is_available():
+        pytest.skip("CuTeDSL / TVM-FFI not installed")
+    monkeypatch.delenv(backend.ENV_UNVERIFIED, raising=False)
+    ok, reason = backend.verify(_fake_cuda_args())
+    assert not ok and backend.ENV_UNVERIFIED in reason
+    monkeypatch.setenv(backend.ENV_UNVERIFIED, "1")
+    ok, reason = backend.verify(SimpleNamespace(device=torch.device("cpu")))
+    assert not ok and "CUDA" in reason

@@ -89,6 +89,23 @@ KERNELS: tuple[KernelEntry, ...] = (
         summary="CuTeDSL KDA preparation: q/k L2 norm, gate activation + chunk-local cumsum (log2 units), beta",
     ),
     KernelEntry(
+        name="chunk_kda_fwd_intra", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
+        dtypes=("bfloat16",),
+        features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "safe-gate", "output-qg"),
+        status="compiled for sm_90a/sm_100a/sm_103a (CI, HMMA checked), not run on any GPU yet",
+        entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra",
+        summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts)",
+    ),
+    KernelEntry(
+        name="chunk_kda_fwd_recurrence", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
+        dtypes=("bfloat16",),
+        features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "initial-state",
+                  "final-state"),
+        status="compiled for sm_90a/sm_100a/sm_103a (CI, HMMA checked), not run on any GPU yet",
+        entry="cula_runtime.cute.kda.recurrence:chunk_kda_fwd_recurrence",
+        summary="CuTeDSL KDA delta-h + output: fp32 state in registers, o and the final state from the intra outputs",
+    ),
+    KernelEntry(
         name="lightning_naive", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
         features=("varlen", "tail-chunks", "state-kv", "state-vk"), status=_REF_STATUS + "; the fp64 oracle itself",
         entry="cula_runtime.reference.lightning:lightning_naive",

@@ -78,11 +78,10 @@ def _reference(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
 
 
 def _cutedsl(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
-    return (
-        Decision("cutedsl", False, f"cula-runtime {__version__} has no CuTeDSL KDA prefill kernel yet "
-                                   "(the pure CuTeDSL KDA forward is in progress)"),
-        None,
-    )
+    from cula_runtime.cute.kda import backend
+
+    ok, reason = backend.verify(args)
+    return Decision("cutedsl", ok, reason), backend.kda_prefill_cutedsl if ok else None
 
 
 def _sm90(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:

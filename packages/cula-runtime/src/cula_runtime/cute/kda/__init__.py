@@ -5,6 +5,10 @@ CuTeDSL) on first use, raising an ``ImportError`` that names the fix when CuTeDS
 
 * :func:`kda_prepare`, :class:`KdaPrepare`, :class:`KdaPrepareConfig` (``prepare.py``): l2norm of q/k, beta
   activation and the chunk-local cumsum of the activated gate, in one launch.
+* :func:`chunk_kda_fwd_intra`, :class:`KdaIntra`, :class:`KdaIntraConfig` (``intra.py``): Aqk and Akk on warp MMA,
+  the fp32 inverse of (I + Akk), and w/u/kg/qg, in FLA's intermediate layouts.
+* :func:`chunk_kda_fwd_recurrence`, :class:`KdaRecurrence`, :class:`KdaRecurrenceConfig` (``recurrence.py``): the
+  fused delta-h + output, with the fp32 state in registers across chunks.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ _LAZY_EXPORTS = {
     "kda_prepare": "cula_runtime.cute.kda.prepare",
     "KdaPrepare": "cula_runtime.cute.kda.prepare",
     "KdaPrepareConfig": "cula_runtime.cute.kda.prepare",
+    "chunk_kda_fwd_intra": "cula_runtime.cute.kda.intra",
+    "KdaIntra": "cula_runtime.cute.kda.intra",
+    "KdaIntraConfig": "cula_runtime.cute.kda.intra",
+    "chunk_kda_fwd_recurrence": "cula_runtime.cute.kda.recurrence",
+    "KdaRecurrence": "cula_runtime.cute.kda.recurrence",
+    "KdaRecurrenceConfig": "cula_runtime.cute.kda.recurrence",
 }
 
 __all__ = list(_LAZY_EXPORTS)

@@ -1,0 +1,87 @@
+"""The ``cutedsl`` backend of ``kda_prefill``: prepare → intra → recurrence, three CuTeDSL launches.
+
+Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules load on the first call.
+
+Gate: the intra and recurrence kernels have been compiled for sm_90a/sm_100a/sm_103a but have not yet run on a GPU.
+Until they have, ``verify`` refuses every call unless ``CULA_CUTEDSL_UNVERIFIED=1`` is set (for the tests that will
+verify them), so dispatch never hands a user an unverified kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ...index import prepare_chunk_indices
+from .. import is_available
+
+__all__ = ["verify", "kda_prefill_cutedsl", "ENV_UNVERIFIED"]
+
+ENV_UNVERIFIED = "CULA_CUTEDSL_UNVERIFIED"
+CHUNK = 64
+HEAD_DIM = 128
+_CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
+
+
+def verify(args: Any) -> tuple[bool, str]:
+    """Whether the CuTeDSL kernels serve these validated ``kda_prefill`` arguments, and if not, why."""
+    import torch
+
+    if not is_available():
+        return False, 'needs CuTeDSL and TVM-FFI: pip install "cula[cute]"'
+    if os.environ.get(ENV_UNVERIFIED) != "1":
+        return False, (f"its intra and recurrence kernels are compiled but have not run on a GPU yet "
+                       f"({ENV_UNVERIFIED}=1 enables them for testing)")
+    if args.device.type != "cuda":
+        return False, f"needs CUDA tensors, got {args.device.type}"
+    capability = torch.cuda.get_device_capability(args.device)
+    if capability not in _CAPABILITIES:
+        return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    if args.q.dtype != torch.bfloat16:
+        return False, f"needs bf16 q/k/v, got {args.q.dtype}"
+    if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):
+        return False, f"needs K = V = 128, got K={args.K} V={args.V}"
+    if not args.safe_gate:
+        return False, "serves the safe gate only: pass safe_gate=True with lower_bound in [-5, 0)"
+    if args.use_gate_in_kernel and args.lower_bound is None:
+        return False, "serves the lower-bound (safe) gate form only, not the softplus form: set lower_bound"
+    if args.lower_bound is not None and args.lower_bound < -5.0:
+        return False, f"safe gate needs lower_bound >= -5, got {args.lower_bound}"
+    return True, "CuTeDSL kernels serve this call"
+
+
+def kda_prefill_cutedsl(args: Any) -> tuple[Any, Any]:
+    """Run KDA prefill on the CuTeDSL kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted.
+
+    Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (layout of ``initial_state``) or None.
+    """
+    import torch
+
+    from .intra import chunk_kda_fwd_intra
+    from .prepare import kda_prepare
+    from .recurrence import chunk_kda_fwd_recurrence
+
+    if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
+        o = torch.empty(args.B, args.T, args.HV, args.V, dtype=args.q.dtype, device=args.device)
+        if not args.output_final_state:
+            return o, None
+        if args.initial_state is None:
+            return o, torch.zeros(args.state_shape, dtype=torch.float32, device=args.device)
+        return o, args.initial_state.float().clone()
+    cu = args.cu_seqlens
+    chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK)
+    q_hat, k_hat, g_cum, beta = kda_prepare(
+        args.q, args.k, args.g, args.beta, A_log=args.A_log, dt_bias=args.dt_bias,
+        lower_bound=args.lower_bound if args.use_gate_in_kernel else None,
+        use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, use_gate_in_kernel=args.use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
+        cu_seqlens=cu, chunk_indices=chunk_indices,
+    )
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+        q_hat, k_hat, args.v, g_cum, beta, args.scale, cu_seqlens=cu, chunk_indices=chunk_indices, output_qg=True,
+    )
+    h0 = None if args.initial_state is None else args.initial_state.float()
+    return chunk_kda_fwd_recurrence(
+        qg, kg, w, u, Aqk, g_cum, args.scale, initial_state=h0, output_final_state=args.output_final_state,
+        cu_seqlens=cu, state_v_first=args.state_v_first,
+    )

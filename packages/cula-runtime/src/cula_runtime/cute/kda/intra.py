@@ -1,0 +1,613 @@
+"""KDA "chunk intra" in one CuTeDSL launch: intra-chunk scores, the triangular inverse and W/U (KDA_SPEC.md §3.2-3.4,
+§3.7, §3.8; FLA's ``chunk_kda_fwd_intra`` with ``safe_gate=True``).
+
+One CTA of 128 threads (4 warps) per (chunk, value head, batch row); value head ``hv`` reads q/k head
+``hv // (HV // H)``. With ``Γ`` the chunk-local cumulative gate in log2 units (``g_cum`` of :func:`kda_prepare`):
+
+1. *Fill*: the chunk's rows are read once from global memory (16-byte loads; rows past the chunk's end are
+   zero-filled, never read). Each row ``r`` of 16-row sub-chunk ``I`` is factored around the sub-chunk's first
+   row ``n_I``: ``q̃_r = q_r 2^(Γ_r - Γ_n)`` and ``k̃_r = k_r 2^(Γ_r - Γ_n)`` (row operands, ≤ 1), and
+   ``k̂^(I')_r = k_r 2^(Γ_n' - Γ_r)`` for every sub-chunk ``I' ≥ I`` (column operands; ≤ 1 off the diagonal,
+   ≤ 2^(15·5/ln 2) on it under the safe gate |g| ≤ 5 per step, inside bf16's range). All are stored bf16 in shared
+   memory, with the right-hand sides ``bf16(β k 2^Γ)`` and ``bf16(β v)``. ``kg = k 2^(Γ_last - Γ)`` and (optionally)
+   ``qg = q 2^Γ`` go straight to global memory.
+2. *Scores*: the 10 lower 16x16 sub-blocks of ``Aqk`` and ``Akk`` on warp MMA (bf16 m16n8k16, fp32 accumulation,
+   operands by ldmatrix), spread over the 4 warps; scale, β and the causal masks are applied to the fp32 results.
+3. *Inverse* ``Tinv = (I + Akk)^-1`` in fp32 on CUDA cores: forward substitution on the diagonal 16x16 blocks (one
+   thread per column), then block substitution ``Tinv_IJ = -Tinv_II Σ_M A_IM Tinv_MJ`` block row by block row.
+4. *W/U*: ``w = bf16(Tinv) · bf16(β k 2^Γ)`` and ``u = bf16(Tinv) · bf16(β v)`` on warp MMA (the right-hand sides
+   are read transposed by ldmatrix.trans), staged through shared memory and stored with 16-byte stores.
+
+Only warp-level MMA, ldmatrix and plain loads/stores: the same source runs on SM90, SM100 and SM103.
+Varlen (``B = 1``): CTA ``x`` reads row ``x`` of the chunk indices ``[NT, 2]`` (sequence, chunk within it); a row with
+a negative sequence id is padding and does nothing. Rows past a sequence's end are never read nor written.
+
+:func:`chunk_kda_fwd_intra` is the host wrapper (FLA's layouts, KDA_SPEC §3.8).
+"""
+
+import dataclasses
+import functools
+
+from ..arch import launch_target
+from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass.cute.nvgpu import warp
+except ImportError as exc:
+    raise missing_cutedsl(exc) from exc
+
+__all__ = ["KdaIntra", "KdaIntraConfig", "chunk_kda_fwd_intra"]
+
+SUB = 16  # rows of a sub-chunk: the M (and N) of one score block
+NUM_SUB = 4  # sub-chunks per 64-row chunk
+EXP2_CLAMP = 126.0  # exponents are clamped here: a factor of a zero (past-the-end) row stays finite
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaIntraConfig:
+    """Compile-time configuration of :class:`KdaIntra` (the compile-cache key; T, B and cu_seqlens are not in it).
+
+    Attributes:
+        num_heads: H, q/k heads.
+        num_v_heads: HV, value heads (a multiple of H).
+        head_dim: K = V (64 or 128).
+        output_qg: also write ``qg = q 2^Γ``.
+        varlen: packed sequences (B = 1, cu_seqlens and chunk indices).
+        chunk_size: C; only 64.
+    """
+
+    num_heads: int
+    num_v_heads: int
+    head_dim: int = 128
+    output_qg: bool = False
+    varlen: bool = False
+    chunk_size: int = 64
+
+
+class KdaIntra:
+    """The KDA chunk-intra kernel family (see the module docstring)."""
+
+    num_threads = 128
+    vec = 8  # bf16 elements per 16-byte access
+
+    def __init__(self, config: KdaIntraConfig):
+        ok, reason = self.can_implement(config)
+        if not ok:
+            raise ValueError(f"KdaIntra cannot implement {config}: {reason}")
+        self.config = config
+        K = config.head_dim
+        # row copies of [64, K] bf16 tiles: threads_per_row threads, 8 contiguous elements (16 B) each
+        self.threads_per_row = K // self.vec
+        self.rows_per_pass = self.num_threads // self.threads_per_row
+        self.passes = config.chunk_size // self.rows_per_pass
+
+    @staticmethod
+    def can_implement(config: KdaIntraConfig) -> tuple[bool, str]:
+        """Whether this kernel supports ``config``, and why not; compiles nothing."""
+        c = config
+        if c.chunk_size != 64:
+            return False, f"chunk_size={c.chunk_size}: only 64 is supported"
+        if c.head_dim not in (64, 128):
+            return False, f"K={c.head_dim}: head_dim (= V) must be 64 or 128"
+        if c.num_heads < 1 or c.num_v_heads < 1 or c.num_v_heads % c.num_heads:
+            return False, f"HV={c.num_v_heads} must be a positive multiple of H={c.num_heads}"
+        if c.num_v_heads > 65535:
+            return False, f"HV={c.num_v_heads} exceeds the grid's y limit (65535)"
+        return True, ""
+
+    def argument_specs(self) -> tuple[TensorSpec | None, ...]:
+        """Layout promises of the thirteen tensor arguments of ``__call__``, in order (None: argument absent)."""
+        c = self.config
+        bf16 = TensorSpec(BFloat16, 4, self.vec)
+        index = TensorSpec(Int32, 1), TensorSpec(Int32, 2)
+        return (
+            bf16,  # q [B, T, H, K]
+            bf16,  # k [B, T, H, K]
+            bf16,  # v [B, T, HV, V]
+            TensorSpec(Float32, 4, 4),  # gk [B, T, HV, K], log2 units
+            TensorSpec(Float32, 3),  # beta [B, T, HV]
+            bf16,  # w [B, T, HV, K]
+            bf16,  # u [B, T, HV, V]
+            bf16 if c.output_qg else None,  # qg [B, T, HV, K]
+            bf16,  # kg [B, T, HV, K]
+            bf16,  # Aqk [B, T, HV, 64]
+            bf16,  # Akk_inv [B, T, HV, 64]
+            *(index if c.varlen else (None, None)),  # cu_seqlens [N + 1], chunk_indices [NT, 2]
+        )
+
+    def compile_arguments(self) -> tuple:
+        """Fake arguments for ``cute.compile``: symbolic B, T, N and NT; nothing allocated."""
+        fakes = tuple(None if spec is None else spec.fake() for spec in self.argument_specs())
+        return (*fakes, Float32(1.0), fake_stream())
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mW: cute.Tensor,
+        mU: cute.Tensor,
+        mQg: cute.Tensor | None,
+        mKg: cute.Tensor,
+        mAqk: cute.Tensor,
+        mAkk: cute.Tensor,
+        mCuSeqlens: cute.Tensor | None,
+        mChunkIndices: cute.Tensor | None,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        c = self.config
+        if const_expr(c.varlen):
+            num_chunks = mChunkIndices.shape[0]
+        else:
+            num_chunks = cute.ceil_div(mG.shape[1], c.chunk_size)
+        # score blocks: one warp atom (16x8x16), tiled to 16x16x16 so that ldmatrix.x4 feeds B
+        mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+        block_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(SUB, 16, 16))
+        # W/U: the four warps stacked along M (64 rows of Tinv)
+        wu_mma = cute.make_tiled_mma(mma_op, (4, 1, 1), permutation_mnk=(c.chunk_size, 16, 16))
+        self.kernel(
+            mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mCuSeqlens, mChunkIndices, scale, block_mma, wu_mma
+        ).launch(grid=[num_chunks, c.num_v_heads, mG.shape[0]], block=[self.num_threads, 1, 1], stream=stream)
+
+    def smem_layout(self, rows: int, cols: int):
+        """A [rows, cols] bf16 tile, row-major, 128-byte rows swizzled (Swizzle<3,3,3>) so ldmatrix is conflict-free."""
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1))
+        )
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mBeta: cute.Tensor,
+        mW: cute.Tensor,
+        mU: cute.Tensor,
+        mQg: cute.Tensor | None,
+        mKg: cute.Tensor,
+        mAqk: cute.Tensor,
+        mAkk: cute.Tensor,
+        mCuSeqlens: cute.Tensor | None,
+        mChunkIndices: cute.Tensor | None,
+        scale: Float32,
+        block_mma: cute.TiledMma,
+        wu_mma: cute.TiledMma,
+    ):
+        c = self.config
+        C, K = c.chunk_size, c.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, hv, batch = cute.arch.block_idx()
+        head = hv // (c.num_v_heads // c.num_heads)
+        # This CTA's chunk: first token `start` in batch row `batch`, `valid` tokens (0 for a padding row).
+        if const_expr(c.varlen):
+            seq = mChunkIndices[chunk, 0]
+            seq_row = cutlass.max(seq, 0)
+            start = mCuSeqlens[seq_row] + mChunkIndices[chunk, 1] * C
+            valid = cutlass.min(mCuSeqlens[seq_row + 1] - start, C)
+            valid = cutlass.select_(seq >= 0, valid, 0)
+        else:
+            start = chunk * C
+            valid = cutlass.min(mG.shape[1] - start, C)
+
+        smem = cutlass.utils.SmemAllocator()
+        row_major = cute.make_layout((C, C), stride=(C, 1))
+        sQt = smem.allocate_tensor(BFloat16, self.smem_layout(C, K), 1024)  # q̃; later w
+        sKt = smem.allocate_tensor(BFloat16, self.smem_layout(C, K), 1024)  # k̃; later u
+        sKb = smem.allocate_tensor(BFloat16, self.smem_layout(C, K), 1024)  # bf16(β k 2^Γ)
+        sVb = smem.allocate_tensor(BFloat16, self.smem_layout(C, K), 1024)  # bf16(β v)
+        # k̂ of anchor I: rows 0 .. 16(I+1)-1 (the key rows of block row I)
+        sKh = [smem.allocate_tensor(BFloat16, self.smem_layout(SUB * (i + 1), K), 1024) for i in range(NUM_SUB)]
+        sAqk = smem.allocate_tensor(BFloat16, self.smem_layout(C, C), 1024)
+        sTb = smem.allocate_tensor(BFloat16, self.smem_layout(C, C), 1024)  # bf16(Tinv)
+        sA = smem.allocate_tensor(Float32, row_major, 16)  # Akk (strictly lower, β-scaled), fp32
+        sT = smem.allocate_tensor(Float32, row_major, 16)  # Tinv, fp32 (lower part only is written)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((SUB, C), stride=(C, 1)), 16)
+        sGa = smem.allocate_tensor(Float32, cute.make_layout((NUM_SUB + 1, K), stride=(K, 1)), 16)
+        sBeta = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+
+        if valid > 0:
+            self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx)
+            cute.arch.sync_threads()
+            self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
+                      tidx)
+            cute.arch.sync_threads()
+            self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
+            cute.arch.sync_threads()
+            self.inverse(sA, sT, sS, sTb, tidx)
+            self.wu(wu_mma, sTb, sKb, sVb, sQt, sKt, tidx)
+            cute.arch.sync_threads()
+            self.store_rows(sQt, mW, batch, hv, start, valid, K, tidx)
+            self.store_rows(sKt, mU, batch, hv, start, valid, K, tidx)
+            self.store_rows(sAqk, mAqk, batch, hv, start, valid, C, tidx)
+            self.store_rows(sTb, mAkk, batch, hv, start, valid, C, tidx)
+
+    @cute.jit
+    def load_anchors(self, mG: cute.Tensor, mBeta: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor,
+                     sAqk: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32, tidx: Int32):
+        """``sGa[I] = Γ[16 I]`` (0 for a sub-chunk past the end), ``sGa[4] = Γ_last``, ``sBeta = β`` (0 past the end),
+        and zeros in the blocks of ``sAqk`` above the diagonal."""
+        C, K = self.config.chunk_size, self.config.head_dim
+        entries = (NUM_SUB + 1) * K
+        for i in cutlass.range_constexpr((entries + self.num_threads - 1) // self.num_threads):
+            idx = tidx + i * self.num_threads
+            if const_expr(entries % self.num_threads == 0) or idx < entries:
+                a = idx // K
+                col = idx % K
+                row = cutlass.select_(a < NUM_SUB, a * SUB, valid - 1)
+                val = Float32(0.0)
+                if row < valid:
+                    val = mG[b, start + row, hv, col]
+                sGa[a, col] = val
+        if tidx < C:
+            beta = Float32(0.0)
+            if tidx < valid:
+                beta = mBeta[b, start + tidx, hv]
+            sBeta[tidx] = beta
+        for i in cutlass.range_constexpr(C * C // self.num_threads):
+            idx = tidx + i * self.num_threads
+            row = idx // C
+            col = idx % C
+            if col // SUB > row // SUB:
+                sAqk[row, col] = BFloat16(0.0)
+
+    def row_copy(self, cols: int):
+        """Tiled copy of a [64, cols] bf16 tile: 16-byte accesses, rows spread over the CTA."""
+        per_row = cols // self.vec
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(
+            atom,
+            cute.make_ordered_layout((self.num_threads // per_row, per_row), order=(1, 0)),
+            cute.make_layout((1, self.vec)),
+        )
+
+    def chunk_rows(self, mX: cute.Tensor, b: Int32, head: Int32, start: Int32, cols: int) -> cute.Tensor:
+        """The chunk's [64, cols] tile of ``mX[b, :, head, :]`` starting at token ``start`` (traced inline)."""
+        C = self.config.chunk_size
+        return cute.local_tile(cute.domain_offset((start, 0), mX[b, None, head, None]), (C, cols), (0, 0))
+
+    @cute.jit
+    def fill(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mQg: cute.Tensor | None,
+             mKg: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor, sQt: cute.Tensor, sKt: cute.Tensor,
+             sKb: cute.Tensor, sVb: cute.Tensor, sKh: list, b: Int32, h: Int32, hv: Int32, start: Int32,
+             valid: Int32, tidx: Int32):
+        """Phase 1: the factored MMA operands and right-hand sides into shared memory; kg (and qg) to global memory."""
+        c = self.config
+        C, K, VEC = c.chunk_size, c.head_dim, self.vec
+        tiled_copy = self.row_copy(K)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        thr_copy = tiled_copy.get_slice(tidx)
+
+        tXgQ = thr_copy.partition_S(self.chunk_rows(mQ, b, h, start, K))  # (CPY, passes, 1)
+        tXgK = thr_copy.partition_S(self.chunk_rows(mK, b, h, start, K))
+        tXgV = thr_copy.partition_S(self.chunk_rows(mV, b, hv, start, K))
+        tXgKg = thr_copy.partition_D(self.chunk_rows(mKg, b, hv, start, K))
+        tXsQt = thr_copy.partition_D(sQt)
+        tXsKt = thr_copy.partition_D(sKt)
+        tXsKb = thr_copy.partition_D(sKb)
+        tXsVb = thr_copy.partition_D(sVb)
+        tXsKh = [thr_copy.partition_D(s) for s in sKh]
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, K)))  # (row, column) of every element
+        gG = self.chunk_rows(mG, b, hv, start, K)
+        vec_layout = cute.make_layout(VEC)
+        for p in cutlass.range_constexpr(self.passes):
+            row, col0 = tXcX[(0, 0), p, 0]  # this thread's row and first of its 8 columns in this pass
+            sub = p * self.rows_per_pass // SUB  # the row's sub-chunk (compile-time: rows_per_pass divides 16)
+            rQ = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rK = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rV = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rG = cute.make_rmem_tensor(vec_layout, Float32)
+            rQ.fill(0.0)
+            rK.fill(0.0)
+            rV.fill(0.0)
+            rG.fill(0.0)
+            if row < valid:
+                cute.copy(atom, tXgQ[None, p, 0], rQ)
+                cute.copy(atom, tXgK[None, p, 0], rK)
+                cute.copy(atom, tXgV[None, p, 0], rV)
+                gRow = cute.local_tile(gG[row, None], (VEC,), (col0 // VEC,))
+                for half in cutlass.range_constexpr(2):
+                    cute.copy(g_atom, cute.local_tile(gRow, (4,), (half,)), cute.local_tile(rG, (4,), (half,)))
+            beta = sBeta[row]
+            rQt = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rKt = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rKb = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rVb = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rKg = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rQg = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rKh = [cute.make_rmem_tensor(vec_layout, BFloat16) for _ in range(NUM_SUB)]
+            for j in cutlass.range_constexpr(VEC):
+                g = rG[j]
+                q = rQ[j].to(Float32)
+                k = rK[j].to(Float32)
+                row_factor = cute.math.exp2(cutlass.min(g - sGa[sub, col0 + j], EXP2_CLAMP), fastmath=True)
+                decay = cute.math.exp2(g, fastmath=True)
+                rQt[j] = (q * row_factor).to(BFloat16)
+                rKt[j] = (k * row_factor).to(BFloat16)
+                rKb[j] = (beta * k * decay).to(BFloat16)
+                rVb[j] = (beta * rV[j].to(Float32)).to(BFloat16)
+                last = cute.math.exp2(cutlass.min(sGa[NUM_SUB, col0 + j] - g, EXP2_CLAMP), fastmath=True)
+                rKg[j] = (k * last).to(BFloat16)
+                if const_expr(c.output_qg):
+                    rQg[j] = (q * decay).to(BFloat16)
+                for a in cutlass.range_constexpr(sub, NUM_SUB):
+                    col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
+                    rKh[a][j] = (k * col_factor).to(BFloat16)
+            cute.copy(atom, rQt, tXsQt[None, p, 0])
+            cute.copy(atom, rKt, tXsKt[None, p, 0])
+            cute.copy(atom, rKb, tXsKb[None, p, 0])
+            cute.copy(atom, rVb, tXsVb[None, p, 0])
+            for a in cutlass.range_constexpr(sub, NUM_SUB):
+                cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
+            if row < valid:
+                cute.copy(atom, rKg, tXgKg[None, p, 0])
+                if const_expr(c.output_qg):
+                    tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
+                    cute.copy(atom, rQg, tXgQg[None, p, 0])
+
+    @cute.jit
+    def scores(self, block_mma: cute.TiledMma, sQt: cute.Tensor, sKt: cute.Tensor, sKh: list, sBeta: cute.Tensor,
+               sAqk: cute.Tensor, sA: cute.Tensor, scale: Float32, tidx: Int32):
+        """Phase 2: the 10 lower 16x16 blocks of Aqk (bf16, scaled, masked j <= i) and Akk (fp32, β-scaled, masked
+        j < i) on warp MMA; block (I, J) uses q̃/k̃ rows of sub-chunk I and k̂ rows of sub-chunk J for anchor I."""
+        K = self.config.head_dim
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        thr_mma = block_mma.get_slice(lane)
+        ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        copy_A = cute.make_tiled_copy_A(ld_atom, block_mma).get_slice(lane)
+        copy_B = cute.make_tiled_copy_B(ld_atom, block_mma).get_slice(lane)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
+        # (I, J) blocks of each warp: 3, 3, 2, 2 blocks
+        assignment = (((0, 0), (3, 0), (3, 1)), ((1, 0), (1, 1), (3, 2)), ((2, 0), (2, 1)), ((2, 2), (3, 3)))
+        for w in cutlass.range_constexpr(len(assignment)):
+            if warp_idx == w:
+                for bi, bj in assignment[w]:
+                    sQI = cute.local_tile(sQt, (SUB, K), (bi, 0))
+                    sKI = cute.local_tile(sKt, (SUB, K), (bi, 0))
+                    sKJ = cute.local_tile(sKh[bi], (SUB, K), (bj, 0))
+                    tCrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQI))
+                    tCrK = thr_mma.make_fragment_A(thr_mma.partition_A(sKI))
+                    tCrKh = thr_mma.make_fragment_B(thr_mma.partition_B(sKJ))
+                    cute.copy(copy_A, copy_A.partition_S(sQI), copy_A.retile(tCrQ))
+                    cute.copy(copy_A, copy_A.partition_S(sKI), copy_A.retile(tCrK))
+                    cute.copy(copy_B, copy_B.partition_S(sKJ), copy_B.retile(tCrKh))
+                    acc_qk = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
+                    acc_kk = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
+                    acc_qk.fill(0.0)
+                    acc_kk.fill(0.0)
+                    cute.gemm(block_mma, acc_qk, tCrQ, tCrKh, acc_qk)
+                    cute.gemm(block_mma, acc_kk, tCrK, tCrKh, acc_kk)
+                    for e in cutlass.range_constexpr(cute.size(acc_qk)):
+                        i, j = tCcC[e]
+                        row = bi * SUB + i
+                        col = bj * SUB + j
+                        aqk = Float32(acc_qk[e] * scale)
+                        akk = Float32(acc_kk[e] * sBeta[row])
+                        if const_expr(bi == bj):
+                            aqk = Float32(cutlass.select_(j <= i, aqk, Float32(0.0)))
+                            akk = Float32(cutlass.select_(j < i, akk, Float32(0.0)))
+                        sAqk[row, col] = aqk.to(BFloat16)
+                        sA[row, col] = akk
+
+    @cute.jit
+    def inverse(self, sA: cute.Tensor, sT: cute.Tensor, sS: cute.Tensor, sTb: cute.Tensor, tidx: Int32):
+        """Phase 3: ``sT = (I + A)^-1`` (lower part) in fp32, then ``sTb = bf16(sT)`` with zeros above the diagonal.
+        Starts and ends with all of the CTA's threads in step (it ends with a barrier)."""
+        C = self.config.chunk_size
+        # diagonal blocks: thread (D, col) solves (I + A_DD) x = e_col by forward substitution, x in registers
+        if tidx < NUM_SUB * SUB:
+            base = (tidx // SUB) * SUB
+            col = tidx % SUB
+            xs = []
+            for i in cutlass.range_constexpr(SUB):
+                acc = cutlass.select_(col == i, Float32(1.0), Float32(0.0))
+                for m in cutlass.range_constexpr(i):
+                    acc = acc - sA[base + i, base + m] * xs[m]
+                xs.append(acc)
+                sT[base + i, base + col] = acc
+        cute.arch.sync_threads()
+        # off-diagonal blocks, block row I at a time: S = Σ_{M=J}^{I-1} A_IM Tinv_MJ, then Tinv_IJ = -Tinv_II S
+        for bi in cutlass.range_constexpr(1, NUM_SUB):
+            width = bi * SUB  # columns of block row I left of its diagonal block
+            for e in cutlass.range_constexpr(SUB * width // self.num_threads):
+                idx = tidx + e * self.num_threads
+                r = idx // width
+                x = idx % width
+                acc = Float32(0.0)
+                for y in cutlass.range((x // SUB) * SUB, width):
+                    acc = acc + sA[width + r, y] * sT[y, x]
+                sS[r, x] = acc
+            cute.arch.sync_threads()
+            for e in cutlass.range_constexpr(SUB * width // self.num_threads):
+                idx = tidx + e * self.num_threads
+                r = idx // width
+                x = idx % width
+                acc = sS[r, x]
+                for y in cutlass.range(0, r):
+                    acc = acc + sT[width + r, width + y] * sS[y, x]
+                sT[width + r, x] = -acc
+            cute.arch.sync_threads()
+        for e in cutlass.range_constexpr(C * C // self.num_threads):
+            idx = tidx + e * self.num_threads
+            row = idx // C
+            col = idx % C
+            t = Float32(0.0)
+            if col <= row:
+                t = sT[row, col]
+            sTb[row, col] = t.to(BFloat16)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def wu(self, wu_mma: cute.TiledMma, sTb: cute.Tensor, sKb: cute.Tensor, sVb: cute.Tensor, sW: cute.Tensor,
+           sU: cute.Tensor, tidx: Int32):
+        """Phase 4: ``sW = Tinv · sKb`` and ``sU = Tinv · sVb`` (bf16 operands, fp32 accumulation), rounded to bf16.
+        ``sW`` and ``sU`` are the q̃/k̃ buffers, free since phase 2."""
+        C, K = self.config.chunk_size, self.config.head_dim
+        thr_mma = wu_mma.get_slice(tidx)
+        ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        ldt_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        copy_A = cute.make_tiled_copy_A(ld_atom, wu_mma).get_slice(tidx)
+        copy_B = cute.make_tiled_copy_B(ldt_atom, wu_mma).get_slice(tidx)
+        st_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16)
+        copy_C = cute.make_tiled_copy_C(st_atom, wu_mma).get_slice(tidx)
+        tCrT = thr_mma.make_fragment_A(thr_mma.partition_A(sTb))
+        cute.copy(copy_A, copy_A.partition_S(sTb), copy_A.retile(tCrT))
+        transposed = cute.make_layout((K, C), stride=(C, 1))  # (feature, token) view of a [token, feature] tile
+        for sRhs, sOut in ((sKb, sW), (sVb, sU)):
+            sRhsT = cute.composition(sRhs, transposed)
+            tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sRhsT))
+            tCsB = copy_B.partition_S(sRhsT)
+            tCrB_view = copy_B.retile(tCrB)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, K)), Float32)
+            acc.fill(0.0)
+            for kb in cutlass.range_constexpr(cute.size(tCrB, mode=[2])):
+                cute.copy(copy_B, tCsB[None, None, kb], tCrB_view[None, None, kb])
+                cute.gemm(wu_mma, acc, tCrT[None, None, kb], tCrB[None, None, kb], acc)
+            rOut = cute.make_fragment_like(acc, BFloat16)
+            rOut.store(acc.load().to(BFloat16))
+            cute.copy(copy_C, copy_C.retile(rOut), copy_C.partition_D(sOut))
+
+    @cute.jit
+    def store_rows(self, sX: cute.Tensor, mX: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
+                   cols: cutlass.Constexpr, tidx: Int32):
+        """``mX[b, start + r, hv, :] = sX[r, :]`` for the chunk's rows ``r < valid`` (16-byte accesses)."""
+        C = self.config.chunk_size
+        per_row = cols // self.vec
+        rows_per_pass = self.num_threads // per_row
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        thr_copy = self.row_copy(cols).get_slice(tidx)
+        gX = self.chunk_rows(mX, b, hv, start, cols)
+        tXsX = thr_copy.partition_S(sX)
+        tXgX = thr_copy.partition_D(gX)
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, cols)))
+        for p in cutlass.range_constexpr(C // rows_per_pass):
+            if tXcX[(0, 0), p, 0][0] < valid:
+                rX = cute.make_rmem_tensor(cute.make_layout(self.vec), BFloat16)
+                cute.copy(atom, tXsX[None, p, 0], rX)
+                cute.copy(atom, rX, tXgX[None, p, 0])
+
+
+# positions of w, u, qg, kg, Aqk, Akk_inv among the tensor arguments
+_OUTPUTS = frozenset(range(5, 11))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool) -> tuple:
+    """The config and argument specs of one call signature (cached: no work per call)."""
+    config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen)
+    ok, reason = KdaIntra.can_implement(config)
+    if not ok:
+        raise ValueError(f"chunk_kda_fwd_intra: {reason}")
+    return config, KdaIntra(config).argument_specs()
+
+
+def chunk_kda_fwd_intra(
+    q,
+    k,
+    v,
+    gk,
+    beta,
+    scale: float,
+    cu_seqlens=None,
+    chunk_indices=None,
+    use_tf32_inverse: bool = False,
+    output_qg: bool = False,
+    out=None,
+):
+    """KDA chunk intra on the GPU (KDA_SPEC §3.2-3.4, §3.8): ``(w, u, qg or None, kg, Aqk, Akk_inv)``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16 (already preprocessed); v: ``[B, T, HV, V]`` bf16 with V = K in {64, 128}.
+        gk: ``[B, T, HV, K]`` fp32 chunk-local cumulative gate in log2 units (``g_cum`` of ``kda_prepare``); the
+            safe gate is assumed (every step's log-gate in [-5, 0]).
+        beta: ``[B, T, HV]`` fp32 (activated).
+        scale: folded into Aqk.
+        cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1).
+        chunk_indices: int32 ``[NT, 2]`` from :func:`cula_runtime.index.prepare_chunk_indices` (computed when None).
+        use_tf32_inverse: not implemented (the inverse is fp32 on CUDA cores).
+        output_qg: also return ``qg = bf16(q 2^gk)``.
+        out: optional preallocated ``(w, u, qg, kg, Aqk, Akk_inv)`` (qg None unless ``output_qg``).
+
+    Returns:
+        w, qg, kg ``[B, T, HV, K]``; u ``[B, T, HV, V]``; Aqk ``[B, T, HV, 64]`` (scale folded in, zero above the
+        diagonal); Akk_inv ``[B, T, HV, 64]`` (``(I + Akk)^-1``, unit diagonal, zero above). All bf16.
+    """
+    import torch
+
+    if use_tf32_inverse:
+        raise ValueError("chunk_kda_fwd_intra: use_tf32_inverse=True is not implemented (the inverse is fp32)")
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[3] != K:
+        raise ValueError(f"v must be [B, T, HV, V] = [{B}, {T}, HV, {K}] (V = K), got {tuple(v.shape)}")
+    HV = v.shape[2]
+    if tuple(gk.shape) != (B, T, HV, K):
+        raise ValueError(f"gk must be [B, T, HV, K] = [{B}, {T}, {HV}, {K}], got {tuple(gk.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        raise ValueError(f"beta must be [B, T, HV] = [{B}, {T}, {HV}], got {tuple(beta.shape)}")
+    for name, t, dtype in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+                           ("gk", gk, torch.float32), ("beta", beta, torch.float32)):
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    device = q.device
+    if device.type != "cuda" or any(t.device != device for t in (k, v, gk, beta)):
+        raise ValueError("q, k, v, gk and beta must be CUDA tensors on one device")
+    varlen = cu_seqlens is not None
+    if varlen:
+        if B != 1:
+            raise ValueError(f"varlen (cu_seqlens given) needs B = 1, got B = {B}")
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != device:
+            raise ValueError("cu_seqlens must be a 1-D int32 tensor on the inputs' device")
+        if chunk_indices is None:
+            from cula_runtime.index import prepare_chunk_indices
+
+            chunk_indices = prepare_chunk_indices(cu_seqlens, 64)
+        if chunk_indices.dtype != torch.int32 or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+            raise ValueError("chunk_indices must be an int32 [NT, 2] tensor")
+        num_chunks = chunk_indices.shape[0]
+    else:
+        chunk_indices = None
+        num_chunks = B * ((T + 63) // 64)
+    config, specs = _plan(H, HV, K, bool(output_qg), varlen)
+
+    names = ("w", "u", "qg", "kg", "Aqk", "Akk_inv")
+    shapes = ((B, T, HV, K),) * 4 + ((B, T, HV, 64),) * 2
+    if out is not None:
+        if len(out) != 6:
+            raise ValueError("out must be (w, u, qg, kg, Aqk, Akk_inv)")
+        for name, t, shape in zip(names, out, shapes, strict=True):
+            if name == "qg" and not output_qg:
+                continue
+            if t is None or tuple(t.shape) != shape or t.dtype != torch.bfloat16 or t.device != device:
+                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                raise ValueError(f"out: {name} must be bfloat16 {shape} on {device}, got {got}")
+        outputs = tuple(None if name == "qg" and not output_qg else t for name, t in zip(names, out, strict=True))
+    else:
+        outputs = tuple(
+            None if name == "qg" and not output_qg else torch.empty(shape, dtype=torch.bfloat16, device=device)
+            for name, shape in zip(names, shapes, strict=True)
+        )
+    w, u, qg, kg, Aqk, Akk_inv = outputs
+    if num_chunks == 0:
+        return outputs
+    tensors = (q, k, v, gk, beta, w, u, qg, kg, Aqk, Akk_inv, cu_seqlens, chunk_indices)
+    args = [
+        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
+        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
+    ]
+    compiled = compile_kernel(KdaIntra, config, target=launch_target(device.index))
+    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    return outputs

@@ -1,0 +1,557 @@
+"""KDA inter-chunk recurrence fused with the chunk output, in one CuTeDSL launch (KDA_SPEC.md §3.5, §3.6, §3.8).
+
+Per (sequence n, value head hv, block of ``block_v`` value columns), one CTA walks the sequence's 64-token chunks
+in order. With S the fp32 state ``[K, V]`` entering a chunk (only the CTA's value columns):
+
+* ``S_bf = bf16(S)``;
+* ``v_new = bf16(u - w · S_bf)``;
+* ``o = bf16(scale · (qg · S_bf) + tril(Aqk) · v_new)`` (``tril`` is applied here: the upper part of Aqk is ignored);
+* ``S = 2^gk[last valid row] ⊙ S + kgᵀ · v_new`` (fp32, kept in registers for the whole sequence).
+
+Everything is computed transposed so that the state is the A operand of every product (M = value rows) and the
+products chain in registers:
+
+* ``v_newᵀ = uᵀ - Sᵀ_bf · wᵀ`` and ``oᵀ = scale · Sᵀ_bf · qgᵀ`` share the A fragments of ``Sᵀ_bf``;
+* ``oᵀ += v_newᵀ · Aqkᵀ`` and ``Sᵀ = γ ⊙ Sᵀ + v_newᵀ · kg`` take ``v_newᵀ`` as A straight from the accumulator
+  (two adjacent n8 accumulator tiles of m16n8k16 are one k16 A fragment once packed to bf16).
+
+Warp w owns rows ``16 w .. 16 w + 15`` of ``Sᵀ`` (64 fp32 registers per thread), so the recurrence needs no
+cross-warp exchange. B operands come from shared memory through ``ldmatrix`` (``.trans`` for kg, whose
+token-major tile is K-contiguous); ``uᵀ`` is read and ``oᵀ`` staged with ``ldmatrix.trans``/``stmatrix.trans`` in
+accumulator layout. Each chunk's operands (w, qg, kg, the CTA's u columns, Aqk, and the gate row of the last
+valid token) are copied by ``cp.async`` into one of two shared-memory stages while the previous chunk computes.
+Rows past a sequence end are zero-filled in shared memory and never read from global memory (they may belong to
+the next sequence). Only warp-level MMA (``mma.sync`` m16n8k16 bf16, fp32 accumulate): the same source runs on
+SM90, SM100 and SM103.
+
+Grid ``(N, HV, 128 / block_v)``, ``block_v / 16`` warps per CTA; about 131 KB of shared memory at ``block_v = 64``.
+
+:func:`chunk_kda_fwd_recurrence` is the host wrapper (FLA layouts in, ``(o, final_state)`` out).
+"""
+
+import dataclasses
+import functools
+
+from ..arch import launch_target
+from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass.cute.nvgpu import cpasync, warp
+except ImportError as exc:
+    raise missing_cutedsl(exc) from exc
+
+__all__ = ["KdaRecurrence", "KdaRecurrenceConfig", "chunk_kda_fwd_recurrence"]
+
+BLOCK_V_CHOICES = (32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaRecurrenceConfig:
+    """Compile-time configuration of :class:`KdaRecurrence` (the compile-cache key; T, B, N are not in it).
+
+    Attributes:
+        num_v_heads: HV.
+        head_dim: K = V (only 128).
+        block_v: value columns per CTA (32, 64 or 128 = 2, 4 or 8 warps).
+        varlen: packed sequences (B = 1, ``cu_seqlens``).
+        has_initial_state: an fp32 initial state is read (else the state starts at zero).
+        output_final_state: the fp32 final state is written.
+        state_v_first: the states are ``[N, HV, V, K]`` (else ``[N, HV, K, V]``).
+        chunk_size: C; only 64.
+    """
+
+    num_v_heads: int
+    head_dim: int = 128
+    block_v: int = 64
+    varlen: bool = False
+    has_initial_state: bool = False
+    output_final_state: bool = False
+    state_v_first: bool = False
+    chunk_size: int = 64
+
+
+class KdaRecurrence:
+    """The fused delta-h + output kernel family (see the module docstring)."""
+
+    mma_k = 16  # k extent of one m16n8k16 MMA
+
+    def __init__(self, config: KdaRecurrenceConfig):
+        ok, reason = self.can_implement(config)
+        if not ok:
+            raise ValueError(f"KdaRecurrence cannot implement {config}: {reason}")
+        self.config = config
+        self.num_warps = config.block_v // 16
+        self.num_threads = self.num_warps * 32
+
+    @staticmethod
+    def can_implement(config: KdaRecurrenceConfig) -> tuple[bool, str]:
+        """Whether this kernel supports ``config``, and why not; compiles nothing."""
+        c = config
+        if c.chunk_size != 64:
+            return False, f"chunk_size={c.chunk_size}: only 64 is supported"
+        if c.head_dim != 128:
+            return False, f"head_dim={c.head_dim}: only K = V = 128 is supported"
+        if c.block_v not in BLOCK_V_CHOICES:
+            return False, f"block_v={c.block_v}: expected one of {BLOCK_V_CHOICES}"
+        if c.num_v_heads < 1 or c.num_v_heads > 65535:
+            return False, f"num_v_heads={c.num_v_heads}: must be in [1, 65535] (grid y)"
+        return True, ""
+
+    def argument_specs(self) -> tuple[TensorSpec | None, ...]:
+        """Layout promises of the ten tensor arguments of ``__call__``, in order (None: argument absent)."""
+        c = self.config
+        bf16 = TensorSpec(BFloat16, 4, 8)  # 16-byte rows segments for cp.async and the o store
+        state = TensorSpec(Float32, 4, 2)
+        return (
+            bf16,  # qg [B, T, HV, K]
+            bf16,  # kg [B, T, HV, K]
+            bf16,  # w [B, T, HV, K]
+            bf16,  # u [B, T, HV, V]
+            bf16,  # Aqk [B, T, HV, C]
+            TensorSpec(Float32, 4, 4),  # gk [B, T, HV, K] (log2 units)
+            state if c.has_initial_state else None,  # h0 [N, HV, K, V] or [N, HV, V, K]
+            bf16,  # o [B, T, HV, V]
+            state if c.output_final_state else None,  # ht
+            TensorSpec(Int32, 1) if c.varlen else None,  # cu_seqlens [N + 1]
+        )
+
+    def compile_arguments(self) -> tuple:
+        """Fake arguments for ``cute.compile``: symbolic B, T and N; nothing allocated."""
+        fakes = tuple(None if spec is None else spec.fake() for spec in self.argument_specs())
+        return (*fakes, Float32(1.0), fake_stream())
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Host side: layouts, atoms, launch
+
+    def _smem_layout(self, rows: int, cols: int, stages: int):
+        """Swizzled bf16 tile ``(rows, cols, stages)``, ``cols`` contiguous: every 8-row band of 16-byte chunks is
+        XOR-permuted so that the 8 rows an 8x8 ``ldmatrix`` matrix reads hit 8 distinct bank groups."""
+        atom_cols = 64 if cols % 64 == 0 else 32
+        bits = 3 if atom_cols == 64 else 2
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1))
+        )
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _g2s_copy(self, cols: int):
+        """cp.async tiled copy of a ``(64, cols)`` bf16 tile, 16 bytes per thread and row segment."""
+        per_row = cols // 8
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                   num_bits_per_copy=128)
+        threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
+        return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8)))
+
+    def make_tiled_mma(self):
+        """bf16 m16n8k16 with fp32 accumulators, one atom per warp along M: warp w owns value rows
+        ``16 w .. 16 w + 15`` of every product (the u/o staging and the o store rely on it). N is tiled by 16 so that
+        one ``ldmatrix.x4`` feeds two n8 MMAs."""
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
+            (self.num_warps, 1, 1),
+            permutation_mnk=(self.config.block_v, 16, 16),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQg: cute.Tensor,
+        mKg: cute.Tensor,
+        mW: cute.Tensor,
+        mU: cute.Tensor,
+        mAqk: cute.Tensor,
+        mG: cute.Tensor,
+        mH0: cute.Tensor | None,
+        mO: cute.Tensor,
+        mHt: cute.Tensor | None,
+        mCuSeqlens: cute.Tensor | None,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        c = self.config
+        C, K, BV = c.chunk_size, c.head_dim, c.block_v
+        sK_layout = self._smem_layout(C, K, 2)
+        sU_layout = self._smem_layout(C, BV, 2)
+        sA_layout = self._smem_layout(C, C, 2)
+
+        @cute.struct
+        class SharedStorage:
+            sW: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sKg: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sU_layout)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
+            sG: cute.struct.Align[cute.struct.MemRange[Float32, 2 * K], 16]
+            sGamma: cute.struct.Align[cute.struct.MemRange[Float32, self.num_warps * K], 16]
+
+        tiled_mma = self.make_tiled_mma()
+        if const_expr(c.varlen):
+            num_seqs = mCuSeqlens.shape[0] - 1
+        else:
+            num_seqs = mW.shape[0]
+        self.kernel(
+            mQg, mKg, mW, mU, mAqk, mG, mH0, mO, mHt, mCuSeqlens, scale,
+            sK_layout, sU_layout, sA_layout, tiled_mma, SharedStorage,
+        ).launch(grid=[num_seqs, c.num_v_heads, K // BV], block=[self.num_threads, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQg: cute.Tensor,
+        mKg: cute.Tensor,
+        mW: cute.Tensor,
+        mU: cute.Tensor,
+        mAqk: cute.Tensor,
+        mG: cute.Tensor,
+        mH0: cute.Tensor | None,
+        mO: cute.Tensor,
+        mHt: cute.Tensor | None,
+        mCuSeqlens: cute.Tensor | None,
+        scale: Float32,
+        sK_layout: cute.ComposedLayout,
+        sU_layout: cute.ComposedLayout,
+        sA_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        c = self.config
+        C, K, BV = c.chunk_size, c.head_dim, c.block_v
+        tidx, _, _ = cute.arch.thread_idx()
+        n, hv, vb = cute.arch.block_idx()  # sequences on x (up to 2^31 - 1), value heads on y
+        warp_idx = tidx // 32
+        lane = tidx % 32
+
+        # The sequence: batch row b, first token bos, seqlen tokens.
+        if const_expr(c.varlen):
+            b = Int32(0)
+            bos = mCuSeqlens[n]
+            seqlen = mCuSeqlens[n + 1] - bos
+        else:
+            b = n
+            bos = Int32(0)
+            seqlen = mW.shape[1]
+        num_chunks = (seqlen + (C - 1)) // C
+
+        # ---- shared memory
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sW = storage.sW.get_tensor(sK_layout)  # (C tokens, K, stage)
+        sQ = storage.sQ.get_tensor(sK_layout)
+        sKg = storage.sKg.get_tensor(sK_layout)
+        sU = storage.sU.get_tensor(sU_layout)  # (C tokens, BV, stage)
+        sA = storage.sA.get_tensor(sA_layout)  # (C query tokens, C key tokens, stage)
+        sG = storage.sG.get_tensor(cute.make_layout((K, 2)))  # gate row of the chunk's last valid token
+        # Transposed views (the composition maps (col, row, stage) onto the token-major tiles).
+        sKgT = cute.composition(sKg, cute.make_layout((K, C, 2), stride=(C, 1, C * K)))  # (K, C tokens, stage)
+        sUT = cute.composition(sU, cute.make_layout((BV, C, 2), stride=(C, 1, C * BV)))  # (BV, C tokens, stage)
+        # This warp's exp2(gate) row, broadcast over the BV state rows for the accumulator partition.
+        sGammaAll = storage.sGamma.get_tensor(cute.make_layout((K, self.num_warps)))
+        sGamma = cute.make_tensor(
+            sGammaAll[None, warp_idx].iterator, cute.make_layout((BV, K), stride=(0, 1))
+        )
+
+        # ---- MMA partitions. Every product is (M = BV value rows) x (N) x (K-mode):
+        #   GEMM1 / output:  Sᵀ_bf (BV x K) · wᵀ, qgᵀ  -> (BV x C tokens);  B = w, qg as (C tokens, K)
+        #   output:          v_newᵀ (BV x C) · Aqkᵀ    -> (BV x C);         B = Aqk as (C query, C key)
+        #   GEMM2:           v_newᵀ (BV x C) · kg      -> (BV x K);         B = kgᵀ as (K, C tokens)
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrS = cute.make_rmem_tensor(thr_mma.partition_shape_C((BV, K)), Float32)  # ((2,2), 1, K/8)
+        accV = cute.make_rmem_tensor(thr_mma.partition_shape_C((BV, C)), Float32)  # ((2,2), 1, C/8)
+        accO = cute.make_rmem_tensor(thr_mma.partition_shape_C((BV, C)), Float32)
+        tCrW = thr_mma.make_fragment_B(thr_mma.partition_B(sW[None, None, 0]))  # (V, C/8, K/16)
+        tCrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ[None, None, 0]))
+        tCrA = thr_mma.make_fragment_B(thr_mma.partition_B(sA[None, None, 0]))  # (V, C/8, C/16)
+        tCrKg = thr_mma.make_fragment_B(thr_mma.partition_B(sKgT[None, None, 0]))  # (V, K/8, C/16)
+        # (query, key) coordinates of this thread's Aqk fragment, for the causal mask
+        tCcA = thr_mma.partition_B(cute.make_identity_tensor((C, C)))
+
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        stsm_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+        s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+        s2r_C = cute.make_tiled_copy_C(ldsm_t, tiled_mma).get_slice(tidx)
+        r2s_C = cute.make_tiled_copy_C(stsm_t, tiled_mma).get_slice(tidx)
+        tCsW = s2r_B.partition_S(sW)  # (CPY, C/16, K/16, stage)
+        tCsQ = s2r_B.partition_S(sQ)
+        tCsA = s2r_B.partition_S(sA)
+        tCsKg = s2r_Bt.partition_S(sKgT)
+        tCrW_v = s2r_B.retile(tCrW)
+        tCrQ_v = s2r_B.retile(tCrQ)
+        tCrA_v = s2r_B.retile(tCrA)
+        tCrKg_v = s2r_Bt.retile(tCrKg)
+        rU = cute.make_rmem_tensor(accV.layout, BFloat16)
+        rO = cute.make_rmem_tensor(accO.layout, BFloat16)
+        tCsU = s2r_C.partition_S(sUT)  # uᵀ read in accumulator layout
+        tCrU_v = s2r_C.retile(rU)
+        tCsO = r2s_C.partition_D(sUT)  # oᵀ staged over the warp's own (consumed) u columns
+        tCrO_v = r2s_C.retile(rO)
+        tSsGamma = thr_mma.partition_C(sGamma)
+
+        # ---- initial state (fp32) into the accumulator layout of Sᵀ
+        if const_expr(c.has_initial_state):
+            tSgH0 = thr_mma.partition_C(self._state_tile(mH0, n, hv, vb))
+            tSrS.store(tSgH0.load())
+        else:
+            tSrS.fill(0.0)
+
+        # ---- global -> shared copies
+        g2s_K = self._g2s_copy(K).get_slice(tidx)
+        g2s_U = self._g2s_copy(BV).get_slice(tidx)
+        g2s_A = self._g2s_copy(C).get_slice(tidx)
+        g_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), Float32,
+                                     num_bits_per_copy=128)
+        loader = (g2s_K, g2s_U, g2s_A, g_atom)
+
+        if num_chunks > 0:
+            self.load_chunk(loader, mQg, mKg, mW, mU, mAqk, mG, sW, sQ, sKg, sU, sA, sG, b, hv, vb, bos,
+                            cutlass.min(seqlen, C), Int32(0), tidx)
+            cute.arch.cp_async_commit_group()
+
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            stage = chunk % 2
+            length = cutlass.min(seqlen - chunk * C, C)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # chunk's tiles visible; everyone is done with the other stage
+            if chunk + 1 < num_chunks:
+                self.load_chunk(loader, mQg, mKg, mW, mU, mAqk, mG, sW, sQ, sKg, sU, sA, sG, b, hv, vb,
+                                bos + (chunk + 1) * C, cutlass.min(seqlen - (chunk + 1) * C, C), 1 - stage, tidx)
+                cute.arch.cp_async_commit_group()
+
+            # γ = exp2(gate row of the last valid token): this warp's private copy, 4 channels per lane
+            for i in cutlass.range_constexpr(K // 32):
+                sGammaAll[lane + 32 * i, warp_idx] = cute.math.exp2(sG[lane + 32 * i, stage], fastmath=True)
+
+            # ---- accV = Sᵀ_bf · wᵀ (the recurrence's critical path first)
+            rSbf = cute.make_rmem_tensor(tSrS.layout, BFloat16)
+            rSbf.store(tSrS.load().to(BFloat16))
+            tSrSbf_A = self._acc_as_operand_a(rSbf)  # (((2,2),2), 1, K/16)
+            accV.fill(0.0)
+            for kb in cutlass.range_constexpr(K // self.mma_k):
+                cute.copy(s2r_B, tCsW[None, None, kb, stage], tCrW_v[None, None, kb])
+                cute.gemm(tiled_mma, accV, tSrSbf_A[None, None, kb], tCrW[None, None, kb], accV)
+
+            # ---- v_newᵀ = uᵀ - accV, rounded to bf16: the A operand of the state and output products
+            cute.copy(s2r_C, tCsU[None, None, None, stage], tCrU_v)
+            rVn = cute.make_rmem_tensor(accV.layout, BFloat16)
+            rVn.store((rU.load().to(Float32) - accV.load()).to(BFloat16))
+            tCrVn_A = self._acc_as_operand_a(rVn)  # (((2,2),2), 1, C/16)
+
+            # ---- Sᵀ = γ ⊙ Sᵀ + v_newᵀ · kg
+            cute.arch.sync_warp()  # γ written by the other lanes of this warp
+            tSrS.store(tSrS.load() * tSsGamma.load())
+            for kb in cutlass.range_constexpr(C // self.mma_k):
+                cute.copy(s2r_Bt, tCsKg[None, None, kb, stage], tCrKg_v[None, None, kb])
+                cute.gemm(tiled_mma, tSrS, tCrVn_A[None, None, kb], tCrKg[None, None, kb], tSrS)
+
+            # ---- oᵀ = scale · Sᵀ_bf · qgᵀ + v_newᵀ · tril(Aqk)ᵀ (off the recurrence's critical path)
+            accO.fill(0.0)
+            for kb in cutlass.range_constexpr(K // self.mma_k):
+                cute.copy(s2r_B, tCsQ[None, None, kb, stage], tCrQ_v[None, None, kb])
+                cute.gemm(tiled_mma, accO, tSrSbf_A[None, None, kb], tCrQ[None, None, kb], accO)
+            accO.store(accO.load() * scale)
+            for kb in cutlass.range_constexpr(C // self.mma_k):  # query tile nt (8 tokens) needs key blocks <= nt/2
+                cute.copy(s2r_B, tCsA[None, None, kb, stage], tCrA_v[None, None, kb])
+                for nt in cutlass.range_constexpr(2 * kb, C // 8):
+                    if const_expr(nt // 2 == kb):  # diagonal block: zero the key tokens after the query token
+                        for v in cutlass.range_constexpr(cute.size(tCrA, mode=[0])):
+                            query, key = tCcA[v, nt, kb]
+                            tCrA[v, nt, kb] = cutlass.select_(key > query, BFloat16(0.0), tCrA[v, nt, kb])
+                    acc = self._rank3(accO[None, None, nt])
+                    cute.gemm(tiled_mma, acc, self._rank3(tCrVn_A[None, None, kb]), self._rank3(tCrA[None, nt, kb]),
+                              acc)
+
+            # ---- o: stage oᵀ over this warp's own u columns (already read), then 16-byte stores of rows < length
+            rO.store(accO.load().to(BFloat16))
+            cute.arch.sync_warp()
+            cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
+            cute.arch.sync_warp()
+            self.store_o(mO, sU, b, hv, vb, bos + chunk * C, length, stage, warp_idx, lane)
+
+        # ---- final state (fp32), same layout as the initial state
+        if const_expr(c.output_final_state):
+            tSgHt = thr_mma.partition_C(self._state_tile(mHt, n, hv, vb))
+            tSgHt.store(tSrS.load())
+
+    @cute.jit
+    def _state_tile(self, mH: cute.Tensor, n: Int32, hv: Int32, vb: Int32) -> cute.Tensor:
+        """This CTA's ``(BV, K)`` block of ``Sᵀ`` in a state tensor ``[N, HV, K, V]`` (or ``[N, HV, V, K]``)."""
+        c = self.config
+        head = mH[n, hv, None, None]
+        if const_expr(not c.state_v_first):  # (K, V) with V contiguous -> view it as (V, K)
+            head = cute.make_tensor(head.iterator, cute.make_layout(
+                (head.shape[1], head.shape[0]), stride=(head.stride[1], head.stride[0])
+            ))
+        return cute.local_tile(head, (c.block_v, c.head_dim), (vb, 0))
+
+    @staticmethod
+    def _rank3(t: cute.Tensor) -> cute.Tensor:
+        """``t`` with unit modes appended up to rank 3 ``(V, M, N)``: one MMA of a tiled-MMA gemm."""
+        return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1), up_to_rank=3))
+
+    @staticmethod
+    def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+        """View an m16n8 accumulator fragment ``((2,2), M, N)`` as the m16k16 A fragment ``(((2,2),2), M, N/2)``:
+        the two adjacent n8 tiles 2j, 2j+1 hold exactly k-block j of the next product (same registers)."""
+        split = cute.logical_divide(acc.layout, (None, None, 2))
+        layout = cute.make_layout(
+            ((split.shape[0], split.shape[2][0]), split.shape[1], split.shape[2][1]),
+            stride=((split.stride[0], split.stride[2][0]), split.stride[1], split.stride[2][1]),
+        )
+        return cute.make_tensor(acc.iterator, layout)
+
+    @cute.jit
+    def load_chunk(self, loader, mQg: cute.Tensor, mKg: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor,
+                   mAqk: cute.Tensor, mG: cute.Tensor, sW: cute.Tensor, sQ: cute.Tensor, sKg: cute.Tensor,
+                   sU: cute.Tensor, sA: cute.Tensor, sG: cute.Tensor, b: Int32, hv: Int32, vb: Int32,
+                   tok0: Int32, length: Int32, stage: Int32, tidx: Int32):
+        """Issue the cp.async copies of one chunk (tokens ``tok0 ..``, ``length`` valid) into ``stage``; rows past
+        ``length`` are zero-filled in shared memory and not read."""
+        C, K, BV = self.config.chunk_size, self.config.head_dim, self.config.block_v
+        g2s_K, g2s_U, g2s_A, g_atom = loader
+        for mX, sX in ((mW, sW), (mQg, sQ), (mKg, sKg)):
+            gX = cute.local_tile(cute.domain_offset((tok0, 0), mX[b, None, hv, None]), (C, K), (0, 0))
+            self._copy_rows(g2s_K, gX, sX[None, None, stage], length)
+        gU = cute.local_tile(cute.domain_offset((tok0, 0), mU[b, None, hv, None]), (C, BV), (0, vb))
+        self._copy_rows(g2s_U, gU, sU[None, None, stage], length)
+        gA = cute.local_tile(cute.domain_offset((tok0, 0), mAqk[b, None, hv, None]), (C, C), (0, 0))
+        self._copy_rows(g2s_A, gA, sA[None, None, stage], length)
+        if tidx < K // 4:  # the gate row of the last valid token: 16 bytes per thread
+            gG = cute.local_tile(mG[b, tok0 + length - 1, hv, None], (4,), (tidx,))
+            sGt = cute.local_tile(sG[None, stage], (4,), (tidx,))
+            cute.copy(g_atom, gG, sGt)
+
+    @cute.jit
+    def _copy_rows(self, thr_copy, gX: cute.Tensor, sX: cute.Tensor, length: Int32):
+        tXgX = thr_copy.partition_S(gX)  # (CPY, passes, 1)
+        tXsX = thr_copy.partition_D(sX)
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor(gX.shape))
+        for p in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            if tXcX[(0, 0), p, 0][0] < length:
+                cute.copy(thr_copy, tXgX[None, p, None], tXsX[None, p, None])
+            else:
+                tXsX[None, p, None].fill(0.0)
+
+    @cute.jit
+    def store_o(self, mO: cute.Tensor, sU: cute.Tensor, b: Int32, hv: Int32, vb: Int32, tok0: Int32,
+                length: Int32, stage: Int32, warp_idx: Int32, lane: Int32):
+        """Rows ``< length`` of this warp's 16 staged o columns -> global, one 16-byte segment per copy."""
+        C = self.config.chunk_size
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        copy = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 2), stride=(2, 1)), cute.make_layout((1, 8)))
+        thr = copy.get_slice(lane)
+        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, 16),
+                             (0, vb * self.num_warps + warp_idx))
+        sO = cute.local_tile(sU[None, None, stage], (C, 16), (0, warp_idx))
+        tOsO = thr.partition_S(sO)  # (CPY, C/16, 1)
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_D(cute.make_identity_tensor((C, 16)))
+        tOrO = cute.make_fragment_like(tOsO)
+        cute.copy(atom, tOsO, tOrO)
+        for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[(0, 0), p, 0][0] < length:
+                cute.copy(atom, tOrO[None, p, None], tOgO[None, p, None])
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(HV: int, K: int, block_v: int, flags: tuple) -> tuple:
+    varlen, has_h0, want_ht, v_first = flags
+    config = KdaRecurrenceConfig(
+        num_v_heads=HV, head_dim=K, block_v=block_v, varlen=varlen, has_initial_state=has_h0,
+        output_final_state=want_ht, state_v_first=v_first,
+    )
+    ok, reason = KdaRecurrence.can_implement(config)
+    if not ok:
+        raise ValueError(f"chunk_kda_fwd_recurrence: {reason}")
+    return config, KdaRecurrence(config).argument_specs()
+
+
+_OUTPUTS = frozenset({7, 8})  # o, ht among the tensor arguments
+
+
+def chunk_kda_fwd_recurrence(
+    qg,
+    kg,
+    w,
+    u,
+    Aqk,
+    gk,
+    scale: float,
+    initial_state=None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    chunk_offsets=None,
+    state_v_first: bool = False,
+    *,
+    block_v: int = 64,
+):
+    """Fused inter-chunk recurrence and chunk output of KDA on the GPU: ``(o, final_state or None)``.
+
+    Args:
+        qg, kg, w: ``[B, T, HV, 128]`` bf16 (KDA_SPEC §3.4; qg without scale).
+        u: ``[B, T, HV, 128]`` bf16.
+        Aqk: ``[B, T, HV, 64]`` bf16, scale included; only the lower triangle (key <= query) is read.
+        gk: ``[B, T, HV, 128]`` fp32 chunk-local cumulative gate in log2 units; chunk c decays by
+            ``2^gk[last valid row of c]``.
+        scale: the factor of ``qg · S``.
+        initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None (zeros).
+        output_final_state: also return the fp32 final state (same layout as the initial state).
+        cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1).
+        chunk_offsets: accepted for FLA's signature; unused (this kernel never indexes per-chunk tensors).
+        block_v: value columns per CTA (32, 64, 128); any choice gives the same bits.
+
+    Returns:
+        ``o`` bf16 ``[B, T, HV, 128]`` and the final state (or None). Launched on the current stream; the first call
+        per configuration compiles (:func:`cula_runtime.cute.compile_cache.compile_records`).
+    """
+    import torch
+
+    del chunk_offsets
+    if w.dim() != 4 or w.shape[3] != 128:
+        raise ValueError(f"w must be [B, T, HV, 128], got {tuple(w.shape)}")
+    B, T, HV, K = w.shape
+    for name, t, last, dtype in (("qg", qg, K, torch.bfloat16), ("kg", kg, K, torch.bfloat16),
+                                 ("w", w, K, torch.bfloat16), ("u", u, 128, torch.bfloat16),
+                                 ("Aqk", Aqk, 64, torch.bfloat16), ("gk", gk, K, torch.float32)):
+        if tuple(t.shape) != (B, T, HV, last) or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} [{B}, {T}, {HV}, {last}], got {t.dtype} {tuple(t.shape)}")
+        if t.device != w.device or t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor on {w.device}")
+    device = w.device
+    varlen = cu_seqlens is not None
+    if varlen:
+        if B != 1:
+            raise ValueError(f"varlen (cu_seqlens given) needs B = 1, got B = {B}")
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != device:
+            raise ValueError("cu_seqlens must be a 1-D int32 tensor on the inputs' device")
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+    state_shape = (N, HV, K, K)
+    if initial_state is not None:
+        if tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be float32 {state_shape}, got {initial_state.dtype} "
+                             f"{tuple(initial_state.shape)}")
+        if initial_state.device != device:
+            raise ValueError(f"initial_state must be on {device}")
+    flags = (varlen, initial_state is not None, bool(output_final_state), bool(state_v_first))
+    config, specs = _plan(HV, K, block_v, flags)
+
+    o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device)
+    ht = torch.empty(state_shape, dtype=torch.float32, device=device) if output_final_state else None
+    if N == 0:
+        return o, ht
+    tensors = (qg, kg, w, u, Aqk, gk, initial_state, o, ht, cu_seqlens)
+    args = [
+        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
+        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
+    ]
+    compiled = compile_kernel(KdaRecurrence, config, target=launch_target(device.index))
+    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    return o, ht

@@ -1,0 +1,119 @@
+"""CuTeDSL compilation of the KDA chunk-intra kernel on the CPU (no GPU): it builds for sm_90a, sm_100a and sm_103a,
+its machine code is warp-MMA code (bf16 HMMA fed by ldmatrix, no wgmma or tcgen05) with no register spills, and the
+global-memory traffic is the 16-byte accesses we expect. Skips without CuTeDSL and TVM-FFI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from cula_runtime import cute as cula_cute
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(
+        not cula_cute.is_available(), reason='CuTeDSL or TVM-FFI is not installed (pip install "cula-runtime[cute]")'
+    ),
+]
+
+SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+
+# KdaIntraConfig fields of the compiled configurations
+CONFIGS = {
+    "fixed-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128),
+    "varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True, varlen=True),
+    "fixed-qg-H4-HV4-K64": dict(num_heads=4, num_v_heads=4, head_dim=64, output_qg=True),
+}
+
+
+@pytest.mark.parametrize("target", list(SM))
+@pytest.mark.parametrize("config_id", list(CONFIGS))
+def test_kda_intra_machine_code(config_id: str, target: str) -> None:
+    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
+    from cula_runtime.cute.kda.intra import KdaIntra, KdaIntraConfig
+    from cula_runtime.cute.machine_code import disassemble
+
+    config = KdaIntraConfig(**CONFIGS[config_id])
+    kernel = KdaIntra(config)
+    K, C = config.head_dim, config.chunk_size
+    code = disassemble(compile_kernel(KdaIntra, config, target=target))
+    assert (code.sm, code.target) == (SM[target], target)
+    assert compile_seconds(KdaIntra, config, target) > 0
+
+    # Warp MMA only: 10 score blocks x (Aqk, Akk) x 2 n-atoms x K/16 k-steps, plus W and U per warp
+    # (16 x K outputs, 64-deep: 4 k-steps x K/8 n-atoms each).
+    hmma = 10 * 2 * 2 * (K // 16) + 2 * 4 * (K // 8)
+    assert code.opcodes["HMMA.16816.F32.BF16"] == hmma
+    assert code.count("HMMA") == hmma
+    assert code.count("HGMMA") == 0 and not [op for op in code.opcodes if op.startswith("UTC")]  # no wgmma/tcgen05
+    assert code.count("LDSM") > 0  # operands through ldmatrix
+    assert code.count("LDSM.16.MT88") > 0  # the W/U right-hand sides are read transposed
+    assert code.count("LDL") == 0 and code.count("STL") == 0, "register spill"
+
+    # Global memory: q, k, v rows (16 B per access) and g rows (two 16-byte accesses per 8 fp32), once each;
+    # stores: kg, w, u (and qg) rows of K, Aqk and Akk_inv rows of 64, all 16 B per access.
+    passes, passes64 = kernel.passes, C * (C // 8) // kernel.num_threads
+    assert code.opcodes["LDG.E.128"] == 5 * passes
+    assert code.opcodes["STG.E.128"] == (3 + config.output_qg) * passes + 2 * passes64
+    # scalar loads: the anchor rows of Γ (4 sub-chunk starts and the last row, 5K values over the CTA), one β,
+    # and with varlen two chunk-index and two cu_seqlens entries
+    anchor_loads = -(-5 * K // kernel.num_threads)
+    assert code.opcodes["LDG.E"] == anchor_loads + 1 + 4 * config.varlen
+    # exp2 per element: row factor, 2^Γ, 2^(Γ_last - Γ), one column factor per anchor at or after the row's
+    per_row = [3 + 4 - p * kernel.rows_per_pass // 16 for p in range(passes)]
+    assert code.count("MUFU.EX2") == kernel.vec * sum(per_row)
+    assert code.count("BAR.SYNC") >= 8
+    print(f"{config_id} {target}: {compile_seconds(KdaIntra, config, target):.1f} s, {sum(code.opcodes.values())} "
+          f"instructions, HMMA {code.count('HMMA')}, LDSM {code.count('LDSM')}")
+
+
+def test_one_binary_serves_every_length() -> None:
+    """Every extent of every tensor argument is symbolic; a second request for the same config is a cache hit."""
+    from cula_runtime.cute import compile_cache
+    from cula_runtime.cute.kda.intra import KdaIntra, KdaIntraConfig
+
+    config = KdaIntraConfig(num_heads=2, num_v_heads=4, head_dim=64, varlen=True)
+    for spec in KdaIntra(config).argument_specs():
+        if spec is not None:
+            fake = spec.fake()
+            assert all(fake.dynamic_shapes_mask) and fake.dynamic_strides_mask[:-1] == (1,) * (spec.ndim - 1)
+    compile_cache.clear_cache()
+    first = compile_cache.compile_kernel(KdaIntra, config, target="sm_90a")
+    assert compile_cache.compile_kernel(KdaIntra, config, target="sm_90a") is first
+    assert compile_cache.cache_info() == compile_cache.CacheInfo(hits=1, misses=1, size=1)
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"head_dim": 96}, "64 or 128"),
+        ({"head_dim": 256}, "64 or 128"),
+        ({"chunk_size": 32}, "only 64"),
+        ({"num_v_heads": 3}, "multiple"),
+    ],
+)
+def test_can_implement_says_why(changes: dict, reason: str) -> None:
+    from cula_runtime.cute.kda.intra import KdaIntra, KdaIntraConfig
+
+    config = dataclasses.replace(KdaIntraConfig(num_heads=2, num_v_heads=4), **changes)
+    ok, why = KdaIntra.can_implement(config)
+    assert not ok and reason in why
+    with pytest.raises(ValueError, match="cannot implement"):
+        KdaIntra(config)
+
+
+def test_wrapper_refuses_what_it_does_not_implement() -> None:
+    from cula_runtime.cute.kda.intra import chunk_kda_fwd_intra
+
+    B, T, H, K = 1, 8, 1, 64
+    q = torch.zeros(B, T, H, K, dtype=torch.bfloat16)
+    args = (q, q, q, torch.zeros(B, T, H, K), torch.zeros(B, T, H), 1.0)
+    with pytest.raises(ValueError, match="not implemented"):
+        chunk_kda_fwd_intra(*args, use_tf32_inverse=True)
+    with pytest.raises(ValueError, match="CUDA"):
+        chunk_kda_fwd_intra(*args)  # CPU tensors
+    with pytest.raises(ValueError, match="v must be"):
+        chunk_kda_fwd_intra(q, q, q[..., :32], *args[3:])

@@ -1,0 +1,56 @@
+"""Helpers of the GPU backend tests: forcing a backend, the frozen error bounds, poisoning the allocator."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+BACKENDS = ("sm90", "cutedsl")
+FLA_FACTOR = 1.25
+CEILING = 1e-2
+
+
+def use_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force ``backend`` for this test, or skip when it is not installed here."""
+    if backend == "sm90":
+        if importlib.util.find_spec("cula_sm90") is None:
+            pytest.skip("cula-sm90 is not installed")
+        import cula_sm90
+
+        try:
+            cula_sm90.load_extension()
+        except ImportError as error:
+            pytest.skip(f"cula_sm90 extension not loadable: {error}")
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("cula-sm90 needs an SM90 GPU")
+    else:
+        from cula_runtime.cute import is_available
+
+        if not is_available():
+            pytest.skip("CuTeDSL / TVM-FFI not installed")
+        monkeypatch.setenv("CULA_CUTEDSL_UNVERIFIED", "1")
+    monkeypatch.setenv("CULA_BACKEND", backend)
+
+
+def _fla_errors() -> dict:
+    try:
+        from tests.kda_fla_errors import FLA_ERRORS
+    except ImportError:
+        return {}
+    return FLA_ERRORS
+
+
+def bound(name: str, which: int) -> float:
+    """The accepted rel. L2 error of output ``which`` (0: o, 1: final state) on case ``name``."""
+    errors = _fla_errors()
+    if name not in errors:
+        return 5e-3
+    return min(FLA_FACTOR * errors[name][which], CEILING)
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill free blocks of the caching allocator with NaN so unwritten outputs show up."""
+    block = torch.full((max(nbytes, 1 << 20) // 4,), float("nan"), device="cuda")
+    del block
