@@ -1,7 +1,7 @@
 """Measure FLA Triton ``chunk_kda``'s error against the fp64 oracle on every case of ``tests/kda_cases.py``.
 
 Run on the H200 (needs fla-core==0.6.0; FLA_FLASH_KDA=0 is set here so FLA never hands off to FlashKDA):
-    python benchmarks/fla_error_bounds.py OUT.py [comma-separated case names]
+    python benchmarks/fla_error_bounds.py OUT.py [comma-separated case names | missing]
 writes a Python module ``FLA_ERRORS = {case name: (rel. L2 error of o, of the final state)}`` that the GPU tests
 use as their bound (1.25 x FLA's error, and never above 1e-2). FLA appears only here, never at run time.
 """
@@ -35,11 +35,16 @@ def fla_kda(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def main(out_path: str, only: str = "") -> None:
+    """``only``: case names to measure, or ``missing`` for those absent from tests/kda_fla_errors.py; the file
+    written holds the measured cases plus, with ``missing``, the ones already recorded."""
     import fla
 
+    known: dict = {}
+    if only == "missing":
+        from tests.kda_fla_errors import FLA_ERRORS as known
     rows = []
     for case in CASES:
-        if only and case.name not in only.split(","):
+        if case.name in known or (only and only != "missing" and case.name not in only.split(",")):
             continue
         kwargs = make_inputs(case, "cuda")
         o, ht = fla_kda(kwargs)
@@ -54,6 +59,7 @@ def main(out_path: str, only: str = "") -> None:
         f"(torch {torch.__version__}, fla-core {fla.__version__}, FLA_FLASH_KDA=0) on "
         f'{datetime.date.today().isoformat()}. Do not edit by hand."""\n\n'
     )
+    rows = [(name, eo, eh) for name, (eo, eh) in known.items()] + rows
     body = "FLA_ERRORS = {\n" + "".join(f"    {name!r}: ({eo:.4e}, {eh:.4e}),\n" for name, eo, eh in rows) + "}\n"
     Path(out_path).write_text(header + body)
 
