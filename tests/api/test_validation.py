@@ -124,3 +124,29 @@ def test_cu_seqlens_is_rechecked_after_an_in_place_update() -> None:
     kwargs["cu_seqlens"][2] = 40  # now decreasing: the cached "ok" must not be reused
     with pytest.raises(ValueError, match="non-decreasing"):
         validate_kda_prefill(**kwargs)
+
+
+def test_safe_gate_kernel_rejection_names_each_unsupported_feature() -> None:
+    from cula_runtime.kda_args import safe_gate_kernel_rejection
+
+    def kernel_args(**overrides):
+        gen = torch.Generator().manual_seed(1)
+        q = torch.randn(1, 70, 2, 128, generator=gen).bfloat16()
+        kwargs = dict(q=q, k=q.clone(), v=torch.randn(1, 70, 2, 128, generator=gen).bfloat16(),
+                      g=torch.randn(1, 70, 2, 128, generator=gen), beta=torch.rand(1, 70, 2, generator=gen),
+                      use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=torch.zeros(2))
+        kwargs.update(overrides)
+        return validate_kda_prefill(**kwargs)
+
+    assert safe_gate_kernel_rejection(kernel_args()) is None
+    q32 = torch.randn(1, 70, 2, 128)
+    cases = {
+        "bf16": kernel_args(q=q32, k=q32.clone(), v=torch.randn(1, 70, 2, 128)),
+        "safe gate only": kernel_args(safe_gate=False, lower_bound=None),
+        "lower_bound": kernel_args(use_gate_in_kernel=False, A_log=None, lower_bound=-6.0),
+        "g in fp32 or bf16": kernel_args(g=torch.randn(1, 70, 2, 128).half()),
+    }
+    for words, args in cases.items():
+        reason = safe_gate_kernel_rejection(args)
+        assert reason is not None and words in reason, (words, reason)
+    assert "K = V = 64" in safe_gate_kernel_rejection(kernel_args(), head_dim=64)

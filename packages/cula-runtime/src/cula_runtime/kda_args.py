@@ -17,7 +17,8 @@ import torch
 
 from .index import cached_on_version, check_cu_seqlens_values
 
-__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
+__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "safe_gate_kernel_rejection", "MAX_HEAD_DIM",
+           "SAFE_GATE_LOWER_BOUND_MIN"]
 
 MAX_HEAD_DIM = 256
 SAFE_GATE_LOWER_BOUND_MIN = -5.0
@@ -243,3 +244,25 @@ def validate_kda_prefill(
         cu_seqlens=dense(cu_seqlens), state_v_first=state_v_first,
         B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
     )
+
+
+def safe_gate_kernel_rejection(args: KdaPrefillArgs, head_dim: int = 128) -> str | None:
+    """Why the GPU KDA kernels (bf16, K = V = ``head_dim``, safe gate) cannot serve ``args``, or None if they can.
+
+    Shared by the sm90 and cutedsl backends' ``verify``; each adds its own device and installation checks.
+    """
+    if args.q.dtype != torch.bfloat16:
+        return f"needs bf16 q/k/v, got {args.q.dtype}"
+    if (args.K, args.V) != (head_dim, head_dim):
+        return f"needs K = V = {head_dim}, got K={args.K} V={args.V}"
+    if not args.safe_gate:  # (validation already requires lower_bound when safe_gate meets the in-kernel gate)
+        return "serves the safe gate only: pass safe_gate=True with lower_bound in [-5, 0)"
+    if args.lower_bound is not None and args.lower_bound < SAFE_GATE_LOWER_BOUND_MIN:
+        return f"safe gate needs lower_bound >= -5, got {args.lower_bound}"
+    for name in ("g", "beta"):
+        dtype = getattr(args, name).dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"needs {name} in fp32 or bf16, got {dtype}"
+    if args.initial_state is not None and args.initial_state.dtype not in (torch.float32, torch.bfloat16):
+        return f"needs initial_state in fp32 or bf16, got {args.initial_state.dtype}"
+    return None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets
+from cula_runtime.kda_args import safe_gate_kernel_rejection
 
 from . import load_extension
 
@@ -34,22 +35,9 @@ def verify_kda_prefill(args: Any) -> tuple[bool, str]:
     major, minor = torch.cuda.get_device_capability(args.device)
     if (major, minor) != (9, 0):
         return False, f"built for sm_90a only; this GPU is sm_{major}{minor}"
-    if args.q.dtype != torch.bfloat16:
-        return False, f"needs bf16 q/k/v, got {args.q.dtype}"
-    if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):
-        return False, f"needs K = V = 128, got K={args.K} V={args.V}"
-    if not args.safe_gate:
-        return False, "serves the safe gate only: pass safe_gate=True with lower_bound in [-5, 0)"
-    if args.use_gate_in_kernel and args.lower_bound is None:
-        return False, "serves the lower-bound (safe) gate form only, not the softplus form: set lower_bound"
-    if args.lower_bound is not None and args.lower_bound < -5.0:
-        return False, f"safe gate needs lower_bound >= -5, got {args.lower_bound}"
-    for name in ("g", "beta"):
-        dtype = getattr(args, name).dtype
-        if dtype not in _DTYPE_CODES:
-            return False, f"needs {name} in fp32 or bf16, got {dtype}"
-    if args.initial_state is not None and args.initial_state.dtype not in _DTYPE_CODES:
-        return False, f"needs initial_state in fp32 or bf16, got {args.initial_state.dtype}"
+    reason = safe_gate_kernel_rejection(args, HEAD_DIM)
+    if reason is not None:
+        return False, reason
     if args.B * args.T * args.HV * HEAD_DIM > _INT32_MAX:
         return False, f"B*T*HV*128 = {args.B * args.T * args.HV * HEAD_DIM} exceeds 32-bit indexing"
     return True, "sm_90a kernels serve this call"

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from ...index import prepare_chunk_indices
+from ...kda_args import safe_gate_kernel_rejection
 from .. import is_available
 
 __all__ = ["verify", "kda_prefill_cutedsl", "ENV_UNVERIFIED"]
@@ -37,16 +38,9 @@ def verify(args: Any) -> tuple[bool, str]:
     capability = torch.cuda.get_device_capability(args.device)
     if capability not in _CAPABILITIES:
         return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
-    if args.q.dtype != torch.bfloat16:
-        return False, f"needs bf16 q/k/v, got {args.q.dtype}"
-    if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):
-        return False, f"needs K = V = 128, got K={args.K} V={args.V}"
-    if not args.safe_gate:
-        return False, "serves the safe gate only: pass safe_gate=True with lower_bound in [-5, 0)"
-    if args.use_gate_in_kernel and args.lower_bound is None:
-        return False, "serves the lower-bound (safe) gate form only, not the softplus form: set lower_bound"
-    if args.lower_bound is not None and args.lower_bound < -5.0:
-        return False, f"safe gate needs lower_bound >= -5, got {args.lower_bound}"
+    reason = safe_gate_kernel_rejection(args, HEAD_DIM)
+    if reason is not None:
+        return False, reason
     return True, "CuTeDSL kernels serve this call"
 
 

@@ -25,6 +25,7 @@ import functools
 
 from ..arch import launch_target
 from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+from ..varlen import chunk_rows
 
 try:
     import cuda.bindings.driver as cuda
@@ -429,20 +430,7 @@ def kda_prepare(
         dt_bias = dt_bias.view(HV, K) if dt_bias.is_contiguous() else dt_bias.reshape(HV, K)
 
     varlen = cu_seqlens is not None
-    if varlen:
-        if B != 1:
-            raise ValueError(f"varlen (cu_seqlens given) needs B = 1, got B = {B}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != device:
-            raise ValueError("cu_seqlens must be a 1-D int32 tensor on the inputs' device")
-        if chunk_indices is None:
-            from cula_runtime.index import prepare_chunk_indices
-
-            chunk_indices = prepare_chunk_indices(cu_seqlens, 64)
-        if chunk_indices.dtype != torch.int32 or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
-            raise ValueError("chunk_indices must be an int32 [NT, 2] tensor")
-        num_chunks = chunk_indices.shape[0]
-    else:
-        num_chunks = B * ((T + 63) // 64)
+    chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
     flags = (use_qk_l2norm_in_kernel, gate, A_log is not None, dt_bias is not None, use_beta_sigmoid_in_kernel,
              allow_neg_eigval, varlen)
     config, specs = _plan(H, HV, K, q.dtype, g.dtype, beta.dtype, flags)

@@ -34,6 +34,7 @@ import functools
 
 from ..arch import launch_target
 from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+from ..varlen import check_cu_seqlens
 
 try:
     import cuda.bindings.driver as cuda
@@ -525,14 +526,7 @@ def chunk_kda_fwd_recurrence(
             raise ValueError(f"{name} must be a CUDA tensor on {w.device}")
     device = w.device
     varlen = cu_seqlens is not None
-    if varlen:
-        if B != 1:
-            raise ValueError(f"varlen (cu_seqlens given) needs B = 1, got B = {B}")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != device:
-            raise ValueError("cu_seqlens must be a 1-D int32 tensor on the inputs' device")
-        N = cu_seqlens.shape[0] - 1
-    else:
-        N = B
+    N = check_cu_seqlens(cu_seqlens, B, device) if varlen else B
     state_shape = (N, HV, K, K)
     if initial_state is not None:
         if tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32:
