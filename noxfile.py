@@ -57,6 +57,14 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "-q", *session.posargs)
 
 
+@nox.session(python=PYTHON)
+def cute_compile(session: nox.Session) -> None:
+    """Only the CuTeDSL compile tests: every shipped kernel for sm_90a, sm_100a and sm_103a, SASS checked (CPU)."""
+    install_torch_cpu(session, "pytest", "numpy")
+    session.install("-e", f"{PURE_PACKAGES[0]}[cute]", "-e", PURE_PACKAGES[1], *CPU_CONSTRAINTS)
+    session.run("pytest", "-q", "-m", "compile", *session.posargs)
+
+
 def build_wheels(session: nox.Session) -> bool:
     """Build into a clean dist/: the pure wheels always, cula-sm90 when nvcc is on PATH. True if sm90 was built."""
     packages = list(PURE_PACKAGES)
