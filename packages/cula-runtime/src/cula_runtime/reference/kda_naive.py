@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .preprocess import expand_qk_heads, merge_sequences, prepare_kda_inputs, split_sequences, validate_cu_seqlens
+from ..kda_args import validate_kda_prefill
+from .preprocess import expand_qk_heads, merge_sequences, prepare_kda_inputs, split_sequences
 
 __all__ = ["check_kda_shapes", "kda_naive"]
 
@@ -27,31 +28,16 @@ def check_kda_shapes(
     cu_seqlens: torch.Tensor | None,
     state_v_first: bool,
 ) -> tuple[list[int] | None, int]:
-    """Validate KDA argument shapes (KDA_SPEC §1.1, §4).
+    """Check KDA argument shapes (KDA_SPEC §1.1, §4) with the library's one validator.
 
     Expects q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]``, beta ``[B, T, HV]`` and initial_state
     ``[N, HV, K, V]`` (``[N, HV, V, K]`` if ``state_v_first``). Returns ``(cu, N)``: the varlen boundaries as a Python
     list (None for fixed length) and the number of sequences.
     """
-    if q.dim() != 4 or q.shape != k.shape:
-        raise ValueError(f"q and k must both be [B, T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4 or v.shape[:2] != (B, T):
-        raise ValueError(f"v must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
-    if HV % H != 0:
-        raise ValueError(f"HV={HV} must be a multiple of H={H}")
-    if tuple(g.shape) != (B, T, HV, K):
-        raise ValueError(f"g must be {(B, T, HV, K)}, got {tuple(g.shape)}")
-    if tuple(beta.shape) != (B, T, HV):
-        raise ValueError(f"beta must be {(B, T, HV)}, got {tuple(beta.shape)}")
-    cu = None if cu_seqlens is None else validate_cu_seqlens(cu_seqlens, B, T)
-    N = B if cu is None else len(cu) - 1
-    if initial_state is not None:
-        expected = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-        if tuple(initial_state.shape) != expected:
-            raise ValueError(f"initial_state must be {expected}, got {tuple(initial_state.shape)}")
-    return cu, N
+    args = validate_kda_prefill(q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                state_v_first=state_v_first)
+    cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
+    return cu, args.N
 
 
 def kda_naive(
