@@ -147,7 +147,6 @@ def contenders() -> dict:
         runs["fla"] = fla
     except ImportError as error:
         print(f"FLA not importable ({error}); FLA columns stay empty")
-    os.environ.setdefault("CULA_CUTEDSL_UNVERIFIED", "1")  # a benchmark may time kernels the tests are verifying
     for backend in ("sm90", "cutedsl"):
         def run(kw, backend=backend):
             os.environ["CULA_BACKEND"] = backend

@@ -52,11 +52,15 @@ def main(out_path: str, only: str = "") -> None:
         err_o = rel_l2(o.cpu(), o_ref)
         err_ht = rel_l2(ht.cpu(), ht_ref) if ht is not None else 0.0
         rows.append((case.name, err_o, err_ht))
-        print(f"{case.name:40s} o {err_o:.3e}  ht {err_ht:.3e}")
+        print(f"{case.name:40s} o {err_o:.3e}  ht {err_ht:.3e}", flush=True)
+        _write(out_path, fla.__version__, known, rows)  # after every case: a time-capped run keeps what it measured
+
+
+def _write(out_path: str, fla_version: str, known: dict, rows: list) -> None:
     header = (
         f'"""FLA Triton chunk_kda error against the fp64 oracle on tests/kda_cases.py (seed 0).\n\n'
-        f"Measured by benchmarks/fla_error_bounds.py on {torch.cuda.get_device_name()} "
-        f"(torch {torch.__version__}, fla-core {fla.__version__}, FLA_FLASH_KDA=0) on "
+        f"Measured by benchmarks/fla_error_bounds.py on {torch.cuda.get_device_name()}\n"
+        f"(torch {torch.__version__}, fla-core {fla_version}, FLA_FLASH_KDA=0) on "
         f'{datetime.date.today().isoformat()}. Do not edit by hand."""\n\n'
     )
     rows = [(name, eo, eh) for name, (eo, eh) in known.items()] + rows

@@ -59,7 +59,6 @@ def main() -> None:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     os.environ["CULA_BACKEND"] = args.backend
-    os.environ.setdefault("CULA_CUTEDSL_UNVERIFIED", "1")  # the stress run is part of verifying those kernels
     lines = [f"# kda_prefill determinism stress ({args.backend})", "",
              f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",

@@ -30,7 +30,6 @@ def use_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
         if not is_available():
             pytest.skip("CuTeDSL / TVM-FFI not installed")
-        monkeypatch.setenv("CULA_CUTEDSL_UNVERIFIED", "1")
     monkeypatch.setenv("CULA_BACKEND", backend)
 
 
@@ -45,8 +44,8 @@ def _fla_errors() -> dict:
 def bound(name: str, which: int) -> float:
     """The accepted rel. L2 error of output ``which`` (0: o, 1: final state) on case ``name``."""
     errors = _fla_errors()
-    if name not in errors:
-        return 5e-3
+    if name not in errors:  # a new case needs FLA's error first: benchmarks/fla_error_bounds.py ... missing
+        raise KeyError(f"no FLA error recorded for case {name!r} in tests/kda_fla_errors.py")
     return min(FLA_FACTOR * errors[name][which], CEILING)
 
 

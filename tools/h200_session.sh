@@ -12,14 +12,14 @@ for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in
     tests) timeout 300 bash tools/h200_tests.sh -q ;;
-    fla) timeout 200 python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
+    fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
     bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" --reps 30 ;;
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" ;;
     bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 \
                   --out "$OUT/kda_prefill_rest.md" ;;
     stress) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
     sanitizer) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
-    profile) timeout 200 python3 benchmarks/profile_kda_sm90.py | tee "$OUT/profile_sm90.txt" ;;
+    profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
     *) echo "unknown step: $step (tests fla bench bench-fixed bench-rest stress sanitizer profile intra)" ;;
   esac

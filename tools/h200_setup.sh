@@ -1,5 +1,7 @@
 # Source on the lent H200, after .devcarry/bootstrap.sh: builds cula-sm90 for that machine's Python into
 # /tmp/cula-site and puts it and the pure packages' sources on PYTHONPATH.
+# CuTeDSL launches through TVM-FFI: its wheel for the device's Python, when prepare.sh did not pack it.
+for _w in .devcarry/extra-tvm-ffi/*.whl; do [ -e "$_w" ] && python3 -m zipfile -e "$_w" "${DEVSITE:-/tmp/devsite}"; done
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/cula-site ./packages/cula-sm90 \
   2>&1 | tail -3
 export PYTHONPATH="/tmp/cula-site:$PWD/packages/cula-runtime/src:$PWD/packages/cula/src:$PWD:${PYTHONPATH:-}"

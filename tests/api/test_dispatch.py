@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -106,15 +107,29 @@ def test_info_command_explains_the_choice() -> None:
         assert words in out, out
 
 
-def test_cutedsl_backend_refuses_until_its_kernels_have_run(monkeypatch) -> None:
+@pytest.mark.parametrize("cap,accepted", [((9, 0), True), ((10, 0), True), ((10, 3), True), ((8, 0), False),
+                                          ((12, 0), False)], ids=["sm90", "sm100", "sm103", "sm80", "sm120"])
+def test_cutedsl_backend_serves_its_targets_only(cap, accepted, monkeypatch) -> None:
+    """The CuTeDSL backend takes bf16 K=V=128 safe-gate calls on sm_90/sm_100/sm_103 and says why it refuses the rest
+    (a CPU tensor, another GPU, fp16, K=64, the plain gate)."""
     from cula_runtime.cute import is_available
     from cula_runtime.cute.kda import backend
+    from cula_runtime.kda_args import validate_kda_prefill
 
     if not is_available():
         pytest.skip("CuTeDSL / TVM-FFI not installed")
-    monkeypatch.delenv(backend.ENV_UNVERIFIED, raising=False)
-    ok, reason = backend.verify(_fake_cuda_args())
-    assert not ok and backend.ENV_UNVERIFIED in reason
-    monkeypatch.setenv(backend.ENV_UNVERIFIED, "1")
-    ok, reason = backend.verify(SimpleNamespace(device=torch.device("cpu")))
-    assert not ok and "CUDA" in reason
+    args = validate_kda_prefill(**_inputs(torch.bfloat16), safe_gate=True)
+    ok, reason = backend.verify(args)
+    assert not ok and "CUDA" in reason  # CPU tensors
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    on_gpu = SimpleNamespace(**{**fields, "K": 128, "V": 128}, device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    ok, reason = backend.verify(on_gpu)
+    assert ok is accepted, reason
+    if not accepted:
+        assert f"sm_{cap[0]}{cap[1]}" in reason
+        return
+    for change, words in ((dict(q=args.q.half()), "bf16"), (dict(K=64), "K = V = 128"),
+                          (dict(safe_gate=False), "safe gate")):
+        ok, reason = backend.verify(SimpleNamespace(**{**vars(on_gpu), **change}))
+        assert not ok and words in reason, reason

@@ -16,6 +16,7 @@ import torch
 
 from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets
 from cula_runtime.kda_args import safe_gate_kernel_rejection
+from cula_runtime.kda_tuning import recurrence_block_v, sm_count
 
 from . import load_extension
 
@@ -88,7 +89,7 @@ def run_kernels(args: Any, block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor
 
     Workspace (token-major, ``Ttot = B*T``): ``qg``, ``kg``, ``w``, ``u`` bf16 ``[Ttot, HV, 128]``, ``Aqk`` bf16
     ``[Ttot, HV, 64]``, ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units). ``block_v``: V columns per recurrence CTA
-    (0: the default; 32, 64 or 128).
+    (32, 64 or 128; 0: :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count).
     """
     ext = load_extension()
     B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
@@ -113,6 +114,8 @@ def run_kernels(args: Any, block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor
     qg, kg, w, u = workspace(HEAD_DIM), workspace(HEAD_DIM), workspace(HEAD_DIM), workspace(HEAD_DIM)
     Aqk = workspace(CHUNK)
     g_last = torch.empty(num_chunks, HV, HEAD_DIM, dtype=torch.float32, device=device)
+    if block_v == 0:
+        block_v = recurrence_block_v(N * HV, sm_count(device))
     stream = torch.cuda.current_stream(device).cuda_stream
     lower_bound = args.lower_bound if args.lower_bound is not None else -5.0
     with torch.cuda.device(device):

@@ -373,7 +373,7 @@ class KdaRecurrence:
             cute.arch.sync_warp()
             cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
             cute.arch.sync_warp()
-            self.store_o(mO, sU, b, hv, vb, bos + chunk * C, length, stage, warp_idx, lane)
+            self.store_o(mO, sU, b, hv, vb, bos + chunk * C, length, stage, tidx)
 
         # ---- final state (fp32), same layout as the initial state
         if const_expr(c.output_final_state):
@@ -441,18 +441,22 @@ class KdaRecurrence:
 
     @cute.jit
     def store_o(self, mO: cute.Tensor, sU: cute.Tensor, b: Int32, hv: Int32, vb: Int32, tok0: Int32,
-                length: Int32, stage: Int32, warp_idx: Int32, lane: Int32):
-        """Rows ``< length`` of this warp's 16 staged o columns -> global, one 16-byte segment per copy."""
-        C = self.config.chunk_size
+                length: Int32, stage: Int32, tidx: Int32):
+        """Rows ``< length`` of the staged ``(C, block_v)`` o tile -> global, one 16-byte segment per copy. Thread
+        ``32 w + l`` copies row ``l // 2`` (+16 per pass) of columns ``16 w + 8 (l % 2) ..``: every warp stores
+        only the 16 columns it staged, so a warp barrier orders staging and store.
+
+        The warp's columns come from this one tiled copy over all threads, not from a ``local_tile`` of the
+        swizzled tile at a warp-dependent offset: CuTeDSL 4.6 adds such an offset twice when it falls inside the
+        swizzle's bits (seen in the PTX; on the H200 the warps read each other's columns)."""
+        C, BV = self.config.chunk_size, self.config.block_v
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        copy = cute.make_tiled_copy_tv(atom, cute.make_layout((16, 2), stride=(2, 1)), cute.make_layout((1, 8)))
-        thr = copy.get_slice(lane)
-        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, 16),
-                             (0, vb * self.num_warps + warp_idx))
-        sO = cute.local_tile(sU[None, None, stage], (C, 16), (0, warp_idx))
-        tOsO = thr.partition_S(sO)  # (CPY, C/16, 1)
+        threads = cute.make_layout((16, (2, self.num_warps)), stride=(2, (1, 32)))
+        thr = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8))).get_slice(tidx)
+        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, BV), (0, vb))
+        tOsO = thr.partition_S(sU[None, None, stage])  # (CPY, C/16, 1)
         tOgO = thr.partition_D(gO)
-        tOcO = thr.partition_D(cute.make_identity_tensor((C, 16)))
+        tOcO = thr.partition_D(cute.make_identity_tensor((C, BV)))
         tOrO = cute.make_fragment_like(tOsO)
         cute.copy(atom, tOsO, tOrO)
         for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):

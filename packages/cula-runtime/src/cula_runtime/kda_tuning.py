@@ -1,0 +1,50 @@
+"""Launch-shape choices shared by the GPU KDA backends (cula-sm90 and CuTeDSL). Imports nothing heavy."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+__all__ = ["BLOCK_V_CHOICES", "ENV_BLOCK_V", "recurrence_block_v", "sm_count"]
+
+BLOCK_V_CHOICES = (32, 64, 128)
+ENV_BLOCK_V = "CULA_BLOCK_V"
+
+
+def recurrence_block_v(num_pairs: int, num_sms: int) -> int:
+    """Value columns per recurrence CTA (``block_v``) for ``num_pairs`` = N·HV (sequence, value head) pairs.
+
+    Both recurrence kernels (native and CuTeDSL) hold about 130 KB of shared memory, so one CTA per SM, and split a
+    pair's 128 value columns over ``128 / block_v`` CTAs of ``block_v / 16`` warps. Every warp owns 16 state rows and
+    walks the whole sequence, so a CTA's time per chunk depends little on ``block_v``; what matters is how many
+    waves the grid of ``num_pairs * 128 / block_v`` CTAs takes. Hence: the narrowest ``block_v`` whose grid fits in
+    one wave (more SMs, fewer warps on each), else 128 (the fewest waves, 8 warps per SM to hide latency).
+    Every choice gives the same bits (tested on the H200). ``CULA_BLOCK_V`` overrides the choice.
+
+    Raises:
+        ValueError: ``CULA_BLOCK_V`` is set to something other than 32, 64 or 128.
+    """
+    forced = os.environ.get(ENV_BLOCK_V)
+    if forced:
+        if forced not in {str(bv) for bv in BLOCK_V_CHOICES}:
+            raise ValueError(f"{ENV_BLOCK_V}={forced!r}: expected one of {BLOCK_V_CHOICES}")
+        return int(forced)
+    for block_v in BLOCK_V_CHOICES:
+        if num_pairs * (128 // block_v) <= num_sms:
+            return block_v
+    return BLOCK_V_CHOICES[-1]
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (a ``torch.device``; no index: the current device)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:  # cached: a device query costs microseconds on every call
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
