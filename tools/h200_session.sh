@@ -4,7 +4,8 @@
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests fla
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh bench-fixed
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh bench-rest
-#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh stress sanitizer
+#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh stress:sm90 stress:cutedsl
+#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh sanitizer:sm90 sanitizer:cutedsl
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh profile intra
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
@@ -17,11 +18,15 @@ for step in "$@"; do
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" ;;
     bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 \
                   --out "$OUT/kda_prefill_rest.md" ;;
-    stress) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
-    sanitizer) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
+    stress|stress:sm90) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
+    stress:cutedsl) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend cutedsl \
+                      --out "$OUT/stress_cutedsl.md" ;;
+    sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
+    sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
-    *) echo "unknown step: $step (tests fla bench bench-fixed bench-rest stress sanitizer profile intra)" ;;
+    *) echo "unknown step: $step (tests fla bench bench-fixed bench-rest stress[:sm90|:cutedsl]" \
+          "sanitizer[:sm90|:cutedsl] profile intra)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -26,7 +26,14 @@ CONFIGS = {
     "fixed-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128),
     "varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True, varlen=True),
     "fixed-qg-H4-HV4-K64": dict(num_heads=4, num_v_heads=4, head_dim=64, output_qg=True),
+    "lean-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True, varlen=True,
+                                       lean_smem=True),
+    "lean-fixed-H4-HV8-K128": dict(num_heads=4, num_v_heads=8, head_dim=128, lean_smem=True),
 }
+# Shared memory of one SM on SM90 and SM100/SM103 (228 KB), and what each of two resident CTAs may take (the
+# driver reserves 1 KB per CTA).
+SMEM_PER_SM = 228 * 1024
+TWO_CTA_BUDGET = SMEM_PER_SM // 2 - 1024
 
 
 @pytest.mark.parametrize("target", list(SM))
@@ -55,16 +62,21 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
 
     # Global memory: q, k, v rows (16 B per access) and g rows (two 16-byte accesses per 8 fp32), once each;
     # stores: kg, w, u (and qg) rows of K, Aqk and Akk_inv rows of 64, all 16 B per access.
+    # The lean plan reads k and g rows a second time, for the right-hand sides after the scores.
     passes, passes64 = kernel.passes, C * (C // 8) // kernel.num_threads
-    assert code.opcodes["LDG.E.128"] == 5 * passes
+    assert code.opcodes["LDG.E.128"] == (8 if config.lean_smem else 5) * passes
     assert code.opcodes["STG.E.128"] == (3 + config.output_qg) * passes + 2 * passes64
     # scalar loads: the anchor rows of Γ (4 sub-chunk starts and the last row, 5K values over the CTA), one β,
     # and with varlen two chunk-index and two cu_seqlens entries
     anchor_loads = -(-5 * K // kernel.num_threads)
     assert code.opcodes["LDG.E"] == anchor_loads + 1 + 4 * config.varlen
     # exp2 per element: row factor, 2^Γ, 2^(Γ_last - Γ), one column factor per anchor at or after the row's
+    # (the lean plan computes 2^Γ once more, in its right-hand-side pass, when qg needs it in the first)
     per_row = [3 + 4 - p * kernel.rows_per_pass // 16 for p in range(passes)]
-    assert code.count("MUFU.EX2") == kernel.vec * sum(per_row)
+    again = passes * config.output_qg if config.lean_smem else 0
+    assert code.count("MUFU.EX2") == kernel.vec * (sum(per_row) + again)
+    if config.lean_smem:  # the point of the lean plan: two CTAs per SM
+        assert kernel.smem_bytes() <= TWO_CTA_BUDGET, kernel.smem_bytes()
     assert code.count("BAR.SYNC") >= 8
     print(f"{config_id} {target}: {compile_seconds(KdaIntra, config, target):.1f} s, {sum(code.opcodes.values())} "
           f"instructions, HMMA {code.count('HMMA')}, LDSM {code.count('LDSM')}")
@@ -117,3 +129,22 @@ def test_wrapper_refuses_what_it_does_not_implement() -> None:
         chunk_kda_fwd_intra(*args)  # CPU tensors
     with pytest.raises(ValueError, match="v must be"):
         chunk_kda_fwd_intra(q, q, q[..., :32], *args[3:])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_smem_plans(head_dim: int) -> None:
+    """The wide plan (verified on the H200) needs one SM per CTA at K = 128; the lean plan fits two at both K, and
+    its phase-shared regions hold every buffer that lives in them."""
+    from cula_runtime.cute.kda.intra import NUM_SUB, SUB, KdaIntra, KdaIntraConfig
+
+    wide = KdaIntra(KdaIntraConfig(num_heads=1, num_v_heads=1, head_dim=head_dim))
+    lean = KdaIntra(KdaIntraConfig(num_heads=1, num_v_heads=1, head_dim=head_dim, lean_smem=True))
+    assert lean.smem_bytes() <= TWO_CTA_BUDGET < wide.smem_bytes() or head_dim == 64
+    assert lean.smem_bytes() < wide.smem_bytes()
+    C, K = 64, head_dim
+    plan = lean.lean_plan()
+    kh_end = plan["kh"][-1] + SUB * NUM_SUB * K * 2
+    assert kh_end <= plan["reuse"]  # the four k̂ tiles
+    assert plan["s"] >= C * C * 4 and plan["tb"] >= plan["s"] + SUB * C * 4  # Tinv fp32, then its temporaries
+    assert plan["tb"] >= 2 * C * K * 2 and plan["tb"] + C * C * 2 <= plan["reuse"]  # w, u staged below bf16(Tinv)
+    assert all(offset % 1024 == 0 for offset in (*plan["kh"], plan["s"], plan["tb"], C * K * 2))

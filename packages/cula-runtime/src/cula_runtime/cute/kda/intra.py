@@ -30,6 +30,7 @@ import functools
 
 from ..arch import launch_target
 from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import chunk_rows
 
 try:
@@ -59,6 +60,11 @@ class KdaIntraConfig:
         output_qg: also write ``qg = q 2^Γ``.
         varlen: packed sequences (B = 1, cu_seqlens and chunk indices).
         chunk_size: C; only 64.
+        lean_smem: the shared-memory plan. False ("wide", the H200-verified default): every buffer has its own
+            bytes, about 159 KB at K = 128, one CTA per SM. True ("lean"): buffers whose lifetimes do not overlap
+            share bytes and the right-hand sides β k 2^Γ, β v are built after the scores (their rows are read from
+            global memory a second time), about 99 KB at K = 128, so two CTAs fit on an SM. Same arithmetic, same
+            bits.
     """
 
     num_heads: int
@@ -67,6 +73,7 @@ class KdaIntraConfig:
     output_qg: bool = False
     varlen: bool = False
     chunk_size: int = 64
+    lean_smem: bool = False
 
 
 class KdaIntra:
@@ -202,7 +209,43 @@ class KdaIntra:
             valid = cutlass.min(mG.shape[1] - start, C)
 
         smem = cutlass.utils.SmemAllocator()
-        row_major = cute.make_layout((C, C), stride=(C, 1))
+        plan = self.lean_buffers if const_expr(c.lean_smem) else self.wide_buffers
+        sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sW, sU = plan(smem)
+
+        if valid > 0:
+            self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx)
+            cute.arch.sync_threads()
+            self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
+                      tidx, operands=True, rhs=not c.lean_smem)
+            cute.arch.sync_threads()
+            self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
+            cute.arch.sync_threads()
+            if const_expr(c.lean_smem):  # the right-hand sides, over q̃/k̃ (free since the barrier)
+                self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start,
+                          valid, tidx, operands=False, rhs=True)
+            self.inverse(sA, sT, sS, sTb, tidx)  # ends with a barrier
+            self.wu(wu_mma, sTb, sKb, sVb, sW, sU, tidx)
+            cute.arch.sync_threads()
+            self.store_rows(sW, mW, batch, hv, start, valid, K, tidx)
+            self.store_rows(sU, mU, batch, hv, start, valid, K, tidx)
+            self.store_rows(sAqk, mAqk, batch, hv, start, valid, C, tidx)
+            self.store_rows(sTb, mAkk, batch, hv, start, valid, C, tidx)
+
+    @staticmethod
+    def fp32_layout(cols: int, rows: int | None = None):
+        """Row-major fp32 [rows, cols] (rows defaults to cols)."""
+        return cute.make_layout((cols if rows is None else rows, cols), stride=(cols, 1))
+
+    def small_buffers(self, smem) -> tuple:
+        """The anchors' gate rows Γ[16 I] and Γ_last (fp32 [5, K]) and β (fp32 [64])."""
+        C, K = self.config.chunk_size, self.config.head_dim
+        sGa = smem.allocate_tensor(Float32, cute.make_layout((NUM_SUB + 1, K), stride=(K, 1)), 16)
+        sBeta = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        return sGa, sBeta
+
+    def wide_buffers(self, smem) -> tuple:
+        """The wide plan: every buffer its own bytes. w and u are staged over q̃ and k̃ (free after the scores)."""
+        C, K = self.config.chunk_size, self.config.head_dim
         sQt = smem.allocate_tensor(BFloat16, self.smem_layout(C, K), 1024)  # q̃; later w
         sKt = smem.allocate_tensor(BFloat16, self.smem_layout(C, K), 1024)  # k̃; later u
         sKb = smem.allocate_tensor(BFloat16, self.smem_layout(C, K), 1024)  # bf16(β k 2^Γ)
@@ -211,27 +254,63 @@ class KdaIntra:
         sKh = [smem.allocate_tensor(BFloat16, self.smem_layout(SUB * (i + 1), K), 1024) for i in range(NUM_SUB)]
         sAqk = smem.allocate_tensor(BFloat16, self.smem_layout(C, C), 1024)
         sTb = smem.allocate_tensor(BFloat16, self.smem_layout(C, C), 1024)  # bf16(Tinv)
-        sA = smem.allocate_tensor(Float32, row_major, 16)  # Akk (strictly lower, β-scaled), fp32
-        sT = smem.allocate_tensor(Float32, row_major, 16)  # Tinv, fp32 (lower part only is written)
-        sS = smem.allocate_tensor(Float32, cute.make_layout((SUB, C), stride=(C, 1)), 16)
-        sGa = smem.allocate_tensor(Float32, cute.make_layout((NUM_SUB + 1, K), stride=(K, 1)), 16)
-        sBeta = smem.allocate_tensor(Float32, cute.make_layout(C), 16)
+        sA = smem.allocate_tensor(Float32, self.fp32_layout(C), 16)  # Akk (strictly lower, β-scaled), fp32
+        sT = smem.allocate_tensor(Float32, self.fp32_layout(C), 16)  # Tinv, fp32 (lower part only is written)
+        sS = smem.allocate_tensor(Float32, self.fp32_layout(C, SUB), 16)
+        sGa, sBeta = self.small_buffers(smem)
+        return sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sQt, sKt
 
-        if valid > 0:
-            self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx)
-            cute.arch.sync_threads()
-            self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
-                      tidx)
-            cute.arch.sync_threads()
-            self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
-            cute.arch.sync_threads()
-            self.inverse(sA, sT, sS, sTb, tidx)
-            self.wu(wu_mma, sTb, sKb, sVb, sQt, sKt, tidx)
-            cute.arch.sync_threads()
-            self.store_rows(sQt, mW, batch, hv, start, valid, K, tidx)
-            self.store_rows(sKt, mU, batch, hv, start, valid, K, tidx)
-            self.store_rows(sAqk, mAqk, batch, hv, start, valid, C, tidx)
-            self.store_rows(sTb, mAkk, batch, hv, start, valid, C, tidx)
+    def lean_plan(self) -> dict[str, int]:
+        """Byte offsets of the lean plan's two shared regions (see :meth:`lean_buffers`) and their sizes."""
+        C, K = self.config.chunk_size, self.config.head_dim
+        tile = C * K * 2  # one bf16 [64, K] tile
+        kh = [align_up(SUB * (i + 1) * K * 2) for i in range(NUM_SUB)]
+        inverse = C * C * 4 + SUB * C * 4  # sT, sS (fp32)
+        off_tb = align_up(max(inverse, 2 * tile))
+        return {
+            "rows": 2 * tile,
+            "kh": [sum(kh[:i]) for i in range(NUM_SUB)],
+            "s": C * C * 4,
+            "tb": off_tb,
+            "reuse": max(sum(kh), off_tb + C * C * 2),
+        }
+
+    def lean_buffers(self, smem) -> tuple:
+        """The lean plan: two regions whose buffers take turns (every hand-over is behind a CTA barrier).
+
+        * rows (2 tiles): q̃, k̃ until the scores; then bf16(β k 2^Γ), bf16(β v) until W/U.
+        * reuse: the k̂ of the four anchors until the scores; then Tinv fp32 and its temporaries, and bf16(Tinv) at
+          ``tb``; after the inverse, w and u are staged over the fp32 Tinv while bf16(Tinv) stays.
+        """
+        C, K = self.config.chunk_size, self.config.head_dim
+        plan = self.lean_plan()
+        tile = C * K * 2
+        rows = smem.allocate(plan["rows"], REGION_ALIGN)
+        reuse = smem.allocate(plan["reuse"], REGION_ALIGN)
+        sAqk = smem.allocate_tensor(BFloat16, self.smem_layout(C, C), 1024)
+        sA = smem.allocate_tensor(Float32, self.fp32_layout(C), 16)
+        sGa, sBeta = self.small_buffers(smem)
+        kc = self.smem_layout(C, K)
+        sQt, sKt = carve(rows, 0, BFloat16, kc), carve(rows, tile, BFloat16, kc)
+        sKb, sVb = sQt, sKt
+        sKh = [carve(reuse, plan["kh"][i], BFloat16, self.smem_layout(SUB * (i + 1), K)) for i in range(NUM_SUB)]
+        sT = carve(reuse, 0, Float32, self.fp32_layout(C))
+        sS = carve(reuse, plan["s"], Float32, self.fp32_layout(C, SUB))
+        sTb = carve(reuse, plan["tb"], BFloat16, self.smem_layout(C, C))
+        sW, sU = carve(reuse, 0, BFloat16, kc), carve(reuse, tile, BFloat16, kc)
+        return sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sW, sU
+
+    def smem_bytes(self) -> int:
+        """Shared memory one CTA allocates (bytes; an upper bound that counts 1024-byte alignment of every tile):
+        what decides how many CTAs fit on an SM."""
+        C, K = self.config.chunk_size, self.config.head_dim
+        small = (NUM_SUB + 1) * K * 4 + C * 4  # sGa, sBeta
+        fp32_tile = C * C * 4  # sA (and sT in the wide plan)
+        if self.config.lean_smem:
+            plan = self.lean_plan()
+            return align_up(plan["rows"]) + align_up(plan["reuse"]) + align_up(C * C * 2) + fp32_tile + small
+        tiles = 4 * C * K * 2 + sum(align_up(SUB * (i + 1) * K * 2) for i in range(NUM_SUB)) + 2 * align_up(C * C * 2)
+        return tiles + 2 * fp32_tile + SUB * C * 4 + small
 
     @cute.jit
     def load_anchors(self, mG: cute.Tensor, mBeta: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor,
@@ -281,8 +360,10 @@ class KdaIntra:
     def fill(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mQg: cute.Tensor | None,
              mKg: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor, sQt: cute.Tensor, sKt: cute.Tensor,
              sKb: cute.Tensor, sVb: cute.Tensor, sKh: list, b: Int32, h: Int32, hv: Int32, start: Int32,
-             valid: Int32, tidx: Int32):
-        """Phase 1: the factored MMA operands and right-hand sides into shared memory; kg (and qg) to global memory."""
+             valid: Int32, tidx: Int32, operands: cutlass.Constexpr = True, rhs: cutlass.Constexpr = True):
+        """Phase 1: the factored MMA operands (``operands``: q̃, k̃, k̂ into shared memory; kg, qg to global memory)
+        and the right-hand sides (``rhs``: bf16(β k 2^Γ), bf16(β v) into shared memory). The wide plan does both
+        in one pass; the lean plan does the right-hand sides in a second pass, after the scores."""
         c = self.config
         C, K, VEC = c.chunk_size, c.head_dim, self.vec
         tiled_copy = self.row_copy(K)
@@ -309,14 +390,18 @@ class KdaIntra:
             rK = cute.make_rmem_tensor(vec_layout, BFloat16)
             rV = cute.make_rmem_tensor(vec_layout, BFloat16)
             rG = cute.make_rmem_tensor(vec_layout, Float32)
-            rQ.fill(0.0)
+            if const_expr(operands):
+                rQ.fill(0.0)
             rK.fill(0.0)
-            rV.fill(0.0)
+            if const_expr(rhs):
+                rV.fill(0.0)
             rG.fill(0.0)
             if row < valid:
-                cute.copy(atom, tXgQ[None, p, 0], rQ)
+                if const_expr(operands):
+                    cute.copy(atom, tXgQ[None, p, 0], rQ)
                 cute.copy(atom, tXgK[None, p, 0], rK)
-                cute.copy(atom, tXgV[None, p, 0], rV)
+                if const_expr(rhs):
+                    cute.copy(atom, tXgV[None, p, 0], rV)
                 gRow = cute.local_tile(gG[row, None], (VEC,), (col0 // VEC,))
                 for half in cutlass.range_constexpr(2):
                     cute.copy(g_atom, cute.local_tile(gRow, (4,), (half,)), cute.local_tile(rG, (4,), (half,)))
@@ -330,32 +415,40 @@ class KdaIntra:
             rKh = [cute.make_rmem_tensor(vec_layout, BFloat16) for _ in range(NUM_SUB)]
             for j in cutlass.range_constexpr(VEC):
                 g = rG[j]
-                q = rQ[j].to(Float32)
+                if const_expr(operands):
+                    q = rQ[j].to(Float32)
                 k = rK[j].to(Float32)
-                row_factor = cute.math.exp2(cutlass.min(g - sGa[sub, col0 + j], EXP2_CLAMP), fastmath=True)
+                if const_expr(operands):
+                    row_factor = cute.math.exp2(cutlass.min(g - sGa[sub, col0 + j], EXP2_CLAMP), fastmath=True)
                 decay = cute.math.exp2(g, fastmath=True)
-                rQt[j] = (q * row_factor).to(BFloat16)
-                rKt[j] = (k * row_factor).to(BFloat16)
-                rKb[j] = (beta * k * decay).to(BFloat16)
-                rVb[j] = (beta * rV[j].to(Float32)).to(BFloat16)
-                last = cute.math.exp2(cutlass.min(sGa[NUM_SUB, col0 + j] - g, EXP2_CLAMP), fastmath=True)
-                rKg[j] = (k * last).to(BFloat16)
-                if const_expr(c.output_qg):
-                    rQg[j] = (q * decay).to(BFloat16)
+                if const_expr(operands):
+                    rQt[j] = (q * row_factor).to(BFloat16)
+                    rKt[j] = (k * row_factor).to(BFloat16)
+                if const_expr(rhs):
+                    rKb[j] = (beta * k * decay).to(BFloat16)
+                    rVb[j] = (beta * rV[j].to(Float32)).to(BFloat16)
+                if const_expr(operands):
+                    last = cute.math.exp2(cutlass.min(sGa[NUM_SUB, col0 + j] - g, EXP2_CLAMP), fastmath=True)
+                    rKg[j] = (k * last).to(BFloat16)
+                    if const_expr(c.output_qg):
+                        rQg[j] = (q * decay).to(BFloat16)
+                    for a in cutlass.range_constexpr(sub, NUM_SUB):
+                        col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
+                        rKh[a][j] = (k * col_factor).to(BFloat16)
+            if const_expr(operands):
+                cute.copy(atom, rQt, tXsQt[None, p, 0])
+                cute.copy(atom, rKt, tXsKt[None, p, 0])
+            if const_expr(rhs):
+                cute.copy(atom, rKb, tXsKb[None, p, 0])
+                cute.copy(atom, rVb, tXsVb[None, p, 0])
+            if const_expr(operands):
                 for a in cutlass.range_constexpr(sub, NUM_SUB):
-                    col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
-                    rKh[a][j] = (k * col_factor).to(BFloat16)
-            cute.copy(atom, rQt, tXsQt[None, p, 0])
-            cute.copy(atom, rKt, tXsKt[None, p, 0])
-            cute.copy(atom, rKb, tXsKb[None, p, 0])
-            cute.copy(atom, rVb, tXsVb[None, p, 0])
-            for a in cutlass.range_constexpr(sub, NUM_SUB):
-                cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
-            if row < valid:
-                cute.copy(atom, rKg, tXgKg[None, p, 0])
-                if const_expr(c.output_qg):
-                    tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
-                    cute.copy(atom, rQg, tXgQg[None, p, 0])
+                    cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
+                if row < valid:
+                    cute.copy(atom, rKg, tXgKg[None, p, 0])
+                    if const_expr(c.output_qg):
+                        tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
+                        cute.copy(atom, rQg, tXgQg[None, p, 0])
 
     @cute.jit
     def scores(self, block_mma: cute.TiledMma, sQt: cute.Tensor, sKt: cute.Tensor, sKh: list, sBeta: cute.Tensor,
@@ -504,10 +597,26 @@ class KdaIntra:
 _OUTPUTS = frozenset(range(5, 11))
 
 
+ENV_SMEM_PLAN = "CULA_CUTE_INTRA_SMEM"
+SMEM_PLANS = {"wide": False, "lean": True}
+
+
+def default_lean_smem() -> bool:
+    """The shared-memory plan when a call does not choose: ``CULA_CUTE_INTRA_SMEM`` = ``wide`` (the default, the one
+    verified on the H200) or ``lean`` (two CTAs per SM; compiled for every target, not yet run on a GPU)."""
+    import os
+
+    plan = os.environ.get(ENV_SMEM_PLAN, "wide")
+    if plan not in SMEM_PLANS:
+        raise ValueError(f"{ENV_SMEM_PLAN}={plan!r}: expected one of {sorted(SMEM_PLANS)}")
+    return SMEM_PLANS[plan]
+
+
 @functools.lru_cache(maxsize=256)
-def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool) -> tuple:
+def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, lean_smem: bool) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
-    config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen)
+    config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
+                            lean_smem=lean_smem)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"chunk_kda_fwd_intra: {reason}")
@@ -526,6 +635,8 @@ def chunk_kda_fwd_intra(
     use_tf32_inverse: bool = False,
     output_qg: bool = False,
     out=None,
+    *,
+    lean_smem: bool | None = None,
 ):
     """KDA chunk intra on the GPU (KDA_SPEC §3.2-3.4, §3.8): ``(w, u, qg or None, kg, Aqk, Akk_inv)``.
 
@@ -540,6 +651,7 @@ def chunk_kda_fwd_intra(
         use_tf32_inverse: not implemented (the inverse is fp32 on CUDA cores).
         output_qg: also return ``qg = bf16(q 2^gk)``.
         out: optional preallocated ``(w, u, qg, kg, Aqk, Akk_inv)`` (qg None unless ``output_qg``).
+        lean_smem: the shared-memory plan (:class:`KdaIntraConfig`); None: :func:`default_lean_smem`.
 
     Returns:
         w, qg, kg ``[B, T, HV, K]``; u ``[B, T, HV, V]``; Aqk ``[B, T, HV, 64]`` (scale folded in, zero above the
@@ -568,7 +680,8 @@ def chunk_kda_fwd_intra(
         raise ValueError("q, k, v, gk and beta must be CUDA tensors on one device")
     varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
-    config, specs = _plan(H, HV, K, bool(output_qg), varlen)
+    lean = default_lean_smem() if lean_smem is None else bool(lean_smem)
+    config, specs = _plan(H, HV, K, bool(output_qg), varlen, lean)
 
     names = ("w", "u", "qg", "kg", "Aqk", "Akk_inv")
     shapes = ((B, T, HV, K),) * 4 + ((B, T, HV, 64),) * 2
