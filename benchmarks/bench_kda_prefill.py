@@ -180,7 +180,7 @@ def environment() -> list[str]:
         f"(FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}), Python {platform.python_version()}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- cula knobs: CULA_CUTE_INTRA_SMEM={os.environ.get('CULA_CUTE_INTRA_SMEM', 'wide')}, "
+        f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', 'wide')}, "
         f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}",
     ]
 
@@ -190,11 +190,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kda_prefill_h200.md")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
-    parser.add_argument("--cutedsl-intra", choices=("wide", "lean"), default=None,
-                        help="shared-memory plan of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA_SMEM)")
+    parser.add_argument("--cutedsl-intra", choices=("wide", "lean", "lean-unrolled"), default=None,
+                        help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
     args = parser.parse_args()
     if args.cutedsl_intra:
-        os.environ["CULA_CUTE_INTRA_SMEM"] = args.cutedsl_intra
+        os.environ["CULA_CUTE_INTRA"] = args.cutedsl_intra
     runs = contenders()
     rows = []
     for cfg in configs():

@@ -1,10 +1,10 @@
 """Where each GPU backend's time goes: per-kernel GPU time (torch.profiler) of one ``kda_prefill`` call.
 
-    python benchmarks/profile_kda.py [--backend sm90|cutedsl|cutedsl-lean|all] [--reps 20]
+    python benchmarks/profile_kda.py [--backend sm90|cutedsl|cutedsl-lean|cutedsl-lean-unrolled|all] [--reps 20]
 
 For a few of the benchmark configs and each recurrence block size BV (32, 64, 128), prints the mean GPU time per
-call of each stage (cula-sm90: intra, recurrence; CuTeDSL, with the intra kernel's wide or lean shared-memory
-plan: prepare, intra, recurrence; "other": everything else on the GPU, e.g. index helpers and allocations), the
+call of each stage (cula-sm90: intra, recurrence; CuTeDSL, with each variant of its intra kernel: prepare, intra,
+recurrence; "other": everything else on the GPU, e.g. index helpers and allocations), the
 bytes the intra and recurrence stages must move at least (the workspace model of csrc/kda/kda_params.h, the same
 for both backends) and the bandwidth that implies. A microbenchmark for tuning; the end-to-end numbers are
 bench_kda_prefill.py's.
@@ -25,8 +25,10 @@ from bench_kda_prefill import configs, make_inputs  # noqa: E402
 
 K = V = 128
 PICK = ("fixed B1 T16384", "fixed B2 T16384", "fixed B1 T512", "varlen T16384 10xskewed", "B1 H16 T32768")
-STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": ("prepare", "intra", "recurrence"),
-          "cutedsl-lean": ("prepare", "intra", "recurrence")}
+CUTE_STAGES = ("prepare", "intra", "recurrence")
+# backend -> its stages; the CuTeDSL entries name the intra kernel's variant after "cutedsl-"
+STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES, "cutedsl-lean": CUTE_STAGES,
+          "cutedsl-lean-unrolled": CUTE_STAGES}
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:
@@ -48,7 +50,7 @@ def runner(backend: str) -> Callable:
 
     from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
 
-    os.environ["CULA_CUTE_INTRA_SMEM"] = "lean" if backend == "cutedsl-lean" else "wide"
+    os.environ["CULA_CUTE_INTRA"] = backend.removeprefix("cutedsl-") if backend != "cutedsl" else "wide"
     return lambda args, block_v: kda_prefill_cutedsl(args, block_v=block_v)
 
 
@@ -73,7 +75,7 @@ def main() -> None:
     from cula_runtime.kda_args import validate_kda_prefill
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backend", choices=("sm90", "cutedsl", "cutedsl-lean", "all"), default="all")
+    parser.add_argument("--backend", choices=(*STAGES, "all"), default="all")
     parser.add_argument("--reps", type=int, default=20)
     opts = parser.parse_args()
     backends = tuple(STAGES) if opts.backend == "all" else (opts.backend,)

@@ -28,7 +28,8 @@ CONFIGS = {
     "fixed-qg-H4-HV4-K64": dict(num_heads=4, num_v_heads=4, head_dim=64, output_qg=True),
     "lean-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True, varlen=True,
                                        lean_smem=True),
-    "lean-fixed-H4-HV8-K128": dict(num_heads=4, num_v_heads=8, head_dim=128, lean_smem=True),
+    "lean-unrolled-fixed-H4-HV8-K128": dict(num_heads=4, num_v_heads=8, head_dim=128, lean_smem=True,
+                                            unrolled_inverse=True),
 }
 # Shared memory of one SM on SM90 and SM100/SM103 (228 KB), and what each of two resident CTAs may take (the
 # driver reserves 1 KB per CTA).
@@ -148,3 +149,20 @@ def test_smem_plans(head_dim: int) -> None:
     assert plan["s"] >= C * C * 4 and plan["tb"] >= plan["s"] + SUB * C * 4  # Tinv fp32, then its temporaries
     assert plan["tb"] >= 2 * C * K * 2 and plan["tb"] + C * C * 2 <= plan["reuse"]  # w, u staged below bf16(Tinv)
     assert all(offset % 1024 == 0 for offset in (*plan["kh"], plan["s"], plan["tb"], C * K * 2))
+
+
+def test_variant_knob(monkeypatch) -> None:
+    """``variant=`` and ``CULA_CUTE_INTRA`` pick the intra variant; the default is the H200-verified ``wide``; an
+    unknown name is a ValueError that names the knob and the choices."""
+    from cula_runtime.cute.kda.intra import ENV_VARIANT, VARIANTS, variant_flags
+
+    monkeypatch.delenv(ENV_VARIANT, raising=False)
+    assert variant_flags(None) == (False, False) == VARIANTS["wide"]
+    monkeypatch.setenv(ENV_VARIANT, "lean-unrolled")
+    assert variant_flags(None) == (True, True)
+    assert variant_flags("lean") == (True, False)  # the argument wins over the environment
+    monkeypatch.setenv(ENV_VARIANT, "fast")
+    with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'.*lean"):
+        variant_flags(None)
+    with pytest.raises(ValueError, match=r"variant='tf32'"):
+        variant_flags("tf32")

@@ -97,7 +97,7 @@ KERNELS: tuple[KernelEntry, ...] = (
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra",
         summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the status "
-                "is the default wide smem plan's (the opt-in lean_smem plan, 2 CTAs/SM, is compiled but has not run)",
+                "is the default wide variant's (the opt-in lean and lean-unrolled variants compile but have not run)",
     ),
     KernelEntry(
         name="chunk_kda_fwd_recurrence", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),

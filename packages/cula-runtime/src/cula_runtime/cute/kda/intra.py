@@ -65,6 +65,10 @@ class KdaIntraConfig:
             share bytes and the right-hand sides β k 2^Γ, β v are built after the scores (their rows are read from
             global memory a second time), about 99 KB at K = 128, so two CTAs fit on an SM. Same arithmetic, same
             bits.
+        unrolled_inverse: the off-diagonal block substitution of the inverse with compile-time loop bounds: every
+            thread runs all of a block row's terms (unrolled, so its independent sums interleave) and keeps only
+            those of its lower-triangular range by selection. False: runtime loops over exactly that range (the
+            H200-verified default). The kept terms are added in the same order: same bits.
     """
 
     num_heads: int
@@ -74,6 +78,7 @@ class KdaIntraConfig:
     varlen: bool = False
     chunk_size: int = 64
     lean_smem: bool = False
+    unrolled_inverse: bool = False
 
 
 class KdaIntra:
@@ -520,8 +525,13 @@ class KdaIntra:
                 r = idx // width
                 x = idx % width
                 acc = Float32(0.0)
-                for y in cutlass.range((x // SUB) * SUB, width):
-                    acc = acc + sA[width + r, y] * sT[y, x]
+                if const_expr(self.config.unrolled_inverse):  # Tinv_MJ is zero above the diagonal: skip M < J
+                    lo = (x // SUB) * SUB
+                    for y in cutlass.range_constexpr(width):
+                        acc = cutlass.select_(y >= lo, acc + sA[width + r, y] * sT[y, x], acc)
+                else:
+                    for y in cutlass.range((x // SUB) * SUB, width):
+                        acc = acc + sA[width + r, y] * sT[y, x]
                 sS[r, x] = acc
             cute.arch.sync_threads()
             for e in cutlass.range_constexpr(SUB * width // self.num_threads):
@@ -529,8 +539,12 @@ class KdaIntra:
                 r = idx // width
                 x = idx % width
                 acc = sS[r, x]
-                for y in cutlass.range(0, r):
-                    acc = acc + sT[width + r, width + y] * sS[y, x]
+                if const_expr(self.config.unrolled_inverse):
+                    for y in cutlass.range_constexpr(SUB):
+                        acc = cutlass.select_(y < r, acc + sT[width + r, width + y] * sS[y, x], acc)
+                else:
+                    for y in cutlass.range(0, r):
+                        acc = acc + sT[width + r, width + y] * sS[y, x]
                 sT[width + r, x] = -acc
             cute.arch.sync_threads()
         for e in cutlass.range_constexpr(C * C // self.num_threads):
@@ -597,26 +611,28 @@ class KdaIntra:
 _OUTPUTS = frozenset(range(5, 11))
 
 
-ENV_SMEM_PLAN = "CULA_CUTE_INTRA_SMEM"
-SMEM_PLANS = {"wide": False, "lean": True}
+ENV_VARIANT = "CULA_CUTE_INTRA"
+# Named variants of the intra kernel: (lean_smem, unrolled_inverse). All compute the same bits.
+VARIANTS = {"wide": (False, False), "lean": (True, False), "lean-unrolled": (True, True)}
 
 
-def default_lean_smem() -> bool:
-    """The shared-memory plan when a call does not choose: ``CULA_CUTE_INTRA_SMEM`` = ``wide`` (the default, the one
-    verified on the H200) or ``lean`` (two CTAs per SM; compiled for every target, not yet run on a GPU)."""
+def variant_flags(variant: str | None) -> tuple[bool, bool]:
+    """``(lean_smem, unrolled_inverse)`` of a named variant; None: ``CULA_CUTE_INTRA``, else ``wide`` (the one
+    verified on the H200; ``lean`` and ``lean-unrolled`` compile for every target but have not run on a GPU)."""
     import os
 
-    plan = os.environ.get(ENV_SMEM_PLAN, "wide")
-    if plan not in SMEM_PLANS:
-        raise ValueError(f"{ENV_SMEM_PLAN}={plan!r}: expected one of {sorted(SMEM_PLANS)}")
-    return SMEM_PLANS[plan]
+    name = variant if variant is not None else os.environ.get(ENV_VARIANT, "wide")
+    if name not in VARIANTS:
+        where = "variant" if variant is not None else ENV_VARIANT
+        raise ValueError(f"{where}={name!r}: expected one of {sorted(VARIANTS)}")
+    return VARIANTS[name]
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, lean_smem: bool) -> tuple:
+def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, bool]) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
-                            lean_smem=lean_smem)
+                            lean_smem=flags[0], unrolled_inverse=flags[1])
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"chunk_kda_fwd_intra: {reason}")
@@ -636,7 +652,7 @@ def chunk_kda_fwd_intra(
     output_qg: bool = False,
     out=None,
     *,
-    lean_smem: bool | None = None,
+    variant: str | None = None,
 ):
     """KDA chunk intra on the GPU (KDA_SPEC §3.2-3.4, §3.8): ``(w, u, qg or None, kg, Aqk, Akk_inv)``.
 
@@ -651,7 +667,8 @@ def chunk_kda_fwd_intra(
         use_tf32_inverse: not implemented (the inverse is fp32 on CUDA cores).
         output_qg: also return ``qg = bf16(q 2^gk)``.
         out: optional preallocated ``(w, u, qg, kg, Aqk, Akk_inv)`` (qg None unless ``output_qg``).
-        lean_smem: the shared-memory plan (:class:`KdaIntraConfig`); None: :func:`default_lean_smem`.
+        variant: ``wide``, ``lean`` or ``lean-unrolled`` (:data:`VARIANTS`, :class:`KdaIntraConfig`); None:
+            :func:`variant_flags` (``CULA_CUTE_INTRA``, else ``wide``).
 
     Returns:
         w, qg, kg ``[B, T, HV, K]``; u ``[B, T, HV, V]``; Aqk ``[B, T, HV, 64]`` (scale folded in, zero above the
@@ -680,8 +697,7 @@ def chunk_kda_fwd_intra(
         raise ValueError("q, k, v, gk and beta must be CUDA tensors on one device")
     varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
-    lean = default_lean_smem() if lean_smem is None else bool(lean_smem)
-    config, specs = _plan(H, HV, K, bool(output_qg), varlen, lean)
+    config, specs = _plan(H, HV, K, bool(output_qg), varlen, variant_flags(variant))
 
     names = ("w", "u", "qg", "kg", "Aqk", "Akk_inv")
     shapes = ((B, T, HV, K),) * 4 + ((B, T, HV, 64),) * 2
