@@ -30,6 +30,13 @@ CONFIGS = {
                                      state_v_first=True),
     "fixed-bv32-HV2-h0-ht-kv": dict(num_v_heads=2, block_v=32, has_initial_state=True, output_final_state=True),
     "varlen-bv128-HV8-ht-kv": dict(num_v_heads=8, block_v=128, varlen=True, output_final_state=True),
+    # the delta-h primitive (chunk_kda_fwd_h): h and v_new, no output
+    "h-fixed-bv64-HV4-h0-ht-kv": dict(num_v_heads=4, has_initial_state=True, output_final_state=True, output_o=False,
+                                      output_h=True),
+    "h-varlen-bv32-HV2-vk": dict(num_v_heads=2, block_v=32, varlen=True, state_v_first=True, output_o=False,
+                                 output_h=True),
+    # both: o and h
+    "oh-varlen-bv128-HV8": dict(num_v_heads=8, block_v=128, varlen=True, output_h=True),
 }
 
 # Per chunk and warp (16 value rows): w·S 8 k-blocks x 8 token tiles, qg·S the same, kgᵀ·v_new 4 x 16 K tiles,
@@ -60,21 +67,27 @@ def test_kda_recurrence_machine_code(config_id: str, target: str) -> None:
     assert (code.sm, code.target) == (SM[target], target)
     assert compile_seconds(KdaRecurrence, config, target) > 0
 
-    assert code.opcodes["HMMA.16816.F32.BF16"] == HMMA_PER_CHUNK
-    assert code.count("HMMA") == HMMA_PER_CHUNK  # no other MMA flavour
-    assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK
+    # Without the output: no qg·S or Aqk·v_new products and no qg/Aqk loads; h adds a v_newᵀ staging (stmatrix).
+    o, h = config.output_o, config.output_h
+    hmma = HMMA_PER_CHUNK if o else 64 + 64
+    assert code.opcodes["HMMA.16816.F32.BF16"] == hmma
+    assert code.count("HMMA") == hmma  # no other MMA flavour
+    assert code.opcodes["LDSM.16.M88.4"] == (LDSM_PER_CHUNK if o else 32)
     assert code.opcodes["LDSM.16.MT88.4"] == LDSM_T_PER_CHUNK
-    assert code.opcodes["STSM.16.MT88.4"] == STSM_T_PER_CHUNK
+    assert code.opcodes["STSM.16.MT88.4"] == STSM_T_PER_CHUNK * (o + h)
     assert code.count("LDL") == 0 and code.count("STL") == 0, "register spill"
     assert code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0  # warp-level MMA only: one source for every SM
     # Per thread, per chunk: 16-byte cp.async of w, qg, kg (3 x 64 x 128 bf16), u (64 x block_v), Aqk (64 x 64)
     # for both the prologue and the in-loop prefetch, plus the gate row (16 bytes on 32 threads).
     threads = config.block_v // 16 * 32
-    per_chunk = (3 * C * K + C * config.block_v + C * C) // 8 // threads
+    per_chunk = ((3 if o else 2) * C * K + C * config.block_v + (C * C if o else 0)) // 8 // threads
     assert code.count("LDGSTS") >= 2 * per_chunk
     assert code.count("BAR.SYNC") >= 1
     assert code.count("MUFU.EX2") >= K // 32  # exp2 of the chunk's decay row, K / 32 channels per lane
-    assert code.count("STG.E.128") >= C // 16  # o rows: one 16-byte store per row segment
+    assert code.count("STG.E.128") >= C // 16 * (o + h)  # o and v_new rows: one 16-byte store per row segment
+    if h:  # h = bf16(Sᵀ) of 16 rows x K per warp: V-strided halves, or K-contiguous pairs (vk)
+        store = "STG.E" if config.state_v_first else "STG.E.U16"
+        assert code.opcodes[store] >= K // 8 * 4 // (2 if config.state_v_first else 1)
     if config.output_final_state:
         store = "STG.E.64" if config.state_v_first else "STG.E"  # K-contiguous pairs, or single V-strided floats
         assert code.opcodes[store] >= K // 8 * 2
@@ -101,6 +114,7 @@ def test_one_binary_serves_every_length() -> None:
         ({"chunk_size": 32}, "only 64"),
         ({"block_v": 16}, "block_v"),
         ({"num_v_heads": 0}, "num_v_heads"),
+        ({"output_o": False, "output_final_state": False}, "nothing to write"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:

@@ -109,6 +109,16 @@ KERNELS: tuple[KernelEntry, ...] = (
         summary="CuTeDSL KDA delta-h + output: fp32 state in registers, o and the final state from the intra outputs",
     ),
     KernelEntry(
+        name="chunk_kda_fwd_h", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
+        dtypes=("bfloat16",),
+        features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "initial-state",
+                  "final-state", "per-chunk-states"),
+        status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+        entry="cula_runtime.cute.kda.recurrence:chunk_kda_fwd_h",
+        summary="CuTeDSL KDA delta-h primitive (FLA's chunk_gated_delta_rule_fwd_h): per-chunk bf16 states h, v_new "
+                "and the final state; the recurrence kernel without its output",
+    ),
+    KernelEntry(
         name="lightning_naive", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
         features=("varlen", "tail-chunks", "state-kv", "state-vk"), status=_REF_STATUS + "; the fp64 oracle itself",
         entry="cula_runtime.reference.lightning:lightning_naive",

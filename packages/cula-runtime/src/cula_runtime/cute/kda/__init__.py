@@ -8,7 +8,8 @@ CuTeDSL) on first use, raising an ``ImportError`` that names the fix when CuTeDS
 * :func:`chunk_kda_fwd_intra`, :class:`KdaIntra`, :class:`KdaIntraConfig` (``intra.py``): Aqk and Akk on warp MMA,
   the fp32 inverse of (I + Akk), and w/u/kg/qg, in FLA's intermediate layouts.
 * :func:`chunk_kda_fwd_recurrence`, :class:`KdaRecurrence`, :class:`KdaRecurrenceConfig` (``recurrence.py``): the
-  fused delta-h + output, with the fp32 state in registers across chunks.
+  fused delta-h + output, with the fp32 state in registers across chunks; :func:`chunk_kda_fwd_h`, the same
+  kernel as the delta-h primitive (per-chunk states h and v_new, no output).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ _LAZY_EXPORTS = {
     "KdaIntra": "cula_runtime.cute.kda.intra",
     "KdaIntraConfig": "cula_runtime.cute.kda.intra",
     "chunk_kda_fwd_recurrence": "cula_runtime.cute.kda.recurrence",
+    "chunk_kda_fwd_h": "cula_runtime.cute.kda.recurrence",
     "KdaRecurrence": "cula_runtime.cute.kda.recurrence",
     "KdaRecurrenceConfig": "cula_runtime.cute.kda.recurrence",
 }

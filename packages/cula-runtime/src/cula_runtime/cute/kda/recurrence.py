@@ -45,7 +45,7 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["KdaRecurrence", "KdaRecurrenceConfig", "chunk_kda_fwd_recurrence"]
+__all__ = ["KdaRecurrence", "KdaRecurrenceConfig", "chunk_kda_fwd_h", "chunk_kda_fwd_recurrence"]
 
 BLOCK_V_CHOICES = (32, 64, 128)
 
@@ -63,6 +63,9 @@ class KdaRecurrenceConfig:
         output_final_state: the fp32 final state is written.
         state_v_first: the states are ``[N, HV, V, K]`` (else ``[N, HV, K, V]``).
         chunk_size: C; only 64.
+        output_o: compute and write o (reads qg and Aqk). False: the delta-h primitive alone.
+        output_h: also write every chunk's entering state ``h = bf16(S)`` (``[B, NT, HV, K, V]``, or ``V, K`` with
+            ``state_v_first``; varlen: ``[1, NC, ...]`` at ``chunk_offsets[n] + c``) and ``v_new`` (bf16, token-major).
     """
 
     num_v_heads: int
@@ -73,6 +76,8 @@ class KdaRecurrenceConfig:
     output_final_state: bool = False
     state_v_first: bool = False
     chunk_size: int = 64
+    output_o: bool = True
+    output_h: bool = False
 
 
 class KdaRecurrence:
@@ -100,24 +105,29 @@ class KdaRecurrence:
             return False, f"block_v={c.block_v}: expected one of {BLOCK_V_CHOICES}"
         if c.num_v_heads < 1 or c.num_v_heads > 65535:
             return False, f"num_v_heads={c.num_v_heads}: must be in [1, 65535] (grid y)"
+        if not (c.output_o or c.output_h or c.output_final_state):
+            return False, "nothing to write: output_o, output_h and output_final_state are all False"
         return True, ""
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
-        """Layout promises of the ten tensor arguments of ``__call__``, in order (None: argument absent)."""
+        """Layout promises of the thirteen tensor arguments of ``__call__``, in order (None: argument absent)."""
         c = self.config
         bf16 = TensorSpec(BFloat16, 4, 8)  # 16-byte rows segments for cp.async and the o store
         state = TensorSpec(Float32, 4, 2)
         return (
-            bf16,  # qg [B, T, HV, K]
+            bf16 if c.output_o else None,  # qg [B, T, HV, K]
             bf16,  # kg [B, T, HV, K]
             bf16,  # w [B, T, HV, K]
             bf16,  # u [B, T, HV, V]
-            bf16,  # Aqk [B, T, HV, C]
+            bf16 if c.output_o else None,  # Aqk [B, T, HV, C]
             TensorSpec(Float32, 4, 4),  # gk [B, T, HV, K] (log2 units)
             state if c.has_initial_state else None,  # h0 [N, HV, K, V] or [N, HV, V, K]
-            bf16,  # o [B, T, HV, V]
+            bf16 if c.output_o else None,  # o [B, T, HV, V]
             state if c.output_final_state else None,  # ht
             TensorSpec(Int32, 1) if c.varlen else None,  # cu_seqlens [N + 1]
+            TensorSpec(BFloat16, 5, 2) if c.output_h else None,  # h [B, NT, HV, K, V] (or V, K)
+            bf16 if c.output_h else None,  # v_new [B, T, HV, V]
+            TensorSpec(Int32, 1) if c.output_h and c.varlen else None,  # chunk_offsets [N + 1]
         )
 
     def compile_arguments(self) -> tuple:
@@ -169,6 +179,9 @@ class KdaRecurrence:
         mO: cute.Tensor,
         mHt: cute.Tensor | None,
         mCuSeqlens: cute.Tensor | None,
+        mH: cute.Tensor | None,
+        mVnew: cute.Tensor | None,
+        mChunkOffsets: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -194,7 +207,7 @@ class KdaRecurrence:
         else:
             num_seqs = mW.shape[0]
         self.kernel(
-            mQg, mKg, mW, mU, mAqk, mG, mH0, mO, mHt, mCuSeqlens, scale,
+            mQg, mKg, mW, mU, mAqk, mG, mH0, mO, mHt, mCuSeqlens, mH, mVnew, mChunkOffsets, scale,
             sK_layout, sU_layout, sA_layout, tiled_mma, SharedStorage,
         ).launch(grid=[num_seqs, c.num_v_heads, K // BV], block=[self.num_threads, 1, 1], stream=stream)
 
@@ -214,6 +227,9 @@ class KdaRecurrence:
         mO: cute.Tensor,
         mHt: cute.Tensor | None,
         mCuSeqlens: cute.Tensor | None,
+        mH: cute.Tensor | None,
+        mVnew: cute.Tensor | None,
+        mChunkOffsets: cute.Tensor | None,
         scale: Float32,
         sK_layout: cute.ComposedLayout,
         sU_layout: cute.ComposedLayout,
@@ -297,7 +313,7 @@ class KdaRecurrence:
 
         # ---- initial state (fp32) into the accumulator layout of Sᵀ
         if const_expr(c.has_initial_state):
-            tSgH0 = thr_mma.partition_C(self._state_tile(mH0, n, hv, vb))
+            tSgH0 = thr_mma.partition_C(self._state_tile(mH0[n, hv, None, None], vb))
             tSrS.store(tSgH0.load())
         else:
             tSrS.fill(0.0)
@@ -333,6 +349,9 @@ class KdaRecurrence:
             rSbf = cute.make_rmem_tensor(tSrS.layout, BFloat16)
             rSbf.store(tSrS.load().to(BFloat16))
             tSrSbf_A = self._acc_as_operand_a(rSbf)  # (((2,2),2), 1, K/16)
+            if const_expr(c.output_h):  # h of this chunk: the state entering it, as the products use it (bf16)
+                h_index = mChunkOffsets[n] + chunk if const_expr(c.varlen) else chunk
+                thr_mma.partition_C(self._state_tile(mH[b, h_index, hv, None, None], vb)).store(rSbf.load())
             accV.fill(0.0)
             for kb in cutlass.range_constexpr(K // self.mma_k):
                 cute.copy(s2r_B, tCsW[None, None, kb, stage], tCrW_v[None, None, kb])
@@ -351,40 +370,47 @@ class KdaRecurrence:
                 cute.copy(s2r_Bt, tCsKg[None, None, kb, stage], tCrKg_v[None, None, kb])
                 cute.gemm(tiled_mma, tSrS, tCrVn_A[None, None, kb], tCrKg[None, None, kb], tSrS)
 
-            # ---- oᵀ = scale · Sᵀ_bf · qgᵀ + v_newᵀ · tril(Aqk)ᵀ (off the recurrence's critical path)
-            accO.fill(0.0)
-            for kb in cutlass.range_constexpr(K // self.mma_k):
-                cute.copy(s2r_B, tCsQ[None, None, kb, stage], tCrQ_v[None, None, kb])
-                cute.gemm(tiled_mma, accO, tSrSbf_A[None, None, kb], tCrQ[None, None, kb], accO)
-            accO.store(accO.load() * scale)
-            for kb in cutlass.range_constexpr(C // self.mma_k):  # query tile nt (8 tokens) needs key blocks <= nt/2
-                cute.copy(s2r_B, tCsA[None, None, kb, stage], tCrA_v[None, None, kb])
-                for nt in cutlass.range_constexpr(2 * kb, C // 8):
-                    if const_expr(nt // 2 == kb):  # diagonal block: zero the key tokens after the query token
-                        for v in cutlass.range_constexpr(cute.size(tCrA, mode=[0])):
-                            query, key = tCcA[v, nt, kb]
-                            tCrA[v, nt, kb] = cutlass.select_(key > query, BFloat16(0.0), tCrA[v, nt, kb])
-                    acc = self._rank3(accO[None, None, nt])
-                    cute.gemm(tiled_mma, acc, self._rank3(tCrVn_A[None, None, kb]), self._rank3(tCrA[None, nt, kb]),
-                              acc)
+            # ---- v_new (delta-h primitive): staged over this warp's own u columns (read above), like o below
+            if const_expr(c.output_h):
+                cute.arch.sync_warp()
+                cute.copy(r2s_C, r2s_C.retile(rVn), tCsO[None, None, None, stage])
+                cute.arch.sync_warp()
+                self.store_o(mVnew, sU, b, hv, vb, bos + chunk * C, length, stage, tidx)
 
-            # ---- o: stage oᵀ over this warp's own u columns (already read), then 16-byte stores of rows < length
-            rO.store(accO.load().to(BFloat16))
-            cute.arch.sync_warp()
-            cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
-            cute.arch.sync_warp()
-            self.store_o(mO, sU, b, hv, vb, bos + chunk * C, length, stage, tidx)
+            # ---- oᵀ = scale · Sᵀ_bf · qgᵀ + v_newᵀ · tril(Aqk)ᵀ (off the recurrence's critical path)
+            if const_expr(c.output_o):
+                accO.fill(0.0)
+                for kb in cutlass.range_constexpr(K // self.mma_k):
+                    cute.copy(s2r_B, tCsQ[None, None, kb, stage], tCrQ_v[None, None, kb])
+                    cute.gemm(tiled_mma, accO, tSrSbf_A[None, None, kb], tCrQ[None, None, kb], accO)
+                accO.store(accO.load() * scale)
+                for kb in cutlass.range_constexpr(C // self.mma_k):  # query tile nt (8 tokens) needs key blocks <= nt/2
+                    cute.copy(s2r_B, tCsA[None, None, kb, stage], tCrA_v[None, None, kb])
+                    for nt in cutlass.range_constexpr(2 * kb, C // 8):
+                        if const_expr(nt // 2 == kb):  # diagonal block: zero the key tokens after the query token
+                            for v in cutlass.range_constexpr(cute.size(tCrA, mode=[0])):
+                                query, key = tCcA[v, nt, kb]
+                                tCrA[v, nt, kb] = cutlass.select_(key > query, BFloat16(0.0), tCrA[v, nt, kb])
+                        acc = self._rank3(accO[None, None, nt])
+                        cute.gemm(tiled_mma, acc, self._rank3(tCrVn_A[None, None, kb]),
+                                  self._rank3(tCrA[None, nt, kb]), acc)
+
+                # ---- o: stage oᵀ over this warp's own u columns (already read), then 16-byte stores of rows < length
+                rO.store(accO.load().to(BFloat16))
+                cute.arch.sync_warp()
+                cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
+                cute.arch.sync_warp()
+                self.store_o(mO, sU, b, hv, vb, bos + chunk * C, length, stage, tidx)
 
         # ---- final state (fp32), same layout as the initial state
         if const_expr(c.output_final_state):
-            tSgHt = thr_mma.partition_C(self._state_tile(mHt, n, hv, vb))
+            tSgHt = thr_mma.partition_C(self._state_tile(mHt[n, hv, None, None], vb))
             tSgHt.store(tSrS.load())
 
     @cute.jit
-    def _state_tile(self, mH: cute.Tensor, n: Int32, hv: Int32, vb: Int32) -> cute.Tensor:
-        """This CTA's ``(BV, K)`` block of ``Sᵀ`` in a state tensor ``[N, HV, K, V]`` (or ``[N, HV, V, K]``)."""
+    def _state_tile(self, head: cute.Tensor, vb: Int32) -> cute.Tensor:
+        """This CTA's ``(BV, K)`` block of ``Sᵀ`` in one head's state ``[K, V]`` (or ``[V, K]``)."""
         c = self.config
-        head = mH[n, hv, None, None]
         if const_expr(not c.state_v_first):  # (K, V) with V contiguous -> view it as (V, K)
             head = cute.make_tensor(head.iterator, cute.make_layout(
                 (head.shape[1], head.shape[0]), stride=(head.stride[1], head.stride[0])
@@ -416,13 +442,16 @@ class KdaRecurrence:
         ``length`` are zero-filled in shared memory and not read."""
         C, K, BV = self.config.chunk_size, self.config.head_dim, self.config.block_v
         g2s_K, g2s_U, g2s_A, g_atom = loader
-        for mX, sX in ((mW, sW), (mQg, sQ), (mKg, sKg)):
+        # qg and Aqk only feed the output
+        tiles = ((mW, sW), (mQg, sQ), (mKg, sKg)) if const_expr(self.config.output_o) else ((mW, sW), (mKg, sKg))
+        for mX, sX in tiles:
             gX = cute.local_tile(cute.domain_offset((tok0, 0), mX[b, None, hv, None]), (C, K), (0, 0))
             self._copy_rows(g2s_K, gX, sX[None, None, stage], length)
         gU = cute.local_tile(cute.domain_offset((tok0, 0), mU[b, None, hv, None]), (C, BV), (0, vb))
         self._copy_rows(g2s_U, gU, sU[None, None, stage], length)
-        gA = cute.local_tile(cute.domain_offset((tok0, 0), mAqk[b, None, hv, None]), (C, C), (0, 0))
-        self._copy_rows(g2s_A, gA, sA[None, None, stage], length)
+        if const_expr(self.config.output_o):
+            gA = cute.local_tile(cute.domain_offset((tok0, 0), mAqk[b, None, hv, None]), (C, C), (0, 0))
+            self._copy_rows(g2s_A, gA, sA[None, None, stage], length)
         if tidx < K // 4:  # the gate row of the last valid token: 16 bytes per thread
             gG = cute.local_tile(mG[b, tok0 + length - 1, hv, None], (4,), (tidx,))
             sGt = cute.local_tile(sG[None, stage], (4,), (tidx,))
@@ -466,18 +495,84 @@ class KdaRecurrence:
 
 @functools.lru_cache(maxsize=256)
 def _plan(HV: int, K: int, block_v: int, flags: tuple) -> tuple:
-    varlen, has_h0, want_ht, v_first = flags
+    varlen, has_h0, want_ht, v_first, want_o, want_h = flags
     config = KdaRecurrenceConfig(
         num_v_heads=HV, head_dim=K, block_v=block_v, varlen=varlen, has_initial_state=has_h0,
-        output_final_state=want_ht, state_v_first=v_first,
+        output_final_state=want_ht, state_v_first=v_first, output_o=want_o, output_h=want_h,
     )
     ok, reason = KdaRecurrence.can_implement(config)
     if not ok:
-        raise ValueError(f"chunk_kda_fwd_recurrence: {reason}")
+        raise ValueError(f"KdaRecurrence: {reason}")
     return config, KdaRecurrence(config).argument_specs()
 
 
-_OUTPUTS = frozenset({7, 8})  # o, ht among the tensor arguments
+_OUTPUTS = frozenset({7, 8, 10, 11})  # o, ht, h, v_new among the tensor arguments
+
+
+def _check_inputs(tensors: dict, B: int, T: int, HV: int, K: int) -> None:
+    import torch
+
+    for name, t in tensors.items():
+        last, dtype = (64, torch.bfloat16) if name == "Aqk" else (K, torch.float32 if name == "gk" else torch.bfloat16)
+        if tuple(t.shape) != (B, T, HV, last) or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} [{B}, {T}, {HV}, {last}], got {t.dtype} {tuple(t.shape)}")
+        if t.device.type != "cuda" or t.device != tensors["w"].device:
+            raise ValueError(f"{name} must be a CUDA tensor on {tensors['w'].device}")
+
+
+def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+            chunk_offsets, state_v_first: bool, block_v: int, want_h: bool) -> tuple:
+    """Validate, allocate and launch one :class:`KdaRecurrence` configuration: ``(o or None, ht or None, h or None,
+    v_new or None)``."""
+    import torch
+
+    if w.dim() != 4 or w.shape[3] != 128:
+        raise ValueError(f"w must be [B, T, HV, 128], got {tuple(w.shape)}")
+    B, T, HV, K = w.shape
+    want_o = qg is not None
+    named = {"kg": kg, "w": w, "u": u, "gk": gk} | ({"qg": qg, "Aqk": Aqk} if want_o else {})
+    _check_inputs(named, B, T, HV, K)
+    device = w.device
+    varlen = cu_seqlens is not None
+    N = check_cu_seqlens(cu_seqlens, B, device) if varlen else B
+    state_shape = (N, HV, K, K)
+    if initial_state is not None:
+        if tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be float32 {state_shape}, got {initial_state.dtype} "
+                             f"{tuple(initial_state.shape)}")
+        if initial_state.device != device:
+            raise ValueError(f"initial_state must be on {device}")
+    h = v_new = None
+    if want_h:
+        if varlen:
+            if chunk_offsets is None:
+                from ...index import prepare_chunk_offsets
+
+                chunk_offsets = prepare_chunk_offsets(cu_seqlens, 64)
+            if chunk_offsets.dtype != torch.int32 or tuple(chunk_offsets.shape) != (N + 1,):
+                raise ValueError(f"chunk_offsets must be int32 [{N + 1}], got {chunk_offsets.dtype} "
+                                 f"{tuple(chunk_offsets.shape)}")
+            num_h = int(chunk_offsets[-1])  # one device read: h's extent
+            h = torch.empty(1, num_h, HV, K, K, dtype=torch.bfloat16, device=device)
+        else:
+            h = torch.empty(B, -(-T // 64), HV, K, K, dtype=torch.bfloat16, device=device)
+        v_new = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device)
+    flags = (varlen, initial_state is not None, bool(output_final_state), bool(state_v_first), want_o, want_h)
+    config, specs = _plan(HV, K, block_v, flags)
+
+    o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device) if want_o else None
+    ht = torch.empty(state_shape, dtype=torch.float32, device=device) if output_final_state else None
+    if N == 0:
+        return o, ht, h, v_new
+    tensors = (qg, kg, w, u, Aqk, gk, initial_state, o, ht, cu_seqlens, h, v_new,
+               chunk_offsets if want_h and varlen else None)
+    args = [
+        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
+        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
+    ]
+    compiled = compile_kernel(KdaRecurrence, config, target=launch_target(device.index))
+    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    return o, ht, h, v_new
 
 
 def chunk_kda_fwd_recurrence(
@@ -515,41 +610,43 @@ def chunk_kda_fwd_recurrence(
         ``o`` bf16 ``[B, T, HV, 128]`` and the final state (or None). Launched on the current stream; the first call
         per configuration compiles (:func:`cula_runtime.cute.compile_cache.compile_records`).
     """
-    import torch
-
-    del chunk_offsets
-    if w.dim() != 4 or w.shape[3] != 128:
-        raise ValueError(f"w must be [B, T, HV, 128], got {tuple(w.shape)}")
-    B, T, HV, K = w.shape
-    for name, t, last, dtype in (("qg", qg, K, torch.bfloat16), ("kg", kg, K, torch.bfloat16),
-                                 ("w", w, K, torch.bfloat16), ("u", u, 128, torch.bfloat16),
-                                 ("Aqk", Aqk, 64, torch.bfloat16), ("gk", gk, K, torch.float32)):
-        if tuple(t.shape) != (B, T, HV, last) or t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} [{B}, {T}, {HV}, {last}], got {t.dtype} {tuple(t.shape)}")
-        if t.device != w.device or t.device.type != "cuda":
-            raise ValueError(f"{name} must be a CUDA tensor on {w.device}")
-    device = w.device
-    varlen = cu_seqlens is not None
-    N = check_cu_seqlens(cu_seqlens, B, device) if varlen else B
-    state_shape = (N, HV, K, K)
-    if initial_state is not None:
-        if tuple(initial_state.shape) != state_shape or initial_state.dtype != torch.float32:
-            raise ValueError(f"initial_state must be float32 {state_shape}, got {initial_state.dtype} "
-                             f"{tuple(initial_state.shape)}")
-        if initial_state.device != device:
-            raise ValueError(f"initial_state must be on {device}")
-    flags = (varlen, initial_state is not None, bool(output_final_state), bool(state_v_first))
-    config, specs = _plan(HV, K, block_v, flags)
-
-    o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device)
-    ht = torch.empty(state_shape, dtype=torch.float32, device=device) if output_final_state else None
-    if N == 0:
-        return o, ht
-    tensors = (qg, kg, w, u, Aqk, gk, initial_state, o, ht, cu_seqlens)
-    args = [
-        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
-        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
-    ]
-    compiled = compile_kernel(KdaRecurrence, config, target=launch_target(device.index))
-    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    if qg is None or Aqk is None:
+        raise ValueError("chunk_kda_fwd_recurrence needs qg and Aqk (chunk_kda_fwd_h is the primitive without o)")
+    o, ht, _, _ = _launch(qg, kg, w, u, Aqk, gk, scale, initial_state, output_final_state, cu_seqlens, None,
+                          state_v_first, block_v, want_h=False)
     return o, ht
+
+
+def chunk_kda_fwd_h(
+    kg,
+    w,
+    u,
+    gk,
+    initial_state=None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    chunk_offsets=None,
+    state_v_first: bool = False,
+    *,
+    block_v: int = 64,
+):
+    """The delta-h primitive (FLA's ``chunk_gated_delta_rule_fwd_h`` for KDA, KDA_SPEC §3.5): ``(h, v_new, ht)``.
+
+    The same kernel as :func:`chunk_kda_fwd_recurrence` without the output: per chunk it writes the state entering
+    the chunk and the corrected values, as the fused kernel uses them.
+
+    Args:
+        kg, w: ``[B, T, HV, 128]`` bf16; u: ``[B, T, HV, 128]`` bf16; gk: ``[B, T, HV, 128]`` fp32 (log2 units).
+        initial_state, output_final_state, cu_seqlens, state_v_first, block_v: as for
+            :func:`chunk_kda_fwd_recurrence`.
+        chunk_offsets: int32 ``[N + 1]`` first chunk of each sequence in ``h`` (varlen; computed when None, which
+            costs one device read).
+
+    Returns:
+        ``h`` bf16 ``[B, NT, HV, K, V]`` (``[B, NT, HV, V, K]`` with ``state_v_first``; varlen ``[1, NC, ...]``):
+        ``bf16(S)`` entering each chunk; ``v_new`` bf16 ``[B, T, HV, V]``: ``bf16(u - w · h)``; the fp32 final
+        state or None.
+    """
+    _, ht, h, v_new = _launch(None, kg, w, u, None, gk, 1.0, initial_state, output_final_state, cu_seqlens,
+                              chunk_offsets, state_v_first, block_v, want_h=True)
+    return h, v_new, ht
