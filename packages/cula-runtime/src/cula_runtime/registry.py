@@ -119,6 +119,15 @@ KERNELS: tuple[KernelEntry, ...] = (
                 "and the final state; the recurrence kernel without its output",
     ),
     KernelEntry(
+        name="chunk_kda_fwd_o", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
+        dtypes=("bfloat16",),
+        features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "per-chunk-states"),
+        status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+        entry="cula_runtime.cute.kda.output:chunk_kda_fwd_o",
+        summary="CuTeDSL KDA chunk output from per-chunk states (o = scale qg h + tril(Aqk) v_new), chunk-parallel; "
+                "with chunk_kda_fwd_h it reproduces the fused recurrence's o",
+    ),
+    KernelEntry(
         name="lightning_naive", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
         features=("varlen", "tail-chunks", "state-kv", "state-vk"), status=_REF_STATUS + "; the fp64 oracle itself",
         entry="cula_runtime.reference.lightning:lightning_naive",

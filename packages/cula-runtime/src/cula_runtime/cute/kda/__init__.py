@@ -10,6 +10,10 @@ CuTeDSL) on first use, raising an ``ImportError`` that names the fix when CuTeDS
 * :func:`chunk_kda_fwd_recurrence`, :class:`KdaRecurrence`, :class:`KdaRecurrenceConfig` (``recurrence.py``): the
   fused delta-h + output, with the fp32 state in registers across chunks; :func:`chunk_kda_fwd_h`, the same
   kernel as the delta-h primitive (per-chunk states h and v_new, no output).
+* :func:`chunk_kda_fwd_o`, :class:`KdaOutput`, :class:`KdaOutputConfig` (``output.py``): the chunk output from
+  per-chunk states, chunk-parallel (the modular counterpart of the recurrence's output, same bits).
+
+``tiles.py`` holds the tile machinery the recurrence and output kernels share.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ _LAZY_EXPORTS = {
     "KdaIntraConfig": "cula_runtime.cute.kda.intra",
     "chunk_kda_fwd_recurrence": "cula_runtime.cute.kda.recurrence",
     "chunk_kda_fwd_h": "cula_runtime.cute.kda.recurrence",
+    "chunk_kda_fwd_o": "cula_runtime.cute.kda.output",
+    "KdaOutput": "cula_runtime.cute.kda.output",
+    "KdaOutputConfig": "cula_runtime.cute.kda.output",
     "KdaRecurrence": "cula_runtime.cute.kda.recurrence",
     "KdaRecurrenceConfig": "cula_runtime.cute.kda.recurrence",
 }

@@ -1,0 +1,93 @@
+"""Tile machinery shared by the chunked KDA CuTeDSL kernels that put value rows on the MMA's M (the recurrence and
+the output kernel): swizzled shared-memory tiles, cp.async row copies, the warp-per-16-rows tiled MMA and the
+row store of a staged tile.
+
+A class using :class:`ChunkTiles` has ``config`` (with ``chunk_size``, ``block_v``), ``num_warps`` and
+``num_threads``.
+"""
+
+from ..compile_cache import missing_cutedsl
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+    from cutlass.cute.nvgpu import cpasync, warp
+except ImportError as exc:
+    raise missing_cutedsl(exc) from exc
+
+__all__ = ["ChunkTiles"]
+
+
+class ChunkTiles:
+    """Mixin: tiles, copies and the tiled MMA of a kernel whose CTA owns ``block_v`` value rows, 16 per warp."""
+
+    def _smem_layout(self, rows: int, cols: int, stages: int):
+        """Swizzled bf16 tile ``(rows, cols, stages)``, ``cols`` contiguous: every 8-row band of 16-byte chunks is
+        XOR-permuted so that the 8 rows an 8x8 ``ldmatrix`` matrix reads hit 8 distinct bank groups."""
+        atom_cols = 64 if cols % 64 == 0 else 32
+        bits = 3 if atom_cols == 64 else 2
+        atom = cute.make_composed_layout(
+            cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1))
+        )
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _g2s_copy(self, cols: int):
+        """cp.async tiled copy of a ``(64, cols)`` bf16 tile, 16 bytes per thread and row segment."""
+        per_row = cols // 8
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                                   num_bits_per_copy=128)
+        threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
+        return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8)))
+
+    def make_tiled_mma(self):
+        """bf16 m16n8k16 with fp32 accumulators, one atom per warp along M: warp w owns value rows
+        ``16 w .. 16 w + 15`` of every product (the u/o staging and the o store rely on it). N is tiled by 16 so that
+        one ``ldmatrix.x4`` feeds two n8 MMAs."""
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)),
+            (self.num_warps, 1, 1),
+            permutation_mnk=(self.config.block_v, 16, 16),
+        )
+
+    @staticmethod
+    def _rank3(t: cute.Tensor) -> cute.Tensor:
+        """``t`` with unit modes appended up to rank 3 ``(V, M, N)``: one MMA of a tiled-MMA gemm."""
+        return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1), up_to_rank=3))
+
+    @cute.jit
+    def _copy_rows(self, thr_copy, gX: cute.Tensor, sX: cute.Tensor, length: Int32):
+        """Copy the rows ``< length`` of ``gX`` into ``sX`` with ``thr_copy``; zero-fill the others (never read)."""
+        tXgX = thr_copy.partition_S(gX)  # (CPY, passes, 1)
+        tXsX = thr_copy.partition_D(sX)
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor(gX.shape))
+        for p in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            if tXcX[(0, 0), p, 0][0] < length:
+                cute.copy(thr_copy, tXgX[None, p, None], tXsX[None, p, None])
+            else:
+                tXsX[None, p, None].fill(0.0)
+
+    @cute.jit
+    def store_rows(self, mO: cute.Tensor, sO: cute.Tensor, b: Int32, hv: Int32, vb: Int32, tok0: Int32,
+                   length: Int32, tidx: Int32):
+        """Rows ``< length`` of a staged ``(C, block_v)`` tile ``sO`` -> ``mO[b, tok0 + row, hv, block vb]``, one
+        16-byte segment per copy. Thread ``32 w + l`` copies row ``l // 2`` (+16 per pass) of columns
+        ``16 w + 8 (l % 2) ..``: every warp stores only the 16 columns it staged, so a warp barrier orders staging
+        and store.
+
+        The warp's columns come from this one tiled copy over all threads, not from a ``local_tile`` of the
+        swizzled tile at a warp-dependent offset: CuTeDSL 4.6 adds such an offset twice when it falls inside the
+        swizzle's bits (seen in the PTX; on the H200 the warps read each other's columns)."""
+        C, BV = self.config.chunk_size, self.config.block_v
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        threads = cute.make_layout((16, (2, self.num_warps)), stride=(2, (1, 32)))
+        thr = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8))).get_slice(tidx)
+        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, BV), (0, vb))
+        tOsO = thr.partition_S(sO)  # (CPY, C/16, 1)
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_D(cute.make_identity_tensor((C, BV)))
+        tOrO = cute.make_fragment_like(tOsO)
+        cute.copy(atom, tOsO, tOrO)
+        for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[(0, 0), p, 0][0] < length:
+                cute.copy(atom, tOrO[None, p, None], tOgO[None, p, None])
