@@ -37,7 +37,6 @@ except ImportError as exc:
 
 __all__ = ["KdaOutput", "KdaOutputConfig", "chunk_kda_fwd_o"]
 
-BLOCK_V_CHOICES = (32, 64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,26 +65,13 @@ class KdaOutput(ChunkTiles):
 
     mma_k = 16
 
-    def __init__(self, config: KdaOutputConfig):
-        ok, reason = self.can_implement(config)
-        if not ok:
-            raise ValueError(f"KdaOutput cannot implement {config}: {reason}")
-        self.config = config
-        self.num_warps = config.block_v // 16
-        self.num_threads = self.num_warps * 32
-
     @staticmethod
     def can_implement(config: KdaOutputConfig) -> tuple[bool, str]:
         """Whether this kernel supports ``config``, and why not; compiles nothing."""
         c = config
-        if c.chunk_size != 64:
-            return False, f"chunk_size={c.chunk_size}: only 64 is supported"
-        if c.head_dim != 128:
-            return False, f"head_dim={c.head_dim}: only K = V = 128 is supported"
-        if c.block_v not in BLOCK_V_CHOICES:
-            return False, f"block_v={c.block_v}: expected one of {BLOCK_V_CHOICES}"
-        if c.num_v_heads < 1 or c.num_v_heads > 65535:
-            return False, f"num_v_heads={c.num_v_heads}: must be in [1, 65535] (grid y)"
+        reason = ChunkTiles.common_rejection(c)
+        if reason is not None:
+            return False, reason
         return True, ""
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:

@@ -6,6 +6,7 @@ A class using :class:`ChunkTiles` has ``config`` (with ``chunk_size``, ``block_v
 ``num_threads``.
 """
 
+from ...kda_tuning import BLOCK_V_CHOICES
 from ..compile_cache import missing_cutedsl
 
 try:
@@ -19,8 +20,36 @@ except ImportError as exc:
 __all__ = ["ChunkTiles"]
 
 
+
+
 class ChunkTiles:
-    """Mixin: tiles, copies and the tiled MMA of a kernel whose CTA owns ``block_v`` value rows, 16 per warp."""
+    """Mixin: tiles, copies and the tiled MMA of a kernel whose CTA owns ``block_v`` value rows, 16 per warp.
+
+    A subclass defines ``can_implement(config) -> (ok, reason)`` (starting from :meth:`common_rejection`).
+    """
+
+    def __init__(self, config):
+        ok, reason = self.can_implement(config)
+        if not ok:
+            raise ValueError(f"{type(self).__name__} cannot implement {config}: {reason}")
+        self.config = config
+        self.num_warps = config.block_v // 16
+        self.num_threads = self.num_warps * 32
+
+    @staticmethod
+    def common_rejection(config) -> str | None:
+        """Why a config breaks what every such kernel needs (C = 64, K = V = 128, a block_v choice, HV in the grid's
+        y range), or None."""
+        c = config
+        if c.chunk_size != 64:
+            return f"chunk_size={c.chunk_size}: only 64 is supported"
+        if c.head_dim != 128:
+            return f"head_dim={c.head_dim}: only K = V = 128 is supported"
+        if c.block_v not in BLOCK_V_CHOICES:
+            return f"block_v={c.block_v}: expected one of {BLOCK_V_CHOICES}"
+        if c.num_v_heads < 1 or c.num_v_heads > 65535:
+            return f"num_v_heads={c.num_v_heads}: must be in [1, 65535] (grid y)"
+        return None
 
     def _smem_layout(self, rows: int, cols: int, stages: int):
         """Swizzled bf16 tile ``(rows, cols, stages)``, ``cols`` contiguous: every 8-row band of 16-byte chunks is
