@@ -166,3 +166,51 @@ def test_variant_knob(monkeypatch) -> None:
         variant_flags(None)
     with pytest.raises(ValueError, match=r"variant='tf32'"):
         variant_flags("tf32")
+
+
+MODULAR = {
+    "scores-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, phases="scores"),
+    "inverse-varlen-HV4": dict(num_heads=4, num_v_heads=4, phases="inverse", varlen=True),
+    "inverse-unrolled-HV4": dict(num_heads=4, num_v_heads=4, phases="inverse", unrolled_inverse=True),
+    "wu-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, phases="wu", output_qg=True, varlen=True),
+    "wu-H2-HV4-K64": dict(num_heads=2, num_v_heads=4, phases="wu", head_dim=64),
+}
+
+
+@pytest.mark.parametrize("target", list(SM))
+@pytest.mark.parametrize("config_id", list(MODULAR))
+def test_modular_step_machine_code(config_id: str, target: str) -> None:
+    """Each modular step compiles to warp-MMA code without spills, moving exactly its own inputs and outputs."""
+    from cula_runtime.cute.compile_cache import compile_kernel
+    from cula_runtime.cute.kda.intra import KdaIntra, KdaIntraConfig
+    from cula_runtime.cute.machine_code import disassemble
+
+    config = KdaIntraConfig(**MODULAR[config_id])
+    kernel = KdaIntra(config)
+    code = disassemble(compile_kernel(KdaIntra, config, target=target))
+    K, C, vec = config.head_dim, config.chunk_size, kernel.vec
+    passes, passes64 = kernel.passes, C * (C // 8) // kernel.num_threads
+    fp32_passes = C * C // 4 // kernel.num_threads  # Akk rows, 16 bytes per access
+    subs = [p * kernel.rows_per_pass // 16 for p in range(passes)]
+    expected = {
+        # q, k and two g accesses per pass in; Aqk and the fp32 Akk out; row factor and k̂ factors
+        "scores": (10 * 2 * 2 * (K // 16), 4 * passes, passes64 + fp32_passes, vec * sum(1 + 4 - s for s in subs)),
+        # Akk in (fp32), Akk_inv out
+        "inverse": (0, fp32_passes, passes64, 0),
+        # k, v (q) and g in, Akk_inv in; w, u, kg (qg) out; 2^Γ and 2^(Γ_last - Γ)
+        "wu": (2 * 4 * (K // 8), (4 + config.output_qg) * passes + passes64, (3 + config.output_qg) * passes,
+               2 * vec * passes),
+    }[config.phases]
+    got = (code.count("HMMA"), code.opcodes["LDG.E.128"], code.opcodes["STG.E.128"], code.count("MUFU.EX2"))
+    assert got == expected
+    assert code.count("LDL") == 0 and code.count("STL") == 0, "register spill"
+    assert code.count("HGMMA") == 0
+
+
+def test_modular_configs_are_checked() -> None:
+    from cula_runtime.cute.kda.intra import KdaIntra, KdaIntraConfig
+
+    ok, why = KdaIntra.can_implement(KdaIntraConfig(num_heads=1, num_v_heads=1, phases="solve"))
+    assert not ok and "phases" in why
+    ok, why = KdaIntra.can_implement(KdaIntraConfig(num_heads=1, num_v_heads=1, phases="wu", lean_smem=True))
+    assert not ok and "lean_smem" in why

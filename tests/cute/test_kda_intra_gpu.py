@@ -233,3 +233,38 @@ def test_scale_is_folded_into_aqk_only() -> None:
         else:
             assert torch.equal(doubled[name], base[name])
 
+
+
+@pytest.mark.parametrize("case_id", ["B2-T200-H2-HV4-K128", "varlen-0-100-100-228-H2-HV4-K128-pad",
+                                     "varlen-0-1-64-65-300-H1-HV2-K128-qg", "B2-T130-H2-HV2-K64-qg"])
+def test_modular_steps_give_the_one_launch_bits(case_id: str) -> None:
+    """scores -> solve_tril -> recompute_w_u (three launches, the FLA-shaped modular path) reproduce the one-launch
+    primitive's outputs bit for bit; Akk is fp32, strictly lower (exact zeros on and above the diagonal)."""
+    from cula_runtime.cute.kda.intra import chunk_kda_fwd_scores, chunk_kda_recompute_w_u, chunk_kda_solve_tril
+
+    case = CASES[case_id]
+    inp = _inputs(case, seed=13)
+    chunk_indices = _chunk_indices(case, inp["cu_seqlens"])
+    one = dict(zip(NAMES, _run(inp, case, chunk_indices), strict=True))
+    cu, qg = inp["cu_seqlens"], case.get("qg", False)
+    Aqk, Akk = chunk_kda_fwd_scores(inp["q"], inp["k"], inp["gk"], inp["beta"], inp["scale"], cu, chunk_indices)
+    Akk_inv = chunk_kda_solve_tril(Akk, cu, chunk_indices)
+    assert torch.equal(chunk_kda_solve_tril(Akk, cu, chunk_indices, unrolled=True), Akk_inv)
+    w, u, qg_out, kg = chunk_kda_recompute_w_u(inp["k"], inp["v"], inp["gk"], inp["beta"], Akk_inv,
+                                               q=inp["q"] if qg else None, cu_seqlens=cu, chunk_indices=chunk_indices)
+    modular = dict(w=w, u=u, qg=qg_out, kg=kg, Aqk=Aqk, Akk_inv=Akk_inv)
+    local = _local_index(case)[:, :, None, None].cuda()
+    cols = torch.arange(C, device="cuda")[None, None, None, :]
+    assert torch.isfinite(Akk).all() and (Akk[(cols >= local).expand_as(Akk)] == 0).all()
+    for name in NAMES:
+        if one[name] is None:
+            assert modular[name] is None
+        else:
+            assert torch.equal(modular[name], one[name]), name
+
+
+def test_solve_tril_refuses_tf32() -> None:
+    from cula_runtime.cute.kda.intra import chunk_kda_solve_tril
+
+    with pytest.raises(ValueError, match="use_tf32_inverse"):
+        chunk_kda_solve_tril(torch.zeros(1, 64, 1, 64, device="cuda"), use_tf32_inverse=True)

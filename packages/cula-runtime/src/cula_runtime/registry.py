@@ -99,6 +99,20 @@ KERNELS: tuple[KernelEntry, ...] = (
         summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the status "
                 "is the default wide variant's (the opt-in lean and lean-unrolled variants compile but have not run)",
     ),
+    *(
+        KernelEntry(
+            name=name, family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
+            dtypes=("bfloat16", "float32"), features=("gva", "varlen", "tail-chunks", "zero-length-seqs", *extra),
+            status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+            entry=f"cula_runtime.cute.kda.intra:{name}",
+            summary=f"CuTeDSL KDA intra, modular step {step} of 3: {what}",
+        )
+        for step, (name, what, extra) in enumerate((
+            ("chunk_kda_fwd_scores", "Aqk (bf16) and Akk (fp32) per chunk, safe-gate anchoring", ("safe-gate",)),
+            ("chunk_kda_solve_tril", "(I + Akk)^-1 per chunk, fp32 substitution, bf16 out", ()),
+            ("chunk_kda_recompute_w_u", "w, u, kg (and qg) from the inverse", ("output-qg",)),
+        ), start=1)
+    ),
     KernelEntry(
         name="chunk_kda_fwd_recurrence", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
         dtypes=("bfloat16",),

@@ -42,8 +42,10 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["KdaIntra", "KdaIntraConfig", "chunk_kda_fwd_intra"]
+__all__ = ["KdaIntra", "KdaIntraConfig", "chunk_kda_fwd_intra", "chunk_kda_fwd_scores", "chunk_kda_recompute_w_u",
+           "chunk_kda_solve_tril"]
 
+PHASES = ("all", "scores", "inverse", "wu")
 SUB = 16  # rows of a sub-chunk: the M (and N) of one score block
 NUM_SUB = 4  # sub-chunks per 64-row chunk
 EXP2_CLAMP = 126.0  # exponents are clamped here: a factor of a zero (past-the-end) row stays finite
@@ -69,6 +71,9 @@ class KdaIntraConfig:
             thread runs all of a block row's terms (unrolled, so its independent sums interleave) and keeps only
             those of its lower-triangular range by selection. False: runtime loops over exactly that range (the
             H200-verified default). The kept terms are added in the same order: same bits.
+        phases: ``all`` (the one-launch primitive) or one step of the modular path, each its own launch:
+            ``scores`` (Aqk bf16 and Akk fp32 out), ``inverse`` (Akk fp32 in, Akk_inv bf16 out) or ``wu`` (Akk_inv
+            in; w, u, kg, qg out). The three steps in turn compute the one-launch outputs bit for bit.
     """
 
     num_heads: int
@@ -79,6 +84,7 @@ class KdaIntraConfig:
     chunk_size: int = 64
     lean_smem: bool = False
     unrolled_inverse: bool = False
+    phases: str = "all"
 
 
 class KdaIntra:
@@ -110,25 +116,37 @@ class KdaIntra:
             return False, f"HV={c.num_v_heads} must be a positive multiple of H={c.num_heads}"
         if c.num_v_heads > 65535:
             return False, f"HV={c.num_v_heads} exceeds the grid's y limit (65535)"
+        if c.phases not in PHASES:
+            return False, f"phases={c.phases!r}: expected one of {PHASES}"
+        if c.lean_smem and c.phases != "all":
+            return False, "lean_smem applies to phases='all' only"
         return True, ""
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
-        """Layout promises of the thirteen tensor arguments of ``__call__``, in order (None: argument absent)."""
+        """Layout promises of the fourteen tensor arguments of ``__call__``, in order (None: absent in this phase)."""
         c = self.config
         bf16 = TensorSpec(BFloat16, 4, self.vec)
         index = TensorSpec(Int32, 1), TensorSpec(Int32, 2)
+        ph = c.phases
+        need = {  # which arguments each phase reads or writes
+            "q": ph in ("all", "scores") or (ph == "wu" and c.output_qg),
+            "k": ph != "inverse", "v": ph in ("all", "wu"), "gk": ph != "inverse", "beta": ph != "inverse",
+            "wu": ph in ("all", "wu"), "qg": ph in ("all", "wu") and c.output_qg, "kg": ph in ("all", "wu"),
+            "Aqk": ph in ("all", "scores"), "Akk_inv": ph != "scores", "Akk": ph in ("scores", "inverse"),
+        }
         return (
-            bf16,  # q [B, T, H, K]
-            bf16,  # k [B, T, H, K]
-            bf16,  # v [B, T, HV, V]
-            TensorSpec(Float32, 4, 4),  # gk [B, T, HV, K], log2 units
-            TensorSpec(Float32, 3),  # beta [B, T, HV]
-            bf16,  # w [B, T, HV, K]
-            bf16,  # u [B, T, HV, V]
-            bf16 if c.output_qg else None,  # qg [B, T, HV, K]
-            bf16,  # kg [B, T, HV, K]
-            bf16,  # Aqk [B, T, HV, 64]
-            bf16,  # Akk_inv [B, T, HV, 64]
+            bf16 if need["q"] else None,  # q [B, T, H, K]
+            bf16 if need["k"] else None,  # k [B, T, H, K]
+            bf16 if need["v"] else None,  # v [B, T, HV, V]
+            TensorSpec(Float32, 4, 4) if need["gk"] else None,  # gk [B, T, HV, K], log2 units
+            TensorSpec(Float32, 3) if need["beta"] else None,  # beta [B, T, HV]
+            bf16 if need["wu"] else None,  # w [B, T, HV, K]
+            bf16 if need["wu"] else None,  # u [B, T, HV, V]
+            bf16 if need["qg"] else None,  # qg [B, T, HV, K]
+            bf16 if need["kg"] else None,  # kg [B, T, HV, K]
+            bf16 if need["Aqk"] else None,  # Aqk [B, T, HV, 64]
+            bf16 if need["Akk_inv"] else None,  # Akk_inv [B, T, HV, 64]
+            TensorSpec(Float32, 4, 4) if need["Akk"] else None,  # Akk [B, T, HV, 64] fp32 (modular steps)
             *(index if c.varlen else (None, None)),  # cu_seqlens [N + 1], chunk_indices [NT, 2]
         )
 
@@ -151,24 +169,27 @@ class KdaIntra:
         mKg: cute.Tensor,
         mAqk: cute.Tensor,
         mAkk: cute.Tensor,
+        mAkkF32: cute.Tensor | None,
         mCuSeqlens: cute.Tensor | None,
         mChunkIndices: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
         c = self.config
+        mRef = mAkkF32 if const_expr(c.phases == "inverse") else mG  # a [B, T, ...] tensor of every phase
         if const_expr(c.varlen):
             num_chunks = mChunkIndices.shape[0]
         else:
-            num_chunks = cute.ceil_div(mG.shape[1], c.chunk_size)
+            num_chunks = cute.ceil_div(mRef.shape[1], c.chunk_size)
         # score blocks: one warp atom (16x8x16), tiled to 16x16x16 so that ldmatrix.x4 feeds B
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         block_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(SUB, 16, 16))
         # W/U: the four warps stacked along M (64 rows of Tinv)
         wu_mma = cute.make_tiled_mma(mma_op, (4, 1, 1), permutation_mnk=(c.chunk_size, 16, 16))
         self.kernel(
-            mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mCuSeqlens, mChunkIndices, scale, block_mma, wu_mma
-        ).launch(grid=[num_chunks, c.num_v_heads, mG.shape[0]], block=[self.num_threads, 1, 1], stream=stream)
+            mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mAkkF32, mCuSeqlens, mChunkIndices, scale,
+            block_mma, wu_mma,
+        ).launch(grid=[num_chunks, c.num_v_heads, mRef.shape[0]], block=[self.num_threads, 1, 1], stream=stream)
 
     def smem_layout(self, rows: int, cols: int):
         """A [rows, cols] bf16 tile, row-major, 128-byte rows swizzled (Swizzle<3,3,3>) so ldmatrix is conflict-free."""
@@ -191,6 +212,7 @@ class KdaIntra:
         mKg: cute.Tensor,
         mAqk: cute.Tensor,
         mAkk: cute.Tensor,
+        mAkkF32: cute.Tensor | None,
         mCuSeqlens: cute.Tensor | None,
         mChunkIndices: cute.Tensor | None,
         scale: Float32,
@@ -211,13 +233,19 @@ class KdaIntra:
             valid = cutlass.select_(seq >= 0, valid, 0)
         else:
             start = chunk * C
-            valid = cutlass.min(mG.shape[1] - start, C)
+            mRef = mAkkF32 if const_expr(c.phases == "inverse") else mG
+            valid = cutlass.min(mRef.shape[1] - start, C)
 
         smem = cutlass.utils.SmemAllocator()
         plan = self.lean_buffers if const_expr(c.lean_smem) else self.wide_buffers
         sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sW, sU = plan(smem)
 
-        if valid > 0:
+        if const_expr(c.phases != "all"):
+            if valid > 0:
+                self.modular_step(mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mAkkF32, scale, block_mma,
+                                  wu_mma, sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, batch, head,
+                                  hv, start, valid, tidx)
+        elif valid > 0:
             self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx)
             cute.arch.sync_threads()
             self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
@@ -235,6 +263,91 @@ class KdaIntra:
             self.store_rows(sU, mU, batch, hv, start, valid, K, tidx)
             self.store_rows(sAqk, mAqk, batch, hv, start, valid, C, tidx)
             self.store_rows(sTb, mAkk, batch, hv, start, valid, C, tidx)
+
+    @cute.jit
+    def modular_step(self, mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mAkkF32, scale: Float32,
+                     block_mma: cute.TiledMma, wu_mma: cute.TiledMma, sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT,
+                     sS, sGa, sBeta, batch: Int32, head: Int32, hv: Int32, start: Int32, valid: Int32,
+                     tidx: Int32):
+        """One step of the modular path, on the one-launch kernel's buffers and phase code (so the steps in turn
+        give its bits): ``scores``, ``inverse`` or ``wu`` (see :class:`KdaIntraConfig`)."""
+        c = self.config
+        C, K = c.chunk_size, c.head_dim
+        if const_expr(c.phases == "scores"):
+            self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx)
+            for i in cutlass.range_constexpr(C * C // self.num_threads):  # Akk's blocks above the diagonal: zeros
+                idx = tidx + i * self.num_threads
+                if (idx % C) // SUB > (idx // C) // SUB:
+                    sA[idx // C, idx % C] = Float32(0.0)
+            cute.arch.sync_threads()
+            self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
+                      tidx, operands=True, rhs=False, gated=False)
+            cute.arch.sync_threads()
+            self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
+            cute.arch.sync_threads()
+            self.store_rows(sAqk, mAqk, batch, hv, start, valid, C, tidx)
+            self.fp32_rows(sA, mAkkF32, batch, hv, start, valid, tidx, to_global=True)
+        if const_expr(c.phases == "inverse"):
+            self.fp32_rows(sA, mAkkF32, batch, hv, start, valid, tidx, to_global=False)
+            cute.arch.sync_threads()
+            self.inverse(sA, sT, sS, sTb, tidx)  # ends with a barrier
+            self.store_rows(sTb, mAkk, batch, hv, start, valid, C, tidx)
+        if const_expr(c.phases == "wu"):
+            self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx)
+            self.load_rows(mAkk, sTb, batch, hv, start, valid, C, tidx)
+            cute.arch.sync_threads()
+            self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
+                      tidx, operands=False, rhs=True, gated=True)
+            cute.arch.sync_threads()
+            self.wu(wu_mma, sTb, sKb, sVb, sQt, sKt, tidx)
+            cute.arch.sync_threads()
+            self.store_rows(sQt, mW, batch, hv, start, valid, K, tidx)
+            self.store_rows(sKt, mU, batch, hv, start, valid, K, tidx)
+
+    @cute.jit
+    def fp32_rows(self, sX: cute.Tensor, mX: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
+                  tidx: Int32, to_global: cutlass.Constexpr):
+        """Rows of the fp32 ``[64, 64]`` tile ``sX`` to ``mX[b, start + r, hv, :]`` (``to_global``) or back, 16 bytes
+        per access; rows ``>= valid`` are not touched in global memory and are zero-filled in shared memory."""
+        C = self.config.chunk_size
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        per_row = C // 4
+        copy = cute.make_tiled_copy_tv(atom, cute.make_ordered_layout((self.num_threads // per_row, per_row),
+                                                                      order=(1, 0)), cute.make_layout((1, 4)))
+        thr = copy.get_slice(tidx)
+        gX = self.chunk_rows(mX, b, hv, start, C)
+        tXsX = thr.partition_S(sX)
+        tXgX = thr.partition_D(gX)
+        tXcX = thr.partition_S(cute.make_identity_tensor((C, C)))
+        for p in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            row = tXcX[(0, 0), p, 0][0]
+            if const_expr(to_global):
+                if row < valid:
+                    cute.copy(atom, tXsX[None, p, None], tXgX[None, p, None])
+            else:
+                if row < valid:
+                    cute.copy(atom, tXgX[None, p, None], tXsX[None, p, None])
+                else:
+                    tXsX[None, p, None].fill(0.0)
+
+    @cute.jit
+    def load_rows(self, mX: cute.Tensor, sX: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
+                  cols: cutlass.Constexpr, tidx: Int32):
+        """``sX[r, :] = mX[b, start + r, hv, :]`` for rows ``r < valid``, zeros for the others (16-byte accesses)."""
+        C = self.config.chunk_size
+        per_row = cols // self.vec
+        rows_per_pass = self.num_threads // per_row
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        thr_copy = self.row_copy(cols).get_slice(tidx)
+        tXgX = thr_copy.partition_S(self.chunk_rows(mX, b, hv, start, cols))
+        tXsX = thr_copy.partition_D(sX)
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, cols)))
+        for p in cutlass.range_constexpr(C // rows_per_pass):
+            rX = cute.make_rmem_tensor(cute.make_layout(self.vec), BFloat16)
+            rX.fill(0.0)
+            if tXcX[(0, 0), p, 0][0] < valid:
+                cute.copy(atom, tXgX[None, p, 0], rX)
+            cute.copy(atom, rX, tXsX[None, p, 0])
 
     @staticmethod
     def fp32_layout(cols: int, rows: int | None = None):
@@ -365,21 +478,25 @@ class KdaIntra:
     def fill(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mQg: cute.Tensor | None,
              mKg: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor, sQt: cute.Tensor, sKt: cute.Tensor,
              sKb: cute.Tensor, sVb: cute.Tensor, sKh: list, b: Int32, h: Int32, hv: Int32, start: Int32,
-             valid: Int32, tidx: Int32, operands: cutlass.Constexpr = True, rhs: cutlass.Constexpr = True):
-        """Phase 1: the factored MMA operands (``operands``: q̃, k̃, k̂ into shared memory; kg, qg to global memory)
-        and the right-hand sides (``rhs``: bf16(β k 2^Γ), bf16(β v) into shared memory). The wide plan does both
-        in one pass; the lean plan does the right-hand sides in a second pass, after the scores."""
+             valid: Int32, tidx: Int32, operands: cutlass.Constexpr = True, rhs: cutlass.Constexpr = True,
+             gated: cutlass.Constexpr = None):
+        """Phase 1: the factored MMA operands (``operands``: q̃, k̃, k̂ into shared memory), the gated outputs
+        (``gated``, default ``operands``: kg and qg to global memory) and the right-hand sides (``rhs``:
+        bf16(β k 2^Γ), bf16(β v) into shared memory). The wide plan does all in one pass; the lean plan does the
+        right-hand sides in a second pass, after the scores; the modular steps do what each needs."""
         c = self.config
+        gated = operands if const_expr(gated is None) else gated
+        need_q = operands or (gated and c.output_qg)
         C, K, VEC = c.chunk_size, c.head_dim, self.vec
         tiled_copy = self.row_copy(K)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         thr_copy = tiled_copy.get_slice(tidx)
 
-        tXgQ = thr_copy.partition_S(self.chunk_rows(mQ, b, h, start, K))  # (CPY, passes, 1)
-        tXgK = thr_copy.partition_S(self.chunk_rows(mK, b, h, start, K))
-        tXgV = thr_copy.partition_S(self.chunk_rows(mV, b, hv, start, K))
-        tXgKg = thr_copy.partition_D(self.chunk_rows(mKg, b, hv, start, K))
+        tXgQ = thr_copy.partition_S(self.chunk_rows(mQ, b, h, start, K)) if const_expr(need_q) else None
+        tXgK = thr_copy.partition_S(self.chunk_rows(mK, b, h, start, K))  # (CPY, passes, 1)
+        tXgV = thr_copy.partition_S(self.chunk_rows(mV, b, hv, start, K)) if const_expr(rhs) else None
+        tXgKg = thr_copy.partition_D(self.chunk_rows(mKg, b, hv, start, K)) if const_expr(gated) else None
         tXsQt = thr_copy.partition_D(sQt)
         tXsKt = thr_copy.partition_D(sKt)
         tXsKb = thr_copy.partition_D(sKb)
@@ -395,14 +512,14 @@ class KdaIntra:
             rK = cute.make_rmem_tensor(vec_layout, BFloat16)
             rV = cute.make_rmem_tensor(vec_layout, BFloat16)
             rG = cute.make_rmem_tensor(vec_layout, Float32)
-            if const_expr(operands):
+            if const_expr(need_q):
                 rQ.fill(0.0)
             rK.fill(0.0)
             if const_expr(rhs):
                 rV.fill(0.0)
             rG.fill(0.0)
             if row < valid:
-                if const_expr(operands):
+                if const_expr(need_q):
                     cute.copy(atom, tXgQ[None, p, 0], rQ)
                 cute.copy(atom, tXgK[None, p, 0], rK)
                 if const_expr(rhs):
@@ -420,7 +537,7 @@ class KdaIntra:
             rKh = [cute.make_rmem_tensor(vec_layout, BFloat16) for _ in range(NUM_SUB)]
             for j in cutlass.range_constexpr(VEC):
                 g = rG[j]
-                if const_expr(operands):
+                if const_expr(need_q):
                     q = rQ[j].to(Float32)
                 k = rK[j].to(Float32)
                 if const_expr(operands):
@@ -432,11 +549,12 @@ class KdaIntra:
                 if const_expr(rhs):
                     rKb[j] = (beta * k * decay).to(BFloat16)
                     rVb[j] = (beta * rV[j].to(Float32)).to(BFloat16)
-                if const_expr(operands):
+                if const_expr(gated):
                     last = cute.math.exp2(cutlass.min(sGa[NUM_SUB, col0 + j] - g, EXP2_CLAMP), fastmath=True)
                     rKg[j] = (k * last).to(BFloat16)
                     if const_expr(c.output_qg):
                         rQg[j] = (q * decay).to(BFloat16)
+                if const_expr(operands):
                     for a in cutlass.range_constexpr(sub, NUM_SUB):
                         col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
                         rKh[a][j] = (k * col_factor).to(BFloat16)
@@ -449,6 +567,7 @@ class KdaIntra:
             if const_expr(operands):
                 for a in cutlass.range_constexpr(sub, NUM_SUB):
                     cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
+            if const_expr(gated):
                 if row < valid:
                     cute.copy(atom, rKg, tXgKg[None, p, 0])
                     if const_expr(c.output_qg):
@@ -607,8 +726,9 @@ class KdaIntra:
                 cute.copy(atom, rX, tXgX[None, p, 0])
 
 
-# positions of w, u, qg, kg, Aqk, Akk_inv among the tensor arguments
-_OUTPUTS = frozenset(range(5, 11))
+# positions of the outputs among the tensor arguments, per phase: w, u, qg, kg, Aqk, Akk_inv, Akk (fp32)
+_OUTPUTS = {"all": frozenset(range(5, 11)), "scores": frozenset({9, 11}), "inverse": frozenset({10}),
+            "wu": frozenset({5, 6, 7, 8})}
 
 
 ENV_VARIANT = "CULA_CUTE_INTRA"
@@ -629,14 +749,37 @@ def variant_flags(variant: str | None) -> tuple[bool, bool]:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, bool]) -> tuple:
+def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, bool],
+          phases: str = "all") -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
-                            lean_smem=flags[0], unrolled_inverse=flags[1])
+                            lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
-        raise ValueError(f"chunk_kda_fwd_intra: {reason}")
+        raise ValueError(f"KdaIntra: {reason}")
     return config, KdaIntra(config).argument_specs()
+
+
+def _launch(config: KdaIntraConfig, specs: tuple, tensors: tuple, scale: float, device) -> None:
+    """Launch one compiled :class:`KdaIntra` configuration on ``tensors`` (the fourteen ``__call__`` arguments)."""
+    args = [
+        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS[config.phases])
+        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
+    ]
+    compiled = compile_kernel(KdaIntra, config, target=launch_target(device.index))
+    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+
+
+def _check_tokens(named: dict, B: int, T: int) -> None:
+    """Every tensor of ``named`` (name -> (tensor, heads, last, dtype)) is ``dtype [B, T, heads, last]`` on the
+    first one's CUDA device."""
+    device = next(iter(named.values()))[0].device
+    for name, (t, heads, last, dtype) in named.items():
+        shape = (B, T, heads) if last is None else (B, T, heads, last)
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+        if t.device != device or device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor on {device}")
 
 
 def chunk_kda_fwd_intra(
@@ -719,11 +862,91 @@ def chunk_kda_fwd_intra(
     w, u, qg, kg, Aqk, Akk_inv = outputs
     if num_chunks == 0:
         return outputs
-    tensors = (q, k, v, gk, beta, w, u, qg, kg, Aqk, Akk_inv, cu_seqlens, chunk_indices)
-    args = [
-        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
-        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
-    ]
-    compiled = compile_kernel(KdaIntra, config, target=launch_target(device.index))
-    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    _launch(config, specs, (q, k, v, gk, beta, w, u, qg, kg, Aqk, Akk_inv, None, cu_seqlens, chunk_indices), scale,
+            device)
     return outputs
+
+
+# ---- the modular path: the same work in three launches (FLA's intra scores, solve_tril and recompute_w_u)
+
+
+def chunk_kda_fwd_scores(q, k, gk, beta, scale: float, cu_seqlens=None, chunk_indices=None):
+    """Modular step 1: ``(Aqk, Akk)`` of every chunk (KDA_SPEC §3.2, §3.7, safe gate).
+
+    Args: as :func:`chunk_kda_fwd_intra` (``q``, ``k`` ``[B, T, H, K]`` bf16; ``gk`` fp32 log2 units; ``beta`` fp32).
+
+    Returns:
+        ``Aqk`` bf16 ``[B, T, HV, 64]`` (scale folded in, zero above the diagonal, as the one-launch primitive) and
+        ``Akk`` fp32 ``[B, T, HV, 64]`` (β-scaled, strictly lower; zero on and above the diagonal).
+    """
+    import torch
+
+    B, T, H, K = q.shape
+    HV = gk.shape[2]
+    _check_tokens({"q": (q, H, K, torch.bfloat16), "k": (k, H, K, torch.bfloat16),
+                   "gk": (gk, HV, K, torch.float32), "beta": (beta, HV, None, torch.float32)}, B, T)
+    chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, q.device)
+    config, specs = _plan(H, HV, K, False, cu_seqlens is not None, (False, False), "scores")
+    Aqk = torch.empty(B, T, HV, 64, dtype=torch.bfloat16, device=q.device)
+    Akk = torch.empty(B, T, HV, 64, dtype=torch.float32, device=q.device)
+    if num_chunks:
+        _launch(config, specs, (q, k, None, gk, beta, None, None, None, None, Aqk, None, Akk, cu_seqlens,
+                                chunk_indices), scale, q.device)
+    return Aqk, Akk
+
+
+def chunk_kda_solve_tril(Akk, cu_seqlens=None, chunk_indices=None, use_tf32_inverse: bool = False,
+                         *, unrolled: bool = False):
+    """Modular step 2: ``Akk_inv = (I + Akk)^-1`` per chunk, fp32 substitution (KDA_SPEC §3.3).
+
+    Args:
+        Akk: fp32 ``[B, T, HV, 64]`` as :func:`chunk_kda_fwd_scores` returns it (strictly lower).
+        use_tf32_inverse: not implemented (``ValueError``).
+        unrolled: the compile-time-bounded substitution (same bits; see :class:`KdaIntraConfig`).
+
+    Returns:
+        ``Akk_inv`` bf16 ``[B, T, HV, 64]``: unit diagonal, zero above it.
+    """
+    import torch
+
+    if use_tf32_inverse:
+        raise ValueError("chunk_kda_solve_tril: use_tf32_inverse=True is not implemented (the inverse is fp32)")
+    B, T, HV = Akk.shape[:3]
+    _check_tokens({"Akk": (Akk, HV, 64, torch.float32)}, B, T)
+    chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, Akk.device)
+    config, specs = _plan(HV, HV, 128, False, cu_seqlens is not None, (False, bool(unrolled)), "inverse")
+    Akk_inv = torch.empty(B, T, HV, 64, dtype=torch.bfloat16, device=Akk.device)
+    if num_chunks:
+        _launch(config, specs, (None,) * 10 + (Akk_inv, Akk, cu_seqlens, chunk_indices), 1.0, Akk.device)
+    return Akk_inv
+
+
+def chunk_kda_recompute_w_u(k, v, gk, beta, Akk_inv, q=None, cu_seqlens=None, chunk_indices=None):
+    """Modular step 3: ``(w, u, qg or None, kg)`` from the inverse (KDA_SPEC §3.4).
+
+    Args:
+        k: ``[B, T, H, K]`` bf16; v: ``[B, T, HV, K]`` bf16; gk, beta: as :func:`chunk_kda_fwd_intra`.
+        Akk_inv: bf16 ``[B, T, HV, 64]`` with exact zeros above the diagonal (as :func:`chunk_kda_solve_tril`
+            writes it).
+        q: ``[B, T, H, K]`` bf16, to also return ``qg = bf16(q 2^gk)``; None: no qg.
+
+    Returns:
+        w, kg (and qg) ``[B, T, HV, K]``, u ``[B, T, HV, K]``, all bf16: the one-launch primitive's, bit for bit.
+    """
+    import torch
+
+    B, T, H, K = k.shape
+    HV = v.shape[2]
+    named = {"k": (k, H, K, torch.bfloat16), "v": (v, HV, K, torch.bfloat16), "gk": (gk, HV, K, torch.float32),
+             "beta": (beta, HV, None, torch.float32), "Akk_inv": (Akk_inv, HV, 64, torch.bfloat16)}
+    if q is not None:
+        named["q"] = (q, H, K, torch.bfloat16)
+    _check_tokens(named, B, T)
+    chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, k.device)
+    config, specs = _plan(H, HV, K, q is not None, cu_seqlens is not None, (False, False), "wu")
+    w, u, kg = (torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=k.device) for _ in range(3))
+    qg = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=k.device) if q is not None else None
+    if num_chunks:
+        _launch(config, specs, (q, k, v, gk, beta, w, u, qg, kg, None, Akk_inv, None, cu_seqlens, chunk_indices),
+                1.0, k.device)
+    return w, u, qg, kg
