@@ -131,7 +131,7 @@ def time_ms(fn, reps: int, warmup: int = 5) -> float:
     return times[len(times) // 2]
 
 
-def contenders() -> dict:
+def contenders(extra: tuple[str, ...] = ()) -> dict:
     from cula.kda import kda_prefill
 
     runs = {}
@@ -148,15 +148,30 @@ def contenders() -> dict:
     except ImportError as error:
         print(f"FLA not importable ({error}); FLA columns stay empty")
     for backend in ("sm90", "cutedsl"):
-        def run(kw, backend=backend):
-            os.environ["CULA_BACKEND"] = backend
-            try:
-                return kda_prefill(**kw)
-            finally:
-                os.environ.pop("CULA_BACKEND", None)
-
-        runs[f"cula-{backend}"] = run
+        runs[f"cula-{backend}"] = _cula_run(kda_prefill, backend, {})
+    for spec in extra:  # "backend:NAME=value[,NAME=value]": the backend with those knobs, side by side
+        backend, _, knobs = spec.partition(":")
+        env = dict(item.split("=", 1) for item in knobs.split(",") if item)
+        runs[f"cula-{backend}[{knobs}]"] = _cula_run(kda_prefill, backend, env)
     return runs
+
+
+def _cula_run(kda_prefill, backend: str, env: dict):
+    """A contender: ``kda_prefill`` forced onto ``backend`` with the environment knobs ``env`` set during the call."""
+
+    def run(kw):
+        saved = {name: os.environ.get(name) for name in ("CULA_BACKEND", *env)}
+        os.environ.update({"CULA_BACKEND": backend, **env})
+        try:
+            return kda_prefill(**kw)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    return run
 
 
 def environment() -> list[str]:
@@ -192,10 +207,13 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
     parser.add_argument("--cutedsl-intra", choices=("wide", "lean", "lean-unrolled"), default=None,
                         help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
+    parser.add_argument("--extra", action="append", default=[],
+                        help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '
+                             'cutedsl:CULA_CUTE_INTRA=lean-unrolled (repeatable; timed in the same process)')
     args = parser.parse_args()
     if args.cutedsl_intra:
         os.environ["CULA_CUTE_INTRA"] = args.cutedsl_intra
-    runs = contenders()
+    runs = contenders(tuple(args.extra))
     rows = []
     for cfg in configs():
         if args.only and not any(s in cfg.name for s in args.only.split(",")):
@@ -250,6 +268,19 @@ def write_table(rows: list, out: str) -> None:
         lines.append(f"| {cfg.name} | {fmt(fla)} | {fmt(ours)} | {fmt(ratio, 2)} | {fmt(anchor, 2)} | "
                      f"{fmt(goal, 2)} | {met} | {floor:.3f} | {fmt(over_floor, 1)} | {fmt(cute_ms)} | "
                      f"{fmt(fla_over_cute, 2)} | {fmt(cute_over_native, 2)} |")
+    extras = sorted({name for _, times in rows for name in times if "[" in name and "first-call" not in name})
+    if extras:  # the knob variants beside their base backend, same process
+        lines += ["", "Knob variants, timed in the same process (ms; ratio = base backend ms / variant ms):", "",
+                  "| config | " + " | ".join(f"{name} ms | ratio" for name in extras) + " |",
+                  "|---" * (1 + 2 * len(extras)) + "|"]
+        for cfg, times in rows:
+            cells = []
+            for name in extras:
+                base, variant = times.get(name.split("[")[0]), times.get(name)
+                ok = isinstance(base, float) and isinstance(variant, float)
+                cells += [f"{variant:.3f}" if isinstance(variant, float) else "-",
+                          f"{base / variant:.2f}" if ok else "-"]
+            lines.append(f"| {cfg.name} | " + " | ".join(cells) + " |")
     first = [f"{name}: {times[name]:.1f} s" for _, times in rows[:1] for name in times
              if name.endswith("first-call s")]
     lines += ["", f"First call (compile/autotune included) on the first config: {', '.join(first)}", ""]

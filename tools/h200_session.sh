@@ -10,6 +10,10 @@
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh profile intra
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
+# The knob variants timed beside the defaults (bench_kda_prefill.py --extra): the measured sm90 block size, and the
+# CuTeDSL intra variants not yet the default.
+BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_BLOCK_V=64 --extra cutedsl:CULA_CUTE_INTRA=lean \
+--extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in
@@ -18,9 +22,10 @@ for step in "$@"; do
     tests:rest) timeout 580 bash tools/h200_tests.sh -q -k "not cute and not cutedsl" ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
     bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" --reps 30 ;;
-    bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" ;;
+    bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
+                   $BENCH_EXTRA ;;
     bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 \
-                  --out "$OUT/kda_prefill_rest.md" ;;
+                  --out "$OUT/kda_prefill_rest.md" $BENCH_EXTRA ;;
     stress|stress:sm90) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
     stress:cutedsl) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend cutedsl \
                       --out "$OUT/stress_cutedsl.md" ;;
