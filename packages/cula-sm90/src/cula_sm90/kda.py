@@ -75,22 +75,6 @@ def _indices(args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     return cu, indices, offsets, args.B * -(-args.T // CHUNK)
 
 
-def _workspace(total: int, num_chunks: int, HV: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The intra -> recurrence workspace as views of one allocation (one allocator call instead of six; each view
-    starts on a 256-byte boundary): qg, kg, w, u bf16 ``[total, HV, 128]``, Aqk bf16 ``[total, HV, 64]``,
-    g_last fp32 ``[num_chunks, HV, 128]``."""
-    parts = [((total, HV, HEAD_DIM), torch.bfloat16)] * 4 + [((total, HV, CHUNK), torch.bfloat16),
-                                                             ((num_chunks, HV, HEAD_DIM), torch.float32)]
-    sizes = [-(-(shape[0] * shape[1] * shape[2] * dtype.itemsize) // 256) * 256 for shape, dtype in parts]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    views, offset = [], 0
-    for (shape, dtype), size in zip(parts, sizes, strict=True):
-        count = shape[0] * shape[1] * shape[2]
-        views.append(buffer[offset:offset + count * dtype.itemsize].view(dtype).view(shape))
-        offset += size
-    return tuple(views)
-
-
 def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run KDA prefill on the sm_90a kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted.
 
@@ -124,7 +108,12 @@ def run_kernels(args: Any, block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor
     dt_bias = None if args.dt_bias is None else _aligned(args.dt_bias.float())
     h0 = _aligned(args.initial_state)
 
-    qg, kg, w, u, Aqk, g_last = _workspace(total, num_chunks, HV, device)
+    def workspace(width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(total, HV, width, dtype=dtype, device=device)
+
+    qg, kg, w, u = workspace(HEAD_DIM), workspace(HEAD_DIM), workspace(HEAD_DIM), workspace(HEAD_DIM)
+    Aqk = workspace(CHUNK)
+    g_last = torch.empty(num_chunks, HV, HEAD_DIM, dtype=torch.float32, device=device)
     if block_v == 0:
         block_v = recurrence_block_v(N * HV, sm_count(device))
     stream = torch.cuda.current_stream(device).cuda_stream
