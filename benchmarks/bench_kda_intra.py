@@ -1,6 +1,10 @@
 """Microbenchmark of the KDA intra primitive alone (Aqk/Akk, inverse, W/U): cuLA's CuTeDSL kernel against FLA's
 Triton ``chunk_kda_fwd_intra``. A microbenchmark: end-to-end numbers are bench_kda_prefill.py's.
 
+Also times, in the same process, the one-launch kernel's variants (``wide``, ``lean``, ``lean-unrolled``) and the
+three modular steps alone (scores, solve_tril with runtime and unrolled loops, recompute_w_u): which phase costs
+what, and what the shared-memory plan buys.
+
     python benchmarks/bench_kda_intra.py [--out benchmarks/results/kda_intra_h200.md] [--reps 50]
 
 Inputs are what the primitive receives inside a prefill: L2-normalised bf16 q/k, bf16 v, the chunk-local cumulative
@@ -52,10 +56,13 @@ def main() -> None:
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra as fla_intra
 
     from cula_runtime.cute.kda.intra import chunk_kda_fwd_intra as cute_intra
+    from cula_runtime.cute.kda.intra import chunk_kda_fwd_scores, chunk_kda_recompute_w_u, chunk_kda_solve_tril
 
     lines = ["# KDA intra primitive on the H200 (microbenchmark): CuTeDSL vs FLA Triton", "", *environment(), "",
              "| B | T | FLA ms | cula-cutedsl ms | FLA/cula | max rel. L2 (w, u, kg, Aqk) between the two |",
              "|---|---|---|---|---|---|"]
+    phases = ["| B | T | wide ms | lean ms | lean-unrolled ms | scores ms | solve_tril ms | solve_tril unrolled ms | "
+              "recompute_w_u ms |", "|---" * 9 + "|"]
     for B, T in SIZES:
         x = inputs(B, T)
 
@@ -73,6 +80,21 @@ def main() -> None:
         t_fla, t_cute = time_ms(run_fla, args.reps), time_ms(run_cute, args.reps)
         lines.append(f"| {B} | {T} | {t_fla:.3f} | {t_cute:.3f} | {t_fla / t_cute:.2f} | {diff:.2e} |")
         print(lines[-1], flush=True)
+
+        Aqk, Akk = chunk_kda_fwd_scores(x["q"], x["k"], x["gk"], x["beta"], x["scale"])
+        Akk_inv = chunk_kda_solve_tril(Akk)
+        steps = [
+            *(lambda x=x, v=v: cute_intra(x["q"], x["k"], x["v"], x["gk"], x["beta"], x["scale"], variant=v)
+              for v in ("wide", "lean", "lean-unrolled")),
+            lambda x=x: chunk_kda_fwd_scores(x["q"], x["k"], x["gk"], x["beta"], x["scale"]),
+            lambda Akk=Akk: chunk_kda_solve_tril(Akk),
+            lambda Akk=Akk: chunk_kda_solve_tril(Akk, unrolled=True),
+            lambda x=x, Akk_inv=Akk_inv: chunk_kda_recompute_w_u(x["k"], x["v"], x["gk"], x["beta"], Akk_inv),
+        ]
+        times = [time_ms(step, args.reps) for step in steps]
+        phases.append(f"| {B} | {T} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
+        print(phases[-1], flush=True)
+    lines += ["", "CuTeDSL intra variants and the modular steps alone (ms, same process):", "", *phases]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
