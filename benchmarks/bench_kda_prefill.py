@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kda_prefill_h200.md")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
-    parser.add_argument("--cutedsl-intra", choices=("wide", "lean", "lean-unrolled"), default=None,
+    parser.add_argument("--cutedsl-intra", choices=("wide", "lean", "lean-unrolled", "fused"), default=None,
                         help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
     parser.add_argument("--extra", action="append", default=[],
                         help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '

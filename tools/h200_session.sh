@@ -13,7 +13,7 @@ OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra): the measured sm90 block size, and the
 # CuTeDSL intra variants not yet the default.
 BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_BLOCK_V=64 --extra cutedsl:CULA_CUTE_INTRA=lean \
---extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
+--extra cutedsl:CULA_CUTE_INTRA=lean-unrolled --extra cutedsl:CULA_CUTE_INTRA=fused}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in

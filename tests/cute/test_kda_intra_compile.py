@@ -30,6 +30,9 @@ CONFIGS = {
                                        lean_smem=True),
     "lean-unrolled-fixed-H4-HV8-K128": dict(num_heads=4, num_v_heads=8, head_dim=128, lean_smem=True,
                                             unrolled_inverse=True),
+    "fused-l2norm-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True, varlen=True,
+                                               lean_smem=True, unrolled_inverse=True, l2norm=True),
+    "l2norm-fixed-H4-HV4-K64": dict(num_heads=4, num_v_heads=4, head_dim=64, l2norm=True),
 }
 # Shared memory of one SM on SM90 and SM100/SM103 (228 KB), and what each of two resident CTAs may take (the
 # driver reserves 1 KB per CTA).
@@ -79,6 +82,9 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
     if config.lean_smem:  # the point of the lean plan: two CTAs per SM
         assert kernel.smem_bytes() <= TWO_CTA_BUDGET, kernel.smem_bytes()
     assert code.count("BAR.SYNC") >= 8
+    # the fused L2 norm: one rsqrt per row segment of q (when read) and of k, in every pass that reads them
+    reads = (2 if config.lean_smem else 1)  # k is read again by the lean plan's right-hand-side pass
+    assert code.count("MUFU.RSQ") == (config.l2norm * passes * (1 + reads) if config.l2norm else 0)
     print(f"{config_id} {target}: {compile_seconds(KdaIntra, config, target):.1f} s, {sum(code.opcodes.values())} "
           f"instructions, HMMA {code.count('HMMA')}, LDSM {code.count('LDSM')}")
 
@@ -157,10 +163,11 @@ def test_variant_knob(monkeypatch) -> None:
     from cula_runtime.cute.kda.intra import ENV_VARIANT, VARIANTS, variant_flags
 
     monkeypatch.delenv(ENV_VARIANT, raising=False)
-    assert variant_flags(None) == (False, False) == VARIANTS["wide"]
+    assert variant_flags(None) == (False, False, False) == VARIANTS["wide"]
     monkeypatch.setenv(ENV_VARIANT, "lean-unrolled")
-    assert variant_flags(None) == (True, True)
-    assert variant_flags("lean") == (True, False)  # the argument wins over the environment
+    assert variant_flags(None) == (True, True, False)
+    assert variant_flags("lean") == (True, False, False)  # the argument wins over the environment
+    assert variant_flags("fused") == (True, True, True)
     monkeypatch.setenv(ENV_VARIANT, "fast")
     with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'.*lean"):
         variant_flags(None)

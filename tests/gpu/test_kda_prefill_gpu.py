@@ -55,3 +55,19 @@ def test_1000_replays_are_bit_identical(backend: str, monkeypatch: pytest.Monkey
     for _ in range(1000):
         o, ht = kda_prefill(**kwargs)
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
+
+
+@pytest.mark.parametrize("variant", ["lean", "lean-unrolled", "fused"])
+@pytest.mark.parametrize("case_name", ["B2-T257-H2-vk", "varlen-3seqs-h0bf16-GVA4", "B1-T300-H2-no-l2norm"])
+def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str, monkeypatch) -> None:
+    """Every CuTeDSL intra variant (shared-memory plan, unrolled inverse, the L2 norm moved from kda_prepare into the
+    intra kernel) gives the default pipeline's o and final state bit for bit."""
+    from cula.kda import kda_prefill
+
+    use_backend("cutedsl", monkeypatch)
+    kwargs = make_inputs(next(c for c in CASES if c.name == case_name), "cuda", seed=5)
+    monkeypatch.delenv("CULA_CUTE_INTRA", raising=False)
+    o0, ht0 = kda_prefill(**kwargs)
+    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
+    o, ht = kda_prefill(**kwargs)
+    assert torch.equal(o, o0) and torch.equal(ht, ht0)

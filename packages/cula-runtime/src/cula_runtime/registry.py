@@ -97,7 +97,8 @@ KERNELS: tuple[KernelEntry, ...] = (
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra",
         summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the status "
-                "is the default wide variant's (the opt-in lean and lean-unrolled variants compile but have not run)",
+                "is the default wide variant's (the opt-in lean, lean-unrolled and fused variants compile but have "
+                "not run)",
     ),
     *(
         KernelEntry(

@@ -48,7 +48,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     """
     import torch
 
-    from .intra import chunk_kda_fwd_intra
+    from .intra import chunk_kda_fwd_intra, variant_flags
     from .prepare import kda_prepare
     from .recurrence import chunk_kda_fwd_recurrence
 
@@ -61,15 +61,18 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         return o, args.initial_state.float().clone()
     cu = args.cu_seqlens
     chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK)
+    # The "fused" intra variant L2-normalises q/k itself (same bits): prepare then only does the gate and beta.
+    fuse_l2norm = args.use_qk_l2norm_in_kernel and variant_flags(None)[2]
     q_hat, k_hat, g_cum, beta = kda_prepare(
         args.q, args.k, args.g, args.beta, A_log=args.A_log, dt_bias=args.dt_bias,
         lower_bound=args.lower_bound if args.use_gate_in_kernel else None,
-        use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, use_gate_in_kernel=args.use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
-        cu_seqlens=cu, chunk_indices=chunk_indices,
+        use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel and not fuse_l2norm,
+        use_gate_in_kernel=args.use_gate_in_kernel, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=args.allow_neg_eigval, cu_seqlens=cu, chunk_indices=chunk_indices,
     )
     w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
         q_hat, k_hat, args.v, g_cum, beta, args.scale, cu_seqlens=cu, chunk_indices=chunk_indices, output_qg=True,
+        use_qk_l2norm_in_kernel=fuse_l2norm,
     )
     h0 = None if args.initial_state is None else args.initial_state.float()
     if block_v == 0:

@@ -49,6 +49,7 @@ PHASES = ("all", "scores", "inverse", "wu")
 SUB = 16  # rows of a sub-chunk: the M (and N) of one score block
 NUM_SUB = 4  # sub-chunks per 64-row chunk
 EXP2_CLAMP = 126.0  # exponents are clamped here: a factor of a zero (past-the-end) row stays finite
+L2NORM_EPS = 1e-6  # as kda_prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,9 @@ class KdaIntraConfig:
         phases: ``all`` (the one-launch primitive) or one step of the modular path, each its own launch:
             ``scores`` (Aqk bf16 and Akk fp32 out), ``inverse`` (Akk fp32 in, Akk_inv bf16 out) or ``wu`` (Akk_inv
             in; w, u, kg, qg out). The three steps in turn compute the one-launch outputs bit for bit.
+        l2norm: q and k arrive raw and each row is L2-normalised here, exactly as :func:`kda_prepare` does it (the
+            same thread owns the same 8 values, the same fp32 sum, 16-lane reduction, rsqrt and rounding), so the
+            outputs equal those of prepare's q̂/k̂ bit for bit while the q̂/k̂ round trip through memory is gone.
     """
 
     num_heads: int
@@ -85,6 +89,7 @@ class KdaIntraConfig:
     lean_smem: bool = False
     unrolled_inverse: bool = False
     phases: str = "all"
+    l2norm: bool = False
 
 
 class KdaIntra:
@@ -527,6 +532,10 @@ class KdaIntra:
                 gRow = cute.local_tile(gG[row, None], (VEC,), (col0 // VEC,))
                 for half in cutlass.range_constexpr(2):
                     cute.copy(g_atom, cute.local_tile(gRow, (4,), (half,)), cute.local_tile(rG, (4,), (half,)))
+            if const_expr(c.l2norm):  # the row's 16 (K = 128) or 8 threads: kda_prepare's arithmetic exactly
+                if const_expr(need_q):
+                    self.l2norm_row(rQ)
+                self.l2norm_row(rK)
             beta = sBeta[row]
             rQt = cute.make_rmem_tensor(vec_layout, BFloat16)
             rKt = cute.make_rmem_tensor(vec_layout, BFloat16)
@@ -573,6 +582,15 @@ class KdaIntra:
                     if const_expr(c.output_qg):
                         tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
                         cute.copy(atom, rQg, tXgQg[None, p, 0])
+
+    @cute.jit
+    def l2norm_row(self, rX: cute.Tensor):
+        """``rX <- bf16(x * rsqrt(sum(x^2) + eps))`` over the row whose ``vec`` values this thread holds with
+        ``K / vec`` neighbouring lanes (zeros stay zeros): :meth:`KdaPrepare.l2norm_rows`'s arithmetic."""
+        x = rX.load().to(Float32)
+        sum_sq = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        sum_sq = cute.arch.warp_reduction_sum(sum_sq, threads_in_group=self.threads_per_row)
+        rX.store((x * cute.math.rsqrt(sum_sq + L2NORM_EPS)).to(BFloat16))
 
     @cute.jit
     def scores(self, block_mma: cute.TiledMma, sQt: cute.Tensor, sKt: cute.Tensor, sKh: list, sBeta: cute.Tensor,
@@ -732,13 +750,15 @@ _OUTPUTS = {"all": frozenset(range(5, 11)), "scores": frozenset({9, 11}), "inver
 
 
 ENV_VARIANT = "CULA_CUTE_INTRA"
-# Named variants of the intra kernel: (lean_smem, unrolled_inverse). All compute the same bits.
-VARIANTS = {"wide": (False, False), "lean": (True, False), "lean-unrolled": (True, True)}
+# Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm). All compute the same bits.
+# fuse_l2norm is for the cutedsl backend: it moves the q/k L2 norm from kda_prepare into this kernel.
+VARIANTS = {"wide": (False, False, False), "lean": (True, False, False), "lean-unrolled": (True, True, False),
+            "fused": (True, True, True)}
 
 
-def variant_flags(variant: str | None) -> tuple[bool, bool]:
-    """``(lean_smem, unrolled_inverse)`` of a named variant; None: ``CULA_CUTE_INTRA``, else ``wide`` (the one
-    verified on the H200; ``lean`` and ``lean-unrolled`` compile for every target but have not run on a GPU)."""
+def variant_flags(variant: str | None) -> tuple[bool, bool, bool]:
+    """``(lean_smem, unrolled_inverse, fuse_l2norm)`` of a named variant; None: ``CULA_CUTE_INTRA``, else ``wide``
+    (the one verified on the H200; the others compile for every target but have not run on a GPU)."""
     import os
 
     name = variant if variant is not None else os.environ.get(ENV_VARIANT, "wide")
@@ -750,10 +770,10 @@ def variant_flags(variant: str | None) -> tuple[bool, bool]:
 
 @functools.lru_cache(maxsize=256)
 def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, bool],
-          phases: str = "all") -> tuple:
+          phases: str = "all", l2norm: bool = False) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
-                            lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases)
+                            lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"KdaIntra: {reason}")
@@ -796,6 +816,7 @@ def chunk_kda_fwd_intra(
     out=None,
     *,
     variant: str | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
 ):
     """KDA chunk intra on the GPU (KDA_SPEC §3.2-3.4, §3.8): ``(w, u, qg or None, kg, Aqk, Akk_inv)``.
 
@@ -810,8 +831,10 @@ def chunk_kda_fwd_intra(
         use_tf32_inverse: not implemented (the inverse is fp32 on CUDA cores).
         output_qg: also return ``qg = bf16(q 2^gk)``.
         out: optional preallocated ``(w, u, qg, kg, Aqk, Akk_inv)`` (qg None unless ``output_qg``).
-        variant: ``wide``, ``lean`` or ``lean-unrolled`` (:data:`VARIANTS`, :class:`KdaIntraConfig`); None:
-            :func:`variant_flags` (``CULA_CUTE_INTRA``, else ``wide``).
+        variant: ``wide``, ``lean``, ``lean-unrolled`` or ``fused`` (= ``lean-unrolled`` here; see :data:`VARIANTS`,
+            :class:`KdaIntraConfig`); None: :func:`variant_flags` (``CULA_CUTE_INTRA``, else ``wide``).
+        use_qk_l2norm_in_kernel: q and k are raw; each row is L2-normalised in the kernel exactly as
+            :func:`kda_prepare` would (same bits).
 
     Returns:
         w, qg, kg ``[B, T, HV, K]``; u ``[B, T, HV, V]``; Aqk ``[B, T, HV, 64]`` (scale folded in, zero above the
@@ -840,7 +863,8 @@ def chunk_kda_fwd_intra(
         raise ValueError("q, k, v, gk and beta must be CUDA tensors on one device")
     varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
-    config, specs = _plan(H, HV, K, bool(output_qg), varlen, variant_flags(variant))
+    config, specs = _plan(H, HV, K, bool(output_qg), varlen, variant_flags(variant)[:2],
+                          l2norm=bool(use_qk_l2norm_in_kernel))
 
     names = ("w", "u", "qg", "kg", "Aqk", "Akk_inv")
     shapes = ((B, T, HV, K),) * 4 + ((B, T, HV, 64),) * 2
@@ -870,10 +894,12 @@ def chunk_kda_fwd_intra(
 # ---- the modular path: the same work in three launches (FLA's intra scores, solve_tril and recompute_w_u)
 
 
-def chunk_kda_fwd_scores(q, k, gk, beta, scale: float, cu_seqlens=None, chunk_indices=None):
+def chunk_kda_fwd_scores(q, k, gk, beta, scale: float, cu_seqlens=None, chunk_indices=None,
+                         use_qk_l2norm_in_kernel: bool = False):
     """Modular step 1: ``(Aqk, Akk)`` of every chunk (KDA_SPEC §3.2, §3.7, safe gate).
 
-    Args: as :func:`chunk_kda_fwd_intra` (``q``, ``k`` ``[B, T, H, K]`` bf16; ``gk`` fp32 log2 units; ``beta`` fp32).
+    Args: as :func:`chunk_kda_fwd_intra` (``q``, ``k`` ``[B, T, H, K]`` bf16; ``gk`` fp32 log2 units; ``beta`` fp32;
+        ``use_qk_l2norm_in_kernel``).
 
     Returns:
         ``Aqk`` bf16 ``[B, T, HV, 64]`` (scale folded in, zero above the diagonal, as the one-launch primitive) and
@@ -886,7 +912,8 @@ def chunk_kda_fwd_scores(q, k, gk, beta, scale: float, cu_seqlens=None, chunk_in
     _check_tokens({"q": (q, H, K, torch.bfloat16), "k": (k, H, K, torch.bfloat16),
                    "gk": (gk, HV, K, torch.float32), "beta": (beta, HV, None, torch.float32)}, B, T)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, q.device)
-    config, specs = _plan(H, HV, K, False, cu_seqlens is not None, (False, False), "scores")
+    config, specs = _plan(H, HV, K, False, cu_seqlens is not None, (False, False), "scores",
+                          bool(use_qk_l2norm_in_kernel))
     Aqk = torch.empty(B, T, HV, 64, dtype=torch.bfloat16, device=q.device)
     Akk = torch.empty(B, T, HV, 64, dtype=torch.float32, device=q.device)
     if num_chunks:
@@ -921,7 +948,8 @@ def chunk_kda_solve_tril(Akk, cu_seqlens=None, chunk_indices=None, use_tf32_inve
     return Akk_inv
 
 
-def chunk_kda_recompute_w_u(k, v, gk, beta, Akk_inv, q=None, cu_seqlens=None, chunk_indices=None):
+def chunk_kda_recompute_w_u(k, v, gk, beta, Akk_inv, q=None, cu_seqlens=None, chunk_indices=None,
+                            use_qk_l2norm_in_kernel: bool = False):
     """Modular step 3: ``(w, u, qg or None, kg)`` from the inverse (KDA_SPEC §3.4).
 
     Args:
@@ -929,6 +957,7 @@ def chunk_kda_recompute_w_u(k, v, gk, beta, Akk_inv, q=None, cu_seqlens=None, ch
         Akk_inv: bf16 ``[B, T, HV, 64]`` with exact zeros above the diagonal (as :func:`chunk_kda_solve_tril`
             writes it).
         q: ``[B, T, H, K]`` bf16, to also return ``qg = bf16(q 2^gk)``; None: no qg.
+        use_qk_l2norm_in_kernel: k (and q) are raw and L2-normalised in the kernel, as :func:`kda_prepare` does.
 
     Returns:
         w, kg (and qg) ``[B, T, HV, K]``, u ``[B, T, HV, K]``, all bf16: the one-launch primitive's, bit for bit.
@@ -943,7 +972,8 @@ def chunk_kda_recompute_w_u(k, v, gk, beta, Akk_inv, q=None, cu_seqlens=None, ch
         named["q"] = (q, H, K, torch.bfloat16)
     _check_tokens(named, B, T)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, k.device)
-    config, specs = _plan(H, HV, K, q is not None, cu_seqlens is not None, (False, False), "wu")
+    config, specs = _plan(H, HV, K, q is not None, cu_seqlens is not None, (False, False), "wu",
+                          bool(use_qk_l2norm_in_kernel))
     w, u, kg = (torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=k.device) for _ in range(3))
     qg = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=k.device) if q is not None else None
     if num_chunks:
