@@ -335,25 +335,6 @@ class KdaIntra:
                 else:
                     tXsX[None, p, None].fill(0.0)
 
-    @cute.jit
-    def load_rows(self, mX: cute.Tensor, sX: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
-                  cols: cutlass.Constexpr, tidx: Int32):
-        """``sX[r, :] = mX[b, start + r, hv, :]`` for rows ``r < valid``, zeros for the others (16-byte accesses)."""
-        C = self.config.chunk_size
-        per_row = cols // self.vec
-        rows_per_pass = self.num_threads // per_row
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        thr_copy = self.row_copy(cols).get_slice(tidx)
-        tXgX = thr_copy.partition_S(self.chunk_rows(mX, b, hv, start, cols))
-        tXsX = thr_copy.partition_D(sX)
-        tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, cols)))
-        for p in cutlass.range_constexpr(C // rows_per_pass):
-            rX = cute.make_rmem_tensor(cute.make_layout(self.vec), BFloat16)
-            rX.fill(0.0)
-            if tXcX[(0, 0), p, 0][0] < valid:
-                cute.copy(atom, tXgX[None, p, 0], rX)
-            cute.copy(atom, rX, tXsX[None, p, 0])
-
     @staticmethod
     def fp32_layout(cols: int, rows: int | None = None):
         """Row-major fp32 [rows, cols] (rows defaults to cols)."""
@@ -728,6 +709,19 @@ class KdaIntra:
     def store_rows(self, sX: cute.Tensor, mX: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
                    cols: cutlass.Constexpr, tidx: Int32):
         """``mX[b, start + r, hv, :] = sX[r, :]`` for the chunk's rows ``r < valid`` (16-byte accesses)."""
+        self.bf16_rows(sX, mX, b, hv, start, valid, cols, tidx, to_global=True)
+
+    @cute.jit
+    def load_rows(self, mX: cute.Tensor, sX: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
+                  cols: cutlass.Constexpr, tidx: Int32):
+        """``sX[r, :] = mX[b, start + r, hv, :]`` for rows ``r < valid``, zeros for the others (16-byte accesses)."""
+        self.bf16_rows(sX, mX, b, hv, start, valid, cols, tidx, to_global=False)
+
+    @cute.jit
+    def bf16_rows(self, sX: cute.Tensor, mX: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
+                  cols: cutlass.Constexpr, tidx: Int32, to_global: cutlass.Constexpr):
+        """Rows of a bf16 ``[64, cols]`` shared tile to ``mX[b, start + r, hv, :]`` (``to_global``, rows < valid)
+        or back (rows >= valid zero-filled), through registers, 16 bytes per access."""
         C = self.config.chunk_size
         per_row = cols // self.vec
         rows_per_pass = self.num_threads // per_row
@@ -738,10 +732,17 @@ class KdaIntra:
         tXgX = thr_copy.partition_D(gX)
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, cols)))
         for p in cutlass.range_constexpr(C // rows_per_pass):
-            if tXcX[(0, 0), p, 0][0] < valid:
+            if const_expr(to_global):
+                if tXcX[(0, 0), p, 0][0] < valid:
+                    rX = cute.make_rmem_tensor(cute.make_layout(self.vec), BFloat16)
+                    cute.copy(atom, tXsX[None, p, 0], rX)
+                    cute.copy(atom, rX, tXgX[None, p, 0])
+            else:
                 rX = cute.make_rmem_tensor(cute.make_layout(self.vec), BFloat16)
-                cute.copy(atom, tXsX[None, p, 0], rX)
-                cute.copy(atom, rX, tXgX[None, p, 0])
+                rX.fill(0.0)
+                if tXcX[(0, 0), p, 0][0] < valid:
+                    cute.copy(atom, tXgX[None, p, 0], rX)
+                cute.copy(atom, rX, tXsX[None, p, 0])
 
 
 # positions of the outputs among the tensor arguments, per phase: w, u, qg, kg, Aqk, Akk_inv, Akk (fp32)
