@@ -2,6 +2,7 @@
 # What the GPU work still owes, as steps for the lent H200; each step is time-capped and writes under $OUT.
 # One device call holds at most 10 minutes, so run a few steps per call, e.g.:
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:cute
+#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:cutedsl
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:rest
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh bench-fixed
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh bench-rest
@@ -18,8 +19,9 @@ for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in
     tests) timeout 580 bash tools/h200_tests.sh -q ;;
-    tests:cute) timeout 580 bash tools/h200_tests.sh -q -k "cute or cutedsl" ;;
-    tests:rest) timeout 580 bash tools/h200_tests.sh -q -k "not cute and not cutedsl" ;;
+    tests:cute) GPU_LOG_TAG=_cute timeout 580 bash tools/h200_tests.sh -q tests/cute ;;
+    tests:cutedsl) GPU_LOG_TAG=_cutedsl timeout 580 bash tools/h200_tests.sh -q -k cutedsl tests/gpu tests/api ;;
+    tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q -k "not cute and not cutedsl" ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
     bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" --reps 30 ;;
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
@@ -33,7 +35,7 @@ for step in "$@"; do
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
-    *) echo "unknown step: $step (tests[:cute|:rest] fla bench bench-fixed bench-rest stress[:sm90|:cutedsl]" \
+    *) echo "unknown step: $step (tests[:cute|:cutedsl|:rest] fla bench bench-fixed bench-rest stress[:sm90|:cutedsl]" \
           "sanitizer[:sm90|:cutedsl] profile intra)" ;;
   esac
   echo "=== $step: exit $?"
