@@ -2,9 +2,10 @@
 
 A kernel family is a class in the CUTLASS shape (see ``STYLE.md``): ``__init__(config)`` with a frozen dataclass,
 a static ``can_implement(config) -> (ok, reason)``, a ``@cute.jit __call__`` and ``compile_arguments()``, which
-returns the *fake* arguments to compile against (:meth:`TensorSpec.fake` for every tensor, so token and batch
-extents are symbolic, and :func:`fake_stream`). :func:`compile_kernel` builds one binary per
-``(kernel class, config, target)``; a new T, batch size or ``cu_seqlens`` reuses it.
+returns the *fake* arguments to compile against (:func:`fake_call_arguments`: :meth:`TensorSpec.fake` for every
+tensor, so token and batch extents are symbolic, the scalars, and :func:`fake_stream`). :func:`compile_kernel`
+builds one binary per ``(kernel class, config, target)``; a new T, batch size or ``cu_seqlens`` reuses it, and
+:func:`launch` is how every host wrapper calls it.
 
 Launch convention (TVM-FFI, ``--enable-tvm-ffi``): the compiled callable takes the torch tensors themselves (None
 for an absent optional tensor) and the scalars, in ``__call__``'s order without the stream; it launches on the
@@ -25,7 +26,7 @@ import time
 from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol
 
-from .arch import compile_target, normalize_target
+from .arch import compile_target, launch_target, normalize_target
 
 __all__ = [
     "INSTALL_HINT",
@@ -38,7 +39,9 @@ __all__ = [
     "compile_kernel",
     "compile_records",
     "compile_seconds",
+    "fake_call_arguments",
     "fake_stream",
+    "launch",
     "fake_tensor",
     "missing_cutedsl",
     "require_cutedsl",
@@ -268,3 +271,22 @@ def fake_tensor(dtype: Any, ndim: int, *, divisibility: int = 1, assumed_align: 
 def fake_stream() -> Any:
     """The compile-time stream argument: at the call, TVM-FFI passes the caller's current torch stream."""
     return require_cutedsl().runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def fake_call_arguments(specs: tuple, *scalars: Any) -> tuple:
+    """``compile_arguments()`` of a kernel family whose ``__call__`` takes the tensors of ``specs`` (a
+    :class:`TensorSpec`, or None for an absent optional tensor), then ``scalars``, then the stream."""
+    return (*(None if spec is None else spec.fake() for spec in specs), *scalars, fake_stream())
+
+
+def launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, tensors: tuple,
+           outputs: frozenset[int], device: Any, *scalars: Any) -> None:
+    """Compile (once, cached) and call ``kernel_cls(config)`` on ``tensors`` and ``scalars``, on ``device``'s
+    current torch stream. Each tensor goes through its spec's :meth:`TensorSpec.launch_arg` (the positions in
+    ``outputs`` are outputs: refused, not copied, when they break a layout promise)."""
+    args = [
+        None if spec is None else spec.launch_arg(tensor, output=i in outputs)
+        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
+    ]
+    compiled = compile_kernel(kernel_cls, config, target=launch_target(device.index))
+    compiled(*args, *scalars)  # TVM-FFI: the tensors' device, current stream

@@ -28,8 +28,7 @@ a negative sequence id is padding and does nothing. Rows past a sequence's end a
 import dataclasses
 import functools
 
-from ..arch import launch_target
-from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import chunk_rows
 
@@ -157,8 +156,7 @@ class KdaIntra:
 
     def compile_arguments(self) -> tuple:
         """Fake arguments for ``cute.compile``: symbolic B, T, N and NT; nothing allocated."""
-        fakes = tuple(None if spec is None else spec.fake() for spec in self.argument_specs())
-        return (*fakes, Float32(1.0), fake_stream())
+        return fake_call_arguments(self.argument_specs(), Float32(1.0))
 
     @cute.jit
     def __call__(
@@ -783,12 +781,7 @@ def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[b
 
 def _launch(config: KdaIntraConfig, specs: tuple, tensors: tuple, scale: float, device) -> None:
     """Launch one compiled :class:`KdaIntra` configuration on ``tensors`` (the fourteen ``__call__`` arguments)."""
-    args = [
-        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS[config.phases])
-        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
-    ]
-    compiled = compile_kernel(KdaIntra, config, target=launch_target(device.index))
-    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    launch(KdaIntra, config, specs, tensors, _OUTPUTS[config.phases], device, float(scale))
 
 
 def _check_tokens(named: dict, B: int, T: int) -> None:

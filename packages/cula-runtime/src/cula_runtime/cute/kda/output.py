@@ -21,8 +21,7 @@ entry ``x`` (a negative sequence id is a padding row: nothing is done).
 import dataclasses
 import functools
 
-from ..arch import launch_target
-from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..varlen import chunk_rows
 from .tiles import ChunkTiles
 
@@ -90,8 +89,7 @@ class KdaOutput(ChunkTiles):
 
     def compile_arguments(self) -> tuple:
         """Fake arguments for ``cute.compile``: symbolic B, T, NT and N; nothing allocated."""
-        fakes = tuple(None if spec is None else spec.fake() for spec in self.argument_specs())
-        return (*fakes, Float32(1.0), fake_stream())
+        return fake_call_arguments(self.argument_specs(), Float32(1.0))
 
     @cute.jit
     def __call__(
@@ -322,10 +320,5 @@ def chunk_kda_fwd_o(
     if num_chunks == 0:
         return o
     tensors = (qg, v_new, Aqk, h, o, cu_seqlens, chunk_indices)
-    args = [
-        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
-        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
-    ]
-    compiled = compile_kernel(KdaOutput, config, target=launch_target(device.index))
-    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    launch(KdaOutput, config, specs, tensors, _OUTPUTS, device, float(scale))
     return o

@@ -23,8 +23,7 @@ through TVM-FFI on the current torch stream (about 7 us of host time per call on
 import dataclasses
 import functools
 
-from ..arch import launch_target
-from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..varlen import chunk_rows
 
 try:
@@ -152,8 +151,7 @@ class KdaPrepare:
 
     def compile_arguments(self) -> tuple:
         """Fake arguments for ``cute.compile``: symbolic B, T, N and NT; nothing allocated."""
-        fakes = tuple(None if spec is None else spec.fake() for spec in self.argument_specs())
-        return (*fakes, Float32(0.0), fake_stream())
+        return fake_call_arguments(self.argument_specs(), Float32(0.0))
 
     @cute.jit
     def __call__(
@@ -458,10 +456,5 @@ def kda_prepare(
     if not use_qk_l2norm_in_kernel:
         q = k = q_hat = k_hat = None  # not read by the kernel; returned as given below
     tensors = (q, k, g, beta, A_log, dt_bias, q_hat, k_hat, g_cum, beta_out, cu_seqlens, chunk_indices)
-    args = [
-        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
-        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
-    ]
-    compiled = compile_kernel(KdaPrepare, config, target=launch_target(device.index))
-    compiled(*args, float(lower_bound) if gate == "safe" else 0.0)  # TVM-FFI: the tensors' device, current stream
+    launch(KdaPrepare, config, specs, tensors, _OUTPUTS, device, float(lower_bound) if gate == "safe" else 0.0)
     return outputs

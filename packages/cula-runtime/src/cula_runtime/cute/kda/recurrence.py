@@ -32,8 +32,7 @@ Grid ``(N, HV, 128 / block_v)``, ``block_v / 16`` warps per CTA; about 131 KB of
 import dataclasses
 import functools
 
-from ..arch import launch_target
-from ..compile_cache import TensorSpec, compile_kernel, fake_stream, missing_cutedsl
+from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..varlen import check_cu_seqlens
 from .tiles import ChunkTiles
 
@@ -119,8 +118,7 @@ class KdaRecurrence(ChunkTiles):
 
     def compile_arguments(self) -> tuple:
         """Fake arguments for ``cute.compile``: symbolic B, T and N; nothing allocated."""
-        fakes = tuple(None if spec is None else spec.fake() for spec in self.argument_specs())
-        return (*fakes, Float32(1.0), fake_stream())
+        return fake_call_arguments(self.argument_specs(), Float32(1.0))
 
     # ------------------------------------------------------------------------------------------------------------
     # Host side: layouts, atoms, launch
@@ -484,12 +482,7 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
         return o, ht, h, v_new
     tensors = (qg, kg, w, u, Aqk, gk, initial_state, o, ht, cu_seqlens, h, v_new,
                chunk_offsets if want_h and varlen else None)
-    args = [
-        None if spec is None else spec.launch_arg(tensor, output=i in _OUTPUTS)
-        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
-    ]
-    compiled = compile_kernel(KdaRecurrence, config, target=launch_target(device.index))
-    compiled(*args, float(scale))  # TVM-FFI: the tensors' device, current stream
+    launch(KdaRecurrence, config, specs, tensors, _OUTPUTS, device, float(scale))
     return o, ht, h, v_new
 
 
