@@ -99,6 +99,37 @@ struct RecurrenceConfig {
   static_assert(kThreads >= kTileG / 16, "g_last copy split");
 };
 
+// One state element as fp32, and two K-adjacent ones (8-byte fp32 or 4-byte bf16 pair) of a V-first state.
+__device__ __forceinline__ float state_value(float x) { return x; }
+__device__ __forceinline__ float state_value(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float2 state_pair(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 state_pair(const __nv_bfloat16* p) {
+  const uint32_t x = *reinterpret_cast<const uint32_t*>(p);
+  return make_float2(bf16_lo(x), bf16_hi(x));
+}
+
+// This lane's fragment of S^T from one head's initial state h0 ([K, V], or [V, K] if v_first; fp32 or bf16):
+// S[j][e] = S(k = 8j + 2*t4 + (e & 1), v = vr + 8*(e >> 1)).
+template <typename T>
+__device__ __forceinline__ void load_state(float (&S)[16][4], const T* h0, bool v_first, int vr, int t4) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int k = 8 * j + 2 * t4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int v = vr + 8 * h;
+      if (v_first) {
+        const float2 x = state_pair(h0 + static_cast<int64_t>(v) * kHeadDim + k);
+        S[j][2 * h] = x.x;
+        S[j][2 * h + 1] = x.y;
+      } else {
+        S[j][2 * h] = state_value(h0[static_cast<int64_t>(k) * kHeadDim + v]);
+        S[j][2 * h + 1] = state_value(h0[static_cast<int64_t>(k + 1) * kHeadDim + v]);
+      }
+    }
+  }
+}
+
 // XOR swizzle of the 16-byte chunk index within a row of R chunks: the 8 consecutive rows read by one 8x8 ldmatrix
 // matrix (same logical chunk) land in 8 distinct 16-byte slots of a 128-byte bank window.
 template <int R>
@@ -225,41 +256,9 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
       for (int e = 0; e < 4; ++e) S[j][e] = 0.f;
     }
   } else if (p.state_type == ScalarType::kFloat32) {
-    const float* h0 = static_cast<const float*>(p.initial_state) + state_base;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int k = 8 * j + 2 * t4;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int v = vr + 8 * h;
-        if (p.state_v_first) {
-          const float2 x = *reinterpret_cast<const float2*>(h0 + static_cast<int64_t>(v) * kHeadDim + k);
-          S[j][2 * h] = x.x;
-          S[j][2 * h + 1] = x.y;
-        } else {
-          S[j][2 * h] = h0[static_cast<int64_t>(k) * kHeadDim + v];
-          S[j][2 * h + 1] = h0[static_cast<int64_t>(k + 1) * kHeadDim + v];
-        }
-      }
-    }
+    load_state(S, static_cast<const float*>(p.initial_state) + state_base, p.state_v_first, vr, t4);
   } else {
-    const __nv_bfloat16* h0 = static_cast<const __nv_bfloat16*>(p.initial_state) + state_base;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int k = 8 * j + 2 * t4;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int v = vr + 8 * h;
-        if (p.state_v_first) {
-          const uint32_t x = *reinterpret_cast<const uint32_t*>(h0 + static_cast<int64_t>(v) * kHeadDim + k);
-          S[j][2 * h] = bf16_lo(x);
-          S[j][2 * h + 1] = bf16_hi(x);
-        } else {
-          S[j][2 * h] = __bfloat162float(h0[static_cast<int64_t>(k) * kHeadDim + v]);
-          S[j][2 * h + 1] = __bfloat162float(h0[static_cast<int64_t>(k + 1) * kHeadDim + v]);
-        }
-      }
-    }
+    load_state(S, static_cast<const __nv_bfloat16*>(p.initial_state) + state_base, p.state_v_first, vr, t4);
   }
 
   // ---- Per-lane smem offsets (bytes, relative to a tile base).
