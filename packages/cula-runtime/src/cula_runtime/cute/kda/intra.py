@@ -31,6 +31,7 @@ import functools
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import chunk_rows
+from .tiles import chunk_span
 
 try:
     import cuda.bindings.driver as cuda
@@ -228,16 +229,8 @@ class KdaIntra:
         chunk, hv, batch = cute.arch.block_idx()
         head = hv // (c.num_v_heads // c.num_heads)
         # This CTA's chunk: first token `start` in batch row `batch`, `valid` tokens (0 for a padding row).
-        if const_expr(c.varlen):
-            seq = mChunkIndices[chunk, 0]
-            seq_row = cutlass.max(seq, 0)
-            start = mCuSeqlens[seq_row] + mChunkIndices[chunk, 1] * C
-            valid = cutlass.min(mCuSeqlens[seq_row + 1] - start, C)
-            valid = cutlass.select_(seq >= 0, valid, 0)
-        else:
-            start = chunk * C
-            mRef = mAkkF32 if const_expr(c.phases == "inverse") else mG
-            valid = cutlass.min(mRef.shape[1] - start, C)
+        mRef = mAkkF32 if const_expr(c.phases == "inverse") else mG  # a [B, T, ...] tensor of every phase
+        start, valid = chunk_span(mCuSeqlens, mChunkIndices, chunk, mRef.shape[1], C, c.varlen)
 
         smem = cutlass.utils.SmemAllocator()
         plan = self.lean_buffers if const_expr(c.lean_smem) else self.wide_buffers

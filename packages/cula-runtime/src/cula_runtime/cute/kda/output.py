@@ -23,7 +23,7 @@ import functools
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..varlen import chunk_rows
-from .tiles import ChunkTiles
+from .tiles import ChunkTiles, chunk_span
 
 try:
     import cuda.bindings.driver as cuda
@@ -151,18 +151,9 @@ class KdaOutput(ChunkTiles):
         C, K, BV = c.chunk_size, c.head_dim, c.block_v
         tidx, _, _ = cute.arch.thread_idx()
         chunk, hv, z = cute.arch.block_idx()
-        vb = z % (K // BV)
-        # This CTA's chunk: batch row b, first token start, valid tokens (0: a padding row), its entry in h.
-        if const_expr(c.varlen):
-            b = z // (K // BV)
-            seq = mChunkIndices[chunk, 0]
-            seq_row = cutlass.max(seq, 0)
-            start = mCuSeqlens[seq_row] + mChunkIndices[chunk, 1] * C
-            valid = cutlass.select_(seq >= 0, cutlass.min(mCuSeqlens[seq_row + 1] - start, C), 0)
-        else:
-            b = z // (K // BV)
-            start = chunk * C
-            valid = cutlass.min(mQg.shape[1] - start, C)
+        vb, b = z % (K // BV), z // (K // BV)
+        # This CTA's chunk (also its entry in h): batch row b, first token start, valid tokens (0: a padding row).
+        start, valid = chunk_span(mCuSeqlens, mChunkIndices, chunk, mQg.shape[1], C, c.varlen)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)

@@ -25,6 +25,7 @@ import functools
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..varlen import chunk_rows
+from .tiles import chunk_span
 
 try:
     import cuda.bindings.driver as cuda
@@ -203,15 +204,7 @@ class KdaPrepare:
         tidx, _, _ = cute.arch.thread_idx()
         chunk, role, batch = cute.arch.block_idx()
         # This CTA's chunk: first token `start` in batch row `batch`, `valid` tokens (0 for a padding row).
-        if const_expr(c.varlen):
-            seq = mChunkIndices[chunk, 0]
-            seq_row = cutlass.max(seq, 0)
-            start = mCuSeqlens[seq_row] + mChunkIndices[chunk, 1] * C
-            valid = cutlass.min(mCuSeqlens[seq_row + 1] - start, C)
-            valid = cutlass.select_(seq >= 0, valid, 0)
-        else:
-            start = chunk * C
-            valid = cutlass.min(mG.shape[1] - start, C)
+        start, valid = chunk_span(mCuSeqlens, mChunkIndices, chunk, mG.shape[1], C, c.varlen)
         if role < c.num_v_heads:
             self.gate_and_beta(mG, mBeta, mALog, mDtBias, mGo, mBetaO, lower_bound, batch, role, start, valid, tidx)
         if const_expr(c.l2norm):

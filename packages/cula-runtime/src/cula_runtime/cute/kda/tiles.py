@@ -1,6 +1,7 @@
-"""Tile machinery shared by the chunked KDA CuTeDSL kernels that put value rows on the MMA's M (the recurrence and
-the output kernel): swizzled shared-memory tiles, cp.async row copies, the warp-per-16-rows tiled MMA and the
-row store of a staged tile.
+"""Device-side machinery shared by the chunked KDA CuTeDSL kernels: :func:`chunk_span` (which tokens a
+chunk-parallel CTA owns, fixed or varlen; prepare, intra and output use it) and :class:`ChunkTiles`, for the
+kernels that put value rows on the MMA's M (the recurrence and the output kernel): swizzled shared-memory tiles,
+cp.async row copies, the warp-per-16-rows tiled MMA and the row store of a staged tile.
 
 A class using :class:`ChunkTiles` has ``config`` (with ``chunk_size``, ``block_v``), ``num_warps`` and
 ``num_threads``.
@@ -12,12 +13,31 @@ from ..compile_cache import missing_cutedsl
 try:
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32, Int32, const_expr
     from cutlass.cute.nvgpu import cpasync, warp
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["ChunkTiles"]
+__all__ = ["ChunkTiles", "chunk_span"]
+
+
+@cute.jit
+def chunk_span(mCuSeqlens: cute.Tensor | None, mChunkIndices: cute.Tensor | None, chunk: Int32, seq_len: Int32,
+               chunk_size: cutlass.Constexpr, varlen: cutlass.Constexpr):
+    """``(start, valid)`` of a chunk-parallel CTA's chunk: its first token within its batch row and its number of
+    tokens. Fixed length: chunk ``chunk`` of a row of ``seq_len`` tokens. Varlen: row ``chunk`` of the chunk indices
+    ``[NT, 2]`` = (sequence, chunk within it), bounds from ``cu_seqlens``; a negative sequence id is a padding row
+    (``valid = 0``)."""
+    if const_expr(varlen):
+        seq = mChunkIndices[chunk, 0]
+        seq_row = cutlass.max(seq, 0)
+        start = mCuSeqlens[seq_row] + mChunkIndices[chunk, 1] * chunk_size
+        valid = cutlass.min(mCuSeqlens[seq_row + 1] - start, chunk_size)
+        valid = cutlass.select_(seq >= 0, valid, 0)
+    else:
+        start = chunk * chunk_size
+        valid = cutlass.min(seq_len - start, chunk_size)
+    return start, valid
 
 
 
