@@ -1,4 +1,4 @@
-"""Host-side checks of packed-varlen arguments shared by the CuTeDSL kernel wrappers."""
+"""Host-side argument checks shared by the CuTeDSL kernel wrappers: token-major tensors and packed-varlen indices."""
 
 from __future__ import annotations
 
@@ -34,3 +34,15 @@ def chunk_rows(cu_seqlens: Any, chunk_indices: Any, B: int, T: int, device: Any,
     if chunk_indices.dtype != torch.int32 or chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
         raise ValueError("chunk_indices must be an int32 [NT, 2] tensor")
     return chunk_indices, chunk_indices.shape[0]
+
+
+def check_token_tensors(named: dict, B: int, T: int) -> None:
+    """Every tensor of ``named`` (name -> ``(tensor, heads, last, dtype)``, ``last`` None for a rank-3 tensor) is
+    ``dtype [B, T, heads, last]`` on the first one's CUDA device; else ``ValueError`` naming it."""
+    device = next(iter(named.values()))[0].device
+    for name, (t, heads, last, dtype) in named.items():
+        shape = (B, T, heads) if last is None else (B, T, heads, last)
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+        if t.device != device or device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor on {device}")

@@ -30,7 +30,7 @@ import functools
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..smem import REGION_ALIGN, align_up, carve
-from ..varlen import chunk_rows
+from ..varlen import check_token_tensors, chunk_rows
 from .tiles import chunk_span
 
 try:
@@ -777,18 +777,6 @@ def _launch(config: KdaIntraConfig, specs: tuple, tensors: tuple, scale: float, 
     launch(KdaIntra, config, specs, tensors, _OUTPUTS[config.phases], device, float(scale))
 
 
-def _check_tokens(named: dict, B: int, T: int) -> None:
-    """Every tensor of ``named`` (name -> (tensor, heads, last, dtype)) is ``dtype [B, T, heads, last]`` on the
-    first one's CUDA device."""
-    device = next(iter(named.values()))[0].device
-    for name, (t, heads, last, dtype) in named.items():
-        shape = (B, T, heads) if last is None else (B, T, heads, last)
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
-        if t.device != device or device.type != "cuda":
-            raise ValueError(f"{name} must be a CUDA tensor on {device}")
-
-
 def chunk_kda_fwd_intra(
     q,
     k,
@@ -896,7 +884,7 @@ def chunk_kda_fwd_scores(q, k, gk, beta, scale: float, cu_seqlens=None, chunk_in
 
     B, T, H, K = q.shape
     HV = gk.shape[2]
-    _check_tokens({"q": (q, H, K, torch.bfloat16), "k": (k, H, K, torch.bfloat16),
+    check_token_tensors({"q": (q, H, K, torch.bfloat16), "k": (k, H, K, torch.bfloat16),
                    "gk": (gk, HV, K, torch.float32), "beta": (beta, HV, None, torch.float32)}, B, T)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, q.device)
     config, specs = _plan(H, HV, K, False, cu_seqlens is not None, (False, False), "scores",
@@ -926,7 +914,7 @@ def chunk_kda_solve_tril(Akk, cu_seqlens=None, chunk_indices=None, use_tf32_inve
     if use_tf32_inverse:
         raise ValueError("chunk_kda_solve_tril: use_tf32_inverse=True is not implemented (the inverse is fp32)")
     B, T, HV = Akk.shape[:3]
-    _check_tokens({"Akk": (Akk, HV, 64, torch.float32)}, B, T)
+    check_token_tensors({"Akk": (Akk, HV, 64, torch.float32)}, B, T)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, Akk.device)
     config, specs = _plan(HV, HV, 128, False, cu_seqlens is not None, (False, bool(unrolled)), "inverse")
     Akk_inv = torch.empty(B, T, HV, 64, dtype=torch.bfloat16, device=Akk.device)
@@ -957,7 +945,7 @@ def chunk_kda_recompute_w_u(k, v, gk, beta, Akk_inv, q=None, cu_seqlens=None, ch
              "beta": (beta, HV, None, torch.float32), "Akk_inv": (Akk_inv, HV, 64, torch.bfloat16)}
     if q is not None:
         named["q"] = (q, H, K, torch.bfloat16)
-    _check_tokens(named, B, T)
+    check_token_tensors(named, B, T)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, k.device)
     config, specs = _plan(H, HV, K, q is not None, cu_seqlens is not None, (False, False), "wu",
                           bool(use_qk_l2norm_in_kernel))

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
-from ..varlen import chunk_rows
+from ..varlen import check_token_tensors, chunk_rows
 from .tiles import ChunkTiles, chunk_span
 
 try:
@@ -295,12 +295,11 @@ def chunk_kda_fwd_o(
     if qg.dim() != 4 or qg.shape[3] != 128:
         raise ValueError(f"qg must be [B, T, HV, 128], got {tuple(qg.shape)}")
     B, T, HV, K = qg.shape
-    for name, t, last in (("qg", qg, K), ("v_new", v_new, K), ("Aqk", Aqk, 64)):
-        if tuple(t.shape) != (B, T, HV, last) or t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be bfloat16 [{B}, {T}, {HV}, {last}], got {t.dtype} {tuple(t.shape)}")
+    bf16 = torch.bfloat16
+    check_token_tensors({"qg": (qg, HV, K, bf16), "v_new": (v_new, HV, K, bf16), "Aqk": (Aqk, HV, 64, bf16)}, B, T)
     device = qg.device
-    if device.type != "cuda" or any(t.device != device for t in (v_new, Aqk, h)):
-        raise ValueError("qg, v_new, Aqk and h must be CUDA tensors on one device")
+    if h.device != device:
+        raise ValueError(f"h must be a CUDA tensor on {device}")
     varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
     h_shape = (1 if varlen else B, num_chunks if varlen else -(-T // 64), HV, K, K)

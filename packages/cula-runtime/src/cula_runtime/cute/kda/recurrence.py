@@ -33,7 +33,7 @@ import dataclasses
 import functools
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
-from ..varlen import check_cu_seqlens
+from ..varlen import check_cu_seqlens, check_token_tensors
 from .tiles import ChunkTiles
 
 try:
@@ -425,17 +425,6 @@ def _plan(HV: int, K: int, block_v: int, flags: tuple) -> tuple:
 _OUTPUTS = frozenset({7, 8, 10, 11})  # o, ht, h, v_new among the tensor arguments
 
 
-def _check_inputs(tensors: dict, B: int, T: int, HV: int, K: int) -> None:
-    import torch
-
-    for name, t in tensors.items():
-        last, dtype = (64, torch.bfloat16) if name == "Aqk" else (K, torch.float32 if name == "gk" else torch.bfloat16)
-        if tuple(t.shape) != (B, T, HV, last) or t.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype} [{B}, {T}, {HV}, {last}], got {t.dtype} {tuple(t.shape)}")
-        if t.device.type != "cuda" or t.device != tensors["w"].device:
-            raise ValueError(f"{name} must be a CUDA tensor on {tensors['w'].device}")
-
-
 def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_state: bool, cu_seqlens,
             chunk_offsets, state_v_first: bool, block_v: int, want_h: bool) -> tuple:
     """Validate, allocate and launch one :class:`KdaRecurrence` configuration: ``(o or None, ht or None, h or None,
@@ -446,8 +435,11 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
         raise ValueError(f"w must be [B, T, HV, 128], got {tuple(w.shape)}")
     B, T, HV, K = w.shape
     want_o = qg is not None
-    named = {"kg": kg, "w": w, "u": u, "gk": gk} | ({"qg": qg, "Aqk": Aqk} if want_o else {})
-    _check_inputs(named, B, T, HV, K)
+    bf16 = torch.bfloat16
+    named = {"w": (w, HV, K, bf16), "kg": (kg, HV, K, bf16), "u": (u, HV, K, bf16), "gk": (gk, HV, K, torch.float32)}
+    if want_o:
+        named |= {"qg": (qg, HV, K, bf16), "Aqk": (Aqk, HV, 64, bf16)}
+    check_token_tensors(named, B, T)
     device = w.device
     varlen = cu_seqlens is not None
     N = check_cu_seqlens(cu_seqlens, B, device) if varlen else B
