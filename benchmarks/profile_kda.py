@@ -1,6 +1,7 @@
 """Where each GPU backend's time goes: per-kernel GPU time (torch.profiler) of one ``kda_prefill`` call.
 
-    python benchmarks/profile_kda.py [--backend sm90|cutedsl|cutedsl-lean|cutedsl-lean-unrolled|all] [--reps 20]
+    python benchmarks/profile_kda.py [--backend sm90|cutedsl|cutedsl-<intra variant>|all] [--reps 20]
+                                     [--block-v 32,64,128]
 
 For a few of the benchmark configs and each recurrence block size BV (32, 64, 128), prints the mean GPU time per
 call of each stage (cula-sm90: intra, recurrence; CuTeDSL, with each variant of its intra kernel: prepare, intra,
@@ -28,7 +29,7 @@ PICK = ("fixed B1 T16384", "fixed B2 T16384", "fixed B1 T512", "varlen T16384 10
 CUTE_STAGES = ("prepare", "intra", "recurrence")
 # backend -> its stages; the CuTeDSL entries name the intra kernel's variant after "cutedsl-"
 STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES, "cutedsl-lean": CUTE_STAGES,
-          "cutedsl-lean-unrolled": CUTE_STAGES}
+          "cutedsl-lean-unrolled": CUTE_STAGES, "cutedsl-fused": CUTE_STAGES, "cutedsl-fused-prepare": CUTE_STAGES}
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:
@@ -77,7 +78,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", choices=(*STAGES, "all"), default="all")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--block-v", default="32,64,128", help="comma-separated recurrence block sizes to time")
     opts = parser.parse_args()
+    block_vs = tuple(int(x) for x in opts.block_v.split(","))
     backends = tuple(STAGES) if opts.backend == "all" else (opts.backend,)
     print(f"{'backend':8s} {'config':26s} {'BV':>3s} {'prep us':>8s} {'intra us':>9s} {'GB/s':>5s} "
           f"{'recur us':>9s} {'GB/s':>5s} {'other us':>8s} {'total us':>9s}")
@@ -88,7 +91,7 @@ def main() -> None:
                 continue
             args = validate_kda_prefill(**make_inputs(cfg))
             intra_bytes, recur_bytes = kernel_bytes(cfg, cfg.HV)
-            for block_v in (32, 64, 128):
+            for block_v in block_vs:
                 t = stage_times(run, args, block_v, opts.reps, STAGES[backend])
                 intra, recur = t["intra"], t["recurrence"]
                 print(f"{backend:8s} {cfg.name:26s} {block_v:3d} {t['prepare']:8.1f} {intra:9.1f} "

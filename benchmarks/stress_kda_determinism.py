@@ -63,7 +63,7 @@ def main() -> None:
              f"- GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; "
              f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
              f"- command: `python {' '.join(sys.argv)}`", "",
-             "| problem | replays | calls differing from the first (any bit of o or the final state) | wall s |",
+             "| problem | replays | differing outputs (per call: o, final state; any bit) | wall s |",
              "|---|---|---|---|"]
     for name, case in PROBLEMS.items():
         done, bad, wall = stress(case, args.replays, args.per_graph)
