@@ -3,7 +3,9 @@
     compute-sanitizer --tool memcheck python3 tools/sanitize_kda.py small|gva|large
 
 With ``CULA_BACKEND=cutedsl`` it also runs the CuTeDSL modular primitives on the same inputs (scores, solve_tril,
-recompute_w_u, the delta-h primitive and the chunk output), so every shipped CuTeDSL kernel is checked.
+recompute_w_u, the delta-h primitive and the chunk output) and the ``fused-prepare`` pipeline (the lean,
+unrolled intra kernel doing kda_prepare's work, and the recurrence on its per-chunk decay rows), so every shipped
+CuTeDSL kernel is checked.
 """
 
 from __future__ import annotations
@@ -58,4 +60,8 @@ if __name__ == "__main__":
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     if os.environ.get("CULA_BACKEND") == "cutedsl":
         modular_primitives(kwargs)
+        os.environ["CULA_CUTE_INTRA"] = "fused-prepare"
+        o, ht = kda_prefill(**kwargs)
+        torch.cuda.synchronize()
+        assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     print(f"{sys.argv[1]}: ok, o {tuple(o.shape)}")

@@ -89,6 +89,65 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
           f"instructions, HMMA {code.count('HMMA')}, LDSM {code.count('LDSM')}")
 
 
+# In-kernel gate configurations (the fused-prepare path: kda_prepare's work done by the intra kernel). The last
+# member is how many 32-bit values may spill: the softplus form with bf16 inputs needs one more register than the
+# 255 available and spills one (a row address, stored and reloaded once per CTA).
+GATE_CONFIGS = {
+    "gate-safe-l2norm-varlen-H2-HV4-K128": (dict(num_heads=2, num_v_heads=4, varlen=True, l2norm=True), {}, 0),
+    "gate-softplus-bf16-neg-fixed-H2-HV4-K128": (
+        dict(num_heads=2, num_v_heads=4, l2norm=True),
+        dict(form="softplus", g_dtype="bfloat16", beta_dtype="bfloat16", allow_neg_eigval=True), 1),
+    "gate-none-varlen-H2-HV4-K64": (
+        dict(num_heads=2, num_v_heads=4, head_dim=64, varlen=True),
+        dict(form="none", has_A_log=False, has_dt_bias=False, beta_sigmoid=False), 0),
+}
+
+
+@pytest.mark.parametrize("target", list(SM))
+@pytest.mark.parametrize("config_id", list(GATE_CONFIGS))
+def test_kda_intra_in_kernel_gate_machine_code(config_id: str, target: str) -> None:
+    """The fused-prepare intra kernel: warp-MMA code as the others, two CTAs per SM, and the traffic of kda_prepare
+    folded in: raw gate and β read once (scalar loads, one per element), no 16-byte g_cum rows, and the decay row
+    stored once per chunk."""
+    from cula_runtime.cute.compile_cache import compile_kernel
+    from cula_runtime.cute.kda.intra import InKernelGate, KdaIntra, KdaIntraConfig
+    from cula_runtime.cute.kda.prepare import gate_scan_segments
+    from cula_runtime.cute.machine_code import disassemble
+
+    fields, gate_fields, spills = GATE_CONFIGS[config_id]
+    gate = InKernelGate(**gate_fields)
+    config = KdaIntraConfig(**fields, output_qg=True, lean_smem=True, unrolled_inverse=True, gate=gate)
+    kernel = KdaIntra(config)
+    K, C = config.head_dim, config.chunk_size
+    code = disassemble(compile_kernel(KdaIntra, config, target=target))
+    assert (code.sm, code.target) == (SM[target], target)
+    hmma = 10 * 2 * 2 * (K // 16) + 2 * 4 * (K // 8)
+    assert code.count("HMMA") == code.opcodes["HMMA.16816.F32.BF16"] == hmma
+    assert code.count("HGMMA") == 0 and not [op for op in code.opcodes if op.startswith("UTC")]
+    assert code.count("LDL") == code.count("STL") <= spills, "register spill"
+    assert kernel.smem_bytes() <= TWO_CTA_BUDGET, kernel.smem_bytes()  # the staging tile lives in sA's bytes
+
+    passes = kernel.passes
+    assert code.opcodes["LDG.E.128"] == 4 * passes  # q, k rows, then k, v rows for the right-hand sides: no g rows
+    # one scalar gate load per (stage, row of the thread's run): C * K / 128 per thread; β once
+    g_op, beta_op = ("LDG.E.U16" if d == "bfloat16" else "LDG.E" for d in (gate.g_dtype, gate.beta_dtype))
+    per_thread = C * K // kernel.num_threads
+    stages = K // (kernel.num_threads // gate_scan_segments(K, C))
+    scalar = {"LDG.E": 4 * config.varlen + gate.has_A_log + stages * gate.has_dt_bias}
+    scalar[g_op] = scalar.get(g_op, 0) + per_thread
+    scalar[beta_op] = scalar.get(beta_op, 0) + 1
+    for op, count in scalar.items():
+        assert code.opcodes[op] == count, (op, code.opcodes[op], count)
+    assert code.opcodes["STG.E"] == per_thread  # g_last: one predicated store per element the thread scans
+    # kg, qg, w, u rows of K and Aqk, Akk_inv rows of 64, 16 bytes per access
+    assert code.opcodes["STG.E.128"] == 4 * passes + 2 * (C * (C // 8) // kernel.num_threads)
+    if config.l2norm:  # one rsqrt per row segment of q, k, and k again (right-hand sides)
+        assert code.count("MUFU.RSQ") >= 3 * passes
+    else:
+        assert code.count("MUFU.RSQ") == 0
+    print(f"{config_id} {target}: {sum(code.opcodes.values())} instructions, spills {code.count('STL')}")
+
+
 def test_one_binary_serves_every_length() -> None:
     """Every extent of every tensor argument is symbolic; a second request for the same config is a cache hit."""
     from cula_runtime.cute import compile_cache
@@ -122,6 +181,25 @@ def test_can_implement_says_why(changes: dict, reason: str) -> None:
     assert not ok and reason in why
     with pytest.raises(ValueError, match="cannot implement"):
         KdaIntra(config)
+
+
+@pytest.mark.parametrize(
+    ("phases", "gate_fields", "reason"),
+    [
+        ("scores", {}, "phases='all' only"),
+        ("all", {"form": "exp"}, "gate.form='exp'"),
+        ("all", {"g_dtype": "float16"}, "gate.g_dtype='float16'"),
+        ("all", {"form": "softplus", "has_A_log": False}, "needs A_log"),
+        ("all", {"form": "none"}, "only used by an activated gate"),
+        ("all", {"beta_sigmoid": False, "allow_neg_eigval": True}, "requires beta_sigmoid"),
+    ],
+)
+def test_in_kernel_gate_refusals_say_why(phases: str, gate_fields: dict, reason: str) -> None:
+    from cula_runtime.cute.kda.intra import InKernelGate, KdaIntra, KdaIntraConfig
+
+    config = KdaIntraConfig(num_heads=2, num_v_heads=4, phases=phases, gate=InKernelGate(**gate_fields))
+    ok, why = KdaIntra.can_implement(config)
+    assert not ok and reason in why, why
 
 
 def test_wrapper_refuses_what_it_does_not_implement() -> None:
@@ -163,11 +241,12 @@ def test_variant_knob(monkeypatch) -> None:
     from cula_runtime.cute.kda.intra import ENV_VARIANT, VARIANTS, variant_flags
 
     monkeypatch.delenv(ENV_VARIANT, raising=False)
-    assert variant_flags(None) == (False, False, False) == VARIANTS["wide"]
+    assert variant_flags(None) == (False, False, False, False) == VARIANTS["wide"]
     monkeypatch.setenv(ENV_VARIANT, "lean-unrolled")
-    assert variant_flags(None) == (True, True, False)
-    assert variant_flags("lean") == (True, False, False)  # the argument wins over the environment
-    assert variant_flags("fused") == (True, True, True)
+    assert variant_flags(None) == (True, True, False, False)
+    assert variant_flags("lean") == (True, False, False, False)  # the argument wins over the environment
+    assert variant_flags("fused") == (True, True, True, False)
+    assert variant_flags("fused-prepare") == (True, True, True, True)
     monkeypatch.setenv(ENV_VARIANT, "fast")
     with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'.*lean"):
         variant_flags(None)

@@ -21,6 +21,7 @@ import torch
 
 from cula_runtime import cute as cula_cute
 from cula_runtime.reference.kda_chunked import chunk_local_cumsum, kda_fwd_intra
+from tests.gpu_backends import poison_allocator
 from tests.helpers import rel_l2
 
 pytestmark = [
@@ -268,3 +269,58 @@ def test_solve_tril_refuses_tf32() -> None:
 
     with pytest.raises(ValueError, match="use_tf32_inverse"):
         chunk_kda_solve_tril(torch.zeros(1, 64, 1, 64, device="cuda"), use_tf32_inverse=True)
+
+
+# chunk_kda_fwd_intra_from_raw: kda_prepare's work inside the intra kernel (the fused-prepare path)
+FROM_RAW = {
+    "B2-T200-H2-HV4-safe-fp32": dict(B=2, T=200, H=2, HV=4, cu=None, dtype=torch.float32, gate=True, sigmoid=True),
+    "varlen-0-1-64-65-300-H1-HV2-safe-bf16": dict(B=1, T=300, H=1, HV=2, cu=[0, 1, 64, 65, 300], dtype=torch.bfloat16,
+                                                  gate=True, sigmoid=True),
+    "varlen-0-0-70-H2-HV2-precomputed-activated": dict(B=1, T=70, H=2, HV=2, cu=[0, 0, 70], dtype=torch.float32,
+                                                       gate=False, sigmoid=False),
+}
+
+
+@pytest.mark.parametrize("case_id", list(FROM_RAW))
+def test_from_raw_gives_prepare_then_intra_bits(case_id: str) -> None:
+    """One launch from the raw inputs equals kda_prepare followed by chunk_kda_fwd_intra (lean-unrolled) bit for
+    bit, and g_last holds g_cum's row at every chunk's last valid token, every row written."""
+    from cula_runtime.cute.kda.intra import chunk_kda_fwd_intra, chunk_kda_fwd_intra_from_raw
+    from cula_runtime.cute.kda.prepare import kda_prepare
+    from cula_runtime.index import prepare_chunk_indices
+
+    case = FROM_RAW[case_id]
+    gen = torch.Generator().manual_seed(21)
+    B, T, H, HV, K = case["B"], case["T"], case["H"], case["HV"], 128
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).cuda()
+
+    q, k, v = randn(B, T, H, K).bfloat16(), randn(B, T, H, K).bfloat16(), randn(B, T, HV, K).bfloat16()
+    if case["gate"]:
+        g = randn(B, T, HV, K).to(case["dtype"])
+        gate = dict(A_log=0.5 * randn(HV), dt_bias=randn(HV * K), lower_bound=-5.0)
+    else:  # an already-activated safe log-gate
+        g = (-5.0 * torch.sigmoid(randn(B, T, HV, K))).to(case["dtype"])
+        gate = dict(A_log=None, dt_bias=None, lower_bound=None)
+    beta = randn(B, T, HV) if case["sigmoid"] else torch.sigmoid(randn(B, T, HV))
+    beta = beta.to(case["dtype"])
+    cu = None if case["cu"] is None else torch.tensor(case["cu"], dtype=torch.int32, device="cuda")
+    flags = dict(use_qk_l2norm_in_kernel=case["gate"], use_gate_in_kernel=case["gate"],
+                 use_beta_sigmoid_in_kernel=case["sigmoid"])
+    q_hat, k_hat, g_cum, beta_f = kda_prepare(q, k, g, beta, **gate, **flags, cu_seqlens=cu)
+    want = chunk_kda_fwd_intra(q_hat, k_hat, v, g_cum, beta_f, K**-0.5, cu_seqlens=cu, output_qg=True,
+                               variant="lean-unrolled")
+    poison_allocator(8 * B * T * HV * K * 4)
+    got = chunk_kda_fwd_intra_from_raw(q, k, v, g, beta, K**-0.5, **gate, **flags, cu_seqlens=cu)
+    for name, a, b in zip(NAMES[:5], got[:5], want[:5], strict=True):
+        assert torch.equal(a, b), name
+    g_last = got[5]
+    if cu is None:
+        ends = [min(c * C + C, T) - 1 for c in range(-(-T // C))]
+        expect = g_cum[:, ends]
+    else:
+        rows = prepare_chunk_indices(cu, C).tolist()
+        ends = [case["cu"][n] + min(c * C + C, case["cu"][n + 1] - case["cu"][n]) - 1 for n, c in rows]
+        expect = g_cum[:, ends]
+    assert g_last.shape == expect.shape and torch.equal(g_last, expect)

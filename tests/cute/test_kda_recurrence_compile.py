@@ -37,6 +37,11 @@ CONFIGS = {
                                  output_h=True),
     # both: o and h
     "oh-varlen-bv128-HV8": dict(num_v_heads=8, block_v=128, varlen=True, output_h=True),
+    # the decay rows from the intra kernel's g_last (the fused-prepare path), varlen rows at chunk_offsets[n] + c
+    "gate-rows-varlen-bv64-HV4-h0-ht-kv": dict(num_v_heads=4, varlen=True, has_initial_state=True,
+                                               output_final_state=True, gate_per_chunk=True),
+    "gate-rows-fixed-bv128-HV4-ht-vk": dict(num_v_heads=4, block_v=128, output_final_state=True, state_v_first=True,
+                                            gate_per_chunk=True),
 }
 
 # Per chunk and warp (16 value rows): w·S 8 k-blocks x 8 token tiles, qg·S the same, kgᵀ·v_new 4 x 16 K tiles,

@@ -71,3 +71,26 @@ def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str,
     monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     o, ht = kda_prefill(**kwargs)
     assert torch.equal(o, o0) and torch.equal(ht, ht0)
+
+
+@pytest.mark.parametrize("case_name", [
+    "B2-T257-H2-vk", "B2-T1000-H4-betabf16", "B1-T700-H2-HV8", "B1-T300-H2-gate-precomputed",
+    "B1-T300-H2-gate-precomputed-bf16", "B1-T300-H2-rawgate-bf16", "B1-T300-H2-no-l2norm",
+    "B1-T300-H2-beta-activated-bf16", "varlen-0-1-64-65-200", "varlen-0-0-70", "varlen-3seqs-h0bf16-GVA4",
+])
+def test_cutedsl_fused_prepare_gives_the_same_bits(case_name: str, monkeypatch) -> None:
+    """The fused-prepare variant (kda_prepare's gate cumsum, β and L2 norm inside the intra kernel; the recurrence
+    reads the intra kernel's per-chunk decay rows) gives the default pipeline's o and final state bit for bit, over
+    the gate forms, input dtypes, GVA, varlen with empty and one-token sequences."""
+    from cula.kda import kda_prefill
+
+    use_backend("cutedsl", monkeypatch)
+    kwargs = make_inputs(next(c for c in CASES if c.name == case_name), "cuda", seed=6)
+    monkeypatch.delenv("CULA_CUTE_INTRA", raising=False)
+    o0, ht0 = kda_prefill(**kwargs)
+    monkeypatch.setenv("CULA_CUTE_INTRA", "fused-prepare")
+    poison_allocator(8 * o0.numel() * 2)
+    o, ht = kda_prefill(**kwargs)
+    assert torch.equal(o, o0)
+    assert (ht is None and ht0 is None) or torch.equal(ht, ht0)
+

@@ -76,7 +76,8 @@ KERNELS: tuple[KernelEntry, ...] = (
         features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "safe-gate-in-kernel", "precomputed-gate",
                   "qk-l2norm", "beta-sigmoid", "state-kv", "state-vk", "initial-state", "final-state"),
         status="ran on sm_90 (H200) vs fp64: 32 configs within 1.25x FLA's error, 1000 bit-identical replays "
-               "(tests/sm90, tests/gpu, 2026-11-29); compute-sanitizer not yet run",
+               "(tests/sm90, tests/gpu), 2x10^6 bit-identical stress replays, compute-sanitizer memcheck and "
+               "racecheck clean at three shapes (benchmarks/results, 2026-11-29)",
         entry="cula_sm90.kda:kda_prefill",
         summary="native SM90 KDA prefill: chunk-parallel intra kernel + fp32-register state recurrence (K = V = 128, "
                 "bf16, safe gate)",
@@ -96,15 +97,25 @@ KERNELS: tuple[KernelEntry, ...] = (
         features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "safe-gate", "output-qg"),
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra",
-        summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the status "
-                "is the default wide variant's (the opt-in lean, lean-unrolled and fused variants compile but have "
-                "not run)",
+        summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the lean, "
+                "lean-unrolled and fused variants ran on the H200 too and give the default wide variant's bits",
+    ),
+    KernelEntry(
+        name="chunk_kda_fwd_intra_from_raw", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
+        dtypes=("bfloat16", "float32"),
+        features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "gate-in-kernel", "safe-gate", "qk-l2norm",
+                  "beta-sigmoid", "output-qg"),
+        status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+        entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra_from_raw",
+        summary="CuTeDSL KDA prepare + intra in one launch (the fused-prepare variant): gate activation and chunk "
+                "cumsum, beta, q/k L2 norm with kda_prepare's arithmetic, then the intra work; per-chunk decay rows "
+                "for the recurrence",
     ),
     *(
         KernelEntry(
             name=name, family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
             dtypes=("bfloat16", "float32"), features=("gva", "varlen", "tail-chunks", "zero-length-seqs", *extra),
-            status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+            status=_CUTE_STATUS,
             entry=f"cula_runtime.cute.kda.intra:{name}",
             summary=f"CuTeDSL KDA intra, modular step {step} of 3: {what}",
         )
@@ -128,7 +139,7 @@ KERNELS: tuple[KernelEntry, ...] = (
         dtypes=("bfloat16",),
         features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "initial-state",
                   "final-state", "per-chunk-states"),
-        status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+        status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.recurrence:chunk_kda_fwd_h",
         summary="CuTeDSL KDA delta-h primitive (FLA's chunk_gated_delta_rule_fwd_h): per-chunk bf16 states h, v_new "
                 "and the final state; the recurrence kernel without its output",
@@ -137,7 +148,7 @@ KERNELS: tuple[KernelEntry, ...] = (
         name="chunk_kda_fwd_o", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
         dtypes=("bfloat16",),
         features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "per-chunk-states"),
-        status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+        status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.output:chunk_kda_fwd_o",
         summary="CuTeDSL KDA chunk output from per-chunk states (o = scale qg h + tril(Aqk) v_new), chunk-parallel; "
                 "with chunk_kda_fwd_h it reproduces the fused recurrence's o",

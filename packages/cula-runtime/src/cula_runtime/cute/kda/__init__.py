@@ -8,7 +8,8 @@ CuTeDSL) on first use, raising an ``ImportError`` that names the fix when CuTeDS
 * :func:`chunk_kda_fwd_intra`, :class:`KdaIntra`, :class:`KdaIntraConfig` (``intra.py``): Aqk and Akk on warp MMA,
   the fp32 inverse of (I + Akk), and w/u/kg/qg, in FLA's intermediate layouts, in one launch; and the same as three
   launches (the modular path): :func:`chunk_kda_fwd_scores`, :func:`chunk_kda_solve_tril`,
-  :func:`chunk_kda_recompute_w_u`.
+  :func:`chunk_kda_recompute_w_u`; and :func:`chunk_kda_fwd_intra_from_raw`, the one-launch kernel doing
+  kda_prepare's work too (:class:`InKernelGate`), with per-chunk decay rows for the recurrence.
 * :func:`chunk_kda_fwd_recurrence`, :class:`KdaRecurrence`, :class:`KdaRecurrenceConfig` (``recurrence.py``): the
   fused delta-h + output, with the fp32 state in registers across chunks; :func:`chunk_kda_fwd_h`, the same
   kernel as the delta-h primitive (per-chunk states h and v_new, no output).
@@ -27,6 +28,8 @@ _LAZY_EXPORTS = {
     "KdaPrepare": "cula_runtime.cute.kda.prepare",
     "KdaPrepareConfig": "cula_runtime.cute.kda.prepare",
     "chunk_kda_fwd_intra": "cula_runtime.cute.kda.intra",
+    "chunk_kda_fwd_intra_from_raw": "cula_runtime.cute.kda.intra",
+    "InKernelGate": "cula_runtime.cute.kda.intra",
     "chunk_kda_fwd_scores": "cula_runtime.cute.kda.intra",
     "chunk_kda_solve_tril": "cula_runtime.cute.kda.intra",
     "chunk_kda_recompute_w_u": "cula_runtime.cute.kda.intra",

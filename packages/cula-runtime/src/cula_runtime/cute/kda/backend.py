@@ -1,4 +1,5 @@
-"""The ``cutedsl`` backend of ``kda_prefill``: prepare → intra → recurrence, three CuTeDSL launches.
+"""The ``cutedsl`` backend of ``kda_prefill``: prepare → intra → recurrence, three CuTeDSL launches (two with the
+``fused-prepare`` intra variant, whose intra kernel does prepare's work).
 
 Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules load on the first call.
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...index import prepare_chunk_indices
+from ...index import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda_args import safe_gate_kernel_rejection
 from ...kda_tuning import recurrence_block_v, sm_count
 from .. import is_available
@@ -48,7 +49,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     """
     import torch
 
-    from .intra import chunk_kda_fwd_intra, variant_flags
+    from .intra import chunk_kda_fwd_intra, chunk_kda_fwd_intra_from_raw, variant_flags
     from .prepare import kda_prepare
     from .recurrence import chunk_kda_fwd_recurrence
 
@@ -61,8 +62,27 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         return o, args.initial_state.float().clone()
     cu = args.cu_seqlens
     chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK)
+    h0 = None if args.initial_state is None else args.initial_state.float()
+    if block_v == 0:
+        block_v = recurrence_block_v(args.N * args.HV, sm_count(args.device))
+    _, _, fuse_l2norm, fuse_gate = variant_flags(None)
+    raw_dtypes = (torch.bfloat16, torch.float32)
+    if fuse_gate and args.g.dtype in raw_dtypes and args.beta.dtype in raw_dtypes:
+        # "fused-prepare": the intra kernel does all of kda_prepare's work (same bits), one launch less
+        w, u, qg, kg, Aqk, g_last = chunk_kda_fwd_intra_from_raw(
+            args.q, args.k, args.v, args.g, args.beta, args.scale, A_log=args.A_log, dt_bias=args.dt_bias,
+            lower_bound=args.lower_bound if args.use_gate_in_kernel else None,
+            use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, use_gate_in_kernel=args.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
+            cu_seqlens=cu, chunk_indices=chunk_indices,
+        )
+        return chunk_kda_fwd_recurrence(
+            qg, kg, w, u, Aqk, g_last, args.scale, initial_state=h0, output_final_state=args.output_final_state,
+            cu_seqlens=cu, chunk_offsets=None if cu is None else prepare_chunk_offsets(cu, CHUNK),
+            state_v_first=args.state_v_first, block_v=block_v, gate_per_chunk=True,
+        )
     # The "fused" intra variant L2-normalises q/k itself (same bits): prepare then only does the gate and beta.
-    fuse_l2norm = args.use_qk_l2norm_in_kernel and variant_flags(None)[2]
+    fuse_l2norm = args.use_qk_l2norm_in_kernel and fuse_l2norm
     q_hat, k_hat, g_cum, beta = kda_prepare(
         args.q, args.k, args.g, args.beta, A_log=args.A_log, dt_bias=args.dt_bias,
         lower_bound=args.lower_bound if args.use_gate_in_kernel else None,
@@ -74,9 +94,6 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         q_hat, k_hat, args.v, g_cum, beta, args.scale, cu_seqlens=cu, chunk_indices=chunk_indices, output_qg=True,
         use_qk_l2norm_in_kernel=fuse_l2norm,
     )
-    h0 = None if args.initial_state is None else args.initial_state.float()
-    if block_v == 0:
-        block_v = recurrence_block_v(args.N * args.HV, sm_count(args.device))
     return chunk_kda_fwd_recurrence(
         qg, kg, w, u, Aqk, g_cum, args.scale, initial_state=h0, output_final_state=args.output_final_state,
         cu_seqlens=cu, state_v_first=args.state_v_first, block_v=block_v,

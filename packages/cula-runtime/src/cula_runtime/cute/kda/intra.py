@@ -18,6 +18,11 @@ One CTA of 128 threads (4 warps) per (chunk, value head, batch row); value head 
 4. *W/U*: ``w = bf16(Tinv) · bf16(β k 2^Γ)`` and ``u = bf16(Tinv) · bf16(β v)`` on warp MMA (the right-hand sides
    are read transposed by ldmatrix.trans), staged through shared memory and stored with 16-byte stores.
 
+With an in-kernel gate (``KdaIntraConfig.gate``, the ``fused-prepare`` path of the cutedsl backend) the kernel
+first does kda_prepare's work for its chunk: Γ from the raw gate (activation, chunk cumsum with prepare's order of
+fp32 additions, log2 units) in column stages through a staging tile, kept in registers for the fill; β activated;
+q/k L2-normalised in the fill. It writes each chunk's decay row ``g_last`` for the recurrence.
+
 Only warp-level MMA, ldmatrix and plain loads/stores: the same source runs on SM90, SM100 and SM103.
 Varlen (``B = 1``): CTA ``x`` reads row ``x`` of the chunk indices ``[NT, 2]`` (sequence, chunk within it); a row with
 a negative sequence id is padding and does nothing. Rows past a sequence's end are never read nor written.
@@ -31,6 +36,7 @@ import functools
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import check_token_tensors, chunk_rows
+from .prepare import GATE_FORMS, RCP_LN2, activate_beta, activate_gate, gate_arguments, gate_scan_segments
 from .tiles import chunk_span
 
 try:
@@ -42,14 +48,39 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["KdaIntra", "KdaIntraConfig", "chunk_kda_fwd_intra", "chunk_kda_fwd_scores", "chunk_kda_recompute_w_u",
-           "chunk_kda_solve_tril"]
+__all__ = ["InKernelGate", "KdaIntra", "KdaIntraConfig", "chunk_kda_fwd_intra", "chunk_kda_fwd_intra_from_raw",
+           "chunk_kda_fwd_scores", "chunk_kda_recompute_w_u", "chunk_kda_solve_tril"]
 
 PHASES = ("all", "scores", "inverse", "wu")
 SUB = 16  # rows of a sub-chunk: the M (and N) of one score block
 NUM_SUB = 4  # sub-chunks per 64-row chunk
 EXP2_CLAMP = 126.0  # exponents are clamped here: a factor of a zero (past-the-end) row stays finite
 L2NORM_EPS = 1e-6  # as kda_prepare
+
+
+_RAW_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class InKernelGate:
+    """What :func:`kda_prepare` would do to the gate and β, done by the intra kernel itself (same arithmetic, same
+    bits): the gate activation, its chunk-local cumsum in log2 units, and the β activation.
+
+    Attributes:
+        form: ``"none"`` (g is already the log-gate), ``"softplus"`` or ``"safe"`` (lower-bound form; the bound is a
+            launch argument), as :data:`~cula_runtime.cute.kda.prepare.GATE_FORMS`.
+        g_dtype, beta_dtype: ``"bfloat16"`` or ``"float32"``, the raw inputs' dtypes.
+        has_A_log, has_dt_bias: ``A_log [HV]`` and ``dt_bias [HV, K]`` (fp32) are given.
+        beta_sigmoid, allow_neg_eigval: β is ``sigmoid(b)`` (``2 sigmoid(b)``), else ``b`` itself.
+    """
+
+    form: str = "safe"
+    g_dtype: str = "float32"
+    beta_dtype: str = "float32"
+    has_A_log: bool = True
+    has_dt_bias: bool = True
+    beta_sigmoid: bool = True
+    allow_neg_eigval: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +109,10 @@ class KdaIntraConfig:
         l2norm: q and k arrive raw and each row is L2-normalised here, exactly as :func:`kda_prepare` does it (the
             same thread owns the same 8 values, the same fp32 sum, 16-lane reduction, rsqrt and rounding), so the
             outputs equal those of prepare's q̂/k̂ bit for bit while the q̂/k̂ round trip through memory is gone.
+        gate: None: the gate argument is ``g_cum`` (kda_prepare's chunk-local cumulative gate, log2 units) and β is
+            activated. An :class:`InKernelGate`: the gate and β arrive raw and this kernel does prepare's gate and β
+            work itself (:meth:`KdaIntra.gate_prologue`); it also writes each chunk's decay row ``g_last``
+            (``Γ`` of its last valid token) for the recurrence. ``phases="all"`` only.
     """
 
     num_heads: int
@@ -90,6 +125,7 @@ class KdaIntraConfig:
     unrolled_inverse: bool = False
     phases: str = "all"
     l2norm: bool = False
+    gate: InKernelGate | None = None
 
 
 class KdaIntra:
@@ -125,11 +161,27 @@ class KdaIntra:
             return False, f"phases={c.phases!r}: expected one of {PHASES}"
         if c.lean_smem and c.phases != "all":
             return False, "lean_smem applies to phases='all' only"
+        if c.gate is not None:
+            if c.phases != "all":
+                return False, "an in-kernel gate applies to phases='all' only"
+            if c.gate.form not in GATE_FORMS:
+                return False, f"gate.form={c.gate.form!r}: expected one of {GATE_FORMS}"
+            for name in ("g_dtype", "beta_dtype"):
+                if getattr(c.gate, name) not in _RAW_DTYPES:
+                    return False, f"gate.{name}={getattr(c.gate, name)!r}: expected one of {tuple(_RAW_DTYPES)}"
+            if c.gate.form == "softplus" and not c.gate.has_A_log:
+                return False, "the softplus gate needs A_log"
+            if c.gate.form == "none" and (c.gate.has_A_log or c.gate.has_dt_bias):
+                return False, "A_log/dt_bias are only used by an activated gate (form 'softplus' or 'safe')"
+            if c.gate.allow_neg_eigval and not c.gate.beta_sigmoid:
+                return False, "allow_neg_eigval requires beta_sigmoid"
         return True, ""
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
-        """Layout promises of the fourteen tensor arguments of ``__call__``, in order (None: absent in this phase)."""
+        """Layout promises of the seventeen tensor arguments of ``__call__``, in order (None: absent in this
+        phase)."""
         c = self.config
+        gate = c.gate
         bf16 = TensorSpec(BFloat16, 4, self.vec)
         index = TensorSpec(Int32, 1), TensorSpec(Int32, 2)
         ph = c.phases
@@ -143,8 +195,10 @@ class KdaIntra:
             bf16 if need["q"] else None,  # q [B, T, H, K]
             bf16 if need["k"] else None,  # k [B, T, H, K]
             bf16 if need["v"] else None,  # v [B, T, HV, V]
-            TensorSpec(Float32, 4, 4) if need["gk"] else None,  # gk [B, T, HV, K], log2 units
-            TensorSpec(Float32, 3) if need["beta"] else None,  # beta [B, T, HV]
+            # gk [B, T, HV, K]: g_cum in log2 units, or the raw gate (in-kernel gate)
+            (TensorSpec(_RAW_DTYPES[gate.g_dtype], 4) if gate else TensorSpec(Float32, 4, 4)) if need["gk"] else None,
+            # beta [B, T, HV]: activated fp32, or raw (in-kernel gate)
+            (TensorSpec(_RAW_DTYPES[gate.beta_dtype], 3) if gate else TensorSpec(Float32, 3)) if need["beta"] else None,
             bf16 if need["wu"] else None,  # w [B, T, HV, K]
             bf16 if need["wu"] else None,  # u [B, T, HV, V]
             bf16 if need["qg"] else None,  # qg [B, T, HV, K]
@@ -153,11 +207,14 @@ class KdaIntra:
             bf16 if need["Akk_inv"] else None,  # Akk_inv [B, T, HV, 64]
             TensorSpec(Float32, 4, 4) if need["Akk"] else None,  # Akk [B, T, HV, 64] fp32 (modular steps)
             *(index if c.varlen else (None, None)),  # cu_seqlens [N + 1], chunk_indices [NT, 2]
+            TensorSpec(Float32, 1) if gate and gate.has_A_log else None,  # A_log [HV]
+            TensorSpec(Float32, 2) if gate and gate.has_dt_bias else None,  # dt_bias [HV, K]
+            TensorSpec(Float32, 4, 4) if gate else None,  # g_last [B, NT, HV, K] (varlen [1, NC, HV, K]), log2 units
         )
 
     def compile_arguments(self) -> tuple:
         """Fake arguments for ``cute.compile``: symbolic B, T, N and NT; nothing allocated."""
-        return fake_call_arguments(self.argument_specs(), Float32(1.0))
+        return fake_call_arguments(self.argument_specs(), Float32(1.0), Float32(0.0))
 
     @cute.jit
     def __call__(
@@ -176,7 +233,11 @@ class KdaIntra:
         mAkkF32: cute.Tensor | None,
         mCuSeqlens: cute.Tensor | None,
         mChunkIndices: cute.Tensor | None,
+        mALog: cute.Tensor | None,
+        mDtBias: cute.Tensor | None,
+        mGLast: cute.Tensor | None,
         scale: Float32,
+        lower_bound: Float32,
         stream: cuda.CUstream,
     ):
         c = self.config
@@ -191,8 +252,8 @@ class KdaIntra:
         # W/U: the four warps stacked along M (64 rows of Tinv)
         wu_mma = cute.make_tiled_mma(mma_op, (4, 1, 1), permutation_mnk=(c.chunk_size, 16, 16))
         self.kernel(
-            mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mAkkF32, mCuSeqlens, mChunkIndices, scale,
-            block_mma, wu_mma,
+            mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mAkkF32, mCuSeqlens, mChunkIndices, mALog, mDtBias,
+            mGLast, scale, lower_bound, block_mma, wu_mma,
         ).launch(grid=[num_chunks, c.num_v_heads, mRef.shape[0]], block=[self.num_threads, 1, 1], stream=stream)
 
     def smem_layout(self, rows: int, cols: int):
@@ -219,7 +280,11 @@ class KdaIntra:
         mAkkF32: cute.Tensor | None,
         mCuSeqlens: cute.Tensor | None,
         mChunkIndices: cute.Tensor | None,
+        mALog: cute.Tensor | None,
+        mDtBias: cute.Tensor | None,
+        mGLast: cute.Tensor | None,
         scale: Float32,
+        lower_bound: Float32,
         block_mma: cute.TiledMma,
         wu_mma: cute.TiledMma,
     ):
@@ -242,16 +307,22 @@ class KdaIntra:
                                   wu_mma, sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, batch, head,
                                   hv, start, valid, tidx)
         elif valid > 0:
-            self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx)
+            rGam = None
+            if const_expr(c.gate is not None):  # Γ of this thread's fill elements, kept in registers
+                rGam = cute.make_rmem_tensor(cute.make_layout((self.passes, self.vec), stride=(self.vec, 1)), Float32)
+                self.gate_prologue(mG, mDtBias, mALog, mGLast, sA, sGa, rGam, lower_bound, batch, hv, chunk, start,
+                                   valid, tidx)
+            self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx,
+                              anchors=c.gate is None)
             cute.arch.sync_threads()
             self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
-                      tidx, operands=True, rhs=not c.lean_smem)
+                      tidx, operands=True, rhs=not c.lean_smem, rGam=rGam)
             cute.arch.sync_threads()
             self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
             cute.arch.sync_threads()
             if const_expr(c.lean_smem):  # the right-hand sides, over q̃/k̃ (free since the barrier)
                 self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start,
-                          valid, tidx, operands=False, rhs=True)
+                          valid, tidx, operands=False, rhs=True, rGam=rGam)
             self.inverse(sA, sT, sS, sTb, tidx)  # ends with a barrier
             self.wu(wu_mma, sTb, sKb, sVb, sW, sU, tidx)
             cute.arch.sync_threads()
@@ -409,12 +480,15 @@ class KdaIntra:
 
     @cute.jit
     def load_anchors(self, mG: cute.Tensor, mBeta: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor,
-                     sAqk: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32, tidx: Int32):
-        """``sGa[I] = Γ[16 I]`` (0 for a sub-chunk past the end), ``sGa[4] = Γ_last``, ``sBeta = β`` (0 past the end),
-        and zeros in the blocks of ``sAqk`` above the diagonal."""
+                     sAqk: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32, tidx: Int32,
+                     anchors: cutlass.Constexpr = True):
+        """``sGa[I] = Γ[16 I]`` (0 for a sub-chunk past the end), ``sGa[4] = Γ_last`` (``anchors``; else the gate
+        prologue wrote them), ``sBeta = β`` (0 past the end; activated here with an in-kernel gate), and zeros in
+        the blocks of ``sAqk`` above the diagonal."""
         C, K = self.config.chunk_size, self.config.head_dim
+        gate = self.config.gate
         entries = (NUM_SUB + 1) * K
-        for i in cutlass.range_constexpr((entries + self.num_threads - 1) // self.num_threads):
+        for i in cutlass.range_constexpr((entries + self.num_threads - 1) // self.num_threads if anchors else 0):
             idx = tidx + i * self.num_threads
             if const_expr(entries % self.num_threads == 0) or idx < entries:
                 a = idx // K
@@ -427,7 +501,11 @@ class KdaIntra:
         if tidx < C:
             beta = Float32(0.0)
             if tidx < valid:
-                beta = mBeta[b, start + tidx, hv]
+                if const_expr(gate is None):
+                    beta = mBeta[b, start + tidx, hv]
+                else:
+                    beta = activate_beta(mBeta[b, start + tidx, hv].to(Float32), gate.beta_sigmoid,
+                                         gate.allow_neg_eigval)
             sBeta[tidx] = beta
         for i in cutlass.range_constexpr(C * C // self.num_threads):
             idx = tidx + i * self.num_threads
@@ -435,6 +513,69 @@ class KdaIntra:
             col = idx % C
             if col // SUB > row // SUB:
                 sAqk[row, col] = BFloat16(0.0)
+
+    @cute.jit
+    def gate_prologue(self, mG: cute.Tensor, mDtBias: cute.Tensor | None, mALog: cute.Tensor | None,
+                      mGLast: cute.Tensor, sA: cute.Tensor, sGa: cute.Tensor, rGam: cute.Tensor,
+                      lower_bound: Float32, b: Int32, hv: Int32, chunk: Int32, start: Int32, valid: Int32,
+                      tidx: Int32):
+        """The in-kernel gate: ``Γ`` of the chunk from the raw gate, with :meth:`KdaPrepare.gate_and_beta`'s
+        arithmetic (the same runs of consecutive tokens, each summed serially, offset by the earlier runs' totals
+        in order, then times 1/ln 2), so ``Γ`` has ``g_cum``'s bits.
+
+        It works in column stages through a staging tile over ``sA`` (free until the scores): thread ``(run,
+        column)`` scans its run, then the threads of :meth:`fill` copy their elements of the stage into ``rGam``
+        (``[passes, 8]``, zero for rows past the end). It also writes ``sGa`` (the anchors, as
+        :meth:`load_anchors`) and ``g_last[b, chunk, hv, :] = Γ[valid - 1]``. Ends with a barrier."""
+        c = self.config
+        gate = c.gate
+        C, K, VEC = c.chunk_size, c.head_dim, self.vec
+        runs = gate_scan_segments(K, C)
+        run_len = C // runs
+        width = self.num_threads // runs  # columns per stage: one thread per (run, column)
+        sStage = cute.make_tensor(sA.iterator, cute.make_layout((C, width), stride=(width, 1)))
+        sTotal = cute.make_tensor(sA.iterator + C * width, cute.make_layout((runs, width), stride=(width, 1)))
+        run = tidx // width
+        column = tidx % width
+        scale = Float32(1.0)
+        if const_expr(gate.form != "none" and gate.has_A_log):
+            scale = cute.math.exp(mALog[hv])
+        tXcX = self.row_copy(K).get_slice(tidx).partition_S(cute.make_identity_tensor((C, K)))
+        for stage in cutlass.range_constexpr(K // width):
+            col = stage * width + column
+            bias = Float32(0.0)
+            if const_expr(gate.has_dt_bias):
+                bias = mDtBias[hv, col]
+            running = Float32(0.0)
+            for i in cutlass.range_constexpr(run_len):
+                row = run * run_len + i
+                x = Float32(0.0)  # rows past the end add the activation of 0, as in prepare (never stored)
+                if row < valid:
+                    x = mG[b, start + row, hv, col].to(Float32)
+                running = running + activate_gate(gate.form, x + bias, scale, lower_bound)
+                sStage[row, column] = running
+            sTotal[run, column] = running
+            cute.arch.sync_threads()
+            offset = Float32(0.0)
+            for r in cutlass.range_constexpr(runs):
+                if r < run:
+                    offset = offset + sTotal[r, column]
+            for i in cutlass.range_constexpr(run_len):
+                row = run * run_len + i
+                gam = (sStage[row, column] + offset) * RCP_LN2
+                sStage[row, column] = gam
+                if row % SUB == 0:
+                    sGa[row // SUB, col] = cutlass.select_(row < valid, gam, Float32(0.0))
+                if row == valid - 1:
+                    sGa[NUM_SUB, col] = gam
+                    mGLast[b, chunk, hv, col] = gam
+            cute.arch.sync_threads()
+            for p in cutlass.range_constexpr(self.passes):
+                row, col0 = tXcX[(0, 0), p, 0]
+                if col0 // width == stage:
+                    for j in cutlass.range_constexpr(VEC):
+                        rGam[p, j] = cutlass.select_(row < valid, sStage[row, col0 % width + j], Float32(0.0))
+            cute.arch.sync_threads()  # the stage is read before the next one is written
 
     def row_copy(self, cols: int):
         """Tiled copy of a [64, cols] bf16 tile: 16-byte accesses, rows spread over the CTA."""
@@ -456,11 +597,12 @@ class KdaIntra:
              mKg: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor, sQt: cute.Tensor, sKt: cute.Tensor,
              sKb: cute.Tensor, sVb: cute.Tensor, sKh: list, b: Int32, h: Int32, hv: Int32, start: Int32,
              valid: Int32, tidx: Int32, operands: cutlass.Constexpr = True, rhs: cutlass.Constexpr = True,
-             gated: cutlass.Constexpr = None):
+             gated: cutlass.Constexpr = None, rGam: cute.Tensor | None = None):
         """Phase 1: the factored MMA operands (``operands``: q̃, k̃, k̂ into shared memory), the gated outputs
         (``gated``, default ``operands``: kg and qg to global memory) and the right-hand sides (``rhs``:
         bf16(β k 2^Γ), bf16(β v) into shared memory). The wide plan does all in one pass; the lean plan does the
-        right-hand sides in a second pass, after the scores; the modular steps do what each needs."""
+        right-hand sides in a second pass, after the scores; the modular steps do what each needs. ``rGam``: Γ of
+        this thread's elements from :meth:`gate_prologue` (in-kernel gate), else Γ is read from ``mG``."""
         c = self.config
         gated = operands if const_expr(gated is None) else gated
         need_q = operands or (gated and c.output_qg)
@@ -501,9 +643,13 @@ class KdaIntra:
                 cute.copy(atom, tXgK[None, p, 0], rK)
                 if const_expr(rhs):
                     cute.copy(atom, tXgV[None, p, 0], rV)
-                gRow = cute.local_tile(gG[row, None], (VEC,), (col0 // VEC,))
-                for half in cutlass.range_constexpr(2):
-                    cute.copy(g_atom, cute.local_tile(gRow, (4,), (half,)), cute.local_tile(rG, (4,), (half,)))
+                if const_expr(rGam is None):
+                    gRow = cute.local_tile(gG[row, None], (VEC,), (col0 // VEC,))
+                    for half in cutlass.range_constexpr(2):
+                        cute.copy(g_atom, cute.local_tile(gRow, (4,), (half,)), cute.local_tile(rG, (4,), (half,)))
+            if const_expr(rGam is not None):  # zero past the end, as the load above leaves it
+                for j in cutlass.range_constexpr(VEC):
+                    rG[j] = rGam[p, j]
             if const_expr(c.l2norm):  # the row's 16 (K = 128) or 8 threads: kda_prepare's arithmetic exactly
                 if const_expr(need_q):
                     self.l2norm_row(rQ)
@@ -736,21 +882,24 @@ class KdaIntra:
                 cute.copy(atom, rX, tXsX[None, p, 0])
 
 
-# positions of the outputs among the tensor arguments, per phase: w, u, qg, kg, Aqk, Akk_inv, Akk (fp32)
-_OUTPUTS = {"all": frozenset(range(5, 11)), "scores": frozenset({9, 11}), "inverse": frozenset({10}),
+# positions of the outputs among the tensor arguments, per phase: w, u, qg, kg, Aqk, Akk_inv, Akk (fp32), g_last
+_OUTPUTS = {"all": frozenset((*range(5, 11), 16)), "scores": frozenset({9, 11}), "inverse": frozenset({10}),
             "wu": frozenset({5, 6, 7, 8})}
 
 
 ENV_VARIANT = "CULA_CUTE_INTRA"
-# Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm). All compute the same bits.
-# fuse_l2norm is for the cutedsl backend: it moves the q/k L2 norm from kda_prepare into this kernel.
-VARIANTS = {"wide": (False, False, False), "lean": (True, False, False), "lean-unrolled": (True, True, False),
-            "fused": (True, True, True)}
+# Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate). All compute the same
+# bits. The last two are for the cutedsl backend: fuse_l2norm moves the q/k L2 norm from kda_prepare into this
+# kernel; fuse_gate also the gate activation, its cumsum and β (no kda_prepare launch at all).
+VARIANTS = {"wide": (False, False, False, False), "lean": (True, False, False, False),
+            "lean-unrolled": (True, True, False, False), "fused": (True, True, True, False),
+            "fused-prepare": (True, True, True, True)}
 
 
-def variant_flags(variant: str | None) -> tuple[bool, bool, bool]:
-    """``(lean_smem, unrolled_inverse, fuse_l2norm)`` of a named variant; None: ``CULA_CUTE_INTRA``, else ``wide``
-    (the one verified on the H200; the others compile for every target but have not run on a GPU)."""
+def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool]:
+    """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate)`` of a named variant; None: ``CULA_CUTE_INTRA``,
+    else ``wide`` (the default). ``wide``, ``lean``, ``lean-unrolled`` and ``fused`` ran on the H200 with the same
+    bits; ``fused-prepare`` compiles for every target but has not run on a GPU."""
     import os
 
     name = variant if variant is not None else os.environ.get(ENV_VARIANT, "wide")
@@ -762,19 +911,22 @@ def variant_flags(variant: str | None) -> tuple[bool, bool, bool]:
 
 @functools.lru_cache(maxsize=256)
 def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, bool],
-          phases: str = "all", l2norm: bool = False) -> tuple:
+          phases: str = "all", l2norm: bool = False, gate: InKernelGate | None = None) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
-                            lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm)
+                            lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm, gate=gate)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"KdaIntra: {reason}")
     return config, KdaIntra(config).argument_specs()
 
 
-def _launch(config: KdaIntraConfig, specs: tuple, tensors: tuple, scale: float, device) -> None:
-    """Launch one compiled :class:`KdaIntra` configuration on ``tensors`` (the fourteen ``__call__`` arguments)."""
-    launch(KdaIntra, config, specs, tensors, _OUTPUTS[config.phases], device, float(scale))
+def _launch(config: KdaIntraConfig, specs: tuple, tensors: tuple, scale: float, device,
+            gate_tensors: tuple = (None, None, None), lower_bound: float = 0.0) -> None:
+    """Launch one compiled :class:`KdaIntra` configuration on ``tensors`` (the first fourteen ``__call__`` tensor
+    arguments) and ``gate_tensors`` (A_log, dt_bias, g_last: the in-kernel gate's)."""
+    launch(KdaIntra, config, specs, (*tensors, *gate_tensors), _OUTPUTS[config.phases], device, float(scale),
+           float(lower_bound))
 
 
 def chunk_kda_fwd_intra(
@@ -806,8 +958,9 @@ def chunk_kda_fwd_intra(
         use_tf32_inverse: not implemented (the inverse is fp32 on CUDA cores).
         output_qg: also return ``qg = bf16(q 2^gk)``.
         out: optional preallocated ``(w, u, qg, kg, Aqk, Akk_inv)`` (qg None unless ``output_qg``).
-        variant: ``wide``, ``lean``, ``lean-unrolled`` or ``fused`` (= ``lean-unrolled`` here; see :data:`VARIANTS`,
-            :class:`KdaIntraConfig`); None: :func:`variant_flags` (``CULA_CUTE_INTRA``, else ``wide``).
+        variant: ``wide``, ``lean``, ``lean-unrolled``, ``fused`` or ``fused-prepare`` (the last two are
+            ``lean-unrolled`` here; see :data:`VARIANTS`, :class:`KdaIntraConfig`); None: :func:`variant_flags`
+            (``CULA_CUTE_INTRA``, else ``wide``).
         use_qk_l2norm_in_kernel: q and k are raw; each row is L2-normalised in the kernel exactly as
             :func:`kda_prepare` would (same bits).
 
@@ -864,6 +1017,75 @@ def chunk_kda_fwd_intra(
     _launch(config, specs, (q, k, v, gk, beta, w, u, qg, kg, Aqk, Akk_inv, None, cu_seqlens, chunk_indices), scale,
             device)
     return outputs
+
+
+def chunk_kda_fwd_intra_from_raw(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale: float,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    cu_seqlens=None,
+    chunk_indices=None,
+    variant: str | None = None,
+):
+    """:func:`kda_prepare` and :func:`chunk_kda_fwd_intra` in one launch, from the raw inputs (the cutedsl backend's
+    ``fused-prepare`` path): ``(w, u, qg, kg, Aqk, g_last)``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` bf16, raw; v: ``[B, T, HV, K]`` bf16.
+        g: ``[B, T, HV, K]`` bf16 or fp32: the raw gate (``use_gate_in_kernel``) or the log-gate; its chunk-local
+            cumsum is taken here, as kda_prepare takes it.
+        beta: ``[B, T, HV]`` bf16 or fp32, logits with ``use_beta_sigmoid_in_kernel``.
+        A_log, dt_bias, lower_bound, use_*_in_kernel, allow_neg_eigval: as :func:`kda_prepare`.
+        scale, cu_seqlens, chunk_indices: as :func:`chunk_kda_fwd_intra`.
+        variant: the shared-memory plan and inverse loop form (:data:`VARIANTS`; default ``fused-prepare``).
+
+    Returns:
+        ``w, u, qg, kg, Aqk`` as :func:`chunk_kda_fwd_intra` with ``output_qg=True`` (bf16), and ``g_last`` fp32
+        ``[B, NT, HV, K]`` (varlen ``[1, NC, HV, K]``, one row per row of ``chunk_indices``): ``g_cum`` at each
+        chunk's last valid token, for :func:`~cula_runtime.cute.kda.recurrence.chunk_kda_fwd_recurrence` with
+        ``gate_per_chunk=True``. The same bits as kda_prepare followed by chunk_kda_fwd_intra.
+    """
+    import torch
+
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    bf16 = torch.bfloat16
+    named = {"q": (q, H, K, bf16), "k": (k, H, K, bf16), "v": (v, HV, K, bf16), "g": (g, HV, K, g.dtype),
+             "beta": (beta, HV, None, beta.dtype)}
+    check_token_tensors(named, B, T)
+    dtypes = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    for name, t in (("g", g), ("beta", beta)):
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be bfloat16 or float32, got {t.dtype}")
+    device = q.device
+    form, A_log, dt_bias = gate_arguments(use_gate_in_kernel, lower_bound, A_log, dt_bias, allow_neg_eigval,
+                                          use_beta_sigmoid_in_kernel, HV, K, device)
+    gate = InKernelGate(form=form, g_dtype=dtypes[g.dtype], beta_dtype=dtypes[beta.dtype],
+                        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None,
+                        beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval))
+    varlen = cu_seqlens is not None
+    chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
+    flags = variant_flags(variant if variant is not None else "fused-prepare")
+    config, specs = _plan(H, HV, K, True, varlen, flags[:2], l2norm=bool(use_qk_l2norm_in_kernel), gate=gate)
+    w, u, qg, kg = (torch.empty(B, T, HV, K, dtype=bf16, device=device) for _ in range(4))
+    Aqk = torch.empty(B, T, HV, 64, dtype=bf16, device=device)
+    g_last = torch.empty(B, num_chunks if varlen else -(-T // 64), HV, K, dtype=torch.float32, device=device)
+    if num_chunks:
+        _launch(config, specs, (q, k, v, g, beta, w, u, qg, kg, Aqk, None, None, cu_seqlens, chunk_indices), scale,
+                device, gate_tensors=(A_log, dt_bias, g_last),
+                lower_bound=lower_bound if form == "safe" else 0.0)
+    return w, u, qg, kg, Aqk, g_last
 
 
 # ---- the modular path: the same work in three launches (FLA's intra scores, solve_tril and recompute_w_u)

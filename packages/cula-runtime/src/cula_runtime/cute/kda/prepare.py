@@ -35,13 +35,42 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["GATE_FORMS", "KdaPrepare", "KdaPrepareConfig", "kda_prepare"]
+__all__ = ["GATE_FORMS", "KdaPrepare", "KdaPrepareConfig", "activate_beta", "activate_gate", "gate_arguments",
+           "gate_scan_segments", "kda_prepare"]
 
 GATE_FORMS = ("none", "softplus", "safe")
 RCP_LN2 = 1.4426950216  # fp32(1 / ln 2), the constant FLA multiplies the cumsum by
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float32": cutlass.Float32}
+
+
+def activate_gate(form: str, x: Float32, scale: Float32, lower_bound: Float32) -> Float32:
+    """The log-gate of one channel in ``form`` (:data:`GATE_FORMS`) from ``x = g + dt_bias`` (fp32), ``scale =
+    exp(A_log)`` (1 without A_log): traced inline, so every kernel that calls it does the same arithmetic."""
+    if form == "softplus":
+        softplus = cutlass.select_(x > SOFTPLUS_THRESHOLD, x, cute.math.log1p(cute.math.exp(x)))
+        return -scale * Float32(softplus)
+    if form == "safe":
+        return lower_bound / (Float32(1.0) + cute.math.exp(-(scale * x)))
+    return x
+
+
+def activate_beta(x: Float32, sigmoid: bool, allow_neg_eigval: bool) -> Float32:
+    """β from its input ``x`` (fp32): ``sigmoid(x)``, ``2 sigmoid(x)`` with ``allow_neg_eigval``, or ``x``."""
+    if sigmoid:
+        return Float32(2.0 if allow_neg_eigval else 1.0) / (Float32(1.0) + cute.math.exp(-x))
+    return x
+
+
+def gate_scan_segments(head_dim: int, chunk_size: int = 64) -> int:
+    """Runs of consecutive tokens a chunk's gate cumsum is split into: each run is summed serially, then offset by
+    the totals of the earlier runs (added in order). This fixes the order of the fp32 additions, hence the bits of
+    ``g_cum``; every kernel that computes the cumsum splits it the same way."""
+    segments = 128 // (min(head_dim, 128) // 4)  # prepare's 128 threads, 4 channels each, over 128-column blocks
+    if chunk_size % segments:
+        raise ValueError(f"chunk_size={chunk_size} is not a multiple of {segments} runs")
+    return segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +129,7 @@ class KdaPrepare:
         # offset by the totals of the earlier runs (through shared memory).
         self.gate_cols = min(K, 128)
         self.gate_threads_per_row = self.gate_cols // self.gate_vec
-        self.gate_segments = self.num_threads // self.gate_threads_per_row
+        self.gate_segments = gate_scan_segments(K, config.chunk_size)
         self.gate_segment_len = config.chunk_size // self.gate_segments
 
     @staticmethod
@@ -311,20 +340,12 @@ class KdaPrepare:
                     cute.copy(o_atom, tGrCum[i, None], tGgGo[i, None])
             cute.arch.sync_threads()  # sTotal is rewritten by the next column block
         if tidx < valid:
-            x = mBeta[b, start + tidx, hv].to(Float32)
-            if const_expr(c.beta_sigmoid):
-                x = Float32(2.0 if c.allow_neg_eigval else 1.0) / (Float32(1.0) + cute.math.exp(-x))
-            mBetaO[b, start + tidx, hv] = x
+            mBetaO[b, start + tidx, hv] = activate_beta(mBeta[b, start + tidx, hv].to(Float32), c.beta_sigmoid,
+                                                        c.allow_neg_eigval)
 
     def activate(self, x: Float32, scale: Float32, lower_bound: Float32) -> Float32:
         """The gate activation of one channel (``x`` already includes dt_bias); traced inline."""
-        gate = self.config.gate
-        if gate == "softplus":
-            softplus = cutlass.select_(x > SOFTPLUS_THRESHOLD, x, cute.math.log1p(cute.math.exp(x)))
-            return -scale * Float32(softplus)
-        if gate == "safe":
-            return lower_bound / (Float32(1.0) + cute.math.exp(-(scale * x)))
-        return x
+        return activate_gate(self.config.gate, x, scale, lower_bound)
 
 
 # positions of q_hat, k_hat, g_cum and beta_out among the tensor arguments
@@ -350,6 +371,34 @@ def _plan(H: int, HV: int, K: int, qk_dtype, g_dtype, beta_dtype, flags: tuple) 
     if not ok:
         raise ValueError(f"kda_prepare: {reason}")
     return config, KdaPrepare(config).argument_specs()
+
+
+def gate_arguments(use_gate_in_kernel: bool, lower_bound: float | None, A_log, dt_bias, allow_neg_eigval: bool,
+                   use_beta_sigmoid_in_kernel: bool, HV: int, K: int, device) -> tuple:
+    """The gate form (:data:`GATE_FORMS`) and the checked fp32 ``A_log [HV]`` and ``dt_bias [HV, K]`` (None when
+    absent or unused) of a call that prepares the gate in a kernel; ``ValueError`` for inconsistent flags or sizes."""
+    import torch
+
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval requires use_beta_sigmoid_in_kernel=True")
+    if use_gate_in_kernel:
+        gate = "safe" if lower_bound is not None else "softplus"
+        if gate == "softplus" and A_log is None:
+            raise ValueError("the softplus gate (lower_bound=None) needs A_log")
+    else:
+        gate, A_log, dt_bias = "none", None, None
+    if A_log is not None:
+        if A_log.numel() != HV:
+            raise ValueError(f"A_log must have HV = {HV} elements, got {A_log.numel()}")
+        if A_log.dim() != 1 or A_log.dtype != torch.float32 or A_log.device != device:
+            A_log = A_log.to(device=device, dtype=torch.float32).reshape(HV)
+    if dt_bias is not None:
+        if dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must have HV*K = {HV * K} elements, got {dt_bias.numel()}")
+        if dt_bias.dtype != torch.float32 or dt_bias.device != device:
+            dt_bias = dt_bias.to(device=device, dtype=torch.float32)
+        dt_bias = dt_bias.view(HV, K) if dt_bias.is_contiguous() else dt_bias.reshape(HV, K)
+    return gate, A_log, dt_bias
 
 
 def kda_prepare(
@@ -400,25 +449,8 @@ def kda_prepare(
     device = q.device
     if device.type != "cuda" or any(t.device != device for t in (k, g, beta)):
         raise ValueError("q, k, g and beta must be CUDA tensors on one device")
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("allow_neg_eigval requires use_beta_sigmoid_in_kernel=True")
-    if use_gate_in_kernel:
-        gate = "safe" if lower_bound is not None else "softplus"
-        if gate == "softplus" and A_log is None:
-            raise ValueError("the softplus gate (lower_bound=None) needs A_log")
-    else:
-        gate, A_log, dt_bias = "none", None, None
-    if A_log is not None:
-        if A_log.numel() != HV:
-            raise ValueError(f"A_log must have HV = {HV} elements, got {A_log.numel()}")
-        if A_log.dim() != 1 or A_log.dtype != torch.float32 or A_log.device != device:
-            A_log = A_log.to(device=device, dtype=torch.float32).reshape(HV)
-    if dt_bias is not None:
-        if dt_bias.numel() != HV * K:
-            raise ValueError(f"dt_bias must have HV*K = {HV * K} elements, got {dt_bias.numel()}")
-        if dt_bias.dtype != torch.float32 or dt_bias.device != device:
-            dt_bias = dt_bias.to(device=device, dtype=torch.float32)
-        dt_bias = dt_bias.view(HV, K) if dt_bias.is_contiguous() else dt_bias.reshape(HV, K)
+    gate, A_log, dt_bias = gate_arguments(use_gate_in_kernel, lower_bound, A_log, dt_bias, allow_neg_eigval,
+                                          use_beta_sigmoid_in_kernel, HV, K, device)
 
     varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)

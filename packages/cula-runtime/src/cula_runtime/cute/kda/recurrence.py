@@ -65,6 +65,9 @@ class KdaRecurrenceConfig:
         output_o: compute and write o (reads qg and Aqk). False: the delta-h primitive alone.
         output_h: also write every chunk's entering state ``h = bf16(S)`` (``[B, NT, HV, K, V]``, or ``V, K`` with
             ``state_v_first``; varlen: ``[1, NC, ...]`` at ``chunk_offsets[n] + c``) and ``v_new`` (bf16, token-major).
+        gate_per_chunk: the gate argument holds only each chunk's decay row (``gk`` at its last valid token):
+            ``[B, NT, HV, K]``, varlen ``[1, NC, HV, K]`` at ``chunk_offsets[n] + c`` (what the intra kernel writes
+            when it computes the gate itself), instead of the token-major ``gk``.
     """
 
     num_v_heads: int
@@ -77,6 +80,7 @@ class KdaRecurrenceConfig:
     chunk_size: int = 64
     output_o: bool = True
     output_h: bool = False
+    gate_per_chunk: bool = False
 
 
 class KdaRecurrence(ChunkTiles):
@@ -106,14 +110,14 @@ class KdaRecurrence(ChunkTiles):
             bf16,  # w [B, T, HV, K]
             bf16,  # u [B, T, HV, V]
             bf16 if c.output_o else None,  # Aqk [B, T, HV, C]
-            TensorSpec(Float32, 4, 4),  # gk [B, T, HV, K] (log2 units)
+            TensorSpec(Float32, 4, 4),  # gk [B, T, HV, K] (log2 units); gate_per_chunk: [B, NT, HV, K]
             state if c.has_initial_state else None,  # h0 [N, HV, K, V] or [N, HV, V, K]
             bf16 if c.output_o else None,  # o [B, T, HV, V]
             state if c.output_final_state else None,  # ht
             TensorSpec(Int32, 1) if c.varlen else None,  # cu_seqlens [N + 1]
             TensorSpec(BFloat16, 5, 2) if c.output_h else None,  # h [B, NT, HV, K, V] (or V, K)
             bf16 if c.output_h else None,  # v_new [B, T, HV, V]
-            TensorSpec(Int32, 1) if c.output_h and c.varlen else None,  # chunk_offsets [N + 1]
+            TensorSpec(Int32, 1) if (c.output_h or c.gate_per_chunk) and c.varlen else None,  # chunk_offsets [N + 1]
         )
 
     def compile_arguments(self) -> tuple:
@@ -283,9 +287,13 @@ class KdaRecurrence(ChunkTiles):
                                      num_bits_per_copy=128)
         loader = (g2s_K, g2s_U, g2s_A, g_atom)
 
+        # the row of the gate tensor holding chunk c's decay, c = 0 (gate_per_chunk: the chunk's own row)
+        gate_row0 = Int32(0)
+        if const_expr(c.gate_per_chunk and c.varlen):
+            gate_row0 = mChunkOffsets[n]
         if num_chunks > 0:
             self.load_chunk(loader, mQg, mKg, mW, mU, mAqk, mG, sW, sQ, sKg, sU, sA, sG, b, hv, vb, bos,
-                            cutlass.min(seqlen, C), Int32(0), tidx)
+                            cutlass.min(seqlen, C), Int32(0), tidx, gate_row0)
             cute.arch.cp_async_commit_group()
 
         for chunk in cutlass.range(num_chunks, unroll=1):
@@ -295,7 +303,8 @@ class KdaRecurrence(ChunkTiles):
             cute.arch.sync_threads()  # chunk's tiles visible; everyone is done with the other stage
             if chunk + 1 < num_chunks:
                 self.load_chunk(loader, mQg, mKg, mW, mU, mAqk, mG, sW, sQ, sKg, sU, sA, sG, b, hv, vb,
-                                bos + (chunk + 1) * C, cutlass.min(seqlen - (chunk + 1) * C, C), 1 - stage, tidx)
+                                bos + (chunk + 1) * C, cutlass.min(seqlen - (chunk + 1) * C, C), 1 - stage, tidx,
+                                gate_row0 + chunk + 1)
                 cute.arch.cp_async_commit_group()
 
             # γ = exp2(gate row of the last valid token): this warp's private copy, 4 channels per lane
@@ -389,9 +398,10 @@ class KdaRecurrence(ChunkTiles):
     def load_chunk(self, loader, mQg: cute.Tensor, mKg: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor,
                    mAqk: cute.Tensor, mG: cute.Tensor, sW: cute.Tensor, sQ: cute.Tensor, sKg: cute.Tensor,
                    sU: cute.Tensor, sA: cute.Tensor, sG: cute.Tensor, b: Int32, hv: Int32, vb: Int32,
-                   tok0: Int32, length: Int32, stage: Int32, tidx: Int32):
+                   tok0: Int32, length: Int32, stage: Int32, tidx: Int32, gate_row: Int32):
         """Issue the cp.async copies of one chunk (tokens ``tok0 ..``, ``length`` valid) into ``stage``; rows past
-        ``length`` are zero-filled in shared memory and not read."""
+        ``length`` are zero-filled in shared memory and not read. ``gate_row``: the chunk's row of a per-chunk
+        gate tensor (``gate_per_chunk``; else the gate row is the token ``tok0 + length - 1``)."""
         C, K, BV = self.config.chunk_size, self.config.head_dim, self.config.block_v
         g2s_K, g2s_U, g2s_A, g_atom = loader
         # qg and Aqk only feed the output
@@ -405,16 +415,18 @@ class KdaRecurrence(ChunkTiles):
             gA = cute.local_tile(cute.domain_offset((tok0, 0), mAqk[b, None, hv, None]), (C, C), (0, 0))
             self._copy_rows(g2s_A, gA, sA[None, None, stage], length)
         if tidx < K // 4:  # the gate row of the last valid token: 16 bytes per thread
-            gG = cute.local_tile(mG[b, tok0 + length - 1, hv, None], (4,), (tidx,))
+            row = gate_row if const_expr(self.config.gate_per_chunk) else tok0 + length - 1
+            gG = cute.local_tile(mG[b, row, hv, None], (4,), (tidx,))
             sGt = cute.local_tile(sG[None, stage], (4,), (tidx,))
             cute.copy(g_atom, gG, sGt)
 
 @functools.lru_cache(maxsize=256)
 def _plan(HV: int, K: int, block_v: int, flags: tuple) -> tuple:
-    varlen, has_h0, want_ht, v_first, want_o, want_h = flags
+    varlen, has_h0, want_ht, v_first, want_o, want_h, per_chunk = flags
     config = KdaRecurrenceConfig(
         num_v_heads=HV, head_dim=K, block_v=block_v, varlen=varlen, has_initial_state=has_h0,
         output_final_state=want_ht, state_v_first=v_first, output_o=want_o, output_h=want_h,
+        gate_per_chunk=per_chunk,
     )
     ok, reason = KdaRecurrence.can_implement(config)
     if not ok:
@@ -426,7 +438,7 @@ _OUTPUTS = frozenset({7, 8, 10, 11})  # o, ht, h, v_new among the tensor argumen
 
 
 def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_state: bool, cu_seqlens,
-            chunk_offsets, state_v_first: bool, block_v: int, want_h: bool) -> tuple:
+            chunk_offsets, state_v_first: bool, block_v: int, want_h: bool, gate_per_chunk: bool = False) -> tuple:
     """Validate, allocate and launch one :class:`KdaRecurrence` configuration: ``(o or None, ht or None, h or None,
     v_new or None)``."""
     import torch
@@ -436,7 +448,9 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
     B, T, HV, K = w.shape
     want_o = qg is not None
     bf16 = torch.bfloat16
-    named = {"w": (w, HV, K, bf16), "kg": (kg, HV, K, bf16), "u": (u, HV, K, bf16), "gk": (gk, HV, K, torch.float32)}
+    named = {"w": (w, HV, K, bf16), "kg": (kg, HV, K, bf16), "u": (u, HV, K, bf16)}
+    if not gate_per_chunk:
+        named["gk"] = (gk, HV, K, torch.float32)
     if want_o:
         named |= {"qg": (qg, HV, K, bf16), "Aqk": (Aqk, HV, 64, bf16)}
     check_token_tensors(named, B, T)
@@ -450,6 +464,14 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
                              f"{tuple(initial_state.shape)}")
         if initial_state.device != device:
             raise ValueError(f"initial_state must be on {device}")
+    if gate_per_chunk:
+        chunks = "NC" if varlen else -(-T // 64)
+        if (gk.dim() != 4 or gk.dtype != torch.float32 or gk.device != device or gk.shape[0] != B
+                or (not varlen and gk.shape[1] != chunks) or tuple(gk.shape[2:]) != (HV, K)):
+            raise ValueError(f"gk (gate_per_chunk) must be float32 [{B}, {chunks}, {HV}, {K}] on {device}, got "
+                             f"{gk.dtype} {tuple(gk.shape)} on {gk.device}")
+        if varlen and chunk_offsets is None:
+            raise ValueError("gate_per_chunk with cu_seqlens needs chunk_offsets (the rows of each sequence's chunks)")
     h = v_new = None
     if want_h:
         if varlen:
@@ -465,7 +487,8 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
         else:
             h = torch.empty(B, -(-T // 64), HV, K, K, dtype=torch.bfloat16, device=device)
         v_new = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device)
-    flags = (varlen, initial_state is not None, bool(output_final_state), bool(state_v_first), want_o, want_h)
+    flags = (varlen, initial_state is not None, bool(output_final_state), bool(state_v_first), want_o, want_h,
+             bool(gate_per_chunk))
     config, specs = _plan(HV, K, block_v, flags)
 
     o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device) if want_o else None
@@ -473,7 +496,7 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
     if N == 0:
         return o, ht, h, v_new
     tensors = (qg, kg, w, u, Aqk, gk, initial_state, o, ht, cu_seqlens, h, v_new,
-               chunk_offsets if want_h and varlen else None)
+               chunk_offsets if (want_h or gate_per_chunk) and varlen else None)
     launch(KdaRecurrence, config, specs, tensors, _OUTPUTS, device, float(scale))
     return o, ht, h, v_new
 
@@ -493,6 +516,7 @@ def chunk_kda_fwd_recurrence(
     state_v_first: bool = False,
     *,
     block_v: int = 64,
+    gate_per_chunk: bool = False,
 ):
     """Fused inter-chunk recurrence and chunk output of KDA on the GPU: ``(o, final_state or None)``.
 
@@ -506,8 +530,12 @@ def chunk_kda_fwd_recurrence(
         initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None (zeros).
         output_final_state: also return the fp32 final state (same layout as the initial state).
         cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1).
-        chunk_offsets: accepted for FLA's signature; unused (this kernel never indexes per-chunk tensors).
+        chunk_offsets: int32 ``[N + 1]``, each sequence's first chunk row; read only with ``gate_per_chunk`` and
+            ``cu_seqlens`` (then required), else accepted for FLA's signature and unused.
         block_v: value columns per CTA (32, 64, 128); any choice gives the same bits.
+        gate_per_chunk: ``gk`` holds only each chunk's decay row, fp32 ``[B, NT, HV, 128]`` (varlen
+            ``[1, NC, HV, 128]``, sequence n's chunk c at row ``chunk_offsets[n] + c``): the ``g_last`` that
+            :func:`~cula_runtime.cute.kda.intra.chunk_kda_fwd_intra_from_raw` writes. Same bits as the full ``gk``.
 
     Returns:
         ``o`` bf16 ``[B, T, HV, 128]`` and the final state (or None). Launched on the current stream; the first call
@@ -515,8 +543,9 @@ def chunk_kda_fwd_recurrence(
     """
     if qg is None or Aqk is None:
         raise ValueError("chunk_kda_fwd_recurrence needs qg and Aqk (chunk_kda_fwd_h is the primitive without o)")
-    o, ht, _, _ = _launch(qg, kg, w, u, Aqk, gk, scale, initial_state, output_final_state, cu_seqlens, None,
-                          state_v_first, block_v, want_h=False)
+    o, ht, _, _ = _launch(qg, kg, w, u, Aqk, gk, scale, initial_state, output_final_state, cu_seqlens,
+                          chunk_offsets if gate_per_chunk else None, state_v_first, block_v, want_h=False,
+                          gate_per_chunk=gate_per_chunk)
     return o, ht
 
 
