@@ -7,6 +7,12 @@ sequences or chunks.
 Results are cached on the identity of ``cu_seqlens`` *and* its version counter, so an in-place update of
 ``cu_seqlens`` is never answered from a stale entry, and a cache hit touches no device memory (no
 synchronisation). Inference-mode tensors carry no version counter and are never cached.
+
+Device synchronisation: :func:`checked_cu_seqlens_values` (the validator's check) copies ``cu_seqlens`` to the host
+once per (tensor, version) and keeps that copy; :func:`prepare_chunk_indices` then counts its rows on the host
+copy, so building the indices of a checked ``cu_seqlens`` adds no further synchronisation. Without a checked copy
+(an unchecked or inference-mode tensor) ``repeat_interleave`` reads the row count on the device (two
+synchronisations on a cache miss).
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ import torch
 
 __all__ = [
     "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets", "check_chunk_size", "check_cu_seqlens_values",
-    "cached_on_version", "clear_index_cache",
+    "checked_cu_seqlens_values", "cached_on_version", "clear_index_cache",
 ]
 
-_CACHE_CAPACITY = 64
+_CACHE_CAPACITY = 128  # entries; a cu_seqlens tensor takes up to five (its check, boundaries, index tensors)
 _cache: OrderedDict[tuple, tuple[weakref.ref, Any]] = OrderedDict()
 _T = TypeVar("_T")
 
@@ -85,6 +91,31 @@ def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build:
     return value
 
 
+def _cached(kind: str, cu_seqlens: torch.Tensor, extra: object) -> Any:
+    """The entry :func:`cached_on_version` holds for this key, or None; never builds one."""
+    if cu_seqlens.is_inference():
+        return None
+    hit = _cache.get((kind, id(cu_seqlens), cu_seqlens._version, extra))
+    return hit[1] if hit is not None and hit[0]() is cu_seqlens else None
+
+
+def checked_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
+    """:func:`check_cu_seqlens_values`, cached on (identity and version of ``cu_seqlens``, ``T``).
+
+    The first call per (tensor, version) copies the boundaries to the host (one synchronisation), checks the copy and
+    keeps it for :func:`prepare_chunk_indices`; later calls touch no device memory. ``ValueError`` as
+    :func:`check_cu_seqlens_values` (a failed check is not cached).
+    """
+
+    def build() -> list[int]:
+        host = _check_cu_seqlens_tensor(cu_seqlens).to("cpu", copy=True)  # a copy even of a CPU tensor
+        values = check_cu_seqlens_values(host, T)
+        cached_on_version("boundaries", cu_seqlens, None, lambda: host)
+        return values
+
+    return cached_on_version("cu_seqlens_values", cu_seqlens, T, build)
+
+
 def clear_index_cache() -> None:
     """Drop every cached index tensor."""
     _cache.clear()
@@ -128,10 +159,16 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
 
     def build() -> torch.Tensor:
         counts = _chunks_per_sequence(cu_seqlens, chunk_size).to(torch.int64)
+        # the row count from the checked host copy, if any: then repeat_interleave need not read it on the device
+        host = _cached("boundaries", cu_seqlens, None)
+        rows = None if host is None else int(torch.div(host.diff() + (chunk_size - 1), chunk_size,
+                                                       rounding_mode="floor").sum())
         seq = torch.arange(counts.numel(), device=cu_seqlens.device)
-        seq_ids = torch.repeat_interleave(seq, counts)
+        seq_ids = torch.repeat_interleave(seq, counts, output_size=rows)
         starts = torch.cumsum(counts, 0) - counts
-        chunk_ids = torch.arange(seq_ids.numel(), device=cu_seqlens.device) - torch.repeat_interleave(starts, counts)
+        chunk_ids = torch.arange(seq_ids.numel(), device=cu_seqlens.device) - torch.repeat_interleave(
+            starts, counts, output_size=rows
+        )
         return torch.stack([seq_ids, chunk_ids], dim=1).to(cu_seqlens.dtype)
 
     return cached_on_version("indices", cu_seqlens, chunk_size, build)

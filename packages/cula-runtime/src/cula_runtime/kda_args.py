@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .index import cached_on_version, check_cu_seqlens_values
+from .index import checked_cu_seqlens_values
 
 __all__ = ["KdaPrefillArgs", "validate_kda_prefill", "safe_gate_kernel_rejection", "MAX_HEAD_DIM",
            "SAFE_GATE_LOWER_BOUND_MIN"]
@@ -24,6 +24,7 @@ MAX_HEAD_DIM = 256
 SAFE_GATE_LOWER_BOUND_MIN = -5.0
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # A_log, dt_bias
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ def _flag(name: str, x: object) -> bool:
     return x
 
 
+_FLAG_NAMES = ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+               "allow_neg_eigval", "safe_gate", "state_v_first")
+
+
 def validate_kda_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,44 +133,64 @@ def validate_kda_prefill(
 
     Raises ``TypeError`` or ``ValueError`` naming the argument and the expected value; returns the validated,
     contiguous arguments.
-    """
-    q, k, v, g, beta = (_tensor(n, x) for n, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
-    flags = {
-        "output_final_state": output_final_state, "use_qk_l2norm_in_kernel": use_qk_l2norm_in_kernel,
-        "use_gate_in_kernel": use_gate_in_kernel, "use_beta_sigmoid_in_kernel": use_beta_sigmoid_in_kernel,
-        "allow_neg_eigval": allow_neg_eigval, "safe_gate": safe_gate, "state_v_first": state_v_first,
-    }
-    for name, value in flags.items():
-        _flag(name, value)
 
-    if q.ndim != 4:
-        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q.shape)}")
-    B, T, H, K = q.shape
-    _shape("k", k, (B, T, H, K), "the shape of q: [B, T, H, K]")
-    if v.ndim != 4 or tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {list(v.shape)}")
-    HV, V = v.shape[2], v.shape[3]
+    Every call pays this on the host, so each check is a plain comparison on the accepting path and builds its
+    message only when it fails; the checks run in a fixed order (the first failing one raises).
+    """
+    Tensor = torch.Tensor
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(g, Tensor)
+            and isinstance(beta, Tensor)):
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            _tensor(name, x)
+    flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval, safe_gate, state_v_first)
+    for value in flags:
+        if value.__class__ is not bool:  # bool has no subclasses: the same test as isinstance(value, bool)
+            for name, flag in zip(_FLAG_NAMES, flags, strict=True):
+                _flag(name, flag)
+
+    q_shape = q.shape
+    if len(q_shape) != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q_shape)}")
+    B, T, H, K = q_shape
+    if k.shape != q_shape:
+        _shape("k", k, (B, T, H, K), "the shape of q: [B, T, H, K]")
+    v_shape = v.shape
+    if len(v_shape) != 4 or v_shape[0] != B or v_shape[1] != T:
+        raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {list(v_shape)}")
+    HV, V = v_shape[2], v_shape[3]
     if H == 0 or HV == 0 or HV % H != 0:
         raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H} (GVA)")
-    for name, size in (("K (q.shape[-1])", K), ("V (v.shape[-1])", V)):
-        if not 1 <= size <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {size}")
-    _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
-    _shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        for name, size in (("K (q.shape[-1])", K), ("V (v.shape[-1])", V)):
+            if not 1 <= size <= MAX_HEAD_DIM:
+                raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {size}")
+    if g.shape != (B, T, HV, K):
+        _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    if beta.shape != (B, T, HV):
+        _shape("beta", beta, (B, T, HV), "[B, T, HV]")
 
-    _dtype("q", q, _INPUT_DTYPES)
+    dtype = q.dtype
+    if dtype not in _INPUT_DTYPES:
+        _dtype("q", q, _INPUT_DTYPES)
     for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
-    _dtype("g", g, _INPUT_DTYPES)
-    _dtype("beta", beta, _INPUT_DTYPES)
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have the dtype of q ({dtype}), got {x.dtype}")
+    if g.dtype not in _INPUT_DTYPES:
+        _dtype("g", g, _INPUT_DTYPES)
+    if beta.dtype not in _INPUT_DTYPES:
+        _dtype("beta", beta, _INPUT_DTYPES)
 
     device = q.device
-    optional = {"initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias, "cu_seqlens": cu_seqlens}
-    for name, x in {"k": k, "v": v, "g": g, "beta": beta, **optional}.items():
+    optional = (("initial_state", initial_state), ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens))
+    checked = (("k", k), ("v", v), ("g", g), ("beta", beta))
+    if k.device == device and v.device == device and g.device == device and beta.device == device:
+        checked = ()  # the four required tensors share q's device; only the optional ones are left
+    for name, x in (*checked, *optional):
         if x is None:
             continue
-        _tensor(name, x)
+        if not isinstance(x, Tensor):
+            _tensor(name, x)
         if x.device != device:
             raise ValueError(f"{name} must be on q's device ({device}), got {x.device}")
 
@@ -184,16 +209,18 @@ def validate_kda_prefill(
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
         # one host copy per (tensor, version): cached, so repeated calls with one cu_seqlens never synchronise
-        cached_on_version("cu_seqlens_values", cu_seqlens, T, lambda: check_cu_seqlens_values(cu_seqlens, T))
+        checked_cu_seqlens_values(cu_seqlens, T)
         N = cu_seqlens.numel() - 1
     else:
         N = B
 
-    state_dims = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     if initial_state is not None:
-        _shape("initial_state", initial_state, state_shape, f"{state_dims}, state_v_first={state_v_first}")
-        _dtype("initial_state", initial_state, _STATE_DTYPES)
+        state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+        if initial_state.shape != state_shape:
+            state_dims = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+            _shape("initial_state", initial_state, state_shape, f"{state_dims}, state_v_first={state_v_first}")
+        if initial_state.dtype not in _STATE_DTYPES:
+            _dtype("initial_state", initial_state, _STATE_DTYPES)
 
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (beta = 2*sigmoid(beta))")
@@ -218,30 +245,33 @@ def validate_kda_prefill(
         if A_log is None and lower_bound is None:
             raise ValueError("use_gate_in_kernel=True requires A_log (shape [HV]) unless lower_bound is set")
         if A_log is not None:
-            _shape("A_log", A_log, (HV,), "[HV]")
-            _dtype("A_log", A_log, (torch.float32, torch.float64, torch.bfloat16))
+            if A_log.shape != (HV,):
+                _shape("A_log", A_log, (HV,), "[HV]")
+            if A_log.dtype not in _PARAM_DTYPES:
+                _dtype("A_log", A_log, _PARAM_DTYPES)
         if dt_bias is not None:
-            flat_ok = dt_bias.ndim == 1 and dt_bias.numel() == HV * K
-            if not (flat_ok or tuple(dt_bias.shape) == (HV, K)):
+            flat = dt_bias.ndim == 1
+            if not ((flat and dt_bias.numel() == HV * K) or dt_bias.shape == (HV, K)):
                 raise ValueError(f"dt_bias must have shape [HV*K]=[{HV * K}] or [HV, K]=[{HV}, {K}], got "
                                  f"{list(dt_bias.shape)}")
-            _dtype("dt_bias", dt_bias, (torch.float32, torch.float64, torch.bfloat16))
-            dt_bias = dt_bias.reshape(HV * K)
+            if dt_bias.dtype not in _PARAM_DTYPES:
+                _dtype("dt_bias", dt_bias, _PARAM_DTYPES)
+            if not flat:  # a 1-D dt_bias already has the [HV*K] shape
+                dt_bias = dt_bias.reshape(HV * K)
     else:
         for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
             if x is not None:
                 raise ValueError(f"{name} is only used with use_gate_in_kernel=True; pass {name}=None or enable it")
 
-    def dense(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.contiguous()
-
+    # contiguous() returns the tensor itself when it already is (the usual case), else a dense copy
     return KdaPrefillArgs(
-        q=dense(q), k=dense(k), v=dense(v), g=dense(g), beta=dense(beta), scale=float(scale),
-        initial_state=dense(initial_state), output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, A_log=dense(A_log), dt_bias=dense(dt_bias),
-        cu_seqlens=dense(cu_seqlens), state_v_first=state_v_first,
+        q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+        scale=float(scale), initial_state=None if initial_state is None else initial_state.contiguous(),
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+        A_log=None if A_log is None else A_log.contiguous(), dt_bias=None if dt_bias is None else dt_bias.contiguous(),
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.contiguous(), state_v_first=state_v_first,
         B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
     )
 

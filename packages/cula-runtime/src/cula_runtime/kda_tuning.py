@@ -1,11 +1,16 @@
-"""Launch-shape choices shared by the GPU KDA backends (cula-sm90 and CuTeDSL). Imports nothing heavy."""
+"""Launch-shape choices shared by the GPU KDA backends (cula-sm90 and CuTeDSL), and the device facts they need
+(SM count, compute capability), each asked of the driver once per device. Imports nothing heavy."""
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import TYPE_CHECKING
 
-__all__ = ["BLOCK_V_CHOICES", "ENV_BLOCK_V", "recurrence_block_v", "sm_count"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BLOCK_V_CHOICES", "ENV_BLOCK_V", "device_capability", "recurrence_block_v", "sm_count"]
 
 BLOCK_V_CHOICES = (32, 64, 128)
 ENV_BLOCK_V = "CULA_BLOCK_V"
@@ -48,3 +53,19 @@ def _sm_count(index: int) -> int:  # cached: a device query costs microseconds o
     import torch
 
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability ``(major, minor)`` of the CUDA ``device`` (a ``torch.device``; no index: the current
+    device). A device's capability never changes, so it is asked of the driver once per device index."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:  # torch.cuda.get_device_capability costs microseconds per call
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(index))

@@ -31,6 +31,7 @@
 
 #include "kda/ptx.cuh"
 #include "kda/kda_params.h"
+#include "kda/launch_once.cuh"
 
 namespace cula::sm90 {
 namespace {
@@ -600,8 +601,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraPa
 cudaError_t launch_kda_intra(const KdaIntraParams& params, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
   if (params.num_heads <= 0 || params.num_value_heads % params.num_heads != 0) return cudaErrorInvalidValue;
-  cudaError_t err =
-      cudaFuncSetAttribute(kda_intra_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes));
+  const cudaError_t err = allow_dynamic_smem<kda_intra_kernel>(static_cast<int>(kSmemBytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
   kda_intra_kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);

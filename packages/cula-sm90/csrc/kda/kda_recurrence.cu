@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include "kda_params.h"
+#include "launch_once.cuh"
 #include "ptx.cuh"
 
 #ifndef CULA_KDA_RECURRENCE_BV
@@ -437,8 +438,7 @@ cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stre
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   const auto kernel = kda_recurrence_kernel<kBV>;
   if (C::kSmemBytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV>>(C::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, stream>>>(p);

@@ -10,30 +10,36 @@ What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import functools
+from typing import Any, NamedTuple
 
 import torch
 
-from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets
+from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
 from cula_runtime.kda_args import safe_gate_kernel_rejection
-from cula_runtime.kda_tuning import recurrence_block_v, sm_count
+from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
 
-__all__ = ["verify_kda_prefill", "kda_prefill", "run_kernels"]
+__all__ = ["verify_kda_prefill", "kda_prefill", "run_kernels", "workspace_layout", "WorkspaceRegion"]
 
 CHUNK = 64
 HEAD_DIM = 128
 _INT32_MAX = 2**31 - 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+# The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_SAME_DEVICE = contextlib.nullcontext()
 
 
 def verify_kda_prefill(args: Any) -> tuple[bool, str]:
     """Whether the sm90 kernels serve these validated ``kda_prefill`` arguments, and if not, why."""
     if args.device.type != "cuda":
         return False, f"needs CUDA tensors, got {args.device.type}"
-    major, minor = torch.cuda.get_device_capability(args.device)
+    major, minor = device_capability(args.device)
     if (major, minor) != (9, 0):
         return False, f"built for sm_90a only; this GPU is sm_{major}{minor}"
     reason = safe_gate_kernel_rejection(args, HEAD_DIM)
@@ -52,6 +58,11 @@ def _aligned(x: torch.Tensor | None) -> torch.Tensor | None:
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
+def _fp32(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` in fp32: the tensor itself when it already is (``.float()`` would cost a dispatch per call)."""
+    return x if x is None or x.dtype == torch.float32 else x.float()
+
+
 def _ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None else x.data_ptr()
 
@@ -60,8 +71,10 @@ def _indices(args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(cu_seqlens, chunk_indices, chunk_offsets, number of chunks), int32 on the device."""
     if args.cu_seqlens is not None:
         cu = args.cu_seqlens
-        indices = prepare_chunk_indices(cu, CHUNK)
-        offsets = prepare_chunk_offsets(cu, CHUNK)
+        # one cache lookup for both (same key as the helpers': identity and version of cu_seqlens), not two
+        indices, offsets = cached_on_version(
+            "sm90_indices", cu, CHUNK, lambda: (prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK))
+        )
         return cu, indices, offsets, indices.shape[0]
     key = (args.B, args.T, args.device)
     cached = _fixed_index_cache.get(key)
@@ -75,12 +88,58 @@ def _indices(args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     return cu, indices, offsets, args.B * -(-args.T // CHUNK)
 
 
+class WorkspaceRegion(NamedTuple):
+    """One workspace tensor inside the call's byte buffer."""
+
+    name: str
+    offset: int  # bytes from the buffer's start
+    shape: tuple[int, int, int]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def workspace_layout(total: int, HV: int, num_chunks: int) -> tuple[tuple[WorkspaceRegion, ...], int]:
+    """Where the workspace between the two kernels lives in the one byte buffer a call allocates.
+
+    Returns the regions of ``qg``, ``kg``, ``w``, ``u`` (bf16 ``[total, HV, 128]``), ``Aqk`` (bf16
+    ``[total, HV, 64]``) and ``g_last`` (fp32 ``[num_chunks, HV, 128]``), in that order, and the buffer's size in
+    bytes. Regions do not overlap and each starts on a 256-byte boundary. Pure arithmetic on sizes, cached.
+    """
+    regions = []
+    offset = 0
+    for name, rows, width, dtype in (("qg", total, HEAD_DIM, torch.bfloat16), ("kg", total, HEAD_DIM, torch.bfloat16),
+                                     ("w", total, HEAD_DIM, torch.bfloat16), ("u", total, HEAD_DIM, torch.bfloat16),
+                                     ("Aqk", total, CHUNK, torch.bfloat16),
+                                     ("g_last", num_chunks, HEAD_DIM, torch.float32)):
+        region = WorkspaceRegion(name, offset, (rows, HV, width), dtype)
+        regions.append(region)
+        offset += -(-region.nbytes // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    return tuple(regions), offset
+
+
+def _current_stream(index: int) -> int:
+    """The current torch stream of CUDA device ``index``, as the integer ``cudaStream_t`` the extension takes."""
+    if _raw_current_stream is not None:
+        return _raw_current_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _device_guard(index: int) -> contextlib.AbstractContextManager:
+    """Make ``index`` the current CUDA device for the launches; a no-op context when it already is (the usual case;
+    entering ``torch.cuda.device`` costs two device exchanges per call)."""
+    return _SAME_DEVICE if torch.cuda.current_device() == index else torch.cuda.device(index)
+
+
 def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run KDA prefill on the sm_90a kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted.
 
     Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (``[N, HV, K, V]`` or ``[N, HV, V, K]``) or None.
     """
-    o, final_state, _ = run_kernels(args)
+    o, final_state, _ = _run(args, 0, keep_workspace=False)
     return o, final_state
 
 
@@ -88,9 +147,16 @@ def run_kernels(args: Any, block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
     Workspace (token-major, ``Ttot = B*T``): ``qg``, ``kg``, ``w``, ``u`` bf16 ``[Ttot, HV, 128]``, ``Aqk`` bf16
-    ``[Ttot, HV, 64]``, ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units). ``block_v``: V columns per recurrence CTA
-    (32, 64 or 128; 0: :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count).
+    ``[Ttot, HV, 64]``, ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units); views into one buffer
+    (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA (32, 64 or 128; 0:
+    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count).
     """
+    return _run(args, block_v, keep_workspace=True)
+
+
+def _run(args: Any, block_v: int, keep_workspace: bool) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                 dict[str, torch.Tensor]]:
+    """Allocate, then launch both kernels on the current stream; the workspace views only if ``keep_workspace``."""
     ext = load_extension()
     B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
     device = args.device
@@ -103,32 +169,34 @@ def run_kernels(args: Any, block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor
             final_state.copy_(args.initial_state if args.initial_state is not None else torch.zeros_like(final_state))
         return o, final_state, {}
     cu, chunk_indices, chunk_offsets, num_chunks = _indices(args)
-    q, k, v, g, beta = (_aligned(x) for x in (args.q, args.k, args.v, args.g, args.beta))
-    A_log = None if args.A_log is None else _aligned(args.A_log.float())
-    dt_bias = None if args.dt_bias is None else _aligned(args.dt_bias.float())
+    q, k, v, g, beta = _aligned(args.q), _aligned(args.k), _aligned(args.v), _aligned(args.g), _aligned(args.beta)
+    A_log = _aligned(_fp32(args.A_log))
+    dt_bias = _aligned(_fp32(args.dt_bias))
     h0 = _aligned(args.initial_state)
-
-    def workspace(width: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.empty(total, HV, width, dtype=dtype, device=device)
-
-    qg, kg, w, u = workspace(HEAD_DIM), workspace(HEAD_DIM), workspace(HEAD_DIM), workspace(HEAD_DIM)
-    Aqk = workspace(CHUNK)
-    g_last = torch.empty(num_chunks, HV, HEAD_DIM, dtype=torch.float32, device=device)
+    # one allocation for the six workspace tensors (each only a pointer to the kernels), not six
+    regions, nbytes = workspace_layout(total, HV, num_chunks)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    base = buffer.data_ptr()
+    qg, kg, w, u, Aqk, g_last = (base + region.offset for region in regions)
     if block_v == 0:
         block_v = recurrence_block_v(N * HV, sm_count(device))
-    stream = torch.cuda.current_stream(device).cuda_stream
+    index = device.index
+    stream = _current_stream(index)
     lower_bound = args.lower_bound if args.lower_bound is not None else -5.0
-    with torch.cuda.device(device):
+    with _device_guard(index):
         ext.kda_intra(
-            _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log), _ptr(dt_bias),
-            _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], _ptr(cu), _ptr(chunk_indices), _ptr(chunk_offsets),
-            total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel,
-            args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
-            _ptr(qg), _ptr(kg), _ptr(w), _ptr(u), _ptr(Aqk), _ptr(g_last), stream,
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _ptr(A_log), _ptr(dt_bias),
+            _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], cu.data_ptr(), chunk_indices.data_ptr(),
+            chunk_offsets.data_ptr(), total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel,
+            args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
+            qg, kg, w, u, Aqk, g_last, stream,
         )
         ext.kda_recurrence(
-            _ptr(qg), _ptr(kg), _ptr(w), _ptr(u), _ptr(Aqk), _ptr(g_last), _ptr(cu), _ptr(chunk_offsets),
-            _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), _ptr(o),
+            qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(),
+            _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), o.data_ptr(),
             N, HV, args.scale, args.state_v_first, block_v, stream,
         )
-    return o, final_state, {"qg": qg, "kg": kg, "w": w, "u": u, "Aqk": Aqk, "g_last": g_last}
+    if not keep_workspace:
+        return o, final_state, {}
+    views = {r.name: buffer[r.offset:r.offset + r.nbytes].view(r.dtype).view(r.shape) for r in regions}
+    return o, final_state, views

@@ -114,6 +114,11 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
+@cache
+def _accepted_summary(arch: str, name: str, chain: tuple[str, ...]) -> str:  # formatted once, not on every call
+    return f"{arch}: {name} is the first backend in {chain} to accept this call"
+
+
 def forced_backend() -> str | None:
     """The backend named by ``CULA_BACKEND``, or ``None``; ``ValueError`` for an unknown name."""
     name = os.environ.get(ENV_FORCE, "").strip()
@@ -148,7 +153,7 @@ def explain(args: KdaPrefillArgs) -> Choice:
         decision, runner = _BACKENDS[name](args)
         decisions.append(decision)
         if runner is not None:
-            return Choice(decisions, runner, f"{arch}: {name} is the first backend in {chain} to accept this call")
+            return Choice(decisions, runner, _accepted_summary(arch, name, chain))
     decision, runner = _reference(args)
     decisions.append(decision)
     rejected = "; ".join(f"{d.backend}: {d.reason}" for d in decisions if not d.ok)

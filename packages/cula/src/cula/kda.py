@@ -61,11 +61,10 @@ def kda_prefill(
     ``ValueError`` naming the argument; a call no backend can serve raises ``NotImplementedError`` saying which
     backends were tried and why. ``CULA_BACKEND=reference|cutedsl|sm90`` forces a backend.
     """
+    # positional: the same order as validate_kda_prefill's parameters (keywords cost a little on every call)
     args = validate_kda_prefill(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
-        state_v_first=state_v_first,
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
+        state_v_first,
     )
     return select_backend(args)(args)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ...index import prepare_chunk_indices, prepare_chunk_offsets
 from ...kda_args import safe_gate_kernel_rejection
-from ...kda_tuning import recurrence_block_v, sm_count
+from ...kda_tuning import device_capability, recurrence_block_v, sm_count
 from .. import is_available
 
 __all__ = ["verify", "kda_prefill_cutedsl"]
@@ -25,13 +25,11 @@ _CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
 
 def verify(args: Any) -> tuple[bool, str]:
     """Whether the CuTeDSL kernels serve these validated ``kda_prefill`` arguments, and if not, why."""
-    import torch
-
     if not is_available():
         return False, 'needs CuTeDSL and TVM-FFI: pip install "cula[cute]"'
     if args.device.type != "cuda":
         return False, f"needs CUDA tensors, got {args.device.type}"
-    capability = torch.cuda.get_device_capability(args.device)
+    capability = device_capability(args.device)
     if capability not in _CAPABILITIES:
         return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
     reason = safe_gate_kernel_rejection(args, HEAD_DIM)
@@ -62,7 +60,9 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         return o, args.initial_state.float().clone()
     cu = args.cu_seqlens
     chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK)
-    h0 = None if args.initial_state is None else args.initial_state.float()
+    h0 = args.initial_state
+    if h0 is not None and h0.dtype != torch.float32:
+        h0 = h0.float()
     if block_v == 0:
         block_v = recurrence_block_v(args.N * args.HV, sm_count(args.device))
     _, _, fuse_l2norm, fuse_gate = variant_flags(None)

@@ -1,0 +1,342 @@
+"""The per-call host path of ``kda_prefill`` after its cost cuts: the validator's result object and check order, the
+positional forwarding of the arguments, dispatch's cached pieces, and the sm90 shim's marshalling (one workspace
+buffer, the fp32 parameters, the stream and device) driven on CPU tensors through a fake extension that reads and
+writes through the raw pointers it is given (those need the ``cula_sm90`` shim importable, e.g. with
+``packages/cula-sm90/src`` on ``PYTHONPATH``; the extension itself is never loaded). The tests marked ``gpu`` check
+the stream query on the H200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cula import dispatch
+from cula.kda import kda_prefill
+from cula_runtime.kda_args import KdaPrefillArgs, validate_kda_prefill
+from cula_runtime.kda_tuning import recurrence_block_v
+from tests.gpu_backends import use_backend
+from tests.kda_cases import CASES, make_inputs
+
+B, T, H, HV, K, V = 2, 70, 2, 4, 32, 16
+
+
+def small(**overrides) -> dict:
+    gen = torch.Generator().manual_seed(3)
+    kwargs = dict(q=torch.randn(B, T, H, K, generator=gen), k=torch.randn(B, T, H, K, generator=gen),
+                  v=torch.randn(B, T, HV, V, generator=gen), g=-torch.rand(B, T, HV, K, generator=gen),
+                  beta=torch.rand(B, T, HV, generator=gen))
+    kwargs.update(overrides)
+    return kwargs
+
+
+# ---- the validator
+
+
+def test_kda_prefill_forwards_its_arguments_in_the_validators_order() -> None:
+    """kda_prefill passes its arguments to validate_kda_prefill by position: both signatures must agree."""
+    ours = inspect.signature(kda_prefill).parameters
+    theirs = inspect.signature(validate_kda_prefill).parameters
+    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(initial_state=torch.zeros(B, HV, V, K), state_v_first=True, output_final_state=True, scale=0.25),
+    dict(use_gate_in_kernel=True, A_log=torch.zeros(HV), dt_bias=torch.zeros(HV, K), safe_gate=True, lower_bound=-2),
+], ids=["plain", "state", "gate"])
+def test_validated_args_are_frozen_and_complete(overrides: dict) -> None:
+    args = validate_kda_prefill(**small(**overrides))
+    assert type(args) is KdaPrefillArgs
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.B = 3  # type: ignore[misc]
+    assert dataclasses.replace(args, output_final_state=not args.output_final_state) != args
+    assert (args.B, args.T, args.H, args.HV, args.K, args.V, args.N) == (B, T, H, HV, K, V, B)
+    assert isinstance(args.scale, float) and (args.lower_bound is None or isinstance(args.lower_bound, float))
+
+
+def test_dt_bias_comes_out_flat_and_a_flat_one_is_kept() -> None:
+    square = torch.randn(HV, K)
+    args = validate_kda_prefill(**small(use_gate_in_kernel=True, A_log=torch.zeros(HV), dt_bias=square))
+    assert args.dt_bias.shape == (HV * K,) and torch.equal(args.dt_bias, square.reshape(-1))
+    flat = torch.randn(HV * K)
+    args = validate_kda_prefill(**small(use_gate_in_kernel=True, A_log=torch.zeros(HV), dt_bias=flat))
+    assert args.dt_bias is flat
+    strided = torch.randn(HV * K * 2)[::2]
+    args = validate_kda_prefill(**small(use_gate_in_kernel=True, A_log=torch.zeros(HV), dt_bias=strided))
+    assert args.dt_bias.is_contiguous() and torch.equal(args.dt_bias, strided)
+
+
+FIRST_ERROR = {
+    # several things wrong at once: the first in the validator's order is the one reported
+    "two-flags": (dict(output_final_state=1, safe_gate="x"), TypeError, "output_final_state must be a bool, got int"),
+    "k-device-before-optional-type": (dict(k=torch.randn(B, T, H, K, device="meta"), initial_state=[0.0]),
+                                      ValueError, "k must be on q's device (cpu), got meta"),
+    "optional-type": (dict(initial_state=[0.0]), TypeError, "initial_state must be a torch.Tensor, got list"),
+    "cu-type": (dict(cu_seqlens=[0, T]), TypeError, "cu_seqlens must be a torch.Tensor, got list"),
+    "A_log-dtype": (dict(use_gate_in_kernel=True, A_log=torch.zeros(HV, dtype=torch.int32)), TypeError,
+                    "A_log must have dtype in (torch.float32, torch.float64, torch.bfloat16), got torch.int32"),
+    "dt_bias-dtype": (dict(use_gate_in_kernel=True, A_log=torch.zeros(HV), dt_bias=torch.zeros(HV, K).int()),
+                      TypeError, "dt_bias must have dtype in (torch.float32, torch.float64, torch.bfloat16)"),
+    "g-shape-before-dtype": (dict(g=torch.ones(B, T, H, K, dtype=torch.int64)), ValueError,
+                             f"g must have shape [{B}, {T}, {HV}, {K}] ([B, T, HV, K]), got [{B}, {T}, {H}, {K}]"),
+    "K-before-g": (dict(q=torch.randn(B, T, H, 300), k=torch.randn(B, T, H, 300)), ValueError,
+                   "head dim K (q.shape[-1]) must be in [1, 256], got 300"),
+    "V-range": (dict(v=torch.randn(B, T, HV, 0)), ValueError, "head dim V (v.shape[-1]) must be in [1, 256], got 0"),
+    "h0-shape-before-dtype": (dict(initial_state=torch.zeros(B, HV, V, K, dtype=torch.int8)), ValueError,
+                              f"initial_state must have shape [{B}, {HV}, {K}, {V}] ([N, HV, K, V], "
+                              "state_v_first=False)"),
+    "h0-dtype": (dict(initial_state=torch.zeros(B, HV, K, V, dtype=torch.int8)), TypeError,
+                 "initial_state must have dtype in (torch.float32, torch.bfloat16, torch.float64), got torch.int8"),
+}
+
+
+@pytest.mark.parametrize("case", list(FIRST_ERROR), ids=list(FIRST_ERROR))
+def test_the_first_failing_check_is_reported(case: str) -> None:
+    overrides, exc, message = FIRST_ERROR[case]
+    with pytest.raises(exc) as info:
+        validate_kda_prefill(**small(**overrides))
+    assert message in str(info.value), str(info.value)
+
+
+# ---- dispatch
+
+
+def test_accepting_backend_gives_the_same_summary(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch, "_capability", lambda index: (10, 0))
+    runner = object()
+    monkeypatch.setitem(dispatch._BACKENDS, "cutedsl", lambda args: (dispatch.Decision("cutedsl", True, "ok"), runner))
+    call = SimpleNamespace(device=torch.device("cuda", 0))
+    for _ in range(2):  # the second summary comes from the cache
+        choice = dispatch.explain(call)
+        assert choice.summary == "sm_100: cutedsl is the first backend in ('cutedsl',) to accept this call"
+        assert choice.runner is runner and not choice.gpu_fallback
+    assert dispatch.select_backend(call) is runner
+
+
+# ---- the sm90 shim, on CPU tensors through a fake extension
+
+
+def _shim():
+    """``cula_sm90.kda`` (pure Python: imports without the compiled extension), or skip where it is not importable."""
+    return pytest.importorskip("cula_sm90.kda", reason="the cula_sm90 shim is not importable here")
+
+
+def _read(ptr: int, ctype, count: int) -> list:
+    return list((ctype * count).from_address(ptr))
+
+
+class FakeExtension:
+    """Stands in for ``cula_sm90._C``: records each launch; the "intra kernel" fills each workspace region with its
+    own byte through the raw pointers; the "recurrence" fills o and the final state."""
+
+    O_BYTE, STATE_BYTE = 0x3C, 0x41
+
+    def __init__(self) -> None:
+        self.intra: tuple = ()
+        self.recurrence: tuple = ()
+        self.reads: dict[int, tuple] = {}  # intra argument position -> (ctypes type, count): read during the launch
+        self.read: dict[int, list] = {}
+
+    def kda_intra(self, *a) -> int:
+        self.intra = a
+        self.read = {i: _read(a[i], ctype, count) for i, (ctype, count) in self.reads.items() if a[i]}
+        regions, _ = _shim().workspace_layout(a[12], a[15], a[13])
+        for byte, (region, ptr) in enumerate(zip(regions, a[22:28], strict=True), start=1):
+            ctypes.memset(ptr, byte, region.nbytes)
+        return 0
+
+    def kda_recurrence(self, *a) -> int:
+        self.recurrence = a
+        o_ptr, state_ptr = a[11], a[10]
+        ctypes.memset(o_ptr, self.O_BYTE, self.o_bytes)
+        if state_ptr:
+            ctypes.memset(state_ptr, self.STATE_BYTE, self.state_bytes)
+        return 0
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch: pytest.MonkeyPatch):
+    kda = _shim()
+    fake = FakeExtension()
+    monkeypatch.setattr(kda, "load_extension", lambda: fake)
+    monkeypatch.setattr(kda, "_current_stream", lambda index: 777)
+    monkeypatch.setattr(kda, "_device_guard", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(kda, "sm_count", lambda device: 132)
+    monkeypatch.delenv("CULA_BLOCK_V", raising=False)
+    return kda, fake
+
+
+SHIM_CASES = {label: next(c for c in CASES if c.name == name) for label, name in (
+    ("fixed-GVA", "B2-T200-H2-HV4"), ("fixed-noh0", "B3-T130-H2-noh0"),
+    ("fixed-gate-precomputed", "B1-T300-H2-gate-precomputed"), ("fixed-betabf16-GVA4", "B1-T1000-H1-HV4-betabf16"),
+    ("varlen-vfirst", "varlen-6seqs-GVA2-vk"), ("varlen-h0bf16-empty-seq", "varlen-3seqs-h0bf16-GVA4"),
+)}
+
+
+@pytest.mark.parametrize("name", list(SHIM_CASES), ids=list(SHIM_CASES))
+@pytest.mark.parametrize("entry", ["run_kernels", "kda_prefill"])
+def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_sm90) -> None:
+    kda, fake = fake_sm90
+    case = SHIM_CASES[name]
+    kwargs = make_inputs(case, "cpu", seed=6)
+    if "A_log" in kwargs:
+        kwargs["A_log"] = kwargs["A_log"].bfloat16()  # the shim must hand the kernel fp32
+    args = validate_kda_prefill(**kwargs)
+    total, N = args.B * args.T, args.N
+    fake.o_bytes = total * args.HV * 128 * 2
+    fake.state_bytes = N * args.HV * 128 * 128 * 4
+    cu = list(case.cu) if case.cu is not None else [b * args.T for b in range(args.B + 1)]
+    rows = [[n, c] for n in range(N) for c in range(-(-(cu[n + 1] - cu[n]) // 64))]
+    offsets = [0]
+    for n in range(N):
+        offsets.append(offsets[-1] + -(-(cu[n + 1] - cu[n]) // 64))
+    num_chunks = len(rows)
+    fake.reads = {5: (ctypes.c_float, args.HV), 6: (ctypes.c_float, args.HV * 128), 9: (ctypes.c_int32, N + 1),
+                  10: (ctypes.c_int32, 2 * num_chunks), 11: (ctypes.c_int32, N + 1)}
+    if entry == "run_kernels":
+        o, ht, ws = kda.run_kernels(args, block_v=64)
+    else:
+        (o, ht), ws = kda.kda_prefill(args), None
+
+    a = fake.intra
+    assert len(a) == 29
+    assert a[:5] == tuple(x.data_ptr() for x in (args.q, args.k, args.v, args.g, args.beta))
+    if args.A_log is not None:  # converted to fp32 for the kernel (read during the launch: a temporary)
+        assert fake.read[5] == args.A_log.float().tolist() and fake.read[6] == args.dt_bias.float().tolist()
+    else:
+        assert a[5:7] == (0, 0)
+    codes = {torch.float32: 0, torch.bfloat16: 1}
+    assert a[7:9] == (codes[args.g.dtype], codes[args.beta.dtype])
+    assert fake.read[9] == cu
+    assert fake.read[10] == [x for row in rows for x in row]
+    assert fake.read[11] == offsets
+    assert a[12:16] == (total, num_chunks, args.H, args.HV)
+    assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
+    assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
+                        args.allow_neg_eigval)
+    assert a[28] == 777
+    workspace = a[22:28]
+    assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
+
+    r = fake.recurrence
+    assert len(r) == 18
+    assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
+    h0 = args.initial_state
+    assert r[8:10] == ((0, 0) if h0 is None else (h0.data_ptr(), codes[h0.dtype]))
+    assert r[10] == (ht.data_ptr() if ht is not None else 0) and r[11] == o.data_ptr()
+    assert r[12:14] == (N, args.HV) and r[14] == pytest.approx(args.scale) and r[15] == args.state_v_first
+    assert r[16] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132))
+    assert r[17] == 777
+    assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
+    assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
+    if ht is not None:
+        assert ht.shape == args.state_shape and bool((ht.view(torch.uint8) == fake.STATE_BYTE).all())
+
+    if ws is not None:  # the views sit exactly where the kernels wrote, one byte value per region
+        expected = {"qg": (total, 128, torch.bfloat16), "kg": (total, 128, torch.bfloat16),
+                    "w": (total, 128, torch.bfloat16), "u": (total, 128, torch.bfloat16),
+                    "Aqk": (total, 64, torch.bfloat16), "g_last": (num_chunks, 128, torch.float32)}
+        assert list(ws) == list(expected)
+        for byte, (field, (rows_, width, dtype)) in enumerate(expected.items(), start=1):
+            view = ws[field]
+            assert view.shape == (rows_, args.HV, width) and view.dtype == dtype and view.is_contiguous()
+            assert view.data_ptr() == workspace[byte - 1]
+            assert bool((view.view(torch.uint8) == byte).all()), field
+
+
+def test_sm90_indices_follow_an_in_place_update_of_cu_seqlens(fake_sm90) -> None:
+    """The shim's cached (chunk indices, chunk offsets) are keyed on the tensor's version: new contents, new indices."""
+    kda, fake = fake_sm90
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
+    cu = kwargs["cu_seqlens"]
+    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
+    for bounds, rows, offsets in (([0, 100, 100, 228], [0, 0, 0, 1, 2, 0, 2, 1], [0, 2, 2, 4]),
+                                  ([0, 10, 150, 228], [0, 0, 1, 0, 1, 1, 1, 2, 2, 0, 2, 1], [0, 1, 4, 6]),
+                                  ([0, 100, 100, 228], [0, 0, 0, 1, 2, 0, 2, 1], [0, 2, 2, 4])):
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        args = validate_kda_prefill(**kwargs)
+        fake.reads = {9: (ctypes.c_int32, 4), 10: (ctypes.c_int32, len(rows)), 11: (ctypes.c_int32, 4)}
+        kda.kda_prefill(args)
+        assert fake.read == {9: bounds, 10: rows, 11: offsets}
+        assert fake.intra[13] == len(rows) // 2  # the number of chunks
+
+
+def test_empty_call_launches_nothing(fake_sm90) -> None:
+    kda, fake = fake_sm90
+    h0 = torch.randn(1, 2, 128, 128)
+    q = torch.zeros(1, 0, 2, 128, dtype=torch.bfloat16)
+    args = validate_kda_prefill(q, q, q, torch.zeros(1, 0, 2, 128), torch.zeros(1, 0, 2), initial_state=h0,
+                                output_final_state=True, safe_gate=True)
+    o, ht = kda.kda_prefill(args)
+    assert o.shape == (1, 0, 2, 128) and torch.equal(ht, h0) and fake.intra == () and fake.recurrence == ()
+
+
+@pytest.mark.parametrize("total,HV,num_chunks", [(1, 1, 1), (200, 4, 4), (777, 3, 15), (65, 64, 2), (4096, 64, 64)])
+def test_workspace_regions_are_disjoint_and_aligned(total: int, HV: int, num_chunks: int) -> None:
+    regions, size = _shim().workspace_layout(total, HV, num_chunks)
+    assert [r.name for r in regions] == ["qg", "kg", "w", "u", "Aqk", "g_last"]
+    assert regions[0].offset == 0
+    for region, after in zip(regions, regions[1:], strict=False):
+        assert after.offset % 256 == 0 and region.offset + region.nbytes <= after.offset < region.offset + \
+            region.nbytes + 256
+    last = regions[-1]
+    assert last.offset + last.nbytes <= size < last.offset + last.nbytes + 256
+    assert regions[-1].shape == (num_chunks, HV, 128) and regions[4].shape == (total, HV, 64)
+
+
+def test_sm90_verify_asks_the_cached_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    kda = _shim()
+    args = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(kda, "device_capability", lambda device: (10, 0))
+    assert kda.verify_kda_prefill(args) == (False, "built for sm_90a only; this GPU is sm_100")
+
+
+def test_sm90_stream_and_device_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    kda = _shim()
+    monkeypatch.setattr(kda, "_raw_current_stream", None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=1000 + index))
+    assert kda._current_stream(2) == 1002  # without torch's raw query: torch.cuda.current_stream
+    monkeypatch.setattr(kda, "_raw_current_stream", lambda index: 2000 + index)
+    assert kda._current_stream(2) == 2002
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert kda._device_guard(0) is kda._SAME_DEVICE
+    guard = kda._device_guard(1)
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+
+# ---- on the GPU
+
+
+@pytest.mark.gpu
+def test_sm90_stream_query_names_the_current_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_backend("sm90", monkeypatch)
+    from cula_sm90 import kda
+
+    index = torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert kda._current_stream(index) == side.cuda_stream == torch.cuda.current_stream(index).cuda_stream
+    assert kda._current_stream(index) == torch.cuda.current_stream(index).cuda_stream
+    assert kda._device_guard(index) is kda._SAME_DEVICE
+
+
+@pytest.mark.gpu
+def test_sm90_on_a_side_stream_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_backend("sm90", monkeypatch)
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-1-64-65-200"), "cuda", seed=9)
+    o_ref, ht_ref = kda_prefill(**kwargs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # the side stream is busy when the kernels are queued behind it
+        o, ht = kda_prefill(**kwargs)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)

@@ -1,0 +1,129 @@
+"""The host-side caches that spare per-call work: checked cu_seqlens boundaries (and the synchronisation they save
+in ``prepare_chunk_indices``) and the device capability. Each test could fail if a cache answered for another
+tensor, another version of one tensor, or another device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cula_runtime import index, kda_tuning
+from cula_runtime.index import checked_cu_seqlens_values, clear_index_cache, prepare_chunk_indices
+
+
+def _loop_indices(cu: list[int], chunk: int) -> list[list[int]]:
+    rows = []
+    for n in range(len(cu) - 1):
+        rows += [[n, c] for c in range(-(-(cu[n + 1] - cu[n]) // chunk))]
+    return rows
+
+
+@pytest.fixture
+def output_sizes(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The ``output_size`` of every ``torch.repeat_interleave`` call (the real function still runs)."""
+    seen: list = []
+    real = torch.repeat_interleave
+
+    def spy(*args, output_size=None, **kwargs):
+        seen.append(output_size)
+        return real(*args, output_size=output_size, **kwargs)
+
+    monkeypatch.setattr(torch, "repeat_interleave", spy)
+    return seen
+
+
+def test_checked_values_are_read_once_per_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    clear_index_cache()
+    reads: list[int] = []
+    real = index.check_cu_seqlens_values
+
+    def counting(cu, T):
+        reads.append(T)
+        return real(cu, T)
+
+    monkeypatch.setattr(index, "check_cu_seqlens_values", counting)
+    cu = torch.tensor([0, 30, 30, 70], dtype=torch.int32)
+    assert checked_cu_seqlens_values(cu, 70) == [0, 30, 30, 70]
+    assert checked_cu_seqlens_values(cu, 70) == [0, 30, 30, 70]
+    assert reads == [70]
+    with pytest.raises(ValueError, match="cu_seqlens\\[-1\\] must equal the packed length T=71"):
+        checked_cu_seqlens_values(cu, 71)  # another T is another check
+    cu[2] = 20  # in place: the new version is read and checked again
+    with pytest.raises(ValueError, match="non-decreasing"):
+        checked_cu_seqlens_values(cu, 70)
+    with pytest.raises(ValueError, match="non-decreasing"):  # a failed check is not cached
+        checked_cu_seqlens_values(cu, 70)
+    assert reads == [70, 71, 70, 70]
+    cu[2] = 50
+    assert checked_cu_seqlens_values(cu, 70) == [0, 30, 50, 70]
+
+
+@pytest.mark.parametrize("cu_list", [[0, 100, 100, 228], [0, 15], [0, 0, 0, 65, 66], [0, 64, 128, 320], [0, 0]],
+                         ids=["spec-example", "single", "leading-empty", "exact", "all-empty"])
+def test_indices_of_checked_cu_seqlens_need_no_device_read(cu_list: list[int], output_sizes: list) -> None:
+    """After the check, the row count comes from the host boundaries (no synchronising repeat_interleave)."""
+    clear_index_cache()
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    checked_cu_seqlens_values(cu, cu_list[-1])
+    rows = _loop_indices(cu_list, 64)
+    assert prepare_chunk_indices(cu, 64).tolist() == rows
+    assert output_sizes == [len(rows), len(rows)]
+
+
+def test_boundaries_of_an_older_version_are_never_used(output_sizes: list) -> None:
+    clear_index_cache()
+    cu = torch.tensor([0, 100, 228], dtype=torch.int32)
+    checked_cu_seqlens_values(cu, 228)
+    cu.copy_(torch.tensor([0, 10, 300], dtype=torch.int32))  # new contents, not checked again
+    assert prepare_chunk_indices(cu, 64).tolist() == _loop_indices([0, 10, 300], 64)
+    assert output_sizes == [None, None]  # the stale boundaries (4 rows) were not used: 6 rows
+    checked_cu_seqlens_values(cu, 300)
+    assert prepare_chunk_indices(cu, 16).tolist() == _loop_indices([0, 10, 300], 16)
+    assert output_sizes[2:] == [20, 20]
+
+
+def test_boundaries_of_another_tensor_are_never_used(output_sizes: list) -> None:
+    """A new tensor that reuses a freed one's id (and version 0) gets its own rows."""
+    clear_index_cache()
+    for length in range(1, 400, 37):
+        checked = torch.tensor([0, length], dtype=torch.int32)
+        checked_cu_seqlens_values(checked, length)
+        del checked
+        cu = torch.tensor([0, 2 * length + 1], dtype=torch.int32)  # may take the freed tensor's id
+        assert prepare_chunk_indices(cu, 64).tolist() == _loop_indices([0, 2 * length + 1], 64)
+    assert all(size is None for size in output_sizes)
+
+
+def test_inference_tensors_keep_no_boundaries(output_sizes: list) -> None:
+    with torch.inference_mode():
+        cu = torch.tensor([0, 65, 130], dtype=torch.int32)
+        assert checked_cu_seqlens_values(cu, 130) == [0, 65, 130]
+        assert prepare_chunk_indices(cu, 64).tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+        cu[1] = 10
+        assert checked_cu_seqlens_values(cu, 130) == [0, 10, 130]
+        assert prepare_chunk_indices(cu, 64).tolist() == [[0, 0], [1, 0], [1, 1]]
+    assert output_sizes == [None] * 4
+
+
+@pytest.fixture
+def capability_queries(monkeypatch: pytest.MonkeyPatch):
+    """Count driver queries; the cache is emptied before and after, so no fake capability outlives the test."""
+    asked: list[int] = []
+
+    def fake(index: int) -> tuple[int, int]:
+        asked.append(index)
+        return (9, 0) if index == 0 else (10, 0)
+
+    kda_tuning._capability.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    yield asked
+    kda_tuning._capability.cache_clear()
+
+
+def test_device_capability_is_asked_once_per_device(capability_queries: list[int]) -> None:
+    for _ in range(3):
+        assert kda_tuning.device_capability(torch.device("cuda", 0)) == (9, 0)
+        assert kda_tuning.device_capability(torch.device("cuda", 1)) == (10, 0)
+    assert kda_tuning.device_capability(torch.device("cuda")) == (10, 0)  # no index: the current device (1)
+    assert capability_queries == [0, 1]
