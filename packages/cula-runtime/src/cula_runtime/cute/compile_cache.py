@@ -283,10 +283,19 @@ def launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, t
            outputs: frozenset[int], device: Any, *scalars: Any) -> None:
     """Compile (once, cached) and call ``kernel_cls(config)`` on ``tensors`` and ``scalars``, on ``device``'s
     current torch stream. Each tensor goes through its spec's :meth:`TensorSpec.launch_arg` (the positions in
-    ``outputs`` are outputs: refused, not copied, when they break a layout promise)."""
-    args = [
-        None if spec is None else spec.launch_arg(tensor, output=i in outputs)
-        for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True))
-    ]
+    ``outputs`` are outputs: refused, not copied, when they break a layout promise).
+
+    Raises:
+        TypeError: a wrapper passed None where this configuration declares a tensor (a wrapper bug, named here
+            rather than failing inside TVM-FFI).
+    """
+    args = []
+    for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True)):
+        if spec is None:
+            args.append(None)
+        elif tensor is None:
+            raise TypeError(f"{kernel_cls.__name__}: tensor argument {i} is required by {config}, got None")
+        else:
+            args.append(spec.launch_arg(tensor, output=i in outputs))
     compiled = compile_kernel(kernel_cls, config, target=launch_target(device.index))
     compiled(*args, *scalars)  # TVM-FFI: the tensors' device, current stream

@@ -113,6 +113,8 @@ class KdaIntraConfig:
             activated. An :class:`InKernelGate`: the gate and β arrive raw and this kernel does prepare's gate and β
             work itself (:meth:`KdaIntra.gate_prologue`); it also writes each chunk's decay row ``g_last``
             (``Γ`` of its last valid token) for the recurrence. ``phases="all"`` only.
+        output_akk_inv: write ``Akk_inv`` (``phases="all"``; the recurrence does not read it, so the cutedsl
+            backend's fused-prepare path leaves it out: 128 bytes per token and value head less to write).
     """
 
     num_heads: int
@@ -126,6 +128,7 @@ class KdaIntraConfig:
     phases: str = "all"
     l2norm: bool = False
     gate: InKernelGate | None = None
+    output_akk_inv: bool = True
 
 
 class KdaIntra:
@@ -161,6 +164,8 @@ class KdaIntra:
             return False, f"phases={c.phases!r}: expected one of {PHASES}"
         if c.lean_smem and c.phases != "all":
             return False, "lean_smem applies to phases='all' only"
+        if not c.output_akk_inv and c.phases != "all":
+            return False, "output_akk_inv=False applies to phases='all' only (the modular steps write what they own)"
         if c.gate is not None:
             if c.phases != "all":
                 return False, "an in-kernel gate applies to phases='all' only"
@@ -189,7 +194,8 @@ class KdaIntra:
             "q": ph in ("all", "scores") or (ph == "wu" and c.output_qg),
             "k": ph != "inverse", "v": ph in ("all", "wu"), "gk": ph != "inverse", "beta": ph != "inverse",
             "wu": ph in ("all", "wu"), "qg": ph in ("all", "wu") and c.output_qg, "kg": ph in ("all", "wu"),
-            "Aqk": ph in ("all", "scores"), "Akk_inv": ph != "scores", "Akk": ph in ("scores", "inverse"),
+            "Aqk": ph in ("all", "scores"), "Akk": ph in ("scores", "inverse"),
+            "Akk_inv": ph in ("inverse", "wu") or (ph == "all" and c.output_akk_inv),
         }
         return (
             bf16 if need["q"] else None,  # q [B, T, H, K]
@@ -329,7 +335,8 @@ class KdaIntra:
             self.store_rows(sW, mW, batch, hv, start, valid, K, tidx)
             self.store_rows(sU, mU, batch, hv, start, valid, K, tidx)
             self.store_rows(sAqk, mAqk, batch, hv, start, valid, C, tidx)
-            self.store_rows(sTb, mAkk, batch, hv, start, valid, C, tidx)
+            if const_expr(c.output_akk_inv):
+                self.store_rows(sTb, mAkk, batch, hv, start, valid, C, tidx)
 
     @cute.jit
     def modular_step(self, mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mAkkF32, scale: Float32,
@@ -911,10 +918,12 @@ def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool]:
 
 @functools.lru_cache(maxsize=256)
 def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, bool],
-          phases: str = "all", l2norm: bool = False, gate: InKernelGate | None = None) -> tuple:
+          phases: str = "all", l2norm: bool = False, gate: InKernelGate | None = None,
+          output_akk_inv: bool = True) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
-                            lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm, gate=gate)
+                            lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm, gate=gate,
+                            output_akk_inv=output_akk_inv)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"KdaIntra: {reason}")
@@ -1077,7 +1086,8 @@ def chunk_kda_fwd_intra_from_raw(
     varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
     flags = variant_flags(variant if variant is not None else "fused-prepare")
-    config, specs = _plan(H, HV, K, True, varlen, flags[:2], l2norm=bool(use_qk_l2norm_in_kernel), gate=gate)
+    config, specs = _plan(H, HV, K, True, varlen, flags[:2], l2norm=bool(use_qk_l2norm_in_kernel), gate=gate,
+                          output_akk_inv=False)
     w, u, qg, kg = (torch.empty(B, T, HV, K, dtype=bf16, device=device) for _ in range(4))
     Aqk = torch.empty(B, T, HV, 64, dtype=bf16, device=device)
     g_last = torch.empty(B, num_chunks if varlen else -(-T // 64), HV, K, dtype=torch.float32, device=device)
