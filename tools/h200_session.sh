@@ -12,9 +12,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra): the measured sm90 block size, the
-# CuTeDSL intra variants not yet the default, and the CuTeDSL recurrence at BV = 64 (its best for B1 H16 in the profile).
+# CuTeDSL intra variants not yet the default, and the CuTeDSL recurrence at BV = 64 (its best for B1 H16 in the profile);
+# bench-rest also times sm90's recurrence in batch order instead of longest first (varlen only).
 BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_BLOCK_V=64 --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled \
 --extra cutedsl:CULA_CUTE_INTRA=fused --extra cutedsl:CULA_CUTE_INTRA=fused-prepare --extra cutedsl:CULA_BLOCK_V=64}
+REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in
@@ -29,7 +31,7 @@ for step in "$@"; do
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
                    $BENCH_EXTRA ;;
     bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 \
-                  --out "$OUT/kda_prefill_rest.md" $BENCH_EXTRA ;;
+                  --out "$OUT/kda_prefill_rest.md" $BENCH_EXTRA $REST_EXTRA ;;
     stress|stress:sm90) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
     stress:cutedsl) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend cutedsl \
                       --out "$OUT/stress_cutedsl.md" ;;

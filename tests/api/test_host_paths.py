@@ -155,7 +155,8 @@ class FakeExtension:
 
     def kda_recurrence(self, *a) -> int:
         self.recurrence = a
-        o_ptr, state_ptr = a[11], a[10]
+        self.order = _read(a[8], ctypes.c_int32, a[13]) if a[8] else None  # the launch order of the sequences
+        o_ptr, state_ptr = a[12], a[11]
         ctypes.memset(o_ptr, self.O_BYTE, self.o_bytes)
         if state_ptr:
             ctypes.memset(state_ptr, self.STATE_BYTE, self.state_bytes)
@@ -227,14 +228,19 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 18
+    assert len(r) == 19
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
+    if case.cu is None:  # equal lengths: slot order
+        assert r[8] == 0 and fake.order is None
+    else:  # longest first, ties in batch order
+        lens = [cu[n + 1] - cu[n] for n in range(N)]
+        assert fake.order == sorted(range(N), key=lambda n: -lens[n])
     h0 = args.initial_state
-    assert r[8:10] == ((0, 0) if h0 is None else (h0.data_ptr(), codes[h0.dtype]))
-    assert r[10] == (ht.data_ptr() if ht is not None else 0) and r[11] == o.data_ptr()
-    assert r[12:14] == (N, args.HV) and r[14] == pytest.approx(args.scale) and r[15] == args.state_v_first
-    assert r[16] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132))
-    assert r[17] == 777
+    assert r[9:11] == ((0, 0) if h0 is None else (h0.data_ptr(), codes[h0.dtype]))
+    assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
+    assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
+    assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132))
+    assert r[18] == 777
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -267,6 +273,19 @@ def test_sm90_indices_follow_an_in_place_update_of_cu_seqlens(fake_sm90) -> None
         kda.kda_prefill(args)
         assert fake.read == {9: bounds, 10: rows, 11: offsets}
         assert fake.intra[13] == len(rows) // 2  # the number of chunks
+
+
+def test_sm90_longest_first_can_be_turned_off(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CULA_SM90_LONGEST_FIRST=0 launches the sequences in batch order (a timing knob; the bits are the same)."""
+    kda, fake = fake_sm90
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
+    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
+    args = validate_kda_prefill(**kwargs)
+    kda.kda_prefill(args)
+    assert fake.order == [2, 0, 1]  # 128, 100 and 0 tokens
+    monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
+    kda.kda_prefill(args)
+    assert fake.recurrence[8] == 0 and fake.order is None
 
 
 def test_empty_call_launches_nothing(fake_sm90) -> None:

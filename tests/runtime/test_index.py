@@ -109,3 +109,20 @@ def test_cache_hit_does_not_synchronise(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(torch, "repeat_interleave", forbidden)
     monkeypatch.setattr(torch, "cumsum", forbidden)
     assert prepare_chunk_indices(cu, 64) is first
+
+
+@pytest.mark.parametrize(("bounds", "order"), [
+    ([0, 100, 100, 228, 240], [2, 0, 3, 1]),
+    ([0, 64, 128, 192], [0, 1, 2]),  # equal lengths keep batch order
+    ([0, 1, 2, 300, 300, 900], [4, 2, 0, 1, 3]),
+    ([0, 0], [0]),
+])
+def test_sequence_order_is_longest_first_and_stable(bounds: list[int], order: list[int]) -> None:
+    from cula_runtime.index import prepare_sequence_order
+
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    got = prepare_sequence_order(cu)
+    assert got.dtype == torch.int32 and got.tolist() == order
+    assert prepare_sequence_order(cu) is got  # cached
+    cu[1:] = cu[-1]  # in place: every sequence but the first is now empty
+    assert prepare_sequence_order(cu).tolist() == list(range(len(bounds) - 1))

@@ -35,6 +35,21 @@ def test_every_block_v_gives_the_same_bits(block_v: int, monkeypatch: pytest.Mon
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
 
 
+@pytest.mark.parametrize("name", ["varlen-6seqs-GVA2-vk", "varlen-3seqs-h0bf16-GVA4", "varlen-0-1-64-65-200"])
+def test_longest_first_launch_order_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recurrence launches varlen sequences longest first; batch order (CULA_SM90_LONGEST_FIRST=0) gives the
+    same o and final state bit for bit, every block size."""
+    kda = _sm90(monkeypatch)
+    case = next(c for c in CASES if c.name == name)
+    args = validate_kda_prefill(**make_inputs(case, "cuda", seed=9))
+    for block_v in (32, 128):
+        o, ht, _ = kda.run_kernels(args, block_v=block_v)
+        monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
+        o_batch, ht_batch, _ = kda.run_kernels(args, block_v=block_v)
+        monkeypatch.delenv(kda.ENV_LONGEST_FIRST)
+        assert torch.equal(o, o_batch) and torch.equal(ht, ht_batch)
+
+
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     _sm90(monkeypatch)
     monkeypatch.delenv("CULA_BACKEND")  # the natural choice, not a forced one

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 import torch
 
 __all__ = [
-    "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets", "check_chunk_size", "check_cu_seqlens_values",
+    "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets", "prepare_sequence_order", "check_chunk_size",
+    "check_cu_seqlens_values",
     "checked_cu_seqlens_values", "cached_on_version", "clear_index_cache",
 ]
 
@@ -146,6 +147,19 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Te
         return torch.cat([zero, torch.cumsum(counts, 0).to(cu_seqlens.dtype)])
 
     return cached_on_version("offsets", cu_seqlens, chunk_size, build)
+
+
+def prepare_sequence_order(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The sequences of a packed batch, longest first (equal lengths keep their order): ``[N]``, dtype and device
+    of ``cu_seqlens``. A recurrence that launches its sequences in this order starts the longest chains first.
+    Example: ``cu = [0, 100, 100, 228, 240]`` gives ``[2, 0, 3, 1]``. Built on the device (no synchronisation)."""
+    cu_seqlens = _check_cu_seqlens_tensor(cu_seqlens)
+
+    def build() -> torch.Tensor:
+        lens = cu_seqlens[1:] - cu_seqlens[:-1]
+        return torch.argsort(lens, descending=True, stable=True).to(cu_seqlens.dtype)
+
+    return cached_on_version("sequence_order", cu_seqlens, None, build)
 
 
 def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -64,6 +64,7 @@ int kda_recurrence(const KdaRecurrenceArgs& a, std::uintptr_t stream) {
   p.g_last = as_ptr<const float>(a.g_last);
   p.cu_seqlens = as_ptr<const int32_t>(a.cu_seqlens);
   p.chunk_offsets = as_ptr<const int32_t>(a.chunk_offsets);
+  p.seq_order = as_ptr<const int32_t>(a.seq_order);
   p.initial_state = as_ptr<const void>(a.initial_state);
   p.state_type = scalar_type(a.state_type);
   p.final_state = as_ptr<float>(a.final_state);

@@ -17,7 +17,7 @@ struct KdaIntraArgs {
 };
 
 struct KdaRecurrenceArgs {
-  std::uintptr_t qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, initial_state;
+  std::uintptr_t qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state;
   int state_type;  // 0: fp32, 1: bf16
   std::uintptr_t final_state, o;
   int num_seqs, num_value_heads;

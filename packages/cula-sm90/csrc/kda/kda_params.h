@@ -10,6 +10,7 @@
 //   cu_seqlens    [N + 1]   sequence n is tokens [cu_seqlens[n], cu_seqlens[n+1])
 //   chunk_indices [NT, 2]   row i = (sequence id, chunk id within the sequence), sequences in order
 //   chunk_offsets [N + 1]   global index of sequence n's first chunk; chunk_offsets[N] = NT
+//   seq_order     [N]       optional: the sequences longest first (the recurrence's launch order)
 #pragma once
 
 #include <cstdint>
@@ -59,6 +60,8 @@ struct KdaIntraParams {
 };
 
 // Kernel 2 ("recurrence"): one CTA per (sequence, value head, V block); walks the sequence's chunks in order.
+// CTAs are numbered V block fastest, then value head, then sequence slot; slot s runs sequence seq_order[s] (or s),
+// so with seq_order longest first the longest chains start in the first wave and the short ones fill in behind.
 struct KdaRecurrenceParams {
   const void* qg;         // workspace from kernel 1
   const void* kg;
@@ -68,6 +71,7 @@ struct KdaRecurrenceParams {
   const float* g_last;
   const int32_t* cu_seqlens;
   const int32_t* chunk_offsets;
+  const int32_t* seq_order;   // [N] or nullptr (slot order)
   const void* initial_state;  // [N, HV, K, V] (or [N, HV, V, K] if state_v_first), dtype state_type, or nullptr
   ScalarType state_type;
   float* final_state;         // fp32, same layout, or nullptr

@@ -227,8 +227,9 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
   const int vb = bid % C::kVBlocks;
   bid /= C::kVBlocks;
   const int hv = bid % HV;
-  const int n = bid / HV;
-  if (n >= p.num_seqs) return;
+  const int slot = bid / HV;
+  if (slot >= p.num_seqs) return;
+  const int n = p.seq_order != nullptr ? p.seq_order[slot] : slot;
   const int v0 = vb * kBV;
 
   const int64_t bos = p.cu_seqlens[n];

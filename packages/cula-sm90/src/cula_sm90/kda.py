@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Any, NamedTuple
 
 import torch
 
-from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
+from cula_runtime.index import (
+    cached_on_version,
+    prepare_chunk_indices,
+    prepare_chunk_offsets,
+    prepare_sequence_order,
+)
 from cula_runtime.kda_args import safe_gate_kernel_rejection
 from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
 
@@ -28,6 +34,8 @@ CHUNK = 64
 HEAD_DIM = 128
 _INT32_MAX = 2**31 - 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# "0" launches the recurrence's sequences in batch order instead of longest first (same bits; for timing).
+ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
@@ -86,6 +94,15 @@ def _indices(args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         _fixed_index_cache[key] = cached
     cu, indices, offsets = cached
     return cu, indices, offsets, args.B * -(-args.T // CHUNK)
+
+
+def _sequence_order(args: Any) -> torch.Tensor | None:
+    """Varlen: the sequences longest first, the recurrence's launch order (its longest chains start in the first
+    wave; every order gives the same bits); cached per ``cu_seqlens`` version. None for a fixed-length batch (all
+    sequences are equally long) or with ``CULA_SM90_LONGEST_FIRST=0``."""
+    if args.cu_seqlens is None or os.environ.get(ENV_LONGEST_FIRST, "1") == "0":
+        return None
+    return prepare_sequence_order(args.cu_seqlens)
 
 
 class WorkspaceRegion(NamedTuple):
@@ -192,7 +209,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool) -> tuple[torch.Tensor, t
             qg, kg, w, u, Aqk, g_last, stream,
         )
         ext.kda_recurrence(
-            qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(),
+            qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
             _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), o.data_ptr(),
             N, HV, args.scale, args.state_v_first, block_v, stream,
         )
