@@ -42,6 +42,10 @@ CONFIGS = {
                                                output_final_state=True, gate_per_chunk=True),
     "gate-rows-fixed-bv128-HV4-ht-vk": dict(num_v_heads=4, block_v=128, output_final_state=True, state_v_first=True,
                                             gate_per_chunk=True),
+    # ... and the varlen sequences launched longest first (one linear grid index)
+    "gate-rows-longest-first-varlen-bv128-HV4-h0-ht": dict(num_v_heads=4, block_v=128, varlen=True,
+                                                           has_initial_state=True, output_final_state=True,
+                                                           gate_per_chunk=True, longest_first=True),
 }
 
 # Per chunk and warp (16 value rows): w·S 8 k-blocks x 8 token tiles, qg·S the same, kgᵀ·v_new 4 x 16 K tiles,

@@ -101,10 +101,12 @@ def test_recurrence_on_decay_rows(varlen: bool, launches: list) -> None:
     bf = [torch.zeros(B, T, HV, K, dtype=torch.bfloat16) for _ in range(4)]
     Aqk = torch.zeros(B, T, HV, 64, dtype=torch.bfloat16)
     g_last = torch.zeros(B, chunks, HV, K)
+    order = torch.tensor([4 - 1, 1, 0, 2], dtype=torch.int32) if varlen else None
     o, ht = chunk_kda_fwd_recurrence(*bf, Aqk, g_last, 0.5, output_final_state=True, cu_seqlens=cu,
-                                     chunk_offsets=offsets, block_v=64, gate_per_chunk=True)
+                                     chunk_offsets=offsets, block_v=64, gate_per_chunk=True, seq_order=order)
     (kernel_cls, config, args), = launches
     assert kernel_cls is KdaRecurrence and config.gate_per_chunk and config.varlen == varlen
+    assert config.longest_first == varlen and args[13] is order
     specs = _declared(kernel_cls, config)
     assert [t is None for t in args[:len(specs)]] == [s is None for s in specs]
     assert args[5] is g_last and (args[12] is offsets if varlen else args[12] is None)
@@ -119,6 +121,10 @@ def test_recurrence_on_decay_rows_refuses_bad_rows(launches: list) -> None:
     cu = torch.tensor([0, 1, 130], dtype=torch.int32)
     with pytest.raises(ValueError, match="needs chunk_offsets"):
         chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 4, 2, K), 0.5, cu_seqlens=cu, gate_per_chunk=True)
+    with pytest.raises(ValueError, match="seq_order must be int32"):
+        chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 2, 2, K), 0.5, cu_seqlens=cu,
+                                 chunk_offsets=torch.tensor([0, 1, 4], dtype=torch.int32), gate_per_chunk=True,
+                                 seq_order=torch.tensor([1, 0, 2], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"gk \(gate_per_chunk\) must be float32 \[1, 3, 2, 128\]"):
         chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 4, 2, K), 0.5, gate_per_chunk=True)  # 130 tokens: 3 rows
     assert not launches
@@ -149,5 +155,8 @@ def test_cutedsl_backend_fused_prepare_chains_the_two_launches(cu, launches: lis
     assert intra_config.gate is not None and rec_config.gate_per_chunk and rec_config.has_initial_state
     assert intra_args[0] is args.q and intra_args[3] is args.g and intra_args[4] is args.beta
     assert rec_args[5] is intra_args[16]  # g_last
+    assert rec_config.longest_first == (cu is not None)
+    if cu is not None:  # the sequences' launch order: longest first (lengths 1, 63, 1, 65)
+        assert rec_args[13].tolist() == [3, 1, 0, 2]
     assert rec_args[0] is intra_args[7] and rec_args[1] is intra_args[8]  # qg, kg
     assert rec_args[2] is intra_args[5] and rec_args[3] is intra_args[6] and rec_args[4] is intra_args[9]  # w, u, Aqk

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...index import prepare_chunk_indices, prepare_chunk_offsets
+from ...index import prepare_chunk_indices, prepare_chunk_offsets, prepare_sequence_order
 from ...kda_args import safe_gate_kernel_rejection
 from ...kda_tuning import device_capability, recurrence_block_v, sm_count
 from .. import is_available
@@ -68,7 +68,8 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     _, _, fuse_l2norm, fuse_gate = variant_flags(None)
     raw_dtypes = (torch.bfloat16, torch.float32)
     if fuse_gate and args.g.dtype in raw_dtypes and args.beta.dtype in raw_dtypes:
-        # "fused-prepare": the intra kernel does all of kda_prepare's work (same bits), one launch less
+        # "fused-prepare": the intra kernel does all of kda_prepare's work (same bits), one launch less; the
+        # recurrence reads its per-chunk decay rows and launches varlen sequences longest first (same bits)
         w, u, qg, kg, Aqk, g_last = chunk_kda_fwd_intra_from_raw(
             args.q, args.k, args.v, args.g, args.beta, args.scale, A_log=args.A_log, dt_bias=args.dt_bias,
             lower_bound=args.lower_bound if args.use_gate_in_kernel else None,
@@ -80,6 +81,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
             qg, kg, w, u, Aqk, g_last, args.scale, initial_state=h0, output_final_state=args.output_final_state,
             cu_seqlens=cu, chunk_offsets=None if cu is None else prepare_chunk_offsets(cu, CHUNK),
             state_v_first=args.state_v_first, block_v=block_v, gate_per_chunk=True,
+            seq_order=None if cu is None else prepare_sequence_order(cu),
         )
     # The "fused" intra variant L2-normalises q/k itself (same bits): prepare then only does the gate and beta.
     fuse_l2norm = args.use_qk_l2norm_in_kernel and fuse_l2norm

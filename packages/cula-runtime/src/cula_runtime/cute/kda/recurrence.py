@@ -68,6 +68,9 @@ class KdaRecurrenceConfig:
         gate_per_chunk: the gate argument holds only each chunk's decay row (``gk`` at its last valid token):
             ``[B, NT, HV, K]``, varlen ``[1, NC, HV, K]`` at ``chunk_offsets[n] + c`` (what the intra kernel writes
             when it computes the gate itself), instead of the token-major ``gk``.
+        longest_first: varlen: a 1-D grid numbered V block fastest, then value head, then sequence slot, and slot s
+            runs sequence ``seq_order[s]`` (:func:`~cula_runtime.index.prepare_sequence_order`, longest first), so the
+            longest chains start in the first wave. Same bits as the (sequence, head, V block) grid.
     """
 
     num_v_heads: int
@@ -81,6 +84,7 @@ class KdaRecurrenceConfig:
     output_o: bool = True
     output_h: bool = False
     gate_per_chunk: bool = False
+    longest_first: bool = False
 
 
 class KdaRecurrence(ChunkTiles):
@@ -97,10 +101,12 @@ class KdaRecurrence(ChunkTiles):
             return False, reason
         if not (c.output_o or c.output_h or c.output_final_state):
             return False, "nothing to write: output_o, output_h and output_final_state are all False"
+        if c.longest_first and not c.varlen:
+            return False, "longest_first orders the sequences of a packed (varlen) batch"
         return True, ""
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
-        """Layout promises of the thirteen tensor arguments of ``__call__``, in order (None: argument absent)."""
+        """Layout promises of the fourteen tensor arguments of ``__call__``, in order (None: argument absent)."""
         c = self.config
         bf16 = TensorSpec(BFloat16, 4, 8)  # 16-byte rows segments for cp.async and the o store
         state = TensorSpec(Float32, 4, 2)
@@ -118,6 +124,7 @@ class KdaRecurrence(ChunkTiles):
             TensorSpec(BFloat16, 5, 2) if c.output_h else None,  # h [B, NT, HV, K, V] (or V, K)
             bf16 if c.output_h else None,  # v_new [B, T, HV, V]
             TensorSpec(Int32, 1) if (c.output_h or c.gate_per_chunk) and c.varlen else None,  # chunk_offsets [N + 1]
+            TensorSpec(Int32, 1) if c.longest_first else None,  # seq_order [N]
         )
 
     def compile_arguments(self) -> tuple:
@@ -143,6 +150,7 @@ class KdaRecurrence(ChunkTiles):
         mH: cute.Tensor | None,
         mVnew: cute.Tensor | None,
         mChunkOffsets: cute.Tensor | None,
+        mSeqOrder: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -167,10 +175,13 @@ class KdaRecurrence(ChunkTiles):
             num_seqs = mCuSeqlens.shape[0] - 1
         else:
             num_seqs = mW.shape[0]
+        grid = [num_seqs, c.num_v_heads, K // BV]
+        if const_expr(c.longest_first):
+            grid = [num_seqs * c.num_v_heads * (K // BV), 1, 1]
         self.kernel(
-            mQg, mKg, mW, mU, mAqk, mG, mH0, mO, mHt, mCuSeqlens, mH, mVnew, mChunkOffsets, scale,
+            mQg, mKg, mW, mU, mAqk, mG, mH0, mO, mHt, mCuSeqlens, mH, mVnew, mChunkOffsets, mSeqOrder, scale,
             sK_layout, sU_layout, sA_layout, tiled_mma, SharedStorage,
-        ).launch(grid=[num_seqs, c.num_v_heads, K // BV], block=[self.num_threads, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------------------------
     # Device side
@@ -191,6 +202,7 @@ class KdaRecurrence(ChunkTiles):
         mH: cute.Tensor | None,
         mVnew: cute.Tensor | None,
         mChunkOffsets: cute.Tensor | None,
+        mSeqOrder: cute.Tensor | None,
         scale: Float32,
         sK_layout: cute.ComposedLayout,
         sU_layout: cute.ComposedLayout,
@@ -202,6 +214,11 @@ class KdaRecurrence(ChunkTiles):
         C, K, BV = c.chunk_size, c.head_dim, c.block_v
         tidx, _, _ = cute.arch.thread_idx()
         n, hv, vb = cute.arch.block_idx()  # sequences on x (up to 2^31 - 1), value heads on y
+        if const_expr(c.longest_first):  # one linear index: V block fastest, then head, then sequence slot
+            slot_head = n // (K // BV)
+            vb = n % (K // BV)
+            hv = slot_head % c.num_v_heads
+            n = mSeqOrder[slot_head // c.num_v_heads]
         warp_idx = tidx // 32
         lane = tidx % 32
 
@@ -422,11 +439,11 @@ class KdaRecurrence(ChunkTiles):
 
 @functools.lru_cache(maxsize=256)
 def _plan(HV: int, K: int, block_v: int, flags: tuple) -> tuple:
-    varlen, has_h0, want_ht, v_first, want_o, want_h, per_chunk = flags
+    varlen, has_h0, want_ht, v_first, want_o, want_h, per_chunk, longest_first = flags
     config = KdaRecurrenceConfig(
         num_v_heads=HV, head_dim=K, block_v=block_v, varlen=varlen, has_initial_state=has_h0,
         output_final_state=want_ht, state_v_first=v_first, output_o=want_o, output_h=want_h,
-        gate_per_chunk=per_chunk,
+        gate_per_chunk=per_chunk, longest_first=longest_first,
     )
     ok, reason = KdaRecurrence.can_implement(config)
     if not ok:
@@ -438,7 +455,8 @@ _OUTPUTS = frozenset({7, 8, 10, 11})  # o, ht, h, v_new among the tensor argumen
 
 
 def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_state: bool, cu_seqlens,
-            chunk_offsets, state_v_first: bool, block_v: int, want_h: bool, gate_per_chunk: bool = False) -> tuple:
+            chunk_offsets, state_v_first: bool, block_v: int, want_h: bool, gate_per_chunk: bool = False,
+            seq_order=None) -> tuple:
     """Validate, allocate and launch one :class:`KdaRecurrence` configuration: ``(o or None, ht or None, h or None,
     v_new or None)``."""
     import torch
@@ -487,8 +505,14 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
         else:
             h = torch.empty(B, -(-T // 64), HV, K, K, dtype=torch.bfloat16, device=device)
         v_new = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device)
+    if seq_order is not None:
+        if not varlen:
+            raise ValueError("seq_order orders the sequences of a packed batch: it needs cu_seqlens")
+        if seq_order.dtype != torch.int32 or tuple(seq_order.shape) != (N,) or seq_order.device != device:
+            raise ValueError(f"seq_order must be int32 [{N}] on {device}, got {seq_order.dtype} "
+                             f"{tuple(seq_order.shape)} on {seq_order.device}")
     flags = (varlen, initial_state is not None, bool(output_final_state), bool(state_v_first), want_o, want_h,
-             bool(gate_per_chunk))
+             bool(gate_per_chunk), seq_order is not None)
     config, specs = _plan(HV, K, block_v, flags)
 
     o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device) if want_o else None
@@ -496,7 +520,7 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
     if N == 0:
         return o, ht, h, v_new
     tensors = (qg, kg, w, u, Aqk, gk, initial_state, o, ht, cu_seqlens, h, v_new,
-               chunk_offsets if (want_h or gate_per_chunk) and varlen else None)
+               chunk_offsets if (want_h or gate_per_chunk) and varlen else None, seq_order)
     launch(KdaRecurrence, config, specs, tensors, _OUTPUTS, device, float(scale))
     return o, ht, h, v_new
 
@@ -517,6 +541,7 @@ def chunk_kda_fwd_recurrence(
     *,
     block_v: int = 64,
     gate_per_chunk: bool = False,
+    seq_order=None,
 ):
     """Fused inter-chunk recurrence and chunk output of KDA on the GPU: ``(o, final_state or None)``.
 
@@ -536,6 +561,8 @@ def chunk_kda_fwd_recurrence(
         gate_per_chunk: ``gk`` holds only each chunk's decay row, fp32 ``[B, NT, HV, 128]`` (varlen
             ``[1, NC, HV, 128]``, sequence n's chunk c at row ``chunk_offsets[n] + c``): the ``g_last`` that
             :func:`~cula_runtime.cute.kda.intra.chunk_kda_fwd_intra_from_raw` writes. Same bits as the full ``gk``.
+        seq_order: varlen only: int32 ``[N]``, the order in which the sequences' CTAs are launched
+            (:func:`~cula_runtime.index.prepare_sequence_order`: longest first); None: batch order. Same bits.
 
     Returns:
         ``o`` bf16 ``[B, T, HV, 128]`` and the final state (or None). Launched on the current stream; the first call
@@ -545,7 +572,7 @@ def chunk_kda_fwd_recurrence(
         raise ValueError("chunk_kda_fwd_recurrence needs qg and Aqk (chunk_kda_fwd_h is the primitive without o)")
     o, ht, _, _ = _launch(qg, kg, w, u, Aqk, gk, scale, initial_state, output_final_state, cu_seqlens,
                           chunk_offsets if gate_per_chunk else None, state_v_first, block_v, want_h=False,
-                          gate_per_chunk=gate_per_chunk)
+                          gate_per_chunk=gate_per_chunk, seq_order=seq_order)
     return o, ht
 
 
