@@ -30,7 +30,7 @@ for step in "$@"; do
     bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" --reps 30 ;;
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
                    $BENCH_EXTRA ;;
-    bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 \
+    bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 --reps 30 \
                   --out "$OUT/kda_prefill_rest.md" $BENCH_EXTRA $REST_EXTRA ;;
     stress|stress:sm90) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
     stress:cutedsl) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend cutedsl \
