@@ -37,7 +37,7 @@ from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cut
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import check_token_tensors, chunk_rows
 from .prepare import GATE_FORMS, RCP_LN2, activate_beta, activate_gate, gate_arguments, gate_scan_segments
-from .tiles import chunk_span
+from .tiles import chunk_grid_extent, chunk_span
 
 try:
     import cuda.bindings.driver as cuda
@@ -248,10 +248,7 @@ class KdaIntra:
     ):
         c = self.config
         mRef = mAkkF32 if const_expr(c.phases == "inverse") else mG  # a [B, T, ...] tensor of every phase
-        if const_expr(c.varlen):
-            num_chunks = mChunkIndices.shape[0]
-        else:
-            num_chunks = cute.ceil_div(mRef.shape[1], c.chunk_size)
+        num_chunks = chunk_grid_extent(mChunkIndices, mRef.shape[1], c.chunk_size, c.varlen)
         # score blocks: one warp atom (16x8x16), tiled to 16x16x16 so that ldmatrix.x4 feeds B
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         block_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(SUB, 16, 16))

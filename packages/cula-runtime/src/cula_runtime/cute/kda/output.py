@@ -23,7 +23,7 @@ import functools
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..varlen import check_token_tensors, chunk_rows
-from .tiles import ChunkTiles, chunk_span
+from .tiles import ChunkTiles, chunk_grid_extent, chunk_span
 
 try:
     import cuda.bindings.driver as cuda
@@ -119,10 +119,7 @@ class KdaOutput(ChunkTiles):
             sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
             sH: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sH_layout)], 1024]
 
-        if const_expr(c.varlen):
-            num_chunks = mChunkIndices.shape[0]
-        else:
-            num_chunks = cute.ceil_div(mQg.shape[1], C)
+        num_chunks = chunk_grid_extent(mChunkIndices, mQg.shape[1], C, c.varlen)
         self.kernel(
             mQg, mVnew, mAqk, mH, mO, mCuSeqlens, mChunkIndices, scale,
             sK_layout, sV_layout, sA_layout, sH_layout, self.make_tiled_mma(), SharedStorage,

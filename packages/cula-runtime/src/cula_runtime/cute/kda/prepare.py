@@ -25,7 +25,7 @@ import functools
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..varlen import chunk_rows
-from .tiles import chunk_span
+from .tiles import chunk_grid_extent, chunk_span
 
 try:
     import cuda.bindings.driver as cuda
@@ -202,10 +202,7 @@ class KdaPrepare:
         stream: cuda.CUstream,
     ):
         c = self.config
-        if const_expr(c.varlen):
-            num_chunks = mChunkIndices.shape[0]
-        else:
-            num_chunks = cute.ceil_div(mG.shape[1], c.chunk_size)
+        num_chunks = chunk_grid_extent(mChunkIndices, mG.shape[1], c.chunk_size, c.varlen)
         roles = c.num_v_heads + (c.num_heads if c.l2norm else 0)
         self.kernel(
             mQ, mK, mG, mBeta, mALog, mDtBias, mQo, mKo, mGo, mBetaO, mCuSeqlens, mChunkIndices, lower_bound

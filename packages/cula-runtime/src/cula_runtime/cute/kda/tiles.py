@@ -40,6 +40,13 @@ def chunk_span(mCuSeqlens: cute.Tensor | None, mChunkIndices: cute.Tensor | None
     return start, valid
 
 
+def chunk_grid_extent(mChunkIndices: cute.Tensor | None, seq_len, chunk_size: cutlass.Constexpr,
+                      varlen: cutlass.Constexpr):
+    """The grid extent over chunks that :func:`chunk_span` indexes (traced in ``__call__``): the rows of the chunk
+    indices (varlen), else the chunks of a row of ``seq_len`` tokens."""
+    if const_expr(varlen):
+        return mChunkIndices.shape[0]
+    return cute.ceil_div(seq_len, chunk_size)
 
 
 class ChunkTiles:
