@@ -60,7 +60,7 @@ CHAINS = [((9, 0), ["sm90", "cutedsl", "reference"]), ((10, 0), ["cutedsl", "ref
 @pytest.mark.parametrize("cap,expected", CHAINS, ids=["sm90", "sm100", "sm103"])
 def test_supported_gpu_without_kernels_falls_back_to_reference_with_a_warning(cap, expected, monkeypatch) -> None:
     monkeypatch.delenv("CULA_BACKEND", raising=False)
-    monkeypatch.setattr(dispatch, "_capability", lambda index: cap)
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: cap)
     monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: None)  # no cula_sm90 installed
     choice = dispatch.explain(_fake_cuda_args())
     assert [d.backend for d in choice.decisions] == expected
@@ -74,7 +74,7 @@ def test_supported_gpu_without_kernels_falls_back_to_reference_with_a_warning(ca
 
 def test_unsupported_gpu_raises_with_the_fix(monkeypatch) -> None:
     monkeypatch.delenv("CULA_BACKEND", raising=False)
-    monkeypatch.setattr(dispatch, "_capability", lambda index: (8, 0))
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (8, 0))
     with pytest.raises(NotImplementedError, match="sm_80.*CULA_BACKEND=reference"):
         dispatch.select_backend(_fake_cuda_args())
 

@@ -110,7 +110,7 @@ def test_the_first_failing_check_is_reported(case: str) -> None:
 
 def test_accepting_backend_gives_the_same_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CULA_BACKEND", raising=False)
-    monkeypatch.setattr(dispatch, "_capability", lambda index: (10, 0))
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (10, 0))
     runner = object()
     monkeypatch.setitem(dispatch._BACKENDS, "cutedsl", lambda args: (dispatch.Decision("cutedsl", True, "ok"), runner))
     call = SimpleNamespace(device=torch.device("cuda", 0))

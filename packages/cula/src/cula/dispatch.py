@@ -26,6 +26,7 @@ from functools import cache
 import torch
 
 from cula_runtime.kda_args import KdaPrefillArgs
+from cula_runtime.kda_tuning import device_capability
 
 from ._version import __version__
 
@@ -110,11 +111,6 @@ _BACKENDS: dict[str, Callable[[KdaPrefillArgs], tuple[Decision, Runner | None]]]
 
 
 @cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-@cache
 def _accepted_summary(arch: str, name: str, chain: tuple[str, ...]) -> str:  # formatted once, not on every call
     return f"{arch}: {name} is the first backend in {chain} to accept this call"
 
@@ -141,7 +137,7 @@ def explain(args: KdaPrefillArgs) -> Choice:
         return Choice([decision], runner, "CPU tensors run on the torch reference backend")
     if device.type != "cuda":
         return Choice([], None, f"cuLA has no backend for {device.type} tensors (CPU and CUDA only)")
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    major, minor = device_capability(device)
     chain = GPU_BACKENDS_BY_ARCH.get((major, minor))
     arch = f"sm_{major}{minor}"
     if chain is None:
