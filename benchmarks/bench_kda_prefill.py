@@ -195,7 +195,7 @@ def environment() -> list[str]:
         f"(FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}), Python {platform.python_version()}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', 'wide')}, "
+        f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', 'default (lean-unrolled)')}, "
         f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}",
     ]
 
@@ -205,7 +205,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kda_prefill_h200.md")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
-    parser.add_argument("--cutedsl-intra", choices=("wide", "lean", "lean-unrolled", "fused"), default=None,
+    parser.add_argument("--cutedsl-intra", default=None,
+                        choices=("wide", "lean", "lean-unrolled", "fused", "fused-prepare"),
                         help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
     parser.add_argument("--extra", action="append", default=[],
                         help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '

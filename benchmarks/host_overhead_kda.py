@@ -309,7 +309,7 @@ def environment() -> list[str]:
         f"{', '.join(versions)}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', 'wide')}, "
+        f"- knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', 'default (lean-unrolled)')}, "
         f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto')}",
     ]
 

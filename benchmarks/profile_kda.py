@@ -28,8 +28,8 @@ K = V = 128
 PICK = ("fixed B1 T16384", "fixed B2 T16384", "fixed B1 T512", "varlen T16384 10xskewed", "B1 H16 T32768")
 CUTE_STAGES = ("prepare", "intra", "recurrence")
 # backend -> its stages; the CuTeDSL entries name the intra kernel's variant after "cutedsl-"
-STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES, "cutedsl-lean": CUTE_STAGES,
-          "cutedsl-lean-unrolled": CUTE_STAGES, "cutedsl-fused": CUTE_STAGES, "cutedsl-fused-prepare": CUTE_STAGES}
+STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES,
+          **{f"cutedsl-{v}": CUTE_STAGES for v in ("wide", "lean", "lean-unrolled", "fused", "fused-prepare")}}
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:
@@ -51,7 +51,10 @@ def runner(backend: str) -> Callable:
 
     from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
 
-    os.environ["CULA_CUTE_INTRA"] = backend.removeprefix("cutedsl-") if backend != "cutedsl" else "wide"
+    if backend == "cutedsl":  # the default variant
+        os.environ.pop("CULA_CUTE_INTRA", None)
+    else:
+        os.environ["CULA_CUTE_INTRA"] = backend.removeprefix("cutedsl-")
     return lambda args, block_v: kda_prefill_cutedsl(args, block_v=block_v)
 
 

@@ -23,6 +23,13 @@ def test_narrowest_block_that_fits_one_wave(pairs: int, expected: int, monkeypat
     assert pairs * 128 // block_v <= H200_SMS or block_v == 128
 
 
+@pytest.mark.parametrize("pairs,expected", [(1, 64), (16, 64), (34, 64), (64, 64), (66, 64), (67, 128), (640, 128)])
+def test_a_backend_can_ask_for_a_narrowest_block(pairs: int, expected: int, monkeypatch) -> None:
+    """The CuTeDSL backend asks for at least 64 (its 2-warp CTAs lose even when they fill more SMs)."""
+    monkeypatch.delenv(ENV_BLOCK_V, raising=False)
+    assert recurrence_block_v(pairs, H200_SMS, narrowest=64) == expected
+
+
 @pytest.mark.parametrize("value", ["32", "64", "128"])
 def test_env_overrides_the_choice(value: str, monkeypatch) -> None:
     monkeypatch.setenv(ENV_BLOCK_V, value)

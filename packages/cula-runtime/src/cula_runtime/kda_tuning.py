@@ -16,7 +16,7 @@ BLOCK_V_CHOICES = (32, 64, 128)
 ENV_BLOCK_V = "CULA_BLOCK_V"
 
 
-def recurrence_block_v(num_pairs: int, num_sms: int) -> int:
+def recurrence_block_v(num_pairs: int, num_sms: int, narrowest: int = BLOCK_V_CHOICES[0]) -> int:
     """Value columns per recurrence CTA (``block_v``) for ``num_pairs`` = N·HV (sequence, value head) pairs.
 
     Both recurrence kernels (native and CuTeDSL) hold about 130 KB of shared memory, so one CTA per SM, and split a
@@ -25,6 +25,10 @@ def recurrence_block_v(num_pairs: int, num_sms: int) -> int:
     waves the grid of ``num_pairs * 128 / block_v`` CTAs takes. Hence: the narrowest ``block_v`` whose grid fits in
     one wave (more SMs, fewer warps on each), else 128 (the fewest waves, 8 warps per SM to hide latency).
     Every choice gives the same bits (tested on the H200). ``CULA_BLOCK_V`` overrides the choice.
+
+    ``narrowest`` is the smallest ``block_v`` a backend may get: the CuTeDSL recurrence asks for 64, because at
+    ``block_v`` = 32 its 2-warp CTAs are slower than 4-warp ones even with half the SMs idle (H200, B1 H16 T32768:
+    1229 vs 1121 us; ``kda_profile_h200.md``); the native one is fastest at 32 there (1026 vs 1320 us).
 
     Raises:
         ValueError: ``CULA_BLOCK_V`` is set to something other than 32, 64 or 128.
@@ -35,7 +39,7 @@ def recurrence_block_v(num_pairs: int, num_sms: int) -> int:
             raise ValueError(f"{ENV_BLOCK_V}={forced!r}: expected one of {BLOCK_V_CHOICES}")
         return int(forced)
     for block_v in BLOCK_V_CHOICES:
-        if num_pairs * (128 // block_v) <= num_sms:
+        if block_v >= narrowest and num_pairs * (128 // block_v) <= num_sms:
             return block_v
     return BLOCK_V_CHOICES[-1]
 

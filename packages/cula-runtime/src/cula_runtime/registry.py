@@ -97,19 +97,19 @@ KERNELS: tuple[KernelEntry, ...] = (
         features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "safe-gate", "output-qg"),
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra",
-        summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the lean, "
-                "lean-unrolled and fused variants ran on the H200 too and give the default wide variant's bits",
+        summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the wide, "
+                "lean, lean-unrolled (default) and fused variants ran on the H200 and give the same bits",
     ),
     KernelEntry(
         name="chunk_kda_fwd_intra_from_raw", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
         dtypes=("bfloat16", "float32"),
         features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "gate-in-kernel", "safe-gate", "qk-l2norm",
                   "beta-sigmoid", "output-qg"),
-        status="compiled for sm_90a/sm_100a/sm_103a (CI), not yet run on any GPU",
+        status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra_from_raw",
         summary="CuTeDSL KDA prepare + intra in one launch (the fused-prepare variant): gate activation and chunk "
                 "cumsum, beta, q/k L2 norm with kda_prepare's arithmetic, then the intra work; per-chunk decay rows "
-                "for the recurrence",
+                "for the recurrence; the same bits as kda_prepare -> chunk_kda_fwd_intra on the H200, but slower there",
     ),
     *(
         KernelEntry(

@@ -21,6 +21,7 @@ __all__ = ["verify", "kda_prefill_cutedsl"]
 CHUNK = 64
 HEAD_DIM = 128
 _CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
+CUTE_NARROWEST_BLOCK_V = 64  # the CuTeDSL recurrence's 2-warp CTAs (block_v 32) are its slowest (kda_tuning)
 
 
 def verify(args: Any) -> tuple[bool, str]:
@@ -41,7 +42,7 @@ def verify(args: Any) -> tuple[bool, str]:
 def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     """Run KDA prefill on the CuTeDSL kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted;
     ``block_v``: value columns per recurrence CTA (32, 64, 128; the same bits for each; 0:
-    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count).
+    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count, at least 64).
 
     Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (layout of ``initial_state``) or None.
     """
@@ -64,7 +65,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     if h0 is not None and h0.dtype != torch.float32:
         h0 = h0.float()
     if block_v == 0:
-        block_v = recurrence_block_v(args.N * args.HV, sm_count(args.device))
+        block_v = recurrence_block_v(args.N * args.HV, sm_count(args.device), narrowest=CUTE_NARROWEST_BLOCK_V)
     _, _, fuse_l2norm, fuse_gate = variant_flags(None)
     raw_dtypes = (torch.bfloat16, torch.float32)
     if fuse_gate and args.g.dtype in raw_dtypes and args.beta.dtype in raw_dtypes:

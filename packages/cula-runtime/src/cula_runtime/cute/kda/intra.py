@@ -94,7 +94,7 @@ class KdaIntraConfig:
         output_qg: also write ``qg = q 2^Γ``.
         varlen: packed sequences (B = 1, cu_seqlens and chunk indices).
         chunk_size: C; only 64.
-        lean_smem: the shared-memory plan. False ("wide", the H200-verified default): every buffer has its own
+        lean_smem: the shared-memory plan. False ("wide", this config's default): every buffer has its own
             bytes, about 159 KB at K = 128, one CTA per SM. True ("lean"): buffers whose lifetimes do not overlap
             share bytes and the right-hand sides β k 2^Γ, β v are built after the scores (their rows are read from
             global memory a second time), about 99 KB at K = 128, so two CTAs fit on an SM. Same arithmetic, same
@@ -893,8 +893,11 @@ _OUTPUTS = {"all": frozenset((*range(5, 11), 16)), "scores": frozenset({9, 11}),
 
 ENV_VARIANT = "CULA_CUTE_INTRA"
 # Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate). All compute the same
-# bits. The last two are for the cutedsl backend: fuse_l2norm moves the q/k L2 norm from kda_prepare into this
-# kernel; fuse_gate also the gate activation, its cumsum and β (no kda_prepare launch at all).
+# bits (each checked against `wide` on the H200). The last two are for the cutedsl backend: fuse_l2norm moves the
+# q/k L2 norm from kda_prepare into this kernel; fuse_gate also the gate activation, its cumsum and β (no
+# kda_prepare launch at all). The default is `lean-unrolled`, the fastest on the H200 (kda_prefill_h200.md: 1.16-1.46x
+# faster end to end than `wide`; `fused` 0.85-1.04x and `fused-prepare` 0.59-0.89x of `wide`).
+DEFAULT_VARIANT = "lean-unrolled"
 VARIANTS = {"wide": (False, False, False, False), "lean": (True, False, False, False),
             "lean-unrolled": (True, True, False, False), "fused": (True, True, True, False),
             "fused-prepare": (True, True, True, True)}
@@ -902,11 +905,10 @@ VARIANTS = {"wide": (False, False, False, False), "lean": (True, False, False, F
 
 def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool]:
     """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate)`` of a named variant; None: ``CULA_CUTE_INTRA``,
-    else ``wide`` (the default). ``wide``, ``lean``, ``lean-unrolled`` and ``fused`` ran on the H200 with the same
-    bits; ``fused-prepare`` compiles for every target but has not run on a GPU."""
+    else ``lean-unrolled`` (the default). Every variant ran on the H200 with the same bits as ``wide``."""
     import os
 
-    name = variant if variant is not None else os.environ.get(ENV_VARIANT, "wide")
+    name = variant if variant is not None else os.environ.get(ENV_VARIANT, DEFAULT_VARIANT)
     if name not in VARIANTS:
         where = "variant" if variant is not None else ENV_VARIANT
         raise ValueError(f"{where}={name!r}: expected one of {sorted(VARIANTS)}")
@@ -966,7 +968,7 @@ def chunk_kda_fwd_intra(
         out: optional preallocated ``(w, u, qg, kg, Aqk, Akk_inv)`` (qg None unless ``output_qg``).
         variant: ``wide``, ``lean``, ``lean-unrolled``, ``fused`` or ``fused-prepare`` (the last two are
             ``lean-unrolled`` here; see :data:`VARIANTS`, :class:`KdaIntraConfig`); None: :func:`variant_flags`
-            (``CULA_CUTE_INTRA``, else ``wide``).
+            (``CULA_CUTE_INTRA``, else ``lean-unrolled``).
         use_qk_l2norm_in_kernel: q and k are raw; each row is L2-normalised in the kernel exactly as
             :func:`kda_prepare` would (same bits).
 
