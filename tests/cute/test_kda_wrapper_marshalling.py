@@ -33,6 +33,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
 
     monkeypatch.setattr(compile_cache, "compile_kernel", compile_kernel)
     monkeypatch.setattr(compile_cache, "launch_target", lambda index: "sm_90a")
+    monkeypatch.setattr(compile_cache, "_launchable", {})  # launch's table of compiled callables: this test's own
     for module in (intra, recurrence):  # the CUDA-device part of the token-tensor check
         monkeypatch.setattr(module, "check_token_tensors", lambda named, B, T: None)
     return calls
@@ -160,3 +161,246 @@ def test_cutedsl_backend_fused_prepare_chains_the_two_launches(cu, launches: lis
         assert rec_args[13].tolist() == [3, 1, 0, 2]
     assert rec_args[0] is intra_args[7] and rec_args[1] is intra_args[8]  # qg, kg
     assert rec_args[2] is intra_args[5] and rec_args[3] is intra_args[6] and rec_args[4] is intra_args[9]  # w, u, Aqk
+
+
+# ---- the cutedsl backend's host path: the same launches as the public wrappers' chain, fewer allocations and
+# environment reads
+
+
+def _old_backend(args, block_v: int, monkeypatch: pytest.MonkeyPatch):
+    """The cutedsl backend as it was before it called the wrappers' internal functions: kda_prepare ->
+    chunk_kda_fwd_intra -> chunk_kda_fwd_recurrence (or chunk_kda_fwd_intra_from_raw -> recurrence), each checking
+    its arguments and allocating its outputs. kda_prepare and chunk_kda_fwd_intra check for CUDA tensors inline, so
+    while they run the tensors say they are on cuda:0 and their outputs are passed in (``out=``), allocated as they
+    would allocate them."""
+    from cula_runtime.cute.kda.intra import (
+        chunk_kda_fwd_intra,
+        chunk_kda_fwd_intra_from_raw,
+        variant_flags,
+    )
+    from cula_runtime.cute.kda.prepare import kda_prepare
+    from cula_runtime.cute.kda.recurrence import chunk_kda_fwd_recurrence
+    from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_sequence_order
+
+    cu = args.cu_seqlens
+    chunk_indices = None if cu is None else prepare_chunk_indices(cu, 64)
+    h0 = args.initial_state
+    if h0 is not None and h0.dtype != torch.float32:
+        h0 = h0.float()
+    _, _, fuse_l2norm, fuse_gate = variant_flags(None)
+    lower_bound = args.lower_bound if args.use_gate_in_kernel else None
+    if fuse_gate and args.g.dtype in (torch.bfloat16, torch.float32):
+        w, u, qg, kg, Aqk, g_last = chunk_kda_fwd_intra_from_raw(
+            args.q, args.k, args.v, args.g, args.beta, args.scale, A_log=args.A_log, dt_bias=args.dt_bias,
+            lower_bound=lower_bound, use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=args.use_gate_in_kernel, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=args.allow_neg_eigval, cu_seqlens=cu, chunk_indices=chunk_indices,
+        )
+        return chunk_kda_fwd_recurrence(
+            qg, kg, w, u, Aqk, g_last, args.scale, initial_state=h0, output_final_state=args.output_final_state,
+            cu_seqlens=cu, chunk_offsets=None if cu is None else prepare_chunk_offsets(cu, 64),
+            state_v_first=args.state_v_first, block_v=block_v, gate_per_chunk=True,
+            seq_order=None if cu is None else prepare_sequence_order(cu),
+        )
+    fuse_l2norm = args.use_qk_l2norm_in_kernel and fuse_l2norm
+    prepare_l2norm = args.use_qk_l2norm_in_kernel and not fuse_l2norm
+    B, T, HV = args.B, args.T, args.HV
+    bf = torch.bfloat16
+    prepare_out = (torch.empty_like(args.q) if prepare_l2norm else None,
+                   torch.empty_like(args.k) if prepare_l2norm else None,
+                   torch.empty(B, T, HV, K), torch.empty(B, T, HV))
+    intra_out = (*(torch.empty(B, T, HV, K, dtype=bf) for _ in range(4)),
+                 *(torch.empty(B, T, HV, 64, dtype=bf) for _ in range(2)))
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+        q_hat, k_hat, g_cum, beta = kda_prepare(
+            args.q, args.k, args.g, args.beta, A_log=args.A_log, dt_bias=args.dt_bias, lower_bound=lower_bound,
+            use_qk_l2norm_in_kernel=prepare_l2norm, use_gate_in_kernel=args.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
+            cu_seqlens=cu, chunk_indices=chunk_indices, out=prepare_out,
+        )
+        w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
+            q_hat, k_hat, args.v, g_cum, beta, args.scale, cu_seqlens=cu, chunk_indices=chunk_indices,
+            output_qg=True, use_qk_l2norm_in_kernel=fuse_l2norm, out=intra_out,
+        )
+    return chunk_kda_fwd_recurrence(
+        qg, kg, w, u, Aqk, g_cum, args.scale, initial_state=h0, output_final_state=args.output_final_state,
+        cu_seqlens=cu, state_v_first=args.state_v_first, block_v=block_v,
+    )
+
+
+def _flow(launches: list, args) -> list:
+    """The launches as comparable records: (kernel class, config, scalars, one label per tensor argument). A label
+    says where the tensor comes from: ``("arg", name)`` a user tensor itself, ``("view", name, shape, strides)`` a
+    view of one, ``("launch", i, j)`` the tensor launch ``i`` had as argument ``j`` (an output it wrote), or
+    ``("new", shape, dtype, strides, contiguous, 16-byte aligned)``."""
+    inputs = {name: getattr(args, name) for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
+                                                       "cu_seqlens")}
+    seen: dict[int, tuple] = {}
+    records = []
+    for i, (kernel_cls, config, call_args) in enumerate(launches):
+        n = len(kernel_cls(config).argument_specs())
+        labels = []
+        for j, t in enumerate(call_args[:n]):
+            if t is None:
+                labels.append(None)
+                continue
+            name = next((name for name, x in inputs.items() if x is t), None)
+            if name is not None:
+                labels.append(("arg", name))
+            elif id(t) in seen:
+                labels.append(seen[id(t)])
+            else:
+                base = next((name for name, x in inputs.items() if x is not None and x.numel() and t.numel()
+                             and x.data_ptr() == t.data_ptr()), None)
+                if base is not None:
+                    labels.append(("view", base, tuple(t.shape), t.stride()))
+                else:
+                    labels.append(("new", tuple(t.shape), t.dtype, t.stride(), t.is_contiguous(),
+                                   t.data_ptr() % 16 == 0))
+                seen[id(t)] = ("launch", i, j)
+        records.append((kernel_cls, config, call_args[n:], labels))
+    return records
+
+
+def _prefill_args(cu, *, l2norm=True, gate_in_kernel=True, h0_dtype=torch.float32, final_state=True,
+                  v_first=False, g_dtype=torch.float32, beta_dtype=torch.bfloat16, HV=4, allow_neg_eigval=False):
+    from cula_runtime.kda_args import validate_kda_prefill
+
+    B, T, H = (2, 100, 2) if cu is None else (1, 130, 2)
+    raw = _raw(B, T, H, HV, g_dtype=g_dtype, beta_dtype=beta_dtype)
+    if not gate_in_kernel:
+        raw["g"] = -torch.rand(B, T, HV, K).to(g_dtype)
+    N = B if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(5)
+    gate = dict(use_gate_in_kernel=True, lower_bound=-5.0, A_log=torch.randn(HV, generator=gen),
+                dt_bias=torch.randn(HV * K, generator=gen)) if gate_in_kernel else {}
+    return validate_kda_prefill(
+        **raw, initial_state=None if h0_dtype is None else torch.randn(N, HV, K, K, generator=gen).to(h0_dtype),
+        output_final_state=final_state, use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=True,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=True, state_v_first=v_first,
+        cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32),
+        **gate,
+    )
+
+
+CASES = {
+    "all-in-kernel": {},
+    "no-l2norm": dict(l2norm=False),
+    "log-gate-no-h0-no-state": dict(gate_in_kernel=False, h0_dtype=None, final_state=False),
+    "bf16-h0-v-first-bf16-g-f32-beta": dict(h0_dtype=torch.bfloat16, v_first=True, g_dtype=torch.bfloat16,
+                                             beta_dtype=torch.float32),
+    "neg-eigval-HV2": dict(allow_neg_eigval=True, HV=2),  # beta [B, T, 2] fp32: not a multiple of 128 bytes
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("cu", [None, [0, 1, 64, 65, 130]], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("variant", ["wide", "lean", "lean-unrolled", "fused", "fused-prepare"])
+def test_cutedsl_backend_launches_what_the_wrappers_launch(variant: str, cu, case: str, launches: list,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend calls the wrappers' internal functions and carves its intermediates from one buffer; each
+    kernel still gets the configuration, the scalars and the tensors (the user's own, or the same intermediates
+    flowing from launch to launch, of the same shape, dtype and strides) that the public wrappers' chain gave it."""
+    from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
+
+    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
+    args = _prefill_args(cu, **CASES[case])
+    o, ht = kda_prefill_cutedsl(args, block_v=64)
+    new = _flow(list(launches), args)
+    launches.clear()
+    o_ref, ht_ref = _old_backend(args, 64, monkeypatch)
+    old = _flow(list(launches), args)
+    assert len(new) == len(old) == (2 if variant == "fused-prepare" else 3)
+    for got, want in zip(new, old, strict=True):
+        assert got[:3] == want[:3]  # kernel, config, scalars
+        assert got[3] == want[3]  # where every tensor argument comes from
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+    assert (ht is None) == (ht_ref is None) and (ht is None or (ht.shape, ht.dtype) == (ht_ref.shape, ht_ref.dtype))
+
+
+@pytest.mark.parametrize("variant", ["lean-unrolled", "fused-prepare"])
+def test_cutedsl_backend_returns_its_own_tensors(variant: str, launches: list, monkeypatch) -> None:
+    """o and the final state are allocations of their own, never views of the intermediates' workspace (which
+    the next call would overwrite); the intermediates are views of one buffer, each 128-byte aligned."""
+    from cula_runtime.cute.kda.backend import WORKSPACE_ALIGN, kda_prefill_cutedsl
+
+    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
+    args = _prefill_args([0, 1, 64, 65, 130])
+    o, ht = kda_prefill_cutedsl(args, block_v=64)
+    o2, ht2 = kda_prefill_cutedsl(args, block_v=64)
+    storages = {t.untyped_storage().data_ptr() for t in (o, ht, o2, ht2)}
+    assert len(storages) == 4
+    intra_args = launches[-2][2]
+    intermediates = [t for t in intra_args[5:11] + intra_args[16:17] if t is not None]
+    workspace = {t.untyped_storage().data_ptr() for t in intermediates}
+    assert len(workspace) == 1 and not workspace & storages
+    base = intermediates[0].untyped_storage().data_ptr()
+    assert all((t.data_ptr() - base) % WORKSPACE_ALIGN == 0 and t.is_contiguous() for t in intermediates)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the tensor allocations (empty, empty_like, zeros, copies) of the ops run under it."""
+
+    ALLOCATING = {"empty", "empty_strided", "empty_like", "zeros", "zeros_like", "new_empty", "new_empty_strided",
+                  "clone", "_to_copy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in self.ALLOCATING
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant", ["lean-unrolled", "fused", "fused-prepare"])
+@pytest.mark.parametrize("final_state", [True, False])
+def test_cutedsl_backend_allocates_three_tensors(variant: str, final_state: bool, launches: list,
+                                                 monkeypatch) -> None:
+    """One workspace buffer for every intermediate, o, and the final state: 3 allocations per call (2 without the
+    final state), where the wrappers' chain made up to 12."""
+    from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
+
+    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
+    args = _prefill_args(None, final_state=final_state)
+    kda_prefill_cutedsl(args, block_v=64)
+    with _Allocations() as counted:
+        kda_prefill_cutedsl(args, block_v=64)
+    assert counted.count == (3 if final_state else 2)
+
+
+def test_cutedsl_backend_reads_each_knob_once_per_call(launches: list, monkeypatch) -> None:
+    """CULA_CUTE_INTRA and CULA_BLOCK_V are read once per call and never cached: a change between calls takes
+    effect on the next call, and a bad value raises naming the variable. CUTE_DSL_ARCH is read once per launch."""
+    import os
+
+    from cula_runtime.cute.kda import backend
+
+    reads: list[str] = []
+
+    class Environ(dict):
+        def get(self, key, default=None):
+            reads.append(key)
+            return super().get(key, default)
+
+    monkeypatch.setattr(os, "environ", Environ(os.environ))
+    monkeypatch.setattr(backend, "sm_count", lambda device: 132)
+    args = _prefill_args(None)
+    for variant, block_v, launched in (("lean-unrolled", "128", 3), ("fused-prepare", "64", 2), ("wide", "", 3)):
+        os.environ["CULA_CUTE_INTRA"] = variant
+        os.environ["CULA_BLOCK_V"] = block_v
+        reads.clear()
+        launches.clear()
+        backend.kda_prefill_cutedsl(args)
+        assert sorted(reads) == sorted(["CULA_CUTE_INTRA", "CULA_BLOCK_V"] + ["CUTE_DSL_ARCH"] * launched)
+        intra_config, rec_config = launches[-2][1], launches[-1][1]
+        assert intra_config.lean_smem == (variant != "wide") and (intra_config.gate is not None) == (launched == 2)
+        assert rec_config.block_v == (int(block_v) if block_v else 64)  # N·HV = 8 pairs fit one wave at 64
+    os.environ["CULA_CUTE_INTRA"] = "fast"
+    with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'"):
+        backend.kda_prefill_cutedsl(args)
+    os.environ["CULA_CUTE_INTRA"] = "wide"
+    os.environ["CULA_BLOCK_V"] = "48"
+    with pytest.raises(ValueError, match=r"CULA_BLOCK_V='48'"):
+        backend.kda_prefill_cutedsl(args)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import tempfile
 import threading
 import time
 from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol
 
-from .arch import compile_target, launch_target, normalize_target
+from .arch import CUTE_DSL_ARCH_ENV, compile_target, launch_target, normalize_target
 
 __all__ = [
     "INSTALL_HINT",
@@ -104,6 +105,10 @@ class CacheInfo(NamedTuple):
 _lock = threading.Lock()
 _compiled: dict[tuple[type, Hashable, str], Any] = {}
 _records: dict[tuple[type, Hashable, str], CompileRecord] = {}
+# launch's own table: (kernel class, config, device index, raw CUTE_DSL_ARCH or None) -> the compiled callable
+# that compile_kernel returned for launch_target(device index); a per-launch lookup instead of launch_target and
+# compile_kernel's bookkeeping. Emptied with the compile cache (clear_cache).
+_launchable: dict[tuple[type, Hashable, int | None, str | None], Any] = {}
 _hits = 0
 _misses = 0
 
@@ -189,6 +194,7 @@ def clear_cache() -> None:
     with _lock:
         _compiled.clear()
         _records.clear()
+        _launchable.clear()
         _hits = _misses = 0
 
 
@@ -204,16 +210,17 @@ class TensorSpec:
         dtype: the CuTeDSL numeric type (``cutlass.BFloat16``...).
         ndim: rank.
         vec: the divisibility / alignment promise, in elements.
+        align: promised byte alignment of the data pointer, ``max(vec * dtype width / 8, 1)`` (derived, computed
+            once: :meth:`conforms` runs for every tensor of every launch).
     """
 
     dtype: Any
     ndim: int
     vec: int = 1
+    align: int = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def align(self) -> int:
-        """Promised byte alignment of the data pointer."""
-        return max(self.vec * self.dtype.width // 8, 1)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "align", max(self.vec * self.dtype.width // 8, 1))
 
     def fake(self) -> Any:
         """The compile-time stand-in (see :func:`fake_tensor`)."""
@@ -226,11 +233,12 @@ class TensorSpec:
         """
         if tensor.dim() != self.ndim or tensor.data_ptr() % self.align:
             return False
+        vec = self.vec
         if tensor.is_contiguous():  # every stride is a multiple of the last extent
-            return tensor.shape[-1] % self.vec == 0
+            return vec == 1 or tensor.shape[-1] % vec == 0
         if tensor.stride(-1) != 1:
             return False
-        return all(s % self.vec == 0 for s, n in zip(tensor.stride()[:-1], tensor.shape[:-1], strict=True) if n > 1)
+        return all(s % vec == 0 for s, n in zip(tensor.stride()[:-1], tensor.shape[:-1], strict=True) if n > 1)
 
     def launch_arg(self, tensor: Any, *, output: bool = False) -> Any:
         """``tensor`` itself if it keeps the promises; else an input is copied into a fresh compact tensor and an
@@ -285,17 +293,41 @@ def launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, t
     current torch stream. Each tensor goes through its spec's :meth:`TensorSpec.launch_arg` (the positions in
     ``outputs`` are outputs: refused, not copied, when they break a layout promise).
 
+    The host cost of every CuTeDSL launch is here, so the common case is a short path: a contiguous tensor of the
+    spec's rank, aligned, whose last extent is a multiple of ``vec``, is passed as it is without calling
+    :meth:`TensorSpec.conforms` (the same answer); any other goes through :meth:`TensorSpec.launch_arg`. The
+    compiled callable is looked up once per launch by (kernel class, config, device index, ``CUTE_DSL_ARCH``):
+    :func:`~cula_runtime.cute.arch.launch_target` and :func:`compile_kernel` run on the first launch of each key
+    only, and a launch with ``CUTE_DSL_ARCH`` set to another target than the device's raises as before (an error
+    is never remembered). A CUDA tensor's device always has an index; None (a CPU tensor, in tests) is taken as it
+    is.
+
     Raises:
         TypeError: a wrapper passed None where this configuration declares a tensor (a wrapper bug, named here
             rather than failing inside TVM-FFI).
     """
-    args = []
-    for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True)):
+    global _hits
+    if len(specs) != len(tensors):
+        list(zip(specs, tensors, strict=True))  # raises zip's ValueError (a wrapper bug)
+    args = list(tensors)
+    for i, spec in enumerate(specs):
         if spec is None:
-            args.append(None)
-        elif tensor is None:
+            args[i] = None
+            continue
+        tensor = args[i]
+        if (tensor is not None and tensor.dim() == spec.ndim and not tensor.data_ptr() % spec.align
+                and tensor.is_contiguous() and (spec.vec == 1 or not tensor.shape[-1] % spec.vec)):
+            continue  # keeps every promise (the contiguous case of TensorSpec.conforms)
+        if tensor is None:
             raise TypeError(f"{kernel_cls.__name__}: tensor argument {i} is required by {config}, got None")
-        else:
-            args.append(spec.launch_arg(tensor, output=i in outputs))
-    compiled = compile_kernel(kernel_cls, config, target=launch_target(device.index))
+        args[i] = spec.launch_arg(tensor, output=i in outputs)
+    index = device.index
+    key = (kernel_cls, config, index, os.environ.get(CUTE_DSL_ARCH_ENV))
+    compiled = _launchable.get(key)
+    if compiled is None:
+        compiled = compile_kernel(kernel_cls, config, target=launch_target(index))
+        _launchable[key] = compiled
+    else:
+        with _lock:
+            _hits += 1  # a compile-cache hit, as compile_kernel would count it
     compiled(*args, *scalars)  # TVM-FFI: the tensors' device, current stream

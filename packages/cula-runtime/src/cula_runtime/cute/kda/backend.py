@@ -9,6 +9,9 @@ Where it has run: all three kernels ran on sm_90 (H200) against the fp64 oracle 
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 from typing import Any
 
 from ...index import prepare_chunk_indices, prepare_chunk_offsets, prepare_sequence_order
@@ -22,6 +25,7 @@ CHUNK = 64
 HEAD_DIM = 128
 _CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
 CUTE_NARROWEST_BLOCK_V = 64  # the CuTeDSL recurrence's 2-warp CTAs (block_v 32) are its slowest (kda_tuning)
+WORKSPACE_ALIGN = 128  # bytes: every intermediate starts at a multiple (the kernels' TensorSpecs promise 16 at most)
 
 
 def verify(args: Any) -> tuple[bool, str]:
@@ -39,19 +43,86 @@ def verify(args: Any) -> tuple[bool, str]:
     return True, "CuTeDSL kernels serve this call"
 
 
+@functools.cache
+def _kernel_modules() -> tuple:
+    """The kernel modules ``(intra, prepare, recurrence)``, imported on the first call (importing this module
+    imports no CuTeDSL); a function-level import costs microseconds on every call."""
+    from . import intra, prepare, recurrence
+
+    return intra, prepare, recurrence
+
+
+def _intra_variant_flags(intra: Any) -> tuple[bool, bool, bool, bool]:
+    """:func:`~cula_runtime.cute.kda.intra.variant_flags` of ``CULA_CUTE_INTRA``, read once per call (the backend
+    used to read it twice); an unknown name raises there, with its message."""
+    flags = intra.VARIANTS.get(os.environ.get(intra.ENV_VARIANT, intra.DEFAULT_VARIANT))
+    return flags if flags is not None else intra.variant_flags(None)
+
+
+@functools.lru_cache(maxsize=256)
+def _workspace_plan(groups: tuple) -> tuple:
+    """``(total elements of the first group's dtype, elements of each group's span, (elements, stride) of each
+    group's tensors)`` for :func:`carve_workspace` (cached per call signature: no arithmetic per call)."""
+    base = groups[0][2].itemsize
+    spans, steps = [], []
+    for count, shape, dtype in groups:
+        nbytes = math.prod(shape) * dtype.itemsize
+        step = -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+        spans.append(count * step // base)
+        steps.append((nbytes // dtype.itemsize, step // dtype.itemsize))
+    return sum(spans), tuple(spans), tuple(steps)
+
+
+def carve_workspace(device: Any, groups: tuple) -> list:
+    """One call's intermediates as views of one allocation: one ``torch.empty`` (and one free) instead of one per
+    tensor.
+
+    Args:
+        groups: ``(count, shape, dtype)`` each (hashable: the layout is planned once per signature): ``count``
+            contiguous tensors of ``shape`` and ``dtype``.
+
+    Returns:
+        The tensors, group by group, each starting at a multiple of :data:`WORKSPACE_ALIGN` bytes from the start of
+        the buffer (a CUDA allocation starts 512-byte aligned). A view costs about a microsecond of host time, so
+        the buffer is split once into the groups' spans and a group of unpadded tensors is one ``[count, *shape]``
+        view, unbound.
+    """
+    import torch
+
+    total, spans, steps = _workspace_plan(groups)
+    base = groups[0][2]
+    pieces = torch.empty(total, dtype=base, device=device).split_with_sizes(spans)
+    tensors = []
+    for piece, (count, shape, dtype), (numel, stride) in zip(pieces, groups, steps, strict=True):
+        typed = piece if dtype == base else piece.view(dtype)
+        if numel != stride:  # padded to the alignment: one slice per tensor
+            tensors += (typed[i * stride:i * stride + numel].view(shape) for i in range(count))
+        elif count == 1:
+            tensors.append(typed.view(shape))
+        else:
+            tensors += typed.view(count, *shape).unbind(0)
+    return tensors
+
+
 def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     """Run KDA prefill on the CuTeDSL kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted;
     ``block_v``: value columns per recurrence CTA (32, 64, 128; the same bits for each; 0:
     :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count, at least 64).
 
-    Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (layout of ``initial_state``) or None.
+    Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (layout of ``initial_state``) or None, each its
+    own allocation. The intermediates (q̂, k̂, g_cum, β, w, u, qg, kg, Aqk, Akk_inv or g_last) are views of one
+    workspace buffer (:func:`carve_workspace`), alive until the call returns.
+
+    Host path: ``validate_kda_prefill`` and ``verify`` have checked everything the kernel wrappers would (shapes,
+    dtypes, one CUDA device, K = V = 128, ``cu_seqlens``), so the wrappers' checks are skipped: each kernel is
+    planned and launched by the same internal function its public wrapper uses (``prepare._prepare``,
+    ``intra._intra``, ``intra._intra_from_raw``, ``recurrence._run``), with the same configurations and arguments
+    (``tests/cute/test_kda_wrapper_marshalling.py`` compares the launches with the public wrappers' chain).
+    ``CULA_CUTE_INTRA`` and ``CULA_BLOCK_V`` are read once per call.
     """
     import torch
 
-    from .intra import chunk_kda_fwd_intra, chunk_kda_fwd_intra_from_raw, variant_flags
-    from .prepare import kda_prepare
-    from .recurrence import chunk_kda_fwd_recurrence
-
+    intra, prepare, recurrence = _kernel_modules()
     if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
         o = torch.empty(args.B, args.T, args.HV, args.V, dtype=args.q.dtype, device=args.device)
         if not args.output_final_state:
@@ -59,45 +130,55 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         if args.initial_state is None:
             return o, torch.zeros(args.state_shape, dtype=torch.float32, device=args.device)
         return o, args.initial_state.float().clone()
+    B, T, H, HV, K = args.B, args.T, args.H, args.HV, args.K
+    device = args.device
     cu = args.cu_seqlens
     chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK)
+    num_chunks = B * -(-T // CHUNK) if cu is None else chunk_indices.shape[0]
     h0 = args.initial_state
     if h0 is not None and h0.dtype != torch.float32:
         h0 = h0.float()
     if block_v == 0:
-        block_v = recurrence_block_v(args.N * args.HV, sm_count(args.device), narrowest=CUTE_NARROWEST_BLOCK_V)
-    _, _, fuse_l2norm, fuse_gate = variant_flags(None)
-    raw_dtypes = (torch.bfloat16, torch.float32)
+        block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=CUTE_NARROWEST_BLOCK_V)
+    flags = _intra_variant_flags(intra)
+    _, _, fuse_l2norm, fuse_gate = flags
+    lower_bound = args.lower_bound if args.use_gate_in_kernel else None
+    gate, A_log, dt_bias = prepare.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
+                                                  args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    raw_dtypes = (bf16, fp32)
     if fuse_gate and args.g.dtype in raw_dtypes and args.beta.dtype in raw_dtypes:
         # "fused-prepare": the intra kernel does all of kda_prepare's work (same bits), one launch less; the
         # recurrence reads its per-chunk decay rows and launches varlen sequences longest first (same bits)
-        w, u, qg, kg, Aqk, g_last = chunk_kda_fwd_intra_from_raw(
-            args.q, args.k, args.v, args.g, args.beta, args.scale, A_log=args.A_log, dt_bias=args.dt_bias,
-            lower_bound=args.lower_bound if args.use_gate_in_kernel else None,
-            use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, use_gate_in_kernel=args.use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
-            cu_seqlens=cu, chunk_indices=chunk_indices,
+        rows = num_chunks if cu is not None else -(-T // CHUNK)
+        w, u, qg, kg, Aqk, g_last = carve_workspace(
+            device, ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, rows, HV, K), fp32)))
+        intra._intra_from_raw(
+            args.q, args.k, args.v, args.g, args.beta, args.scale, gate, A_log, dt_bias, lower_bound,
+            args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices,
+            num_chunks, intra.VARIANTS["fused-prepare"], out=(w, u, qg, kg, Aqk, g_last),
         )
-        return chunk_kda_fwd_recurrence(
-            qg, kg, w, u, Aqk, g_last, args.scale, initial_state=h0, output_final_state=args.output_final_state,
-            cu_seqlens=cu, chunk_offsets=None if cu is None else prepare_chunk_offsets(cu, CHUNK),
-            state_v_first=args.state_v_first, block_v=block_v, gate_per_chunk=True,
-            seq_order=None if cu is None else prepare_sequence_order(cu),
+        o, ht, _, _ = recurrence._run(
+            qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu,
+            None if cu is None else prepare_chunk_offsets(cu, CHUNK), args.state_v_first, block_v, h=None,
+            v_new=None, gate_per_chunk=True, seq_order=None if cu is None else prepare_sequence_order(cu), N=args.N,
         )
+        return o, ht
     # The "fused" intra variant L2-normalises q/k itself (same bits): prepare then only does the gate and beta.
     fuse_l2norm = args.use_qk_l2norm_in_kernel and fuse_l2norm
-    q_hat, k_hat, g_cum, beta = kda_prepare(
-        args.q, args.k, args.g, args.beta, A_log=args.A_log, dt_bias=args.dt_bias,
-        lower_bound=args.lower_bound if args.use_gate_in_kernel else None,
-        use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel and not fuse_l2norm,
-        use_gate_in_kernel=args.use_gate_in_kernel, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=args.allow_neg_eigval, cu_seqlens=cu, chunk_indices=chunk_indices,
+    prepare_l2norm = args.use_qk_l2norm_in_kernel and not fuse_l2norm
+    groups = ((4, (B, T, HV, K), bf16), (2, (B, T, HV, CHUNK), bf16), (1, (B, T, HV, K), fp32), (1, (B, T, HV), fp32))
+    if prepare_l2norm:
+        groups += ((2, (B, T, H, K), args.q.dtype),)
+    w, u, qg, kg, Aqk, Akk_inv, g_cum, beta, *qk_hat = carve_workspace(device, groups)
+    q_hat, k_hat, g_cum, beta = prepare._prepare(
+        args.q, args.k, args.g, args.beta, gate, A_log, dt_bias, lower_bound, prepare_l2norm,
+        args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices, num_chunks,
+        (*(qk_hat or (None, None)), g_cum, beta), check_out=False,
     )
-    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
-        q_hat, k_hat, args.v, g_cum, beta, args.scale, cu_seqlens=cu, chunk_indices=chunk_indices, output_qg=True,
-        use_qk_l2norm_in_kernel=fuse_l2norm,
-    )
-    return chunk_kda_fwd_recurrence(
-        qg, kg, w, u, Aqk, g_cum, args.scale, initial_state=h0, output_final_state=args.output_final_state,
-        cu_seqlens=cu, state_v_first=args.state_v_first, block_v=block_v,
-    )
+    intra._intra(q_hat, k_hat, args.v, g_cum, beta, args.scale, cu, chunk_indices, num_chunks, output_qg=True,
+                 flags=flags, l2norm=fuse_l2norm, out=(w, u, qg, kg, Aqk, Akk_inv), check_out=False)
+    o, ht, _, _ = recurrence._run(qg, kg, w, u, Aqk, g_cum, args.scale, h0, args.output_final_state, cu, None,
+                                  args.state_v_first, block_v, h=None, v_new=None, gate_per_chunk=False,
+                                  seq_order=None, N=args.N)
+    return o, ht

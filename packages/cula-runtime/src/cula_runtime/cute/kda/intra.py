@@ -997,33 +997,45 @@ def chunk_kda_fwd_intra(
     device = q.device
     if device.type != "cuda" or any(t.device != device for t in (k, v, gk, beta)):
         raise ValueError("q, k, v, gk and beta must be CUDA tensors on one device")
-    varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
-    config, specs = _plan(H, HV, K, bool(output_qg), varlen, variant_flags(variant)[:2],
-                          l2norm=bool(use_qk_l2norm_in_kernel))
+    return _intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, num_chunks, bool(output_qg),
+                  variant_flags(variant), bool(use_qk_l2norm_in_kernel), out)
+
+
+def _intra(q, k, v, gk, beta, scale: float, cu_seqlens, chunk_indices, num_chunks: int, output_qg: bool,
+           flags: tuple, l2norm: bool, out, *, check_out: bool = True) -> tuple:
+    """:func:`chunk_kda_fwd_intra` after its argument checks (``chunk_indices`` and ``num_chunks`` from
+    :func:`~cula_runtime.cute.varlen.chunk_rows`, ``flags`` from :func:`variant_flags`): plan, allocate the outputs
+    (or take ``out``: checked unless ``check_out`` is False, for a caller that carved them itself) and launch."""
+    import torch
+
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    device = q.device
+    config, specs = _plan(H, HV, K, output_qg, cu_seqlens is not None, flags[:2], l2norm=l2norm)
 
     names = ("w", "u", "qg", "kg", "Aqk", "Akk_inv")
-    shapes = ((B, T, HV, K),) * 4 + ((B, T, HV, 64),) * 2
     if out is not None:
         if len(out) != 6:
             raise ValueError("out must be (w, u, qg, kg, Aqk, Akk_inv)")
-        for name, t, shape in zip(names, out, shapes, strict=True):
-            if name == "qg" and not output_qg:
-                continue
-            if t is None or tuple(t.shape) != shape or t.dtype != torch.bfloat16 or t.device != device:
-                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
-                raise ValueError(f"out: {name} must be bfloat16 {shape} on {device}, got {got}")
-        outputs = tuple(None if name == "qg" and not output_qg else t for name, t in zip(names, out, strict=True))
+        if check_out:
+            shapes = ((B, T, HV, K),) * 4 + ((B, T, HV, 64),) * 2
+            for name, t, shape in zip(names, out, shapes, strict=True):
+                if name == "qg" and not output_qg:
+                    continue
+                if t is None or tuple(t.shape) != shape or t.dtype != torch.bfloat16 or t.device != device:
+                    got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                    raise ValueError(f"out: {name} must be bfloat16 {shape} on {device}, got {got}")
+        w, u, qg, kg, Aqk, Akk_inv = out
+        outputs = (w, u, qg if output_qg else None, kg, Aqk, Akk_inv)
     else:
-        outputs = tuple(
-            None if name == "qg" and not output_qg else torch.empty(shape, dtype=torch.bfloat16, device=device)
-            for name, shape in zip(names, shapes, strict=True)
-        )
-    w, u, qg, kg, Aqk, Akk_inv = outputs
+        def empty(cols: int):
+            return torch.empty(B, T, HV, cols, dtype=torch.bfloat16, device=device)
+
+        outputs = (empty(K), empty(K), empty(K) if output_qg else None, empty(K), empty(64), empty(64))
     if num_chunks == 0:
         return outputs
-    _launch(config, specs, (q, k, v, gk, beta, w, u, qg, kg, Aqk, Akk_inv, None, cu_seqlens, chunk_indices), scale,
-            device)
+    _launch(config, specs, (q, k, v, gk, beta, *outputs, None, cu_seqlens, chunk_indices), scale, device)
     return outputs
 
 
@@ -1079,17 +1091,37 @@ def chunk_kda_fwd_intra_from_raw(
     device = q.device
     form, A_log, dt_bias = gate_arguments(use_gate_in_kernel, lower_bound, A_log, dt_bias, allow_neg_eigval,
                                           use_beta_sigmoid_in_kernel, HV, K, device)
-    gate = InKernelGate(form=form, g_dtype=dtypes[g.dtype], beta_dtype=dtypes[beta.dtype],
-                        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None,
-                        beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval))
-    varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
     flags = variant_flags(variant if variant is not None else "fused-prepare")
-    config, specs = _plan(H, HV, K, True, varlen, flags[:2], l2norm=bool(use_qk_l2norm_in_kernel), gate=gate,
-                          output_akk_inv=False)
-    w, u, qg, kg = (torch.empty(B, T, HV, K, dtype=bf16, device=device) for _ in range(4))
-    Aqk = torch.empty(B, T, HV, 64, dtype=bf16, device=device)
-    g_last = torch.empty(B, num_chunks if varlen else -(-T // 64), HV, K, dtype=torch.float32, device=device)
+    return _intra_from_raw(q, k, v, g, beta, scale, form, A_log, dt_bias, lower_bound,
+                           bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
+                           cu_seqlens, chunk_indices, num_chunks, flags)
+
+
+def _intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, lower_bound: float | None,
+                    l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool, cu_seqlens, chunk_indices,
+                    num_chunks: int, flags: tuple, out=None) -> tuple:
+    """:func:`chunk_kda_fwd_intra_from_raw` after its argument checks (``form``, ``A_log``, ``dt_bias`` from
+    :func:`gate_arguments`; g and beta bf16 or fp32): plan, allocate the outputs unless ``out`` (the caller's own,
+    unchecked: the cutedsl backend carves them from its workspace) and launch."""
+    import torch
+
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    device = q.device
+    varlen = cu_seqlens is not None
+    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    gate = InKernelGate(form=form, g_dtype=names[g.dtype], beta_dtype=names[beta.dtype],
+                        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, beta_sigmoid=beta_sigmoid,
+                        allow_neg_eigval=allow_neg_eigval)
+    config, specs = _plan(H, HV, K, True, varlen, flags[:2], l2norm=l2norm, gate=gate, output_akk_inv=False)
+    if out is not None:
+        w, u, qg, kg, Aqk, g_last = out
+    else:
+        bf16 = torch.bfloat16
+        w, u, qg, kg = (torch.empty(B, T, HV, K, dtype=bf16, device=device) for _ in range(4))
+        Aqk = torch.empty(B, T, HV, 64, dtype=bf16, device=device)
+        g_last = torch.empty(B, num_chunks if varlen else -(-T // 64), HV, K, dtype=torch.float32, device=device)
     if num_chunks:
         _launch(config, specs, (q, k, v, g, beta, w, u, qg, kg, Aqk, None, None, cu_seqlens, chunk_indices), scale,
                 device, gate_tensors=(A_log, dt_bias, g_last),

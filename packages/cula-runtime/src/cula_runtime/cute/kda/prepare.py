@@ -432,8 +432,6 @@ def kda_prepare(
         in log2 units, ``beta`` fp32 ``[B, T, HV]``. Launched on the current stream; the first call per
         configuration compiles (see :func:`cula_runtime.cute.compile_cache.compile_records`).
     """
-    import torch
-
     if q.shape != k.shape or q.dim() != 4 or q.dtype != k.dtype:
         raise ValueError(f"q and k must both be [B, T, H, K] of one dtype, got {tuple(q.shape)} {q.dtype} and "
                          f"{tuple(k.shape)} {k.dtype}")
@@ -449,21 +447,39 @@ def kda_prepare(
     gate, A_log, dt_bias = gate_arguments(use_gate_in_kernel, lower_bound, A_log, dt_bias, allow_neg_eigval,
                                           use_beta_sigmoid_in_kernel, HV, K, device)
 
-    varlen = cu_seqlens is not None
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
+    return _prepare(q, k, g, beta, gate, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
+                    use_beta_sigmoid_in_kernel, allow_neg_eigval, cu_seqlens, chunk_indices, num_chunks, out)
+
+
+def _prepare(q, k, g, beta, gate: str, A_log, dt_bias, lower_bound: float | None, use_qk_l2norm_in_kernel: bool,
+             use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, cu_seqlens, chunk_indices, num_chunks: int,
+             out, *, check_out: bool = True) -> tuple:
+    """:func:`kda_prepare` after its argument checks (``gate``, ``A_log``, ``dt_bias`` from :func:`gate_arguments`,
+    ``chunk_indices`` and ``num_chunks`` from :func:`~cula_runtime.cute.varlen.chunk_rows`): plan, allocate the
+    outputs (or take ``out``: checked unless ``check_out`` is False, for a caller that carved them itself) and
+    launch. The cutedsl backend calls it directly: :func:`~cula_runtime.kda_args.validate_kda_prefill` has checked
+    what kda_prepare would."""
+    import torch
+
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    device = q.device
     flags = (use_qk_l2norm_in_kernel, gate, A_log is not None, dt_bias is not None, use_beta_sigmoid_in_kernel,
-             allow_neg_eigval, varlen)
+             allow_neg_eigval, cu_seqlens is not None)
     config, specs = _plan(H, HV, K, q.dtype, g.dtype, beta.dtype, flags)
 
     if out is not None:
         q_hat, k_hat, g_cum, beta_out = out
-        expected = (("g_cum", g_cum, (B, T, HV, K), torch.float32), ("beta_out", beta_out, (B, T, HV), torch.float32))
-        if use_qk_l2norm_in_kernel:
-            expected += (("q_hat", q_hat, q.shape, q.dtype), ("k_hat", k_hat, q.shape, q.dtype))
-        for name, t, shape, dtype in expected:
-            if t is None or t.shape != shape or t.dtype != dtype or t.device != device:
-                got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
-                raise ValueError(f"out: {name} must be {dtype} {tuple(shape)} on {device}, got {got}")
+        if check_out:
+            expected = (("g_cum", g_cum, (B, T, HV, K), torch.float32),
+                        ("beta_out", beta_out, (B, T, HV), torch.float32))
+            if use_qk_l2norm_in_kernel:
+                expected += (("q_hat", q_hat, q.shape, q.dtype), ("k_hat", k_hat, q.shape, q.dtype))
+            for name, t, shape, dtype in expected:
+                if t is None or t.shape != shape or t.dtype != dtype or t.device != device:
+                    got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                    raise ValueError(f"out: {name} must be {dtype} {tuple(shape)} on {device}, got {got}")
     else:
         q_hat = torch.empty_like(q) if use_qk_l2norm_in_kernel else None
         k_hat = torch.empty_like(k) if use_qk_l2norm_in_kernel else None

@@ -511,11 +511,28 @@ def _launch(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_sta
         if seq_order.dtype != torch.int32 or tuple(seq_order.shape) != (N,) or seq_order.device != device:
             raise ValueError(f"seq_order must be int32 [{N}] on {device}, got {seq_order.dtype} "
                              f"{tuple(seq_order.shape)} on {seq_order.device}")
-    flags = (varlen, initial_state is not None, bool(output_final_state), bool(state_v_first), want_o, want_h,
-             bool(gate_per_chunk), seq_order is not None)
+    return _run(qg, kg, w, u, Aqk, gk, scale, initial_state, bool(output_final_state), cu_seqlens, chunk_offsets,
+                bool(state_v_first), block_v, h, v_new, bool(gate_per_chunk), seq_order, N)
+
+
+def _run(qg, kg, w, u, Aqk, gk, scale: float, initial_state, output_final_state: bool, cu_seqlens, chunk_offsets,
+         state_v_first: bool, block_v: int, h, v_new, gate_per_chunk: bool, seq_order, N: int) -> tuple:
+    """:func:`_launch` after its checks (``h`` and ``v_new`` allocated when wanted; ``N`` sequences): plan,
+    allocate ``o`` (when ``qg`` is given) and the final state, launch: ``(o or None, ht or None, h, v_new)``. The
+    cutedsl backend calls it directly: :func:`~cula_runtime.kda_args.validate_kda_prefill` and the intra kernel's
+    outputs meet what :func:`_launch` checks."""
+    import torch
+
+    B, T, HV, K = w.shape
+    device = w.device
+    varlen = cu_seqlens is not None
+    want_o, want_h = qg is not None, h is not None
+    flags = (varlen, initial_state is not None, output_final_state, state_v_first, want_o, want_h, gate_per_chunk,
+             seq_order is not None)
     config, specs = _plan(HV, K, block_v, flags)
 
     o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device) if want_o else None
+    state_shape = (N, HV, K, K)
     ht = torch.empty(state_shape, dtype=torch.float32, device=device) if output_final_state else None
     if N == 0:
         return o, ht, h, v_new
