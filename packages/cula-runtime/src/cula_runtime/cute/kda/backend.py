@@ -66,7 +66,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         h0 = h0.float()
     if block_v == 0:
         block_v = recurrence_block_v(args.N * args.HV, sm_count(args.device), narrowest=CUTE_NARROWEST_BLOCK_V)
-    _, _, fuse_l2norm, fuse_gate = variant_flags(None)
+    _, _, fuse_l2norm, fuse_gate, _ = variant_flags(None)
     raw_dtypes = (torch.bfloat16, torch.float32)
     if fuse_gate and args.g.dtype in raw_dtypes and args.beta.dtype in raw_dtypes:
         # "fused-prepare": the intra kernel does all of kda_prepare's work (same bits), one launch less; the
