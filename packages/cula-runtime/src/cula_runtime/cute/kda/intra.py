@@ -115,10 +115,12 @@ class KdaIntraConfig:
             (``Γ`` of its last valid token) for the recurrence. ``phases="all"`` only.
         output_akk_inv: write ``Akk_inv`` (``phases="all"``; the recurrence does not read it, so the cutedsl
             backend's fused-prepare path leaves it out: 128 bytes per token and value head less to write).
-        prefetch: issue each row pass's global loads one pass ahead (:meth:`KdaIntra.fill`, and each column
-            stage's in :meth:`KdaIntra.gate_prologue`). Without it a pass's loads come after the previous pass's
-            global stores (kg, qg), which the compiler may not move them above, so every pass waits a full memory
-            latency (the SASS shows load, use, store, load...). Same arithmetic, same bits.
+        prefetch: how many row passes ahead each pass's global loads are issued (:meth:`KdaIntra.fill`; with any
+            prefetch the in-kernel gate also loads each column stage's raw values one stage ahead,
+            :meth:`KdaIntra.gate_prologue`). Without it a pass's loads come after the previous pass's global stores
+            (kg, qg), which the compiler may not move them above, so every pass waits a full memory latency (the
+            SASS shows load, use, store, load...). 0 or 1 (two ahead spill registers). Same arithmetic, same
+            bits.
     """
 
     num_heads: int
@@ -133,7 +135,7 @@ class KdaIntraConfig:
     l2norm: bool = False
     gate: InKernelGate | None = None
     output_akk_inv: bool = True
-    prefetch: bool = False
+    prefetch: int = 0
 
 
 class KdaIntra:
@@ -167,6 +169,8 @@ class KdaIntra:
             return False, f"HV={c.num_v_heads} exceeds the grid's y limit (65535)"
         if c.phases not in PHASES:
             return False, f"phases={c.phases!r}: expected one of {PHASES}"
+        if c.prefetch not in (0, 1):  # two passes ahead spill registers (23 values with the fused L2 norm)
+            return False, f"prefetch={c.prefetch!r}: expected 0 or 1 row passes"
         if c.lean_smem and c.phases != "all":
             return False, "lean_smem applies to phases='all' only"
         if not c.output_akk_inv and c.phases != "all":
@@ -661,7 +665,7 @@ class KdaIntra:
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, K)))  # (row, column) of every element
         gG = self.chunk_rows(mG, b, hv, start, K)
         vec_layout = cute.make_layout(VEC)
-        ahead = 1 if const_expr(c.prefetch) else 0  # passes whose loads are issued before this pass's work
+        ahead = c.prefetch  # passes whose loads are issued before this pass's work
         staged = [None] * self.passes
         for step in cutlass.range_constexpr(self.passes + ahead):
             if const_expr(step < self.passes):  # load pass `step`
@@ -942,15 +946,14 @@ ENV_VARIANT = "CULA_CUTE_INTRA"
 DEFAULT_VARIANT = "lean-unrolled"
 # The "-prefetch" variants issue each row pass's loads one pass ahead (KdaIntraConfig.prefetch): compiled, not yet
 # run on a GPU.
-VARIANTS = {"wide": (False, False, False, False, False), "lean": (True, False, False, False, False),
-            "lean-unrolled": (True, True, False, False, False), "fused": (True, True, True, False, False),
-            "fused-prepare": (True, True, True, True, False),
-            "lean-unrolled-prefetch": (True, True, False, False, True),
-            "fused-prefetch": (True, True, True, False, True),
-            "fused-prepare-prefetch": (True, True, True, True, True)}
+VARIANTS = {"wide": (False, False, False, False, 0), "lean": (True, False, False, False, 0),
+            "lean-unrolled": (True, True, False, False, 0), "fused": (True, True, True, False, 0),
+            "fused-prepare": (True, True, True, True, 0),
+            "lean-unrolled-prefetch": (True, True, False, False, 1), "fused-prefetch": (True, True, True, False, 1),
+            "fused-prepare-prefetch": (True, True, True, True, 1)}
 
 
-def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, bool]:
+def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int]:
     """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch)`` of a named variant; None:
     ``CULA_CUTE_INTRA``, else ``lean-unrolled`` (the default). Every variant without ``prefetch`` ran on the H200
     with the same bits as ``wide``."""
@@ -964,7 +967,7 @@ def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, bool]:
 
 
 @functools.lru_cache(maxsize=256)
-def kernel_flags(flags: tuple[bool, bool, bool, bool, bool]) -> tuple[bool, bool, bool]:
+def kernel_flags(flags: tuple[bool, bool, bool, bool, int]) -> tuple[bool, bool, int]:
     """The kernel-shape part of :func:`variant_flags`'s answer: ``(lean_smem, unrolled_inverse, prefetch)``."""
     return flags[0], flags[1], flags[4]
 
@@ -976,7 +979,7 @@ def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[b
     unrolled_inverse[, prefetch])``."""
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
                             lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm, gate=gate,
-                            output_akk_inv=output_akk_inv, prefetch=len(flags) > 2 and flags[2])
+                            output_akk_inv=output_akk_inv, prefetch=flags[2] if len(flags) > 2 else 0)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"KdaIntra: {reason}")
