@@ -29,7 +29,9 @@ PICK = ("fixed B1 T16384", "fixed B2 T16384", "fixed B1 T512", "varlen T16384 10
 CUTE_STAGES = ("prepare", "intra", "recurrence")
 # backend -> its stages; the CuTeDSL entries name the intra kernel's variant after "cutedsl-"
 STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES,
-          **{f"cutedsl-{v}": CUTE_STAGES for v in ("wide", "lean", "lean-unrolled", "fused", "fused-prepare")}}
+          **{f"cutedsl-{v}": CUTE_STAGES for v in ("wide", "lean", "lean-unrolled", "fused", "fused-prepare",
+                                                   "lean-unrolled-prefetch", "fused-prefetch",
+                                                   "fused-prepare-prefetch")}}
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:

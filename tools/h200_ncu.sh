@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Nsight Compute on one kda_prefill call per backend, on the lent H200 (the Firecracker machines read the counters):
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_ncu.sh ["fixed B1 T16384"]
-# For each GPU backend (the CuTeDSL one with the intra variant in NCU_INTRA, default fused-prepare): throughput,
-# occupancy, warp stall reasons and memory traffic of every kernel of the call, as text in $OUT/ncu_<backend>.txt.
+# For sm90, then for the CuTeDSL backend once per intra variant in NCU_INTRA (default: the default variant, its
+# prefetch form and fused-prepare-prefetch): throughput, occupancy, warp stall reasons (also per source line, from
+# SourceCounters) and memory traffic of every kernel of the call, as text in $OUT/ncu_<backend>[_<variant>].txt.
 # Clocks are left alone (--clock-control none), as the device notes ask.
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 config=${1:-fixed B1 T16384}
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-          --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
-for backend in sm90 cutedsl; do
-  CULA_CUTE_INTRA=${NCU_INTRA:-fused-prepare} timeout 280 ncu --clock-control none --profile-from-start off \
-    "${sections[@]}" python3 tools/ncu_kda.py --backend "$backend" --config "$config" > "$OUT/ncu_$backend.txt" 2>&1
-  echo "ncu $backend ($config): exit $? | $(grep -c '^  [A-Za-z_].*(' "$OUT/ncu_$backend.txt") kernel reports"
+          --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis
+          --section SourceCounters)
+run() {  # backend, output file, then the environment's CULA_CUTE_INTRA
+  timeout 200 ncu --clock-control none --profile-from-start off "${sections[@]}" \
+    python3 tools/ncu_kda.py --backend "$1" --config "$config" > "$2" 2>&1
+  echo "ncu $1 ${CULA_CUTE_INTRA:-} ($config): exit $? | $(grep -c '^  [A-Za-z_].*(' "$2") kernel reports"
+}
+run sm90 "$OUT/ncu_sm90.txt"
+for variant in ${NCU_INTRA:-lean-unrolled lean-unrolled-prefetch fused-prepare-prefetch}; do
+  CULA_CUTE_INTRA=$variant run cutedsl "$OUT/ncu_cutedsl_$variant.txt"
 done

@@ -33,6 +33,12 @@ CONFIGS = {
     "fused-l2norm-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True, varlen=True,
                                                lean_smem=True, unrolled_inverse=True, l2norm=True),
     "l2norm-fixed-H4-HV4-K64": dict(num_heads=4, num_v_heads=4, head_dim=64, l2norm=True),
+    "lean-unrolled-prefetch-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True,
+                                                         varlen=True, lean_smem=True, unrolled_inverse=True,
+                                                         prefetch=1),
+    "fused-l2norm-prefetch-fixed-qg-H4-HV8-K128": dict(num_heads=4, num_v_heads=8, head_dim=128, output_qg=True,
+                                                      lean_smem=True, unrolled_inverse=True, l2norm=True,
+                                                      prefetch=1),
 }
 # Shared memory of one SM on SM90 and SM100/SM103 (228 KB), and what each of two resident CTAs may take (the
 # driver reserves 1 KB per CTA).
@@ -85,8 +91,27 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
     # the fused L2 norm: one rsqrt per row segment of q (when read) and of k, in every pass that reads them
     reads = (2 if config.lean_smem else 1)  # k is read again by the lean plan's right-hand-side pass
     assert code.count("MUFU.RSQ") == (config.l2norm * passes * (1 + reads) if config.l2norm else 0)
+    # prefetch: the second row pass's loads are issued before the first pass's kg/qg stores (without it the
+    # stores come first, and the compiler may not move a load above a store to global memory)
+    per_pass = 2 + (not config.lean_smem) + 2  # q, k, (v: wide plan), g as two 16-byte halves
+    first = _issued_before(code.sass, "LDG.E.128", "STG.E.128")
+    assert first == (1 + config.prefetch) * per_pass, (first, per_pass)
     print(f"{config_id} {target}: {compile_seconds(KdaIntra, config, target):.1f} s, {sum(code.opcodes.values())} "
           f"instructions, HMMA {code.count('HMMA')}, LDSM {code.count('LDSM')}")
+
+
+def _issued_before(sass: str, op: str, stop: str) -> int:
+    """How many ``op`` instructions (exact opcode) come before the first ``stop`` in the kernel's SASS."""
+    count = 0
+    for line in sass.splitlines():
+        fields = line.split("*/", 1)[-1].split() if "/*" in line else []
+        fields = [f for f in fields if not f.startswith("@")]
+        if not fields:
+            continue
+        if fields[0] == stop:
+            return count
+        count += fields[0] == op
+    return count
 
 
 # In-kernel gate configurations (the fused-prepare path: kda_prepare's work done by the intra kernel). The last
@@ -100,6 +125,8 @@ GATE_CONFIGS = {
     "gate-none-varlen-H2-HV4-K64": (
         dict(num_heads=2, num_v_heads=4, head_dim=64, varlen=True),
         dict(form="none", has_A_log=False, has_dt_bias=False, beta_sigmoid=False), 0),
+    "gate-safe-bf16-l2norm-prefetch-varlen-H2-HV4-K128": (
+        dict(num_heads=2, num_v_heads=4, varlen=True, l2norm=True, prefetch=1), dict(g_dtype="bfloat16"), 0),
 }
 
 
@@ -146,6 +173,12 @@ def test_kda_intra_in_kernel_gate_machine_code(config_id: str, target: str) -> N
         assert code.count("MUFU.RSQ") >= 3 * passes
     else:
         assert code.count("MUFU.RSQ") == 0
+    # prefetch: the next column stage's raw gate is loaded before this stage's barrier, and the second row pass's
+    # q/k rows before the first pass's kg/qg stores
+    ahead = 1 + config.prefetch  # (the gate's column stages go at most one ahead: prefetch 1 here)
+    if g_op == "LDG.E.U16":  # (an fp32 gate shares its opcode with other scalar loads)
+        assert _issued_before(code.sass, g_op, "BAR.SYNC.DEFER_BLOCKING") == ahead * (C // gate_scan_segments(K, C))
+    assert _issued_before(code.sass, "LDG.E.128", "STG.E.128") == ahead * 2  # q and k rows per pass
     print(f"{config_id} {target}: {sum(code.opcodes.values())} instructions, spills {code.count('STL')}")
 
 
@@ -172,6 +205,7 @@ def test_one_binary_serves_every_length() -> None:
         ({"head_dim": 256}, "64 or 128"),
         ({"chunk_size": 32}, "only 64"),
         ({"num_v_heads": 3}, "multiple"),
+        ({"prefetch": 2}, "0 or 1"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:
@@ -242,12 +276,14 @@ def test_variant_knob(monkeypatch) -> None:
     from cula_runtime.cute.kda.intra import ENV_VARIANT, VARIANTS, variant_flags
 
     monkeypatch.delenv(ENV_VARIANT, raising=False)
-    assert variant_flags(None) == (True, True, False, False) == VARIANTS["lean-unrolled"]
+    assert variant_flags(None) == (True, True, False, False, 0) == VARIANTS["lean-unrolled"]
     monkeypatch.setenv(ENV_VARIANT, "wide")
-    assert variant_flags(None) == (False, False, False, False)
-    assert variant_flags("lean") == (True, False, False, False)  # the argument wins over the environment
-    assert variant_flags("fused") == (True, True, True, False)
-    assert variant_flags("fused-prepare") == (True, True, True, True)
+    assert variant_flags(None) == (False, False, False, False, 0)
+    assert variant_flags("lean") == (True, False, False, False, 0)  # the argument wins over the environment
+    assert variant_flags("fused") == (True, True, True, False, 0)
+    assert variant_flags("fused-prepare") == (True, True, True, True, 0)
+    for name in ("lean-unrolled", "fused", "fused-prepare"):  # each with its loads issued one row pass ahead
+        assert variant_flags(f"{name}-prefetch") == (*VARIANTS[name][:4], 1)
     monkeypatch.setenv(ENV_VARIANT, "fast")
     with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'.*lean"):
         variant_flags(None)

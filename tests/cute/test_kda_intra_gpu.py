@@ -149,7 +149,7 @@ def test_matches_reference(case_id: str, variant: str) -> None:
     _check(case, dict(zip(NAMES, result, strict=True)), _reference(inp))
 
 
-@pytest.mark.parametrize("variant", ["lean", "lean-unrolled"])
+@pytest.mark.parametrize("variant", ["lean", "lean-unrolled", "lean-unrolled-prefetch"])
 @pytest.mark.parametrize("case_id", ["varlen-0-1-64-65-300-H1-HV2-K128-qg", "B2-T130-H2-HV2-K64-qg"])
 def test_every_variant_gives_the_wide_variants_bits(case_id: str, variant: str) -> None:
     """The variants differ in shared-memory plan and loop structure, not in arithmetic or its order: every output
@@ -281,10 +281,12 @@ FROM_RAW = {
 }
 
 
+@pytest.mark.parametrize("variant", ["fused-prepare", "fused-prepare-prefetch"])
 @pytest.mark.parametrize("case_id", list(FROM_RAW))
-def test_from_raw_gives_prepare_then_intra_bits(case_id: str) -> None:
+def test_from_raw_gives_prepare_then_intra_bits(case_id: str, variant: str) -> None:
     """One launch from the raw inputs equals kda_prepare followed by chunk_kda_fwd_intra (lean-unrolled) bit for
-    bit, and g_last holds g_cum's row at every chunk's last valid token, every row written."""
+    bit, and g_last holds g_cum's row at every chunk's last valid token, every row written; with and without the
+    loads issued ahead."""
     from cula_runtime.cute.kda.intra import chunk_kda_fwd_intra, chunk_kda_fwd_intra_from_raw
     from cula_runtime.cute.kda.prepare import kda_prepare
     from cula_runtime.index import prepare_chunk_indices
@@ -312,7 +314,7 @@ def test_from_raw_gives_prepare_then_intra_bits(case_id: str) -> None:
     want = chunk_kda_fwd_intra(q_hat, k_hat, v, g_cum, beta_f, K**-0.5, cu_seqlens=cu, output_qg=True,
                                variant="lean-unrolled")
     poison_allocator(8 * B * T * HV * K * 4)
-    got = chunk_kda_fwd_intra_from_raw(q, k, v, g, beta, K**-0.5, **gate, **flags, cu_seqlens=cu)
+    got = chunk_kda_fwd_intra_from_raw(q, k, v, g, beta, K**-0.5, **gate, **flags, cu_seqlens=cu, variant=variant)
     for name, a, b in zip(NAMES[:5], got[:5], want[:5], strict=True):
         assert torch.equal(a, b), name
     g_last = got[5]

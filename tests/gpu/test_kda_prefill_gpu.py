@@ -57,11 +57,12 @@ def test_1000_replays_are_bit_identical(backend: str, monkeypatch: pytest.Monkey
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
 
 
-@pytest.mark.parametrize("variant", ["wide", "lean", "fused"])  # the default is lean-unrolled
+@pytest.mark.parametrize("variant", ["wide", "lean", "fused", "lean-unrolled-prefetch", "fused-prefetch"])
 @pytest.mark.parametrize("case_name", ["B2-T257-H2-vk", "varlen-3seqs-h0bf16-GVA4", "B1-T300-H2-no-l2norm"])
 def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str, monkeypatch) -> None:
     """Every CuTeDSL intra variant (shared-memory plan, loop or unrolled inverse, the L2 norm moved from kda_prepare
-    into the intra kernel) gives the default (lean-unrolled) pipeline's o and final state bit for bit."""
+    into the intra kernel, loads issued a row pass ahead) gives the default (lean-unrolled) pipeline's o and final
+    state bit for bit."""
     from cula.kda import kda_prefill
 
     use_backend("cutedsl", monkeypatch)
@@ -78,7 +79,8 @@ def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str,
     "B1-T300-H2-gate-precomputed-bf16", "B1-T300-H2-rawgate-bf16", "B1-T300-H2-no-l2norm",
     "B1-T300-H2-beta-activated-bf16", "varlen-0-1-64-65-200", "varlen-0-0-70", "varlen-3seqs-h0bf16-GVA4",
 ])
-def test_cutedsl_fused_prepare_gives_the_same_bits(case_name: str, monkeypatch) -> None:
+@pytest.mark.parametrize("variant", ["fused-prepare", "fused-prepare-prefetch"])
+def test_cutedsl_fused_prepare_gives_the_same_bits(case_name: str, variant: str, monkeypatch) -> None:
     """The fused-prepare variant (kda_prepare's gate cumsum, β and L2 norm inside the intra kernel; the recurrence
     reads the intra kernel's per-chunk decay rows) gives the default pipeline's o and final state bit for bit, over
     the gate forms, input dtypes, GVA, varlen with empty and one-token sequences."""
@@ -88,7 +90,7 @@ def test_cutedsl_fused_prepare_gives_the_same_bits(case_name: str, monkeypatch) 
     kwargs = make_inputs(next(c for c in CASES if c.name == case_name), "cuda", seed=6)
     monkeypatch.delenv("CULA_CUTE_INTRA", raising=False)
     o0, ht0 = kda_prefill(**kwargs)
-    monkeypatch.setenv("CULA_CUTE_INTRA", "fused-prepare")
+    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     poison_allocator(8 * o0.numel() * 2)
     o, ht = kda_prefill(**kwargs)
     assert torch.equal(o, o0)

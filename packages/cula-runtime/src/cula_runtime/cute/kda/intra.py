@@ -115,6 +115,12 @@ class KdaIntraConfig:
             (``Γ`` of its last valid token) for the recurrence. ``phases="all"`` only.
         output_akk_inv: write ``Akk_inv`` (``phases="all"``; the recurrence does not read it, so the cutedsl
             backend's fused-prepare path leaves it out: 128 bytes per token and value head less to write).
+        prefetch: how many row passes ahead each pass's global loads are issued (:meth:`KdaIntra.fill`; with any
+            prefetch the in-kernel gate also loads each column stage's raw values one stage ahead,
+            :meth:`KdaIntra.gate_prologue`). Without it a pass's loads come after the previous pass's global stores
+            (kg, qg), which the compiler may not move them above, so every pass waits a full memory latency (the
+            SASS shows load, use, store, load...). 0 or 1 (two ahead spill registers). Same arithmetic, same
+            bits.
     """
 
     num_heads: int
@@ -129,6 +135,7 @@ class KdaIntraConfig:
     l2norm: bool = False
     gate: InKernelGate | None = None
     output_akk_inv: bool = True
+    prefetch: int = 0
 
 
 class KdaIntra:
@@ -162,6 +169,8 @@ class KdaIntra:
             return False, f"HV={c.num_v_heads} exceeds the grid's y limit (65535)"
         if c.phases not in PHASES:
             return False, f"phases={c.phases!r}: expected one of {PHASES}"
+        if c.prefetch not in (0, 1):  # two passes ahead spill registers (23 values with the fused L2 norm)
+            return False, f"prefetch={c.prefetch!r}: expected 0 or 1 row passes"
         if c.lean_smem and c.phases != "all":
             return False, "lean_smem applies to phases='all' only"
         if not c.output_akk_inv and c.phases != "all":
@@ -533,7 +542,7 @@ class KdaIntra:
         :meth:`load_anchors`) and ``g_last[b, chunk, hv, :] = Γ[valid - 1]``. Ends with a barrier."""
         c = self.config
         gate = c.gate
-        C, K, VEC = c.chunk_size, c.head_dim, self.vec
+        C, K = c.chunk_size, c.head_dim
         runs = gate_scan_segments(K, C)
         run_len = C // runs
         width = self.num_threads // runs  # columns per stage: one thread per (run, column)
@@ -545,41 +554,69 @@ class KdaIntra:
         if const_expr(gate.form != "none" and gate.has_A_log):
             scale = cute.math.exp(mALog[hv])
         tXcX = self.row_copy(K).get_slice(tidx).partition_S(cute.make_identity_tensor((C, K)))
-        for stage in cutlass.range_constexpr(K // width):
-            col = stage * width + column
-            bias = Float32(0.0)
-            if const_expr(gate.has_dt_bias):
-                bias = mDtBias[hv, col]
-            running = Float32(0.0)
-            for i in cutlass.range_constexpr(run_len):
-                row = run * run_len + i
-                x = Float32(0.0)  # rows past the end add the activation of 0, as in prepare (never stored)
+        stages = K // width
+        ahead = 1 if const_expr(c.prefetch) else 0  # with prefetch: stage s + 1's raw gate is loaded before s
+        staged = [None] * stages
+        for step in cutlass.range_constexpr(stages + ahead):
+            if const_expr(c.prefetch and step < stages):  # unconditional loads (rows clamped into the chunk)
+                rRaw = cute.make_rmem_tensor(cute.make_layout(run_len), mG.element_type)
+                for i in cutlass.range_constexpr(run_len):
+                    rRaw[i] = mG[b, start + cutlass.min(run * run_len + i, valid - 1), hv, step * width + column]
+                staged[step] = rRaw
+            if const_expr(step >= ahead):
+                self.gate_stage(mG, mDtBias, mGLast, sGa, sStage, sTotal, rGam, staged[step - ahead], tXcX, scale,
+                                lower_bound, b, hv, chunk, start, valid, run, column, step - ahead)
+
+    @cute.jit
+    def gate_stage(self, mG: cute.Tensor, mDtBias: cute.Tensor | None, mGLast: cute.Tensor, sGa: cute.Tensor,
+                   sStage: cute.Tensor, sTotal: cute.Tensor, rGam: cute.Tensor, rRaw: cute.Tensor | None,
+                   tXcX: cute.Tensor, scale: Float32, lower_bound: Float32, b: Int32, hv: Int32, chunk: Int32,
+                   start: Int32, valid: Int32, run: Int32, column: Int32, stage: cutlass.Constexpr):
+        """One column stage of :meth:`gate_prologue`: the ``width`` columns of ``stage``, from ``rRaw`` (this
+        thread's raw gate values, prefetched) or from ``mG``."""
+        c = self.config
+        gate = c.gate
+        C, K, VEC = c.chunk_size, c.head_dim, self.vec
+        runs = gate_scan_segments(K, C)
+        run_len = C // runs
+        width = self.num_threads // runs
+        col = stage * width + column
+        bias = Float32(0.0)
+        if const_expr(gate.has_dt_bias):
+            bias = mDtBias[hv, col]
+        running = Float32(0.0)
+        for i in cutlass.range_constexpr(run_len):
+            row = run * run_len + i
+            x = Float32(0.0)  # rows past the end add the activation of 0, as in prepare (never stored)
+            if const_expr(rRaw is not None):
+                x = cutlass.select_(row < valid, rRaw[i].to(Float32), Float32(0.0))
+            else:
                 if row < valid:
                     x = mG[b, start + row, hv, col].to(Float32)
-                running = running + activate_gate(gate.form, x + bias, scale, lower_bound)
-                sStage[row, column] = running
-            sTotal[run, column] = running
-            cute.arch.sync_threads()
-            offset = Float32(0.0)
-            for r in cutlass.range_constexpr(runs):
-                if r < run:
-                    offset = offset + sTotal[r, column]
-            for i in cutlass.range_constexpr(run_len):
-                row = run * run_len + i
-                gam = (sStage[row, column] + offset) * RCP_LN2
-                sStage[row, column] = gam
-                if row % SUB == 0:
-                    sGa[row // SUB, col] = cutlass.select_(row < valid, gam, Float32(0.0))
-                if row == valid - 1:
-                    sGa[NUM_SUB, col] = gam
-                    mGLast[b, chunk, hv, col] = gam
-            cute.arch.sync_threads()
-            for p in cutlass.range_constexpr(self.passes):
-                row, col0 = tXcX[(0, 0), p, 0]
-                if col0 // width == stage:
-                    for j in cutlass.range_constexpr(VEC):
-                        rGam[p, j] = cutlass.select_(row < valid, sStage[row, col0 % width + j], Float32(0.0))
-            cute.arch.sync_threads()  # the stage is read before the next one is written
+            running = running + activate_gate(gate.form, x + bias, scale, lower_bound)
+            sStage[row, column] = running
+        sTotal[run, column] = running
+        cute.arch.sync_threads()
+        offset = Float32(0.0)
+        for r in cutlass.range_constexpr(runs):
+            if r < run:
+                offset = offset + sTotal[r, column]
+        for i in cutlass.range_constexpr(run_len):
+            row = run * run_len + i
+            gam = (sStage[row, column] + offset) * RCP_LN2
+            sStage[row, column] = gam
+            if row % SUB == 0:
+                sGa[row // SUB, col] = cutlass.select_(row < valid, gam, Float32(0.0))
+            if row == valid - 1:
+                sGa[NUM_SUB, col] = gam
+                mGLast[b, chunk, hv, col] = gam
+        cute.arch.sync_threads()
+        for p in cutlass.range_constexpr(self.passes):
+            row, col0 = tXcX[(0, 0), p, 0]
+            if col0 // width == stage:
+                for j in cutlass.range_constexpr(VEC):
+                    rGam[p, j] = cutlass.select_(row < valid, sStage[row, col0 % width + j], Float32(0.0))
+        cute.arch.sync_threads()  # the stage is read before the next one is written
 
     def row_copy(self, cols: int):
         """Tiled copy of a [64, cols] bf16 tile: 16-byte accesses, rows spread over the CTA."""
@@ -628,82 +665,91 @@ class KdaIntra:
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, K)))  # (row, column) of every element
         gG = self.chunk_rows(mG, b, hv, start, K)
         vec_layout = cute.make_layout(VEC)
-        for p in cutlass.range_constexpr(self.passes):
-            row, col0 = tXcX[(0, 0), p, 0]  # this thread's row and first of its 8 columns in this pass
-            sub = p * self.rows_per_pass // SUB  # the row's sub-chunk (compile-time: rows_per_pass divides 16)
-            rQ = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rK = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rV = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rG = cute.make_rmem_tensor(vec_layout, Float32)
-            if const_expr(need_q):
-                rQ.fill(0.0)
-            rK.fill(0.0)
-            if const_expr(rhs):
-                rV.fill(0.0)
-            rG.fill(0.0)
-            if row < valid:
+        ahead = c.prefetch  # passes whose loads are issued before this pass's work
+        staged = [None] * self.passes
+        for step in cutlass.range_constexpr(self.passes + ahead):
+            if const_expr(step < self.passes):  # load pass `step`
+                row, col0 = tXcX[(0, 0), step, 0]  # this thread's row and first of its 8 columns in the pass
+                rQ = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rK = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rV = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rG = cute.make_rmem_tensor(vec_layout, Float32)
                 if const_expr(need_q):
-                    cute.copy(atom, tXgQ[None, p, 0], rQ)
-                cute.copy(atom, tXgK[None, p, 0], rK)
+                    rQ.fill(0.0)
+                rK.fill(0.0)
                 if const_expr(rhs):
-                    cute.copy(atom, tXgV[None, p, 0], rV)
-                if const_expr(rGam is None):
-                    gRow = cute.local_tile(gG[row, None], (VEC,), (col0 // VEC,))
-                    for half in cutlass.range_constexpr(2):
-                        cute.copy(g_atom, cute.local_tile(gRow, (4,), (half,)), cute.local_tile(rG, (4,), (half,)))
-            if const_expr(rGam is not None):  # zero past the end, as the load above leaves it
+                    rV.fill(0.0)
+                rG.fill(0.0)
+                if row < valid:
+                    if const_expr(need_q):
+                        cute.copy(atom, tXgQ[None, step, 0], rQ)
+                    cute.copy(atom, tXgK[None, step, 0], rK)
+                    if const_expr(rhs):
+                        cute.copy(atom, tXgV[None, step, 0], rV)
+                    if const_expr(rGam is None):
+                        gRow = cute.local_tile(gG[row, None], (VEC,), (col0 // VEC,))
+                        for half in cutlass.range_constexpr(2):
+                            cute.copy(g_atom, cute.local_tile(gRow, (4,), (half,)),
+                                      cute.local_tile(rG, (4,), (half,)))
+                staged[step] = (rQ, rK, rV, rG)
+            if const_expr(step >= ahead):  # the work of pass step - ahead
+                p = step - ahead
+                rQ, rK, rV, rG = staged[p]
+                row, col0 = tXcX[(0, 0), p, 0]
+                sub = p * self.rows_per_pass // SUB  # the row's sub-chunk (compile-time: rows_per_pass divides 16)
+                if const_expr(rGam is not None):  # zero past the end, as the load above leaves it
+                    for j in cutlass.range_constexpr(VEC):
+                        rG[j] = rGam[p, j]
+                if const_expr(c.l2norm):  # the row's 16 (K = 128) or 8 threads: kda_prepare's arithmetic exactly
+                    if const_expr(need_q):
+                        self.l2norm_row(rQ)
+                    self.l2norm_row(rK)
+                beta = sBeta[row]
+                rQt = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rKt = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rKb = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rVb = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rKg = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rQg = cute.make_rmem_tensor(vec_layout, BFloat16)
+                rKh = [cute.make_rmem_tensor(vec_layout, BFloat16) for _ in range(NUM_SUB)]
                 for j in cutlass.range_constexpr(VEC):
-                    rG[j] = rGam[p, j]
-            if const_expr(c.l2norm):  # the row's 16 (K = 128) or 8 threads: kda_prepare's arithmetic exactly
-                if const_expr(need_q):
-                    self.l2norm_row(rQ)
-                self.l2norm_row(rK)
-            beta = sBeta[row]
-            rQt = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rKt = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rKb = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rVb = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rKg = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rQg = cute.make_rmem_tensor(vec_layout, BFloat16)
-            rKh = [cute.make_rmem_tensor(vec_layout, BFloat16) for _ in range(NUM_SUB)]
-            for j in cutlass.range_constexpr(VEC):
-                g = rG[j]
-                if const_expr(need_q):
-                    q = rQ[j].to(Float32)
-                k = rK[j].to(Float32)
+                    g = rG[j]
+                    if const_expr(need_q):
+                        q = rQ[j].to(Float32)
+                    k = rK[j].to(Float32)
+                    if const_expr(operands):
+                        row_factor = cute.math.exp2(cutlass.min(g - sGa[sub, col0 + j], EXP2_CLAMP), fastmath=True)
+                    decay = cute.math.exp2(g, fastmath=True)
+                    if const_expr(operands):
+                        rQt[j] = (q * row_factor).to(BFloat16)
+                        rKt[j] = (k * row_factor).to(BFloat16)
+                    if const_expr(rhs):
+                        rKb[j] = (beta * k * decay).to(BFloat16)
+                        rVb[j] = (beta * rV[j].to(Float32)).to(BFloat16)
+                    if const_expr(gated):
+                        last = cute.math.exp2(cutlass.min(sGa[NUM_SUB, col0 + j] - g, EXP2_CLAMP), fastmath=True)
+                        rKg[j] = (k * last).to(BFloat16)
+                        if const_expr(c.output_qg):
+                            rQg[j] = (q * decay).to(BFloat16)
+                    if const_expr(operands):
+                        for a in cutlass.range_constexpr(sub, NUM_SUB):
+                            col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
+                            rKh[a][j] = (k * col_factor).to(BFloat16)
                 if const_expr(operands):
-                    row_factor = cute.math.exp2(cutlass.min(g - sGa[sub, col0 + j], EXP2_CLAMP), fastmath=True)
-                decay = cute.math.exp2(g, fastmath=True)
-                if const_expr(operands):
-                    rQt[j] = (q * row_factor).to(BFloat16)
-                    rKt[j] = (k * row_factor).to(BFloat16)
+                    cute.copy(atom, rQt, tXsQt[None, p, 0])
+                    cute.copy(atom, rKt, tXsKt[None, p, 0])
                 if const_expr(rhs):
-                    rKb[j] = (beta * k * decay).to(BFloat16)
-                    rVb[j] = (beta * rV[j].to(Float32)).to(BFloat16)
-                if const_expr(gated):
-                    last = cute.math.exp2(cutlass.min(sGa[NUM_SUB, col0 + j] - g, EXP2_CLAMP), fastmath=True)
-                    rKg[j] = (k * last).to(BFloat16)
-                    if const_expr(c.output_qg):
-                        rQg[j] = (q * decay).to(BFloat16)
+                    cute.copy(atom, rKb, tXsKb[None, p, 0])
+                    cute.copy(atom, rVb, tXsVb[None, p, 0])
                 if const_expr(operands):
                     for a in cutlass.range_constexpr(sub, NUM_SUB):
-                        col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
-                        rKh[a][j] = (k * col_factor).to(BFloat16)
-            if const_expr(operands):
-                cute.copy(atom, rQt, tXsQt[None, p, 0])
-                cute.copy(atom, rKt, tXsKt[None, p, 0])
-            if const_expr(rhs):
-                cute.copy(atom, rKb, tXsKb[None, p, 0])
-                cute.copy(atom, rVb, tXsVb[None, p, 0])
-            if const_expr(operands):
-                for a in cutlass.range_constexpr(sub, NUM_SUB):
-                    cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
-            if const_expr(gated):
-                if row < valid:
-                    cute.copy(atom, rKg, tXgKg[None, p, 0])
-                    if const_expr(c.output_qg):
-                        tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
-                        cute.copy(atom, rQg, tXgQg[None, p, 0])
+                        cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
+                if const_expr(gated):
+                    if row < valid:
+                        cute.copy(atom, rKg, tXgKg[None, p, 0])
+                        if const_expr(c.output_qg):
+                            tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
+                            cute.copy(atom, rQg, tXgQg[None, p, 0])
 
     @cute.jit
     def l2norm_row(self, rX: cute.Tensor):
@@ -892,20 +938,25 @@ _OUTPUTS = {"all": frozenset((*range(5, 11), 16)), "scores": frozenset({9, 11}),
 
 
 ENV_VARIANT = "CULA_CUTE_INTRA"
-# Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate). All compute the same
-# bits (each checked against `wide` on the H200). The last two are for the cutedsl backend: fuse_l2norm moves the
+# Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch). All compute
+# the same bits (each checked against `wide` on the H200). fuse_* are for the cutedsl backend: fuse_l2norm moves the
 # q/k L2 norm from kda_prepare into this kernel; fuse_gate also the gate activation, its cumsum and β (no
 # kda_prepare launch at all). The default is `lean-unrolled`, the fastest on the H200 (kda_prefill_h200.md: 1.16-1.46x
 # faster end to end than `wide`; `fused` 0.85-1.04x and `fused-prepare` 0.59-0.89x of `wide`).
 DEFAULT_VARIANT = "lean-unrolled"
-VARIANTS = {"wide": (False, False, False, False), "lean": (True, False, False, False),
-            "lean-unrolled": (True, True, False, False), "fused": (True, True, True, False),
-            "fused-prepare": (True, True, True, True)}
+# The "-prefetch" variants issue each row pass's loads one pass ahead (KdaIntraConfig.prefetch): compiled, not yet
+# run on a GPU.
+VARIANTS = {"wide": (False, False, False, False, 0), "lean": (True, False, False, False, 0),
+            "lean-unrolled": (True, True, False, False, 0), "fused": (True, True, True, False, 0),
+            "fused-prepare": (True, True, True, True, 0),
+            "lean-unrolled-prefetch": (True, True, False, False, 1), "fused-prefetch": (True, True, True, False, 1),
+            "fused-prepare-prefetch": (True, True, True, True, 1)}
 
 
-def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool]:
-    """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate)`` of a named variant; None: ``CULA_CUTE_INTRA``,
-    else ``lean-unrolled`` (the default). Every variant ran on the H200 with the same bits as ``wide``."""
+def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int]:
+    """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch)`` of a named variant; None:
+    ``CULA_CUTE_INTRA``, else ``lean-unrolled`` (the default). Every variant without ``prefetch`` ran on the H200
+    with the same bits as ``wide``."""
     import os
 
     name = variant if variant is not None else os.environ.get(ENV_VARIANT, DEFAULT_VARIANT)
@@ -916,13 +967,19 @@ def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool]:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, bool],
+def kernel_flags(flags: tuple[bool, bool, bool, bool, int]) -> tuple[bool, bool, int]:
+    """The kernel-shape part of :func:`variant_flags`'s answer: ``(lean_smem, unrolled_inverse, prefetch)``."""
+    return flags[0], flags[1], flags[4]
+
+
+def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, ...],
           phases: str = "all", l2norm: bool = False, gate: InKernelGate | None = None,
           output_akk_inv: bool = True) -> tuple:
-    """The config and argument specs of one call signature (cached: no work per call)."""
+    """The config and argument specs of one call signature (cached: no work per call). ``flags``: ``(lean_smem,
+    unrolled_inverse[, prefetch])``."""
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
                             lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm, gate=gate,
-                            output_akk_inv=output_akk_inv)
+                            output_akk_inv=output_akk_inv, prefetch=flags[2] if len(flags) > 2 else 0)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"KdaIntra: {reason}")
@@ -1012,7 +1069,7 @@ def _intra(q, k, v, gk, beta, scale: float, cu_seqlens, chunk_indices, num_chunk
     B, T, H, K = q.shape
     HV = v.shape[2]
     device = q.device
-    config, specs = _plan(H, HV, K, output_qg, cu_seqlens is not None, flags[:2], l2norm=l2norm)
+    config, specs = _plan(H, HV, K, output_qg, cu_seqlens is not None, kernel_flags(flags), l2norm=l2norm)
 
     names = ("w", "u", "qg", "kg", "Aqk", "Akk_inv")
     if out is not None:
@@ -1068,7 +1125,8 @@ def chunk_kda_fwd_intra_from_raw(
         beta: ``[B, T, HV]`` bf16 or fp32, logits with ``use_beta_sigmoid_in_kernel``.
         A_log, dt_bias, lower_bound, use_*_in_kernel, allow_neg_eigval: as :func:`kda_prepare`.
         scale, cu_seqlens, chunk_indices: as :func:`chunk_kda_fwd_intra`.
-        variant: the shared-memory plan and inverse loop form (:data:`VARIANTS`; default ``fused-prepare``).
+        variant: the shared-memory plan, inverse loop form and prefetch (:data:`VARIANTS`); None: ``CULA_CUTE_INTRA``
+            if it names a ``fused-prepare`` variant, else ``fused-prepare``.
 
     Returns:
         ``w, u, qg, kg, Aqk`` as :func:`chunk_kda_fwd_intra` with ``output_qg=True`` (bf16), and ``g_last`` fp32
@@ -1092,7 +1150,9 @@ def chunk_kda_fwd_intra_from_raw(
     form, A_log, dt_bias = gate_arguments(use_gate_in_kernel, lower_bound, A_log, dt_bias, allow_neg_eigval,
                                           use_beta_sigmoid_in_kernel, HV, K, device)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
-    flags = variant_flags(variant if variant is not None else "fused-prepare")
+    flags = variant_flags(variant)
+    if variant is None and not flags[3]:  # CULA_CUTE_INTRA names a variant without the in-kernel gate
+        flags = VARIANTS["fused-prepare"]
     return _intra_from_raw(q, k, v, g, beta, scale, form, A_log, dt_bias, lower_bound,
                            bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
                            cu_seqlens, chunk_indices, num_chunks, flags)
@@ -1114,7 +1174,7 @@ def _intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, l
     gate = InKernelGate(form=form, g_dtype=names[g.dtype], beta_dtype=names[beta.dtype],
                         has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, beta_sigmoid=beta_sigmoid,
                         allow_neg_eigval=allow_neg_eigval)
-    config, specs = _plan(H, HV, K, True, varlen, flags[:2], l2norm=l2norm, gate=gate, output_akk_inv=False)
+    config, specs = _plan(H, HV, K, True, varlen, kernel_flags(flags), l2norm=l2norm, gate=gate, output_akk_inv=False)
     if out is not None:
         w, u, qg, kg, Aqk, g_last = out
     else:
