@@ -32,9 +32,12 @@ import pstats
 import sys
 import time
 import types
+from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.helpers import AllocationCounter  # noqa: E402
 
 K = 128
 CONFIGS = {  # name: (B, T, H, HV, varlen lengths)
@@ -96,19 +99,6 @@ def make_args(B: int, T: int, H: int, HV: int, lens: tuple | None):
         use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=randn(HV, dtype=torch.float32),
         dt_bias=randn(HV * K, dtype=torch.float32), cu_seqlens=cu,
     )
-
-
-class Allocations(TorchDispatchMode):
-    ALLOCATING = {"empty", "empty_strided", "empty_like", "zeros", "zeros_like", "new_empty", "new_empty_strided",
-                  "clone", "_to_copy"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ in self.ALLOCATING
-        return func(*args, **(kwargs or {}))
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -188,7 +178,7 @@ def main() -> None:
                 for launch_args in launches:
                     launch(*launch_args)
 
-            with Allocations() as allocations:
+            with AllocationCounter() as allocations:
                 call()
             total, launch_us = per_call_us(call, opts.calls), per_call_us(launch_only, opts.calls)
             print(f"| {variant} | {name} | {total:.1f} | {len(launches)} | {launch_us:.1f} | {total - launch_us:.1f} "

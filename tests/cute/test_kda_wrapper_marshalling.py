@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cula_runtime import cute as cula_cute
+from tests.helpers import AllocationCounter
 
 pytestmark = pytest.mark.skipif(
     not cula_cute.is_available(), reason='CuTeDSL or TVM-FFI is not installed (pip install "cula-runtime[cute]")'
@@ -342,21 +343,6 @@ def test_cutedsl_backend_returns_its_own_tensors(variant: str, launches: list, m
     assert all((t.data_ptr() - base) % WORKSPACE_ALIGN == 0 and t.is_contiguous() for t in intermediates)
 
 
-class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the tensor allocations (empty, empty_like, zeros, copies) of the ops run under it."""
-
-    ALLOCATING = {"empty", "empty_strided", "empty_like", "zeros", "zeros_like", "new_empty", "new_empty_strided",
-                  "clone", "_to_copy"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket.__name__ in self.ALLOCATING
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("variant", ["lean-unrolled", "fused", "fused-prepare"])
 @pytest.mark.parametrize("final_state", [True, False])
 def test_cutedsl_backend_allocates_three_tensors(variant: str, final_state: bool, launches: list,
@@ -368,7 +354,7 @@ def test_cutedsl_backend_allocates_three_tensors(variant: str, final_state: bool
     monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     args = _prefill_args(None, final_state=final_state)
     kda_prefill_cutedsl(args, block_v=64)
-    with _Allocations() as counted:
+    with AllocationCounter() as counted:
         kda_prefill_cutedsl(args, block_v=64)
     assert counted.count == (3 if final_state else 2)
 
