@@ -62,6 +62,7 @@ def test_supported_gpu_without_kernels_falls_back_to_reference_with_a_warning(ca
     monkeypatch.delenv("CULA_BACKEND", raising=False)
     monkeypatch.setattr(dispatch, "device_capability", lambda device: cap)
     monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: None)  # no cula_sm90 installed
+    monkeypatch.setattr(dispatch, "_sm90_found", None)  # (as if it had never been found in this process)
     choice = dispatch.explain(_fake_cuda_args())
     assert [d.backend for d in choice.decisions] == expected
     assert choice.gpu_fallback and choice.runner is not None
@@ -70,6 +71,26 @@ def test_supported_gpu_without_kernels_falls_back_to_reference_with_a_warning(ca
         dispatch.select_backend(_fake_cuda_args())
     if cap == (9, 0):
         assert "pip install \"cula[sm90]\"" in choice.decisions[0].reason
+
+
+def test_sm90_is_looked_up_until_found_then_never_again(monkeypatch) -> None:
+    """The package lookup, version check and extension load of cula-sm90 cost microseconds on every Hopper call:
+    they run until they succeed, then the found backend's verify answers alone."""
+    import cula_sm90
+    from cula_sm90 import kda
+
+    lookups = []
+    monkeypatch.setattr(dispatch, "_sm90_found", None)
+    monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: lookups.append(name))
+    decision, runner = dispatch._sm90(_fake_cuda_args())
+    assert not decision.ok and runner is None and "not installed" in decision.reason and lookups == ["cula_sm90"]
+    monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: lookups.append(name) or True)
+    monkeypatch.setattr(cula_sm90, "load_extension", lambda: None)
+    monkeypatch.setattr(kda, "verify_kda_prefill", lambda args: (args.device.index == 0, "device 0 only"))
+    for index, ok in ((0, True), (1, False), (0, True)):
+        decision, runner = dispatch._sm90(SimpleNamespace(device=torch.device("cuda", index)))
+        assert decision.ok == ok and (runner is kda.kda_prefill) == ok
+    assert lookups == ["cula_sm90", "cula_sm90"]  # found on the second call's lookup; not asked again
 
 
 def test_unsupported_gpu_raises_with_the_fix(monkeypatch) -> None:

@@ -85,20 +85,28 @@ def _cutedsl(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
     return Decision("cutedsl", ok, reason), backend.kda_prefill_cutedsl if ok else None
 
 
+# (verify, run) of cula-sm90 once it was found, matched and loaded: asked on every Hopper call, so the package
+# lookup, version check and extension load run until they succeed, then never again in this process.
+_sm90_found: tuple[Callable, Runner] | None = None
+
+
 def _sm90(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
-    if importlib.util.find_spec("cula_sm90") is None:
-        return Decision("sm90", False, "cula-sm90 is not installed (pip install \"cula[sm90]\" on Hopper)"), None
-    shim = importlib.import_module("cula_sm90")
-    version = getattr(shim, "__version__", "unknown")
-    if version != __version__:
-        return Decision("sm90", False, f"cula-sm90 {version} does not match cula {__version__}: "
-                                       f"pip install \"cula-sm90=={__version__}\""), None
-    try:
-        shim.load_extension()
-    except ImportError as error:
-        return Decision("sm90", False, str(error)), None
-    backend = importlib.import_module("cula_sm90.kda")
-    verify, run = backend.verify_kda_prefill, backend.kda_prefill
+    global _sm90_found
+    if _sm90_found is None:
+        if importlib.util.find_spec("cula_sm90") is None:
+            return Decision("sm90", False, "cula-sm90 is not installed (pip install \"cula[sm90]\" on Hopper)"), None
+        shim = importlib.import_module("cula_sm90")
+        version = getattr(shim, "__version__", "unknown")
+        if version != __version__:
+            return Decision("sm90", False, f"cula-sm90 {version} does not match cula {__version__}: "
+                                           f"pip install \"cula-sm90=={__version__}\""), None
+        try:
+            shim.load_extension()
+        except ImportError as error:
+            return Decision("sm90", False, str(error)), None
+        backend = importlib.import_module("cula_sm90.kda")
+        _sm90_found = backend.verify_kda_prefill, backend.kda_prefill
+    verify, run = _sm90_found
     ok, reason = verify(args)
     return Decision("sm90", ok, reason), run if ok else None
 
