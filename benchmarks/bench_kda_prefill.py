@@ -207,7 +207,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
     parser.add_argument("--cutedsl-intra", default=None,
                         choices=("wide", "lean", "lean-unrolled", "fused", "fused-prepare", "lean-unrolled-prefetch",
-                                 "fused-prefetch", "fused-prepare-prefetch"),
+                                 "fused-prefetch", "fused-prepare-prefetch", "lean-unrolled-8warps",
+                                 "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps"),
                         help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
     parser.add_argument("--extra", action="append", default=[],
                         help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '

@@ -31,7 +31,8 @@ CUTE_STAGES = ("prepare", "intra", "recurrence")
 STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES,
           **{f"cutedsl-{v}": CUTE_STAGES for v in ("wide", "lean", "lean-unrolled", "fused", "fused-prepare",
                                                    "lean-unrolled-prefetch", "fused-prefetch",
-                                                   "fused-prepare-prefetch")}}
+                                                   "fused-prepare-prefetch", "lean-unrolled-8warps",
+                                                   "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps")}}
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:

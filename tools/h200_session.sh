@@ -12,10 +12,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra): the CuTeDSL intra variants that issue
-# their loads a row pass ahead (not yet the default); bench-rest also times sm90's recurrence in batch order instead
-# of longest first (varlen only).
+# their loads a row pass ahead and/or run 8 warps per CTA (not yet the default); bench-rest also times sm90's
+# recurrence in batch order instead of longest first (varlen only).
 BENCH_EXTRA=${BENCH_EXTRA:---extra cutedsl:CULA_CUTE_INTRA=lean-unrolled-prefetch \
---extra cutedsl:CULA_CUTE_INTRA=fused-prefetch --extra cutedsl:CULA_CUTE_INTRA=fused-prepare-prefetch}
+--extra cutedsl:CULA_CUTE_INTRA=fused-prefetch --extra cutedsl:CULA_CUTE_INTRA=fused-prepare-prefetch \
+--extra cutedsl:CULA_CUTE_INTRA=lean-unrolled-8warps --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled-prefetch-8warps \
+--extra cutedsl:CULA_CUTE_INTRA=fused-prefetch-8warps}
 REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -26,7 +28,8 @@ for step in "$@"; do
     tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q -k "not cute and not cutedsl" ;;
     tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
                            -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
-    tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k prefetch tests/cute tests/gpu ;;
+    tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k "prefetch or 8warps" tests/cute \
+                      tests/gpu ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
     bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" --reps 30 ;;
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
@@ -39,7 +42,8 @@ for step in "$@"; do
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
-    profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch; do
+    profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
+                                 lean-unrolled-prefetch-8warps fused-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \
                           | tee -a "$OUT/profile_kda_prefetch.txt"; done ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;

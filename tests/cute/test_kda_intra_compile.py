@@ -33,6 +33,11 @@ CONFIGS = {
     "fused-l2norm-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True, varlen=True,
                                                lean_smem=True, unrolled_inverse=True, l2norm=True),
     "l2norm-fixed-H4-HV4-K64": dict(num_heads=4, num_v_heads=4, head_dim=64, l2norm=True),
+    "lean-unrolled-8warps-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True,
+                                                       varlen=True, lean_smem=True, unrolled_inverse=True, threads=256),
+    "fused-l2norm-prefetch-8warps-fixed-qg-H4-HV8-K128": dict(num_heads=4, num_v_heads=8, head_dim=128,
+                                                              output_qg=True, lean_smem=True, unrolled_inverse=True,
+                                                              l2norm=True, prefetch=1, threads=256),
     "lean-unrolled-prefetch-varlen-qg-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128, output_qg=True,
                                                          varlen=True, lean_smem=True, unrolled_inverse=True,
                                                          prefetch=1),
@@ -40,6 +45,12 @@ CONFIGS = {
                                                       lean_smem=True, unrolled_inverse=True, l2norm=True,
                                                       prefetch=1),
 }
+# Local-memory spill instructions (stores + reloads) the 8-warp configurations may have: capped at 128 registers so
+# that two 256-thread CTAs fit on an SM, they keep some row addresses and values in local memory (L1) across the
+# fill. Measured (sm_90a / sm_100a / sm_103a): 23 / 25 / 23 and 73 / 22 / 32, against some 5,400-6,000
+# instructions per thread; the 4-warp configurations spill nothing. Whether the spills cost more than the extra
+# warps give is for the H200 to say.
+SPILLS = {"lean-unrolled-8warps-varlen-qg-H2-HV4-K128": 25, "fused-l2norm-prefetch-8warps-fixed-qg-H4-HV8-K128": 73}
 # Shared memory of one SM on SM90 and SM100/SM103 (228 KB), and what each of two resident CTAs may take (the
 # driver reserves 1 KB per CTA).
 SMEM_PER_SM = 228 * 1024
@@ -62,13 +73,14 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
 
     # Warp MMA only: 10 score blocks x (Aqk, Akk) x 2 n-atoms x K/16 k-steps, plus W and U per warp
     # (16 x K outputs, 64-deep: 4 k-steps x K/8 n-atoms each).
-    hmma = 10 * 2 * 2 * (K // 16) + 2 * 4 * (K // 8)
+    # (With 8 warps each warp's code holds one of a score block's two products, and half of a W/U row band.)
+    hmma = 10 * 2 * 2 * (K // 16) + 2 * 4 * (K // 8) // (config.threads // 128)
     assert code.opcodes["HMMA.16816.F32.BF16"] == hmma
     assert code.count("HMMA") == hmma
     assert code.count("HGMMA") == 0 and not [op for op in code.opcodes if op.startswith("UTC")]  # no wgmma/tcgen05
     assert code.count("LDSM") > 0  # operands through ldmatrix
     assert code.count("LDSM.16.MT88") > 0  # the W/U right-hand sides are read transposed
-    assert code.count("LDL") == 0 and code.count("STL") == 0, "register spill"
+    assert code.count("LDL") + code.count("STL") <= SPILLS.get(config_id, 0), "register spill"
 
     # Global memory: q, k, v rows (16 B per access) and g rows (two 16-byte accesses per 8 fp32), once each;
     # stores: kg, w, u (and qg) rows of K, Aqk and Akk_inv rows of 64, all 16 B per access.
@@ -276,14 +288,16 @@ def test_variant_knob(monkeypatch) -> None:
     from cula_runtime.cute.kda.intra import ENV_VARIANT, VARIANTS, variant_flags
 
     monkeypatch.delenv(ENV_VARIANT, raising=False)
-    assert variant_flags(None) == (True, True, False, False, 0) == VARIANTS["lean-unrolled"]
+    assert variant_flags(None) == (True, True, False, False, 0, 128) == VARIANTS["lean-unrolled"]
     monkeypatch.setenv(ENV_VARIANT, "wide")
-    assert variant_flags(None) == (False, False, False, False, 0)
-    assert variant_flags("lean") == (True, False, False, False, 0)  # the argument wins over the environment
-    assert variant_flags("fused") == (True, True, True, False, 0)
-    assert variant_flags("fused-prepare") == (True, True, True, True, 0)
+    assert variant_flags(None) == (False, False, False, False, 0, 128)
+    assert variant_flags("lean") == (True, False, False, False, 0, 128)  # the argument wins over the environment
+    assert variant_flags("fused") == (True, True, True, False, 0, 128)
+    assert variant_flags("fused-prepare") == (True, True, True, True, 0, 128)
     for name in ("lean-unrolled", "fused", "fused-prepare"):  # each with its loads issued one row pass ahead
-        assert variant_flags(f"{name}-prefetch") == (*VARIANTS[name][:4], 1)
+        assert variant_flags(f"{name}-prefetch") == (*VARIANTS[name][:4], 1, 128)
+    for name in ("lean-unrolled", "lean-unrolled-prefetch", "fused-prefetch"):  # each with 8 warps
+        assert variant_flags(f"{name}-8warps") == (*VARIANTS[name][:5], 256)
     monkeypatch.setenv(ENV_VARIANT, "fast")
     with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'.*lean"):
         variant_flags(None)

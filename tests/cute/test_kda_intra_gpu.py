@@ -149,7 +149,8 @@ def test_matches_reference(case_id: str, variant: str) -> None:
     _check(case, dict(zip(NAMES, result, strict=True)), _reference(inp))
 
 
-@pytest.mark.parametrize("variant", ["lean", "lean-unrolled", "lean-unrolled-prefetch"])
+@pytest.mark.parametrize("variant", ["lean", "lean-unrolled", "lean-unrolled-prefetch", "lean-unrolled-8warps",
+                                     "lean-unrolled-prefetch-8warps"])
 @pytest.mark.parametrize("case_id", ["varlen-0-1-64-65-300-H1-HV2-K128-qg", "B2-T130-H2-HV2-K64-qg"])
 def test_every_variant_gives_the_wide_variants_bits(case_id: str, variant: str) -> None:
     """The variants differ in shared-memory plan and loop structure, not in arithmetic or its order: every output

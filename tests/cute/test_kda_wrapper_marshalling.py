@@ -188,7 +188,7 @@ def _old_backend(args, block_v: int, monkeypatch: pytest.MonkeyPatch):
     h0 = args.initial_state
     if h0 is not None and h0.dtype != torch.float32:
         h0 = h0.float()
-    _, _, fuse_l2norm, fuse_gate, _ = variant_flags(None)
+    fuse_l2norm, fuse_gate = variant_flags(None)[2:4]
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
     if fuse_gate and args.g.dtype in (torch.bfloat16, torch.float32):
         w, u, qg, kg, Aqk, g_last = chunk_kda_fwd_intra_from_raw(
@@ -298,7 +298,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("cu", [None, [0, 1, 64, 65, 130]], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("variant", ["wide", "lean", "lean-unrolled", "fused", "fused-prepare",
-                                     "lean-unrolled-prefetch", "fused-prefetch", "fused-prepare-prefetch"])
+                                     "lean-unrolled-prefetch", "fused-prefetch", "fused-prepare-prefetch",
+                                     "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps"])
 def test_cutedsl_backend_launches_what_the_wrappers_launch(variant: str, cu, case: str, launches: list,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The backend calls the wrappers' internal functions and carves its intermediates from one buffer; each
@@ -315,7 +316,8 @@ def test_cutedsl_backend_launches_what_the_wrappers_launch(variant: str, cu, cas
     old = _flow(list(launches), args)
     assert len(new) == len(old) == (2 if variant.startswith("fused-prepare") else 3)
     intra_configs = [launch[1] for launch in new if launch[0].__name__ == "KdaIntra"]
-    assert len(intra_configs) == 1 and intra_configs[0].prefetch == variant.endswith("-prefetch")
+    assert len(intra_configs) == 1 and intra_configs[0].prefetch == ("-prefetch" in variant)
+    assert intra_configs[0].threads == (256 if variant.endswith("-8warps") else 128)
     for got, want in zip(new, old, strict=True):
         assert got[:3] == want[:3]  # kernel, config, scalars
         assert got[3] == want[3]  # where every tensor argument comes from

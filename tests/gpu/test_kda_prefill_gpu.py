@@ -57,7 +57,8 @@ def test_1000_replays_are_bit_identical(backend: str, monkeypatch: pytest.Monkey
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
 
 
-@pytest.mark.parametrize("variant", ["wide", "lean", "fused", "lean-unrolled-prefetch", "fused-prefetch"])
+@pytest.mark.parametrize("variant", ["wide", "lean", "fused", "lean-unrolled-prefetch", "fused-prefetch",
+                                     "lean-unrolled-8warps", "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps"])
 @pytest.mark.parametrize("case_name", ["B2-T257-H2-vk", "varlen-3seqs-h0bf16-GVA4", "B1-T300-H2-no-l2norm"])
 def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str, monkeypatch) -> None:
     """Every CuTeDSL intra variant (shared-memory plan, loop or unrolled inverse, the L2 norm moved from kda_prepare

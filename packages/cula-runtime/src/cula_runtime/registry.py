@@ -98,7 +98,8 @@ KERNELS: tuple[KernelEntry, ...] = (
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra",
         summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); the wide, "
-                "lean, lean-unrolled (default) and fused variants ran on the H200 and give the same bits",
+                "lean, lean-unrolled (default) and fused variants ran on the H200 and give the same bits; the "
+                "prefetch and 8-warp variants compile for every target and have not run on a GPU",
     ),
     KernelEntry(
         name="chunk_kda_fwd_intra_from_raw", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),

@@ -52,7 +52,7 @@ def _kernel_modules() -> tuple:
     return intra, prepare, recurrence
 
 
-def _intra_variant_flags(intra: Any) -> tuple[bool, bool, bool, bool, int]:
+def _intra_variant_flags(intra: Any) -> tuple[bool, bool, bool, bool, int, int]:
     """:func:`~cula_runtime.cute.kda.intra.variant_flags` of ``CULA_CUTE_INTRA``, read once per call (the backend
     used to read it twice); an unknown name raises there, with its message."""
     flags = intra.VARIANTS.get(os.environ.get(intra.ENV_VARIANT, intra.DEFAULT_VARIANT))
@@ -141,7 +141,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     if block_v == 0:
         block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=CUTE_NARROWEST_BLOCK_V)
     flags = _intra_variant_flags(intra)
-    _, _, fuse_l2norm, fuse_gate, _ = flags
+    fuse_l2norm, fuse_gate = flags[2], flags[3]
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
     gate, A_log, dt_bias = prepare.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
                                                   args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)

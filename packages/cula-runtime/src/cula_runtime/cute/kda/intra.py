@@ -121,6 +121,11 @@ class KdaIntraConfig:
             (kg, qg), which the compiler may not move them above, so every pass waits a full memory latency (the
             SASS shows load, use, store, load...). 0 or 1 (two ahead spill registers). Same arithmetic, same
             bits.
+        threads: the CTA's threads, 128 (4 warps) or 256 (8 warps; ``phases="all"`` without an in-kernel gate).
+            With 8 warps each scheduler has four warps of two CTAs instead of two to hide latency; the fill runs 4
+            row passes of 16 rows, the score blocks' two products go to two warps, W/U is split over 4 x 2 warps,
+            and registers are capped at 128 so that two CTAs still fit on an SM. Same arithmetic in the same
+            order: same bits.
     """
 
     num_heads: int
@@ -136,12 +141,12 @@ class KdaIntraConfig:
     gate: InKernelGate | None = None
     output_akk_inv: bool = True
     prefetch: int = 0
+    threads: int = 128
 
 
 class KdaIntra:
     """The KDA chunk-intra kernel family (see the module docstring)."""
 
-    num_threads = 128
     vec = 8  # bf16 elements per 16-byte access
 
     def __init__(self, config: KdaIntraConfig):
@@ -149,6 +154,7 @@ class KdaIntra:
         if not ok:
             raise ValueError(f"KdaIntra cannot implement {config}: {reason}")
         self.config = config
+        self.num_threads = config.threads
         K = config.head_dim
         # row copies of [64, K] bf16 tiles: threads_per_row threads, 8 contiguous elements (16 B) each
         self.threads_per_row = K // self.vec
@@ -171,6 +177,10 @@ class KdaIntra:
             return False, f"phases={c.phases!r}: expected one of {PHASES}"
         if c.prefetch not in (0, 1):  # two passes ahead spill registers (23 values with the fused L2 norm)
             return False, f"prefetch={c.prefetch!r}: expected 0 or 1 row passes"
+        if c.threads not in (128, 256):
+            return False, f"threads={c.threads!r}: expected 128 or 256"
+        if c.threads == 256 and (c.phases != "all" or c.gate is not None or c.head_dim != 128):
+            return False, "threads=256 is implemented for phases='all', K = 128, without an in-kernel gate"
         if c.lean_smem and c.phases != "all":
             return False, "lean_smem applies to phases='all' only"
         if not c.output_akk_inv and c.phases != "all":
@@ -261,12 +271,19 @@ class KdaIntra:
         # score blocks: one warp atom (16x8x16), tiled to 16x16x16 so that ldmatrix.x4 feeds B
         mma_op = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
         block_mma = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(SUB, 16, 16))
-        # W/U: the four warps stacked along M (64 rows of Tinv)
-        wu_mma = cute.make_tiled_mma(mma_op, (4, 1, 1), permutation_mnk=(c.chunk_size, 16, 16))
-        self.kernel(
+        # W/U: four warps stacked along M (64 rows of Tinv); with 8 warps, two such columns of warps along N
+        warps_n = self.num_threads // 128
+        wu_mma = cute.make_tiled_mma(mma_op, (4, warps_n, 1), permutation_mnk=(c.chunk_size, 16 * warps_n, 16))
+        kernel = self.kernel(
             mQ, mK, mV, mG, mBeta, mW, mU, mQg, mKg, mAqk, mAkk, mAkkF32, mCuSeqlens, mChunkIndices, mALog, mDtBias,
             mGLast, scale, lower_bound, block_mma, wu_mma,
-        ).launch(grid=[num_chunks, c.num_v_heads, mRef.shape[0]], block=[self.num_threads, 1, 1], stream=stream)
+        )
+        grid = [num_chunks, c.num_v_heads, mRef.shape[0]]
+        if const_expr(self.num_threads == 128):
+            kernel.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        else:  # two CTAs of 8 warps per SM: at most 128 registers per thread
+            kernel.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=2,
+                          preferred_smem_carveout=100)
 
     def smem_layout(self, rows: int, cols: int):
         """A [rows, cols] bf16 tile, row-major, 128-byte rows swizzled (Swizzle<3,3,3>) so ldmatrix is conflict-free."""
@@ -773,37 +790,52 @@ class KdaIntra:
         copy_A = cute.make_tiled_copy_A(ld_atom, block_mma).get_slice(lane)
         copy_B = cute.make_tiled_copy_B(ld_atom, block_mma).get_slice(lane)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
-        # (I, J) blocks of each warp: 3, 3, 2, 2 blocks
+        # (I, J) blocks of each warp: 3, 3, 2, 2 blocks; with 8 warps, warps 0-3 make Aqk and warps 4-7 Akk
         assignment = (((0, 0), (3, 0), (3, 1)), ((1, 0), (1, 1), (3, 2)), ((2, 0), (2, 1)), ((2, 2), (3, 3)))
-        for w in cutlass.range_constexpr(len(assignment)):
+        split = self.num_threads // 128 == 2
+        for w in cutlass.range_constexpr(self.num_threads // 32):
+            qk = not split or w < len(assignment)  # this warp's products
+            kk = not split or w >= len(assignment)
             if warp_idx == w:
-                for bi, bj in assignment[w]:
+                for bi, bj in assignment[w % len(assignment)]:
                     sQI = cute.local_tile(sQt, (SUB, K), (bi, 0))
                     sKI = cute.local_tile(sKt, (SUB, K), (bi, 0))
                     sKJ = cute.local_tile(sKh[bi], (SUB, K), (bj, 0))
                     tCrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQI))
                     tCrK = thr_mma.make_fragment_A(thr_mma.partition_A(sKI))
                     tCrKh = thr_mma.make_fragment_B(thr_mma.partition_B(sKJ))
-                    cute.copy(copy_A, copy_A.partition_S(sQI), copy_A.retile(tCrQ))
-                    cute.copy(copy_A, copy_A.partition_S(sKI), copy_A.retile(tCrK))
+                    if const_expr(qk):
+                        cute.copy(copy_A, copy_A.partition_S(sQI), copy_A.retile(tCrQ))
+                    if const_expr(kk):
+                        cute.copy(copy_A, copy_A.partition_S(sKI), copy_A.retile(tCrK))
                     cute.copy(copy_B, copy_B.partition_S(sKJ), copy_B.retile(tCrKh))
                     acc_qk = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
                     acc_kk = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
-                    acc_qk.fill(0.0)
-                    acc_kk.fill(0.0)
-                    cute.gemm(block_mma, acc_qk, tCrQ, tCrKh, acc_qk)
-                    cute.gemm(block_mma, acc_kk, tCrK, tCrKh, acc_kk)
+                    if const_expr(qk):
+                        acc_qk.fill(0.0)
+                    if const_expr(kk):
+                        acc_kk.fill(0.0)
+                    if const_expr(qk):
+                        cute.gemm(block_mma, acc_qk, tCrQ, tCrKh, acc_qk)
+                    if const_expr(kk):
+                        cute.gemm(block_mma, acc_kk, tCrK, tCrKh, acc_kk)
                     for e in cutlass.range_constexpr(cute.size(acc_qk)):
                         i, j = tCcC[e]
                         row = bi * SUB + i
                         col = bj * SUB + j
-                        aqk = Float32(acc_qk[e] * scale)
-                        akk = Float32(acc_kk[e] * sBeta[row])
+                        if const_expr(qk):
+                            aqk = Float32(acc_qk[e] * scale)
+                        if const_expr(kk):
+                            akk = Float32(acc_kk[e] * sBeta[row])
                         if const_expr(bi == bj):
-                            aqk = Float32(cutlass.select_(j <= i, aqk, Float32(0.0)))
-                            akk = Float32(cutlass.select_(j < i, akk, Float32(0.0)))
-                        sAqk[row, col] = aqk.to(BFloat16)
-                        sA[row, col] = akk
+                            if const_expr(qk):
+                                aqk = Float32(cutlass.select_(j <= i, aqk, Float32(0.0)))
+                            if const_expr(kk):
+                                akk = Float32(cutlass.select_(j < i, akk, Float32(0.0)))
+                        if const_expr(qk):
+                            sAqk[row, col] = aqk.to(BFloat16)
+                        if const_expr(kk):
+                            sA[row, col] = akk
 
     @cute.jit
     def inverse(self, sA: cute.Tensor, sT: cute.Tensor, sS: cute.Tensor, sTb: cute.Tensor, tidx: Int32):
@@ -938,25 +970,29 @@ _OUTPUTS = {"all": frozenset((*range(5, 11), 16)), "scores": frozenset({9, 11}),
 
 
 ENV_VARIANT = "CULA_CUTE_INTRA"
-# Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch). All compute
-# the same bits (each checked against `wide` on the H200). fuse_* are for the cutedsl backend: fuse_l2norm moves the
-# q/k L2 norm from kda_prepare into this kernel; fuse_gate also the gate activation, its cumsum and β (no
-# kda_prepare launch at all). The default is `lean-unrolled`, the fastest on the H200 (kda_prefill_h200.md: 1.16-1.46x
-# faster end to end than `wide`; `fused` 0.85-1.04x and `fused-prepare` 0.59-0.89x of `wide`).
+# Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch, threads).
+# All compute the same bits (each checked against `wide` on the H200). fuse_* are for the cutedsl backend:
+# fuse_l2norm moves the q/k L2 norm from kda_prepare into this kernel; fuse_gate also the gate activation, its cumsum
+# and β (no kda_prepare launch at all). The default is `lean-unrolled`, the fastest on the H200 (kda_prefill_h200.md:
+# 1.09-1.46x faster end to end than `wide`; `fused` 0.85-1.04x and `fused-prepare` 0.59-0.89x of `wide`).
 DEFAULT_VARIANT = "lean-unrolled"
-# The "-prefetch" variants issue each row pass's loads one pass ahead (KdaIntraConfig.prefetch): compiled, not yet
-# run on a GPU.
-VARIANTS = {"wide": (False, False, False, False, 0), "lean": (True, False, False, False, 0),
-            "lean-unrolled": (True, True, False, False, 0), "fused": (True, True, True, False, 0),
-            "fused-prepare": (True, True, True, True, 0),
-            "lean-unrolled-prefetch": (True, True, False, False, 1), "fused-prefetch": (True, True, True, False, 1),
-            "fused-prepare-prefetch": (True, True, True, True, 1)}
+# The "-prefetch" variants issue each row pass's loads one pass ahead (KdaIntraConfig.prefetch), the "-8warps" ones
+# run 256-thread CTAs (KdaIntraConfig.threads): compiled, not yet run on a GPU.
+VARIANTS = {"wide": (False, False, False, False, 0, 128), "lean": (True, False, False, False, 0, 128),
+            "lean-unrolled": (True, True, False, False, 0, 128), "fused": (True, True, True, False, 0, 128),
+            "fused-prepare": (True, True, True, True, 0, 128),
+            "lean-unrolled-prefetch": (True, True, False, False, 1, 128),
+            "fused-prefetch": (True, True, True, False, 1, 128),
+            "fused-prepare-prefetch": (True, True, True, True, 1, 128),
+            "lean-unrolled-8warps": (True, True, False, False, 0, 256),
+            "lean-unrolled-prefetch-8warps": (True, True, False, False, 1, 256),
+            "fused-prefetch-8warps": (True, True, True, False, 1, 256)}
 
 
-def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int]:
-    """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch)`` of a named variant; None:
-    ``CULA_CUTE_INTRA``, else ``lean-unrolled`` (the default). Every variant without ``prefetch`` ran on the H200
-    with the same bits as ``wide``."""
+def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int, int]:
+    """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch, threads)`` of a named variant; None:
+    ``CULA_CUTE_INTRA``, else ``lean-unrolled`` (the default). Every variant without prefetch and with 128 threads
+    ran on the H200 with the same bits as ``wide``."""
     import os
 
     name = variant if variant is not None else os.environ.get(ENV_VARIANT, DEFAULT_VARIANT)
@@ -966,20 +1002,22 @@ def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int]:
     return VARIANTS[name]
 
 
+def kernel_flags(flags: tuple[bool, bool, bool, bool, int, int]) -> tuple[bool, bool, int, int]:
+    """The kernel-shape part of :func:`variant_flags`'s answer: ``(lean_smem, unrolled_inverse, prefetch,
+    threads)``."""
+    return flags[0], flags[1], flags[4], flags[5]
+
+
 @functools.lru_cache(maxsize=256)
-def kernel_flags(flags: tuple[bool, bool, bool, bool, int]) -> tuple[bool, bool, int]:
-    """The kernel-shape part of :func:`variant_flags`'s answer: ``(lean_smem, unrolled_inverse, prefetch)``."""
-    return flags[0], flags[1], flags[4]
-
-
 def _plan(H: int, HV: int, K: int, output_qg: bool, varlen: bool, flags: tuple[bool, ...],
           phases: str = "all", l2norm: bool = False, gate: InKernelGate | None = None,
           output_akk_inv: bool = True) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call). ``flags``: ``(lean_smem,
-    unrolled_inverse[, prefetch])``."""
+    unrolled_inverse[, prefetch, threads])``."""
+    prefetch, threads = flags[2:] if len(flags) > 2 else (0, 128)
     config = KdaIntraConfig(num_heads=H, num_v_heads=HV, head_dim=K, output_qg=output_qg, varlen=varlen,
                             lean_smem=flags[0], unrolled_inverse=flags[1], phases=phases, l2norm=l2norm, gate=gate,
-                            output_akk_inv=output_akk_inv, prefetch=flags[2] if len(flags) > 2 else 0)
+                            output_akk_inv=output_akk_inv, prefetch=prefetch, threads=threads)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"KdaIntra: {reason}")
