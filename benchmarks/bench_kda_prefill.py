@@ -208,7 +208,8 @@ def main() -> None:
     parser.add_argument("--cutedsl-intra", default=None,
                         choices=("wide", "lean", "lean-unrolled", "fused", "fused-prepare", "lean-unrolled-prefetch",
                                  "fused-prefetch", "fused-prepare-prefetch", "lean-unrolled-8warps",
-                                 "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps"),
+                                 "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps",
+                                 "fused-prepare-prefetch-8warps"),
                         help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
     parser.add_argument("--extra", action="append", default=[],
                         help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '

@@ -32,7 +32,8 @@ STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES,
           **{f"cutedsl-{v}": CUTE_STAGES for v in ("wide", "lean", "lean-unrolled", "fused", "fused-prepare",
                                                    "lean-unrolled-prefetch", "fused-prefetch",
                                                    "fused-prepare-prefetch", "lean-unrolled-8warps",
-                                                   "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps")}}
+                                                   "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps",
+                                                   "fused-prepare-prefetch-8warps")}}
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:

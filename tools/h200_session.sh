@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/cula-out}
 BENCH_EXTRA=${BENCH_EXTRA:---extra cutedsl:CULA_CUTE_INTRA=lean-unrolled-prefetch \
 --extra cutedsl:CULA_CUTE_INTRA=fused-prefetch --extra cutedsl:CULA_CUTE_INTRA=fused-prepare-prefetch \
 --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled-8warps --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled-prefetch-8warps \
---extra cutedsl:CULA_CUTE_INTRA=fused-prefetch-8warps}
+--extra cutedsl:CULA_CUTE_INTRA=fused-prefetch-8warps --extra cutedsl:CULA_CUTE_INTRA=fused-prepare-prefetch-8warps}
 REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -43,7 +43,7 @@ for step in "$@"; do
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
-                                 lean-unrolled-prefetch-8warps fused-prefetch-8warps; do
+                                 lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \
                           | tee -a "$OUT/profile_kda_prefetch.txt"; done ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;

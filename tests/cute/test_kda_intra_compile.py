@@ -127,18 +127,22 @@ def _issued_before(sass: str, op: str, stop: str) -> int:
 
 
 # In-kernel gate configurations (the fused-prepare path: kda_prepare's work done by the intra kernel). The last
-# member is how many 32-bit values may spill: the softplus form with bf16 inputs needs one more register than the
-# 255 available and spills one (a row address, stored and reloaded once per CTA).
+# member is how many spill instructions (local stores + reloads) it may have: the softplus form with bf16 inputs
+# needs one more register than the 255 available and spills one value (a row address, stored and reloaded once).
 GATE_CONFIGS = {
     "gate-safe-l2norm-varlen-H2-HV4-K128": (dict(num_heads=2, num_v_heads=4, varlen=True, l2norm=True), {}, 0),
     "gate-softplus-bf16-neg-fixed-H2-HV4-K128": (
         dict(num_heads=2, num_v_heads=4, l2norm=True),
-        dict(form="softplus", g_dtype="bfloat16", beta_dtype="bfloat16", allow_neg_eigval=True), 1),
+        dict(form="softplus", g_dtype="bfloat16", beta_dtype="bfloat16", allow_neg_eigval=True), 2),
     "gate-none-varlen-H2-HV4-K64": (
         dict(num_heads=2, num_v_heads=4, head_dim=64, varlen=True),
         dict(form="none", has_A_log=False, has_dt_bias=False, beta_sigmoid=False), 0),
     "gate-safe-bf16-l2norm-prefetch-varlen-H2-HV4-K128": (
         dict(num_heads=2, num_v_heads=4, varlen=True, l2norm=True, prefetch=1), dict(g_dtype="bfloat16"), 0),
+    # 8 warps, registers capped at 128: measured 55 / 51 / 51 spill instructions on sm_90a / sm_100a / sm_103a
+    "gate-safe-bf16-l2norm-prefetch-8warps-varlen-H2-HV4-K128": (
+        dict(num_heads=2, num_v_heads=4, varlen=True, l2norm=True, prefetch=1, threads=256),
+        dict(g_dtype="bfloat16"), 55),
 }
 
 
@@ -161,10 +165,10 @@ def test_kda_intra_in_kernel_gate_machine_code(config_id: str, target: str) -> N
     K, C = config.head_dim, config.chunk_size
     code = disassemble(compile_kernel(KdaIntra, config, target=target))
     assert (code.sm, code.target) == (SM[target], target)
-    hmma = 10 * 2 * 2 * (K // 16) + 2 * 4 * (K // 8)
+    hmma = 10 * 2 * 2 * (K // 16) + 2 * 4 * (K // 8) // (config.threads // 128)
     assert code.count("HMMA") == code.opcodes["HMMA.16816.F32.BF16"] == hmma
     assert code.count("HGMMA") == 0 and not [op for op in code.opcodes if op.startswith("UTC")]
-    assert code.count("LDL") == code.count("STL") <= spills, "register spill"
+    assert code.count("LDL") + code.count("STL") <= spills, "register spill"
     assert kernel.smem_bytes() <= TWO_CTA_BUDGET, kernel.smem_bytes()  # the staging tile lives in sA's bytes
 
     passes = kernel.passes
@@ -296,7 +300,7 @@ def test_variant_knob(monkeypatch) -> None:
     assert variant_flags("fused-prepare") == (True, True, True, True, 0, 128)
     for name in ("lean-unrolled", "fused", "fused-prepare"):  # each with its loads issued one row pass ahead
         assert variant_flags(f"{name}-prefetch") == (*VARIANTS[name][:4], 1, 128)
-    for name in ("lean-unrolled", "lean-unrolled-prefetch", "fused-prefetch"):  # each with 8 warps
+    for name in ("lean-unrolled", "lean-unrolled-prefetch", "fused-prefetch", "fused-prepare-prefetch"):  # 8 warps
         assert variant_flags(f"{name}-8warps") == (*VARIANTS[name][:5], 256)
     monkeypatch.setenv(ENV_VARIANT, "fast")
     with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'.*lean"):

@@ -282,7 +282,7 @@ FROM_RAW = {
 }
 
 
-@pytest.mark.parametrize("variant", ["fused-prepare", "fused-prepare-prefetch"])
+@pytest.mark.parametrize("variant", ["fused-prepare", "fused-prepare-prefetch", "fused-prepare-prefetch-8warps"])
 @pytest.mark.parametrize("case_id", list(FROM_RAW))
 def test_from_raw_gives_prepare_then_intra_bits(case_id: str, variant: str) -> None:
     """One launch from the raw inputs equals kda_prepare followed by chunk_kda_fwd_intra (lean-unrolled) bit for

@@ -299,7 +299,8 @@ CASES = {
 @pytest.mark.parametrize("cu", [None, [0, 1, 64, 65, 130]], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("variant", ["wide", "lean", "lean-unrolled", "fused", "fused-prepare",
                                      "lean-unrolled-prefetch", "fused-prefetch", "fused-prepare-prefetch",
-                                     "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps"])
+                                     "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps",
+                                     "fused-prepare-prefetch-8warps"])
 def test_cutedsl_backend_launches_what_the_wrappers_launch(variant: str, cu, case: str, launches: list,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The backend calls the wrappers' internal functions and carves its intermediates from one buffer; each

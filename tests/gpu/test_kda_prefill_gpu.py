@@ -80,7 +80,7 @@ def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str,
     "B1-T300-H2-gate-precomputed-bf16", "B1-T300-H2-rawgate-bf16", "B1-T300-H2-no-l2norm",
     "B1-T300-H2-beta-activated-bf16", "varlen-0-1-64-65-200", "varlen-0-0-70", "varlen-3seqs-h0bf16-GVA4",
 ])
-@pytest.mark.parametrize("variant", ["fused-prepare", "fused-prepare-prefetch"])
+@pytest.mark.parametrize("variant", ["fused-prepare", "fused-prepare-prefetch", "fused-prepare-prefetch-8warps"])
 def test_cutedsl_fused_prepare_gives_the_same_bits(case_name: str, variant: str, monkeypatch) -> None:
     """The fused-prepare variant (kda_prepare's gate cumsum, β and L2 norm inside the intra kernel; the recurrence
     reads the intra kernel's per-chunk decay rows) gives the default pipeline's o and final state bit for bit, over

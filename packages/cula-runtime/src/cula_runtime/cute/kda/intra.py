@@ -179,8 +179,8 @@ class KdaIntra:
             return False, f"prefetch={c.prefetch!r}: expected 0 or 1 row passes"
         if c.threads not in (128, 256):
             return False, f"threads={c.threads!r}: expected 128 or 256"
-        if c.threads == 256 and (c.phases != "all" or c.gate is not None or c.head_dim != 128):
-            return False, "threads=256 is implemented for phases='all', K = 128, without an in-kernel gate"
+        if c.threads == 256 and (c.phases != "all" or c.head_dim != 128 or (c.gate is not None and not c.lean_smem)):
+            return False, "threads=256 is implemented for phases='all' and K = 128 (with an in-kernel gate: lean_smem)"
         if c.lean_smem and c.phases != "all":
             return False, "lean_smem applies to phases='all' only"
         if not c.output_akk_inv and c.phases != "all":
@@ -339,8 +339,11 @@ class KdaIntra:
             rGam = None
             if const_expr(c.gate is not None):  # Γ of this thread's fill elements, kept in registers
                 rGam = cute.make_rmem_tensor(cute.make_layout((self.passes, self.vec), stride=(self.vec, 1)), Float32)
-                self.gate_prologue(mG, mDtBias, mALog, mGLast, sA, sGa, rGam, lower_bound, batch, hv, chunk, start,
-                                   valid, tidx)
+                # the staging tile: over sA (16 KB) with 4 warps; over sT and sS (Tinv's, 20 KB) with 8 warps, whose
+                # stage of 64 columns also needs room for the run totals
+                sStaging = sA if const_expr(self.num_threads == 128) else sT
+                self.gate_prologue(mG, mDtBias, mALog, mGLast, sStaging, sGa, rGam, lower_bound, batch, hv, chunk,
+                                   start, valid, tidx)
             self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx,
                               anchors=c.gate is None)
             cute.arch.sync_threads()
@@ -553,8 +556,9 @@ class KdaIntra:
         arithmetic (the same runs of consecutive tokens, each summed serially, offset by the earlier runs' totals
         in order, then times 1/ln 2), so ``Γ`` has ``g_cum``'s bits.
 
-        It works in column stages through a staging tile over ``sA`` (free until the scores): thread ``(run,
-        column)`` scans its run, then the threads of :meth:`fill` copy their elements of the stage into ``rGam``
+        It works in column stages through a staging tile over ``sA`` (free until the scores; with 8 warps over
+        Tinv's fp32 buffers, free until the inverse: the stage is 64 columns wide): thread ``(run, column)`` scans
+        its run, then the threads of :meth:`fill` copy their elements of the stage into ``rGam``
         (``[passes, 8]``, zero for rows past the end). It also writes ``sGa`` (the anchors, as
         :meth:`load_anchors`) and ``g_last[b, chunk, hv, :] = Γ[valid - 1]``. Ends with a barrier."""
         c = self.config
@@ -984,6 +988,7 @@ VARIANTS = {"wide": (False, False, False, False, 0, 128), "lean": (True, False, 
             "lean-unrolled-prefetch": (True, True, False, False, 1, 128),
             "fused-prefetch": (True, True, True, False, 1, 128),
             "fused-prepare-prefetch": (True, True, True, True, 1, 128),
+            "fused-prepare-prefetch-8warps": (True, True, True, True, 1, 256),
             "lean-unrolled-8warps": (True, True, False, False, 0, 256),
             "lean-unrolled-prefetch-8warps": (True, True, False, False, 1, 256),
             "fused-prefetch-8warps": (True, True, True, False, 1, 256)}
