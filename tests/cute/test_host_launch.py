@@ -202,3 +202,14 @@ def test_carve_workspace_gives_aligned_disjoint_contiguous_tensors(groups: tuple
     for i, t in enumerate(tensors):
         t.fill_(i + 1)
     assert all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
+
+
+@pytest.mark.parametrize("module", ["prepare", "intra", "recurrence", "output"])
+def test_each_wrapper_plans_once_per_call_signature(module: str) -> None:
+    """Every kernel family's ``_plan`` (config, can_implement, argument specs) is cached: building them costs tens of
+    microseconds, so a call must find them, not build them. (A decorator that slides onto the wrong function when
+    code is inserted above it is how this goes wrong.)"""
+    import importlib
+
+    plan = importlib.import_module(f"cula_runtime.cute.kda.{module}")._plan
+    assert callable(getattr(plan, "cache_info", None)), f"{module}._plan is not cached"
