@@ -75,22 +75,27 @@ def test_supported_gpu_without_kernels_falls_back_to_reference_with_a_warning(ca
 
 def test_sm90_is_looked_up_until_found_then_never_again(monkeypatch) -> None:
     """The package lookup, version check and extension load of cula-sm90 cost microseconds on every Hopper call:
-    they run until they succeed, then the found backend's verify answers alone."""
-    import cula_sm90
-    from cula_sm90 import kda
+    they run until they succeed, then the found backend's verify answers alone. (A stand-in cula_sm90: CI has none.)"""
+    lookups, loads = [], []
 
-    lookups = []
+    def verify(args):
+        return args.device.index == 0, "device 0 only"
+
+    def run(args):
+        return None
+
+    shim = SimpleNamespace(__version__=dispatch.__version__, load_extension=lambda: loads.append(1))
+    modules = {"cula_sm90": shim, "cula_sm90.kda": SimpleNamespace(verify_kda_prefill=verify, kda_prefill=run)}
     monkeypatch.setattr(dispatch, "_sm90_found", None)
+    monkeypatch.setattr(dispatch.importlib, "import_module", modules.__getitem__)
     monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: lookups.append(name))
     decision, runner = dispatch._sm90(_fake_cuda_args())
     assert not decision.ok and runner is None and "not installed" in decision.reason and lookups == ["cula_sm90"]
     monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: lookups.append(name) or True)
-    monkeypatch.setattr(cula_sm90, "load_extension", lambda: None)
-    monkeypatch.setattr(kda, "verify_kda_prefill", lambda args: (args.device.index == 0, "device 0 only"))
     for index, ok in ((0, True), (1, False), (0, True)):
         decision, runner = dispatch._sm90(SimpleNamespace(device=torch.device("cuda", index)))
-        assert decision.ok == ok and (runner is kda.kda_prefill) == ok
-    assert lookups == ["cula_sm90", "cula_sm90"]  # found on the second call's lookup; not asked again
+        assert decision.ok == ok and (runner is run) == ok
+    assert lookups == ["cula_sm90", "cula_sm90"] and loads == [1]  # found on the second call; not asked again
 
 
 def test_unsupported_gpu_raises_with_the_fix(monkeypatch) -> None:
