@@ -121,10 +121,11 @@ class KdaIntraConfig:
             (kg, qg), which the compiler may not move them above, so every pass waits a full memory latency (the
             SASS shows load, use, store, load...). 0 or 1 (two ahead spill registers). Same arithmetic, same
             bits.
-        threads: the CTA's threads, 128 (4 warps) or 256 (8 warps; ``phases="all"`` without an in-kernel gate).
-            With 8 warps each scheduler has four warps of two CTAs instead of two to hide latency; the fill runs 4
-            row passes of 16 rows, the score blocks' two products go to two warps, W/U is split over 4 x 2 warps,
-            and registers are capped at 128 so that two CTAs still fit on an SM. Same arithmetic in the same
+        threads: the CTA's threads, 128 (4 warps) or 256 (8 warps; ``phases="all"``, K = 128, and the lean plan
+            with an in-kernel gate). With 8 warps each scheduler has four warps of two CTAs instead of two to hide
+            latency; the fill runs 4 row passes of 16 rows, the score blocks' two products go to two warps, W/U is
+            split over 4 x 2 warps, the in-kernel gate scans 64 columns per stage, and registers are capped at 128
+            so that two CTAs still fit on an SM (a few values spill to local memory). Same arithmetic in the same
             order: same bits.
     """
 
