@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 from ...index import prepare_chunk_indices, prepare_chunk_offsets, prepare_sequence_order
@@ -50,13 +49,6 @@ def _kernel_modules() -> tuple:
     from . import intra, prepare, recurrence
 
     return intra, prepare, recurrence
-
-
-def _intra_variant_flags(intra: Any) -> tuple[bool, bool, bool, bool, int, int]:
-    """:func:`~cula_runtime.cute.kda.intra.variant_flags` of ``CULA_CUTE_INTRA``, read once per call (the backend
-    used to read it twice); an unknown name raises there, with its message."""
-    flags = intra.VARIANTS.get(os.environ.get(intra.ENV_VARIANT, intra.DEFAULT_VARIANT))
-    return flags if flags is not None else intra.variant_flags(None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -140,7 +132,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         h0 = h0.float()
     if block_v == 0:
         block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=CUTE_NARROWEST_BLOCK_V)
-    flags = _intra_variant_flags(intra)
+    flags = intra.variant_flags(None)  # CULA_CUTE_INTRA, read once per call
     fuse_l2norm, fuse_gate = flags[2], flags[3]
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
     gate, A_log, dt_bias = prepare.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,

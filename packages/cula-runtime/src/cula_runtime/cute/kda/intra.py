@@ -32,6 +32,7 @@ a negative sequence id is padding and does nothing. Rows past a sequence's end a
 
 import dataclasses
 import functools
+import os
 
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..smem import REGION_ALIGN, align_up, carve
@@ -998,14 +999,13 @@ VARIANTS = {"wide": (False, False, False, False, 0, 128), "lean": (True, False, 
 def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int, int]:
     """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch, threads)`` of a named variant; None:
     ``CULA_CUTE_INTRA``, else ``lean-unrolled`` (the default). Every variant without prefetch and with 128 threads
-    ran on the H200 with the same bits as ``wide``."""
-    import os
-
+    ran on the H200 with the same bits as ``wide``. Asked on every cutedsl call: a lookup, no work."""
     name = variant if variant is not None else os.environ.get(ENV_VARIANT, DEFAULT_VARIANT)
-    if name not in VARIANTS:
+    flags = VARIANTS.get(name)
+    if flags is None:
         where = "variant" if variant is not None else ENV_VARIANT
         raise ValueError(f"{where}={name!r}: expected one of {sorted(VARIANTS)}")
-    return VARIANTS[name]
+    return flags
 
 
 def kernel_flags(flags: tuple[bool, bool, bool, bool, int, int]) -> tuple[bool, bool, int, int]:
