@@ -44,12 +44,18 @@ def recurrence_block_v(num_pairs: int, num_sms: int, narrowest: int = BLOCK_V_CH
     return BLOCK_V_CHOICES[-1]
 
 
-def sm_count(device) -> int:
-    """Streaming multiprocessors of the CUDA ``device`` (a ``torch.device``; no index: the current device)."""
+def _device_index(device: torch.device) -> int:
+    """The ordinal of a CUDA ``torch.device``; no index: the current device's."""
+    if device.index is not None:
+        return device.index
     import torch
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
+    return torch.cuda.current_device()
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (a ``torch.device``; no index: the current device)."""
+    return _sm_count(_device_index(device))
 
 
 @functools.cache
@@ -62,10 +68,7 @@ def _sm_count(index: int) -> int:  # cached: a device query costs microseconds o
 def device_capability(device: torch.device) -> tuple[int, int]:
     """Compute capability ``(major, minor)`` of the CUDA ``device`` (a ``torch.device``; no index: the current
     device). A device's capability never changes, so it is asked of the driver once per device index."""
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index)
+    return _capability(_device_index(device))
 
 
 @functools.cache
