@@ -189,13 +189,15 @@ def environment() -> list[str]:
         fla_version = fla.__version__
     except ImportError:
         fla_version = "absent"
+    from cula_runtime.cute.kda.intra import DEFAULT_VARIANT
+
     return [
         f"- GPU / driver: {smi}",
         f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, fla-core {fla_version} "
         f"(FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}), Python {platform.python_version()}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', 'default (lean-unrolled)')}, "
+        f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', f'default ({DEFAULT_VARIANT})')}, "
         f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}",
     ]
 

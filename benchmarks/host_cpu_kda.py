@@ -1,6 +1,7 @@
 """Host (Python) cost of one call of the cutedsl backend, on a CPU: no GPU, nothing compiled.
 
-    python benchmarks/host_cpu_kda.py [--calls 3000] [--variants lean-unrolled,fused-prepare] [--profile CONFIG]
+    python benchmarks/host_cpu_kda.py [--calls 3000] [--variants lean-unrolled,fused-prepare-prefetch-8warps]
+        [--profile CONFIG]
 
 ``kda_prefill_cutedsl`` runs on CPU tensors with its kernels replaced by no-ops: ``cute.compile`` returns a callable
 that does nothing and the device reports sm_90a, so ``compile_cache.launch``, ``compile_kernel`` and
@@ -147,7 +148,7 @@ def reuse_large_cpu_allocations() -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
-    parser.add_argument("--variants", default="lean-unrolled,fused-prepare")
+    parser.add_argument("--variants", default="lean-unrolled,fused-prepare-prefetch-8warps")
     parser.add_argument("--profile", default="", help="a config name to cProfile")
     opts = parser.parse_args()
     torch.set_num_threads(1)

@@ -3,9 +3,10 @@
     compute-sanitizer --tool memcheck python3 tools/sanitize_kda.py small|gva|large
 
 With ``CULA_BACKEND=cutedsl`` it also runs the CuTeDSL modular primitives on the same inputs (scores, solve_tril,
-recompute_w_u, the delta-h primitive and the chunk output) and the ``fused-prepare`` pipeline (the lean,
-unrolled intra kernel doing kda_prepare's work, and the recurrence on its per-chunk decay rows), so every shipped
-CuTeDSL kernel is checked.
+recompute_w_u, the delta-h primitive and the chunk output) and the other pipeline: ``lean-unrolled`` (kda_prepare
+-> intra -> recurrence) after the default ``fused-prepare-prefetch-8warps`` (the intra kernel doing kda_prepare's
+work, the recurrence on its per-chunk decay rows), or that after any non-fused ``CULA_CUTE_INTRA``, so every
+shipped CuTeDSL kernel is checked.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ if __name__ == "__main__":
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     if os.environ.get("CULA_BACKEND") == "cutedsl":
         modular_primitives(kwargs)
-        os.environ["CULA_CUTE_INTRA"] = "fused-prepare"
+        from cula_runtime.cute.kda.intra import variant_flags
+
+        # the other pipeline: kda_prepare -> intra when the first run fused prepare into intra, and the other way
+        os.environ["CULA_CUTE_INTRA"] = "lean-unrolled" if variant_flags(None)[3] else "fused-prepare-prefetch-8warps"
         o, ht = kda_prefill(**kwargs)
         torch.cuda.synchronize()
         assert torch.isfinite(o).all() and torch.isfinite(ht).all()

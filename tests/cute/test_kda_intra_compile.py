@@ -287,12 +287,13 @@ def test_smem_plans(head_dim: int) -> None:
 
 
 def test_variant_knob(monkeypatch) -> None:
-    """``variant=`` and ``CULA_CUTE_INTRA`` pick the intra variant; the default is ``lean-unrolled`` (the fastest on
-    the H200, the same bits as ``wide``); an unknown name is a ValueError that names the knob and the choices."""
+    """``variant=`` and ``CULA_CUTE_INTRA`` pick the intra variant; the default is ``fused-prepare-prefetch-8warps``
+    (the fastest on the H200, the same bits as the lean-unrolled pipeline); an unknown name is a ValueError that
+    names the knob and the choices."""
     from cula_runtime.cute.kda.intra import ENV_VARIANT, VARIANTS, variant_flags
 
     monkeypatch.delenv(ENV_VARIANT, raising=False)
-    assert variant_flags(None) == (True, True, False, False, 0, 128) == VARIANTS["lean-unrolled"]
+    assert variant_flags(None) == (True, True, True, True, 1, 256) == VARIANTS["fused-prepare-prefetch-8warps"]
     monkeypatch.setenv(ENV_VARIANT, "wide")
     assert variant_flags(None) == (False, False, False, False, 0, 128)
     assert variant_flags("lean") == (True, False, False, False, 0, 128)  # the argument wins over the environment
@@ -307,6 +308,22 @@ def test_variant_knob(monkeypatch) -> None:
         variant_flags(None)
     with pytest.raises(ValueError, match=r"variant='tf32'"):
         variant_flags("tf32")
+
+
+def test_default_variant_runs_4_warps_at_k64(monkeypatch) -> None:
+    """The intra primitives take K = 64 too, where 8 warps are not implemented: with nothing named, the default
+    variant runs there with 4 warps (the same bits); a named 8-warp variant at K = 64 stays an error, at planning."""
+    from cula_runtime.cute.kda.intra import ENV_VARIANT, VARIANTS, _plan, _primitive_flags, kernel_flags
+
+    monkeypatch.delenv(ENV_VARIANT, raising=False)
+    default = VARIANTS["fused-prepare-prefetch-8warps"]
+    assert _primitive_flags(None, 128) == default
+    assert _primitive_flags(None, 64) == (*default[:5], 128)
+    assert _primitive_flags("lean-unrolled-8warps", 64) == VARIANTS["lean-unrolled-8warps"]
+    monkeypatch.setenv(ENV_VARIANT, "lean-unrolled-8warps")
+    assert _primitive_flags(None, 64)[5] == 256
+    with pytest.raises(ValueError, match=r"threads=256 is implemented for .*K = 128"):
+        _plan(2, 2, 64, True, False, kernel_flags(_primitive_flags(None, 64)))
 
 
 MODULAR = {

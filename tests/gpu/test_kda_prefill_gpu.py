@@ -62,13 +62,13 @@ def test_1000_replays_are_bit_identical(backend: str, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("case_name", ["B2-T257-H2-vk", "varlen-3seqs-h0bf16-GVA4", "B1-T300-H2-no-l2norm"])
 def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str, monkeypatch) -> None:
     """Every CuTeDSL intra variant (shared-memory plan, loop or unrolled inverse, the L2 norm moved from kda_prepare
-    into the intra kernel, loads issued a row pass ahead) gives the default (lean-unrolled) pipeline's o and final
-    state bit for bit."""
+    into the intra kernel, loads issued a row pass ahead, 8 warps) gives the lean-unrolled pipeline's o and final
+    state bit for bit (the pipeline checked against fp64 on the H200 before the fused-prepare default)."""
     from cula.kda import kda_prefill
 
     use_backend("cutedsl", monkeypatch)
     kwargs = make_inputs(next(c for c in CASES if c.name == case_name), "cuda", seed=5)
-    monkeypatch.delenv("CULA_CUTE_INTRA", raising=False)
+    monkeypatch.setenv("CULA_CUTE_INTRA", "lean-unrolled")
     o0, ht0 = kda_prefill(**kwargs)
     monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     o, ht = kda_prefill(**kwargs)
@@ -82,14 +82,14 @@ def test_cutedsl_intra_variants_give_the_same_bits(variant: str, case_name: str,
 ])
 @pytest.mark.parametrize("variant", ["fused-prepare", "fused-prepare-prefetch", "fused-prepare-prefetch-8warps"])
 def test_cutedsl_fused_prepare_gives_the_same_bits(case_name: str, variant: str, monkeypatch) -> None:
-    """The fused-prepare variant (kda_prepare's gate cumsum, β and L2 norm inside the intra kernel; the recurrence
-    reads the intra kernel's per-chunk decay rows) gives the default pipeline's o and final state bit for bit, over
-    the gate forms, input dtypes, GVA, varlen with empty and one-token sequences."""
+    """The fused-prepare variants (kda_prepare's gate cumsum, β and L2 norm inside the intra kernel; the recurrence
+    reads the intra kernel's per-chunk decay rows; the last is the default) give the lean-unrolled pipeline's o and
+    final state bit for bit, over the gate forms, input dtypes, GVA, varlen with empty and one-token sequences."""
     from cula.kda import kda_prefill
 
     use_backend("cutedsl", monkeypatch)
     kwargs = make_inputs(next(c for c in CASES if c.name == case_name), "cuda", seed=6)
-    monkeypatch.delenv("CULA_CUTE_INTRA", raising=False)
+    monkeypatch.setenv("CULA_CUTE_INTRA", "lean-unrolled")
     o0, ht0 = kda_prefill(**kwargs)
     monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     poison_allocator(8 * o0.numel() * 2)

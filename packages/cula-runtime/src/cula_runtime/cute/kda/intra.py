@@ -977,13 +977,15 @@ _OUTPUTS = {"all": frozenset((*range(5, 11), 16)), "scores": frozenset({9, 11}),
 
 ENV_VARIANT = "CULA_CUTE_INTRA"
 # Named variants of the intra kernel: (lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch, threads).
-# All compute the same bits (each checked against `wide` on the H200). fuse_* are for the cutedsl backend:
-# fuse_l2norm moves the q/k L2 norm from kda_prepare into this kernel; fuse_gate also the gate activation, its cumsum
-# and β (no kda_prepare launch at all). The default is `lean-unrolled`, the fastest on the H200 (kda_prefill_h200.md:
-# 1.09-1.46x faster end to end than `wide`; `fused` 0.85-1.04x and `fused-prepare` 0.59-0.89x of `wide`).
-DEFAULT_VARIANT = "lean-unrolled"
-# The "-prefetch" variants issue each row pass's loads one pass ahead (KdaIntraConfig.prefetch), the "-8warps" ones
-# run 256-thread CTAs (KdaIntraConfig.threads): compiled, not yet run on a GPU.
+# All compute the same bits (each checked against `wide`, or against the lean-unrolled pipeline, on the H200).
+# fuse_* are for the cutedsl backend: fuse_l2norm moves the q/k L2 norm from kda_prepare into this kernel; fuse_gate
+# also the gate activation, its cumsum and β (no kda_prepare launch at all). "-prefetch" issues each row pass's loads
+# one pass ahead (KdaIntraConfig.prefetch), "-8warps" runs 256-thread CTAs (KdaIntraConfig.threads, K = 128 only).
+# The default is `fused-prepare-prefetch-8warps`, the fastest on the H200 (2026-11-30,
+# kda_prefill_fixed_variants_h200.md and kda_prefill_rest_variants_h200.md: 1.05-1.68x faster end to end than
+# `lean-unrolled`, the previous default; without the loads issued ahead and the 8 warps, `fused-prepare` was
+# 0.59-0.89x of `wide`).
+DEFAULT_VARIANT = "fused-prepare-prefetch-8warps"
 VARIANTS = {"wide": (False, False, False, False, 0, 128), "lean": (True, False, False, False, 0, 128),
             "lean-unrolled": (True, True, False, False, 0, 128), "fused": (True, True, True, False, 0, 128),
             "fused-prepare": (True, True, True, True, 0, 128),
@@ -998,13 +1000,23 @@ VARIANTS = {"wide": (False, False, False, False, 0, 128), "lean": (True, False, 
 
 def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int, int]:
     """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch, threads)`` of a named variant; None:
-    ``CULA_CUTE_INTRA``, else ``lean-unrolled`` (the default). Every variant without prefetch and with 128 threads
-    ran on the H200 with the same bits as ``wide``. Asked on every cutedsl call: a lookup, no work."""
+    ``CULA_CUTE_INTRA``, else :data:`DEFAULT_VARIANT`. Every variant ran on the H200 with the same bits as ``wide``
+    (or as the lean-unrolled pipeline). Asked on every cutedsl call: a lookup, no work."""
     name = variant if variant is not None else os.environ.get(ENV_VARIANT, DEFAULT_VARIANT)
     flags = VARIANTS.get(name)
     if flags is None:
         where = "variant" if variant is not None else ENV_VARIANT
         raise ValueError(f"{where}={name!r}: expected one of {sorted(VARIANTS)}")
+    return flags
+
+
+def _primitive_flags(variant: str | None, K: int) -> tuple[bool, bool, bool, bool, int, int]:
+    """:func:`variant_flags` for the intra primitives, which also take K = 64: when nothing was named (no
+    ``variant``, no ``CULA_CUTE_INTRA``) and the default runs 8 warps, K = 64 gets the same variant with 4 (8 warps
+    are implemented for K = 128 only; the same bits either way). A named 8-warp variant at K = 64 stays an error."""
+    flags = variant_flags(variant)
+    if K != 128 and flags[5] != 128 and variant is None and ENV_VARIANT not in os.environ:
+        flags = (*flags[:5], 128)
     return flags
 
 
@@ -1067,9 +1079,10 @@ def chunk_kda_fwd_intra(
         use_tf32_inverse: not implemented (the inverse is fp32 on CUDA cores).
         output_qg: also return ``qg = bf16(q 2^gk)``.
         out: optional preallocated ``(w, u, qg, kg, Aqk, Akk_inv)`` (qg None unless ``output_qg``).
-        variant: ``wide``, ``lean``, ``lean-unrolled``, ``fused`` or ``fused-prepare`` (the last two are
-            ``lean-unrolled`` here; see :data:`VARIANTS`, :class:`KdaIntraConfig`); None: :func:`variant_flags`
-            (``CULA_CUTE_INTRA``, else ``lean-unrolled``).
+        variant: a name in :data:`VARIANTS` (here only the shared-memory plan, inverse form, prefetch and thread
+            count count: ``fused*`` run as the ``lean-unrolled`` variant with the same prefetch and threads; see
+            :class:`KdaIntraConfig`); None: ``CULA_CUTE_INTRA``, else :data:`DEFAULT_VARIANT` (with 4 warps at
+            K = 64).
         use_qk_l2norm_in_kernel: q and k are raw; each row is L2-normalised in the kernel exactly as
             :func:`kda_prepare` would (same bits).
 
@@ -1100,7 +1113,7 @@ def chunk_kda_fwd_intra(
         raise ValueError("q, k, v, gk and beta must be CUDA tensors on one device")
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
     return _intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_indices, num_chunks, bool(output_qg),
-                  variant_flags(variant), bool(use_qk_l2norm_in_kernel), out)
+                  _primitive_flags(variant, K), bool(use_qk_l2norm_in_kernel), out)
 
 
 def _intra(q, k, v, gk, beta, scale: float, cu_seqlens, chunk_indices, num_chunks: int, output_qg: bool,
@@ -1169,8 +1182,9 @@ def chunk_kda_fwd_intra_from_raw(
         beta: ``[B, T, HV]`` bf16 or fp32, logits with ``use_beta_sigmoid_in_kernel``.
         A_log, dt_bias, lower_bound, use_*_in_kernel, allow_neg_eigval: as :func:`kda_prepare`.
         scale, cu_seqlens, chunk_indices: as :func:`chunk_kda_fwd_intra`.
-        variant: the shared-memory plan, inverse loop form and prefetch (:data:`VARIANTS`); None: ``CULA_CUTE_INTRA``
-            if it names a ``fused-prepare`` variant, else ``fused-prepare``.
+        variant: the shared-memory plan, inverse loop form, prefetch and threads (:data:`VARIANTS`); None:
+            ``CULA_CUTE_INTRA`` if it names a ``fused-prepare`` variant, ``fused-prepare`` if it names another, else
+            :data:`DEFAULT_VARIANT` (with 4 warps at K = 64).
 
     Returns:
         ``w, u, qg, kg, Aqk`` as :func:`chunk_kda_fwd_intra` with ``output_qg=True`` (bf16), and ``g_last`` fp32
@@ -1194,7 +1208,7 @@ def chunk_kda_fwd_intra_from_raw(
     form, A_log, dt_bias = gate_arguments(use_gate_in_kernel, lower_bound, A_log, dt_bias, allow_neg_eigval,
                                           use_beta_sigmoid_in_kernel, HV, K, device)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
-    flags = variant_flags(variant)
+    flags = _primitive_flags(variant, K)
     if variant is None and not flags[3]:  # CULA_CUTE_INTRA names a variant without the in-kernel gate
         flags = VARIANTS["fused-prepare"]
     return _intra_from_raw(q, k, v, g, beta, scale, form, A_log, dt_bias, lower_bound,
