@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Nsight Compute on one kda_prefill call per backend, on the lent H200 (the Firecracker machines read the counters):
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_ncu.sh ["fixed B1 T16384"]
-# For sm90, then for the CuTeDSL backend once per intra variant in NCU_INTRA (default: the default variant, its
-# prefetch form with 4 and 8 warps, and fused-prepare-prefetch-8warps): throughput, occupancy, warp stall reasons (also per source line, from
-# SourceCounters) and memory traffic of every kernel of the call, as text in $OUT/ncu_<backend>[_<variant>].txt.
+# For sm90, then for the CuTeDSL backend once per intra variant in NCU_INTRA (default: its default variant
+# fused-prepare-prefetch-8warps, and lean-unrolled): throughput, occupancy, warp stall reasons (also per source line,
+# from SourceCounters) and memory traffic of every kernel of the call, as text in $OUT/ncu_<backend>[_<variant>].txt.
 # Clocks are left alone (--clock-control none), as the device notes ask.
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
@@ -17,6 +17,6 @@ run() {  # backend, output file, then the environment's CULA_CUTE_INTRA
   echo "ncu $1 ${CULA_CUTE_INTRA:-} ($config): exit $? | $(grep -c '^  [A-Za-z_].*(' "$2") kernel reports"
 }
 run sm90 "$OUT/ncu_sm90.txt"
-for variant in ${NCU_INTRA:-lean-unrolled lean-unrolled-prefetch lean-unrolled-prefetch-8warps fused-prepare-prefetch-8warps}; do
+for variant in ${NCU_INTRA:-fused-prepare-prefetch-8warps lean-unrolled}; do
   CULA_CUTE_INTRA=$variant run cutedsl "$OUT/ncu_cutedsl_$variant.txt"
 done

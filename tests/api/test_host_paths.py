@@ -208,7 +208,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
         (o, ht), ws = kda.kda_prefill(args), None
 
     a = fake.intra
-    assert len(a) == 29
+    assert len(a) == 30
     assert a[:5] == tuple(x.data_ptr() for x in (args.q, args.k, args.v, args.g, args.beta))
     if args.A_log is not None:  # converted to fp32 for the kernel (read during the launch: a temporary)
         assert fake.read[5] == args.A_log.float().tolist() and fake.read[6] == args.dt_bias.float().tolist()
@@ -223,7 +223,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
-    assert a[28] == 777
+    assert a[28] == 0 and a[29] == 777  # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), the stream
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
@@ -286,6 +286,29 @@ def test_sm90_longest_first_can_be_turned_off(fake_sm90, monkeypatch: pytest.Mon
     monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
     kda.kda_prefill(args)
     assert fake.recurrence[8] == 0 and fake.order is None
+
+
+def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CULA_SM90_INTRA_PERSISTENT=1 asks for 2 persistent intra CTAs per SM, 0 (the default) for one per item;
+    another value is a ValueError naming the variable; run_kernels(intra_ctas=n) overrides it, n >= 0."""
+    kda, fake = fake_sm90
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
+    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
+    args = validate_kda_prefill(**kwargs)
+    monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
+    kda.kda_prefill(args)
+    assert fake.intra[28] == 0
+    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "1")
+    kda.kda_prefill(args)
+    assert fake.intra[28] == 2 * 132
+    kda.run_kernels(args, intra_ctas=5)
+    assert fake.intra[28] == 5
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="intra_ctas"):
+            kda.run_kernels(args, intra_ctas=bad)
+    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "yes")
+    with pytest.raises(ValueError, match="CULA_SM90_INTRA_PERSISTENT='yes'"):
+        kda.kda_prefill(args)
 
 
 def test_empty_call_launches_nothing(fake_sm90) -> None:

@@ -50,6 +50,34 @@ def test_longest_first_launch_order_gives_the_same_bits(name: str, monkeypatch: 
         assert torch.equal(o, o_batch) and torch.equal(ht, ht_batch)
 
 
+@pytest.mark.parametrize("name", ["B2-T1000-H4-betabf16", "B1-T700-H2-HV8", "varlen-6seqs-GVA2-vk",
+                                  "varlen-3seqs-h0bf16-GVA4", "varlen-0-0-70", "B1-T300-H2-gate-precomputed-bf16"])
+def test_persistent_intra_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The persistent intra kernel (CTAs walking the (chunk, value head) items, value head fastest, each sending its
+    next item's rows to L2) gives the one-CTA-per-item kernel's workspace, o and final state bit for bit, for CTA
+    counts that leave some CTAs one item, others several, and for CULA_SM90_INTRA_PERSISTENT=1."""
+    kda = _sm90(monkeypatch)
+    case = next(c for c in CASES if c.name == name)
+    args = validate_kda_prefill(**make_inputs(case, "cuda", seed=13))
+    o_ref, ht_ref, ws_ref = kda.run_kernels(args, intra_ctas=0)
+    items = sum(-(-n // 64) for n in _lengths(args)) * args.HV
+    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "1")
+    for ctas in (1, 3, max(1, items // 2 - 1), None):
+        o, ht, ws = kda.run_kernels(args, intra_ctas=ctas)
+        assert torch.equal(o, o_ref), ctas
+        assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref), ctas
+        for key, ref in ws_ref.items():
+            assert torch.equal(ws[key], ref), (ctas, key)
+
+
+def _lengths(args) -> list[int]:
+    """Each sequence's length, from validated kda_prefill arguments."""
+    if args.cu_seqlens is None:
+        return [args.T] * args.B
+    cu = args.cu_seqlens.tolist()
+    return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+
+
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     _sm90(monkeypatch)
     monkeypatch.delenv("CULA_BACKEND")  # the natural choice, not a forced one

@@ -51,6 +51,7 @@ int kda_intra(const KdaIntraArgs& a, std::uintptr_t stream) {
   p.u = as_ptr<void>(a.u);
   p.Aqk = as_ptr<void>(a.Aqk);
   p.g_last = as_ptr<float>(a.g_last);
+  p.persistent_ctas = a.persistent_ctas;
   return static_cast<int>(cula::sm90::launch_kda_intra(p, reinterpret_cast<cudaStream_t>(stream)));
 }
 

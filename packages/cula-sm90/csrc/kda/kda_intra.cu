@@ -6,8 +6,9 @@
 //   Tinv = (I + Akk)^-1 (fp32, rounded once to bf16), w = Tinv·bf16(β k e^Γ), u = Tinv·bf16(β v),
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
-// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head). 103.25 KiB of dynamic shared
-// memory, so two CTAs fit on an SM. Phases (every arrow is a __syncthreads):
+// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), or (persistent_ctas > 0) that many
+// CTAs walking the (chunk, value head) items, each sending its next item's rows to L2 while it computes the current
+// one. 103.25 KiB of dynamic shared memory, so two CTAs fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
 //   1b   per-column anchor factors 2^{Γ2[n_J]}, 2^{Γ2[L-1]-Γ2[n_J]}, 2^{Γ2[n_I]-Γ2[n_J]} (n_J = 16 J)
 //   2a   elementwise, warp = full rows: l2norm, a = 2^{Γ2-Γ2[n]}, b = 2^{Γ2[n]-Γ2}; qg, kg -> global;
@@ -75,13 +76,50 @@ __device__ __forceinline__ uint32_t quad_off(int r, int lane) {
   return swz256(r, lane >> 1) + ((lane & 1) << 3);
 }
 
-__global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
-  extern __shared__ __align__(1024) uint8_t smem[];
+// The work item a persistent CTA takes next (its rows go to L2 while this item computes), in two registers (the
+// per-item code runs at the 128-register cap): its first token, and (value head << 7) | valid rows (0: none).
+struct NextItem {
+  int t0 = 0;
+  int hv_rows = 0;
+};
+
+// Item `item` of the persistent order (value head fastest: the heads of one GVA group share their q/k rows).
+__device__ __forceinline__ NextItem locate_item(const KdaIntraParams& p, int item) {
+  NextItem next;
+  const int HV = p.num_value_heads;
+  if (item >= p.num_chunks * HV) return next;
+  const int ci = item / HV;
+  const int seq = p.chunk_indices[2 * ci];
+  if (seq < 0) return next;
+  next.t0 = p.cu_seqlens[seq] + p.chunk_indices[2 * ci + 1] * 64;
+  next.hv_rows = ((item - ci * HV) << 7) | max(0, min(64, p.cu_seqlens[seq + 1] - next.t0));
+  return next;
+}
+
+// One bulk L2 prefetch per row of the next item's q, k, v and g (thread = tensor tid / 64, row tid % 64).
+__device__ __forceinline__ void prefetch_item_l2(const KdaIntraParams& p, const NextItem& next, int tid) {
+  const int row = tid & 63;
+  const int tensor = tid >> 6;  // 0 q, 1 k, 2 v, 3 g
+  const int hv = next.hv_rows >> 7;
+  const int heads = tensor < 2 ? p.num_heads : p.num_value_heads;
+  const int head = tensor < 2 ? hv / (p.num_value_heads / p.num_heads) : hv;
+  const void* base = tensor == 0 ? p.q : (tensor == 1 ? p.k : (tensor == 2 ? p.v : p.g));
+  const uint32_t bytes = (tensor == 3 && p.g_type == ScalarType::kFloat32) ? 512u : 256u;
+  const int64_t row_index = (static_cast<int64_t>(next.t0) + row) * heads + head;
+  if (row < (next.hv_rows & 127)) {
+    prefetch_l2_bulk(static_cast<const uint8_t*>(base) + row_index * bytes, bytes);
+  }
+}
+
+// The whole computation of one (chunk ci, value head hv); with kPrefetchNext the input rows of item next_item (of
+// the persistent order) are sent to L2 once this item's inputs have arrived. (Locating that item there, not before
+// the call, keeps two registers free through phases 0-1: with them the compiler rolls the MMA loops up.)
+template <bool kPrefetchNext>
+__device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
+                                           const int next_item) {
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int ci = blockIdx.x;
-  const int hv = blockIdx.y;
   const int HV = p.num_value_heads;
   const int H = p.num_heads;
   const int h = hv / (HV / H);
@@ -220,6 +258,8 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraPa
   }
   cp_async_wait_all();
   __syncthreads();  // (B): Γ2, beta, q/k/v tiles visible
+  NextItem next;
+  if constexpr (kPrefetchNext) next = locate_item(p, next_item);
 
   // Phase 1b: per-column anchor factors (2^x kept subnormal-accurate: they may be tiny).
   {
@@ -246,6 +286,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraPa
     }
   }
   __syncthreads();  // (C)
+  if constexpr (kPrefetchNext) prefetch_item_l2(p, next, tid);
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 2a: elementwise. Warp w owns rows w + 8*pp (pp = 0..7, two rows per sub-chunk); lane owns columns
@@ -596,11 +637,38 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraPa
   }
 }
 
+// One CTA per (chunk, value head).
+__global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  intra_item<false>(p, smem, blockIdx.x, blockIdx.y, 0);
+}
+
+// Persistent: gridDim.x CTAs walk the items (chunk, value head) with stride gridDim.x, value head fastest, each
+// prefetching its next item's rows into L2 while it computes the current one. The same arithmetic per item.
+__global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const KdaIntraParams p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int HV = p.num_value_heads;
+  const int items = p.num_chunks * HV;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    if (item != static_cast<int>(blockIdx.x)) __syncthreads();  // the previous item's last shared reads are done
+    intra_item<true>(p, smem, item / HV, item % HV, item + gridDim.x);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_kda_intra(const KdaIntraParams& params, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
   if (params.num_heads <= 0 || params.num_value_heads % params.num_heads != 0) return cudaErrorInvalidValue;
+  if (params.persistent_ctas < 0) return cudaErrorInvalidValue;
+  const int64_t items = static_cast<int64_t>(params.num_chunks) * params.num_value_heads;
+  if (params.persistent_ctas > 0 && params.persistent_ctas < items) {
+    const cudaError_t err = allow_dynamic_smem<kda_intra_persistent_kernel>(static_cast<int>(kSmemBytes));
+    if (err != cudaSuccess) return err;
+    kda_intra_persistent_kernel<<<static_cast<unsigned>(params.persistent_ctas), kThreads, kSmemBytes, stream>>>(
+        params);
+    return cudaGetLastError();
+  }
   const cudaError_t err = allow_dynamic_smem<kda_intra_kernel>(static_cast<int>(kSmemBytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));

@@ -24,7 +24,7 @@ constexpr int kHeadDim = 128;  // K = V = 128
 
 enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1 };
 
-// Kernel 1 ("intra"): one CTA per (chunk, value head); no dependency between chunks.
+// Kernel 1 ("intra"): one CTA per (chunk, value head), or persistent CTAs over them; no dependency between chunks.
 struct KdaIntraParams {
   // inputs
   const void* q;          // bf16 [Ttot, H, K]
@@ -49,6 +49,7 @@ struct KdaIntraParams {
   bool gate_in_kernel;    // compute the safe gate from raw g (else g is already the log-gate)
   bool beta_sigmoid;      // beta <- sigmoid(beta) (2 * sigmoid with allow_neg_eigval)
   bool allow_neg_eigval;
+  int persistent_ctas;    // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs (fewer items: as 0)
   // outputs (the workspace), all dense:
   void* qg;               // bf16 [Ttot, HV, K]  q ⊙ exp(Γ)              (no scale)
   void* kg;               // bf16 [Ttot, HV, K]  k ⊙ exp(Γ_last − Γ)

@@ -1,7 +1,9 @@
 """The sm90 backend of ``kda_prefill``: checks validated arguments, allocates through torch, launches the kernels.
 
 Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm, safe gate, cumulative gate,
-Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace; ``recurrence`` walks each sequence's chunks with the
+Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head) or, with
+``CULA_SM90_INTRA_PERSISTENT=1``, 2 persistent CTAs per SM that send their next item's rows to L2 while they compute
+(same bits; not yet timed on a GPU); ``recurrence`` walks each sequence's chunks with the
 fp32 state in registers and writes o and the final state. Both launch on the current torch stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
@@ -36,6 +38,9 @@ _INT32_MAX = 2**31 - 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # "0" launches the recurrence's sequences in batch order instead of longest first (same bits; for timing).
 ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
+# "1" runs the intra kernel persistent (2 CTAs per SM walk the (chunk, value head) items, each sending its next
+# item's rows to L2 while it computes; same bits). Off by default until the H200 says it pays.
+ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
@@ -138,6 +143,17 @@ def workspace_layout(total: int, HV: int, num_chunks: int) -> tuple[tuple[Worksp
     return tuple(regions), offset
 
 
+def _intra_persistent_ctas(device: torch.device) -> int:
+    """The intra kernel's persistent CTA count: 0 (one CTA per item) unless ``CULA_SM90_INTRA_PERSISTENT=1``, then
+    2 per SM (the kernel's occupancy). With as many items as CTAs or fewer the kernel runs one CTA per item."""
+    value = os.environ.get(ENV_INTRA_PERSISTENT, "0")
+    if value == "0":
+        return 0
+    if value != "1":
+        raise ValueError(f"{ENV_INTRA_PERSISTENT}={value!r}: expected '0' or '1'")
+    return 2 * sm_count(device)
+
+
 def _current_stream(index: int) -> int:
     """The current torch stream of CUDA device ``index``, as the integer ``cudaStream_t`` the extension takes."""
     if _raw_current_stream is not None:
@@ -160,19 +176,24 @@ def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, final_state
 
 
-def run_kernels(args: Any, block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
     Workspace (token-major, ``Ttot = B*T``): ``qg``, ``kg``, ``w``, ``u`` bf16 ``[Ttot, HV, 128]``, ``Aqk`` bf16
     ``[Ttot, HV, 64]``, ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units); views into one buffer
     (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA (32, 64 or 128; 0:
-    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count).
+    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count). ``intra_ctas``: 0 runs
+    one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that);
+    None: ``CULA_SM90_INTRA_PERSISTENT``.
     """
-    return _run(args, block_v, keep_workspace=True)
+    if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int) or intra_ctas < 0):
+        raise ValueError(f"intra_ctas must be None or an int >= 0, got {intra_ctas!r}")
+    return _run(args, block_v, keep_workspace=True, intra_ctas=intra_ctas)
 
 
-def _run(args: Any, block_v: int, keep_workspace: bool) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                 dict[str, torch.Tensor]]:
+def _run(args: Any, block_v: int, keep_workspace: bool, intra_ctas: int | None = None,
+         ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Allocate, then launch both kernels on the current stream; the workspace views only if ``keep_workspace``."""
     ext = load_extension()
     B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
@@ -206,7 +227,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool) -> tuple[torch.Tensor, t
             _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], cu.data_ptr(), chunk_indices.data_ptr(),
             chunk_offsets.data_ptr(), total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel,
             args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
-            qg, kg, w, u, Aqk, g_last, stream,
+            qg, kg, w, u, Aqk, g_last, _intra_persistent_ctas(device) if intra_ctas is None else intra_ctas, stream,
         )
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
