@@ -172,6 +172,7 @@ def fake_sm90(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(kda, "_device_guard", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(kda, "sm_count", lambda device: 132)
     monkeypatch.delenv("CULA_BLOCK_V", raising=False)
+    monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
     return kda, fake
 
 
@@ -303,12 +304,14 @@ def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     assert fake.intra[28] == 2 * 132
     kda.run_kernels(args, intra_ctas=5)
     assert fake.intra[28] == 5
-    for bad in (-1, 1.5, True):
+    for bad in (-1, 1.5, True, 2**31):
         with pytest.raises(ValueError, match="intra_ctas"):
             kda.run_kernels(args, intra_ctas=bad)
     monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "yes")
+    fake.intra = ()
     with pytest.raises(ValueError, match="CULA_SM90_INTRA_PERSISTENT='yes'"):
         kda.kda_prefill(args)
+    assert fake.intra == ()  # refused before any launch
 
 
 def test_empty_call_launches_nothing(fake_sm90) -> None:

@@ -13,7 +13,7 @@ import torch
 from cula_runtime.kda_args import validate_kda_prefill
 from tests.gpu_backends import use_backend
 from tests.helpers import rel_l2
-from tests.kda_cases import CASES, make_inputs
+from tests.kda_cases import CASES, KdaCase, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -50,14 +50,20 @@ def test_longest_first_launch_order_gives_the_same_bits(name: str, monkeypatch: 
         assert torch.equal(o, o_batch) and torch.equal(ht, ht_batch)
 
 
-@pytest.mark.parametrize("name", ["B2-T1000-H4-betabf16", "B1-T700-H2-HV8", "varlen-6seqs-GVA2-vk",
-                                  "varlen-3seqs-h0bf16-GVA4", "varlen-0-0-70", "B1-T300-H2-gate-precomputed-bf16"])
+PERSISTENT_CASES = {c.name: c for c in CASES if c.name in (
+    "B2-T1000-H4-betabf16", "B1-T700-H2-HV8", "varlen-6seqs-GVA2-vk", "varlen-3seqs-h0bf16-GVA4", "varlen-0-0-70",
+    "B1-T300-H2-gate-precomputed-bf16")}
+# more (chunk, value head) items than 2 CTAs per SM, so that CULA_SM90_INTRA_PERSISTENT=1 runs the persistent kernel
+PERSISTENT_CASES["B2-T4000-H4-HV8"] = KdaCase(name="B2-T4000-H4-HV8", B=2, T=4000, H=4, HV=8)
+
+
+@pytest.mark.parametrize("name", list(PERSISTENT_CASES))
 def test_persistent_intra_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The persistent intra kernel (CTAs walking the (chunk, value head) items, value head fastest, each sending its
-    next item's rows to L2) gives the one-CTA-per-item kernel's workspace, o and final state bit for bit, for CTA
-    counts that leave some CTAs one item, others several, and for CULA_SM90_INTRA_PERSISTENT=1."""
+    """The persistent intra kernel (CTAs walking the (chunk, value head) items, value head fastest, each prefetching
+    its next item's rows into L2) gives the one-CTA-per-item kernel's workspace, o and final state bit for bit, for
+    CTA counts that leave some CTAs one item, others several, and for CULA_SM90_INTRA_PERSISTENT=1."""
     kda = _sm90(monkeypatch)
-    case = next(c for c in CASES if c.name == name)
+    case = PERSISTENT_CASES[name]
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=13))
     o_ref, ht_ref, ws_ref = kda.run_kernels(args, intra_ctas=0)
     items = sum(-(-n // 64) for n in _lengths(args)) * args.HV

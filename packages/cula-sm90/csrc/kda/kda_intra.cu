@@ -7,8 +7,8 @@
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
 // One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), or (persistent_ctas > 0) that many
-// CTAs walking the (chunk, value head) items, each sending its next item's rows to L2 while it computes the current
-// one. 103.25 KiB of dynamic shared memory, so two CTAs fit on an SM. Phases (every arrow is a __syncthreads):
+// CTAs walking the (chunk, value head) items, each prefetching its next item's rows into L2 while it computes the
+// current one. 103.25 KiB of dynamic shared memory, so two CTAs fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
 //   1b   per-column anchor factors 2^{Γ2[n_J]}, 2^{Γ2[L-1]-Γ2[n_J]}, 2^{Γ2[n_I]-Γ2[n_J]} (n_J = 16 J)
 //   2a   elementwise, warp = full rows: l2norm, a = 2^{Γ2-Γ2[n]}, b = 2^{Γ2[n]-Γ2}; qg, kg -> global;
@@ -96,18 +96,23 @@ __device__ __forceinline__ NextItem locate_item(const KdaIntraParams& p, int ite
   return next;
 }
 
-// One bulk L2 prefetch per row of the next item's q, k, v and g (thread = tensor tid / 64, row tid % 64).
+// The next item's q, k, v and g rows into L2, a 128-byte line per prefetch (thread = tensor tid / 64, row tid % 64;
+// per-lane addresses, so plain prefetches: the bulk form takes a uniform address and would loop over the lanes).
 __device__ __forceinline__ void prefetch_item_l2(const KdaIntraParams& p, const NextItem& next, int tid) {
   const int row = tid & 63;
   const int tensor = tid >> 6;  // 0 q, 1 k, 2 v, 3 g
+  if (row >= (next.hv_rows & 127)) return;
   const int hv = next.hv_rows >> 7;
   const int heads = tensor < 2 ? p.num_heads : p.num_value_heads;
   const int head = tensor < 2 ? hv / (p.num_value_heads / p.num_heads) : hv;
   const void* base = tensor == 0 ? p.q : (tensor == 1 ? p.k : (tensor == 2 ? p.v : p.g));
-  const uint32_t bytes = (tensor == 3 && p.g_type == ScalarType::kFloat32) ? 512u : 256u;
-  const int64_t row_index = (static_cast<int64_t>(next.t0) + row) * heads + head;
-  if (row < (next.hv_rows & 127)) {
-    prefetch_l2_bulk(static_cast<const uint8_t*>(base) + row_index * bytes, bytes);
+  const int bytes = (tensor == 3 && p.g_type == ScalarType::kFloat32) ? 512 : 256;
+  const uint8_t* src = static_cast<const uint8_t*>(base) + ((static_cast<int64_t>(next.t0) + row) * heads + head) * bytes;
+  prefetch_l2(src);
+  prefetch_l2(src + 128);
+  if (bytes == 512) {
+    prefetch_l2(src + 256);
+    prefetch_l2(src + 384);
   }
 }
 
@@ -662,7 +667,9 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, cudaStream_t stream) 
   if (params.num_heads <= 0 || params.num_value_heads % params.num_heads != 0) return cudaErrorInvalidValue;
   if (params.persistent_ctas < 0) return cudaErrorInvalidValue;
   const int64_t items = static_cast<int64_t>(params.num_chunks) * params.num_value_heads;
-  if (params.persistent_ctas > 0 && params.persistent_ctas < items) {
+  // (the persistent kernel counts items in int, up to items + gridDim.x)
+  if (params.persistent_ctas > 0 && params.persistent_ctas < items &&
+      items + params.persistent_ctas <= INT32_MAX) {
     const cudaError_t err = allow_dynamic_smem<kda_intra_persistent_kernel>(static_cast<int>(kSmemBytes));
     if (err != cudaSuccess) return err;
     kda_intra_persistent_kernel<<<static_cast<unsigned>(params.persistent_ctas), kThreads, kSmemBytes, stream>>>(

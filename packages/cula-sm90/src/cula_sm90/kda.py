@@ -2,8 +2,8 @@
 
 Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm, safe gate, cumulative gate,
 Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head) or, with
-``CULA_SM90_INTRA_PERSISTENT=1``, 2 persistent CTAs per SM that send their next item's rows to L2 while they compute
-(same bits; not yet timed on a GPU); ``recurrence`` walks each sequence's chunks with the
+``CULA_SM90_INTRA_PERSISTENT=1``, 2 persistent CTAs per SM that prefetch their next item's rows into L2 while
+they compute (same bits; not yet run on a GPU); ``recurrence`` walks each sequence's chunks with the
 fp32 state in registers and writes o and the final state. Both launch on the current torch stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
@@ -38,8 +38,8 @@ _INT32_MAX = 2**31 - 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # "0" launches the recurrence's sequences in batch order instead of longest first (same bits; for timing).
 ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
-# "1" runs the intra kernel persistent (2 CTAs per SM walk the (chunk, value head) items, each sending its next
-# item's rows to L2 while it computes; same bits). Off by default until the H200 says it pays.
+# "1" runs the intra kernel persistent (2 CTAs per SM walk the (chunk, value head) items, each prefetching its next
+# item's rows into L2 while it computes; same bits). Off by default until the H200 says it pays.
 ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -187,8 +187,9 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None,
     one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that);
     None: ``CULA_SM90_INTRA_PERSISTENT``.
     """
-    if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int) or intra_ctas < 0):
-        raise ValueError(f"intra_ctas must be None or an int >= 0, got {intra_ctas!r}")
+    if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
+                                   or not 0 <= intra_ctas <= _INT32_MAX):
+        raise ValueError(f"intra_ctas must be None or an int in [0, 2**31 - 1], got {intra_ctas!r}")
     return _run(args, block_v, keep_workspace=True, intra_ctas=intra_ctas)
 
 
@@ -198,6 +199,8 @@ def _run(args: Any, block_v: int, keep_workspace: bool, intra_ctas: int | None =
     ext = load_extension()
     B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
     device = args.device
+    if intra_ctas is None:
+        intra_ctas = _intra_persistent_ctas(device)  # CULA_SM90_INTRA_PERSISTENT, checked before any allocation
     total = B * T
     o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
     final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) if args.output_final_state \
@@ -227,7 +230,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool, intra_ctas: int | None =
             _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], cu.data_ptr(), chunk_indices.data_ptr(),
             chunk_offsets.data_ptr(), total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel,
             args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
-            qg, kg, w, u, Aqk, g_last, _intra_persistent_ctas(device) if intra_ctas is None else intra_ctas, stream,
+            qg, kg, w, u, Aqk, g_last, intra_ctas, stream,
         )
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
