@@ -202,25 +202,23 @@ def _run(args: Any, block_v: int, keep_workspace: bool, intra_ctas: int | None =
     if intra_ctas is None:
         intra_ctas = _intra_persistent_ctas(device)  # CULA_SM90_INTRA_PERSISTENT, checked before any allocation
     total = B * T
-    o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
-    final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) if args.output_final_state \
-        else None
     if total == 0:
-        if final_state is not None:
-            final_state.copy_(args.initial_state if args.initial_state is not None else torch.zeros_like(final_state))
-        return o, final_state, {}
+        o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        if not args.output_final_state:
+            return o, None, {}
+        h0 = args.initial_state
+        return o, (h0.float().clone() if h0 is not None else torch.zeros(args.state_shape, device=device)), {}
+    # Host order: only what the intra kernel needs comes before its launch; o, the final state, the block size and
+    # the sequence order are prepared while it runs (at small T the host time before the first launch is GPU idle).
     cu, chunk_indices, chunk_offsets, num_chunks = _indices(args)
     q, k, v, g, beta = _aligned(args.q), _aligned(args.k), _aligned(args.v), _aligned(args.g), _aligned(args.beta)
     A_log = _aligned(_fp32(args.A_log))
     dt_bias = _aligned(_fp32(args.dt_bias))
-    h0 = _aligned(args.initial_state)
     # one allocation for the six workspace tensors (each only a pointer to the kernels), not six
     regions, nbytes = workspace_layout(total, HV, num_chunks)
     buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
     base = buffer.data_ptr()
     qg, kg, w, u, Aqk, g_last = (base + region.offset for region in regions)
-    if block_v == 0:
-        block_v = recurrence_block_v(N * HV, sm_count(device))
     index = device.index
     stream = _current_stream(index)
     lower_bound = args.lower_bound if args.lower_bound is not None else -5.0
@@ -232,6 +230,12 @@ def _run(args: Any, block_v: int, keep_workspace: bool, intra_ctas: int | None =
             args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
             qg, kg, w, u, Aqk, g_last, intra_ctas, stream,
         )
+        o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
+            if args.output_final_state else None
+        h0 = _aligned(args.initial_state)
+        if block_v == 0:
+            block_v = recurrence_block_v(N * HV, sm_count(device))
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
             _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), o.data_ptr(),
