@@ -12,9 +12,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra): sm90's persistent intra kernel (not
-# yet the default) and the CuTeDSL lean-unrolled pipeline (the previous default); bench-rest also times sm90's
+# yet the default; prefetching one or two items ahead, or not at all) and the CuTeDSL lean-unrolled pipeline (the previous default); bench-rest also times sm90's
 # recurrence in batch order instead of longest first (varlen only).
-BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
+BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra sm90:CULA_SM90_INTRA_PERSISTENT=2 \
+--extra sm90:CULA_SM90_INTRA_PERSISTENT=noprefetch --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
 REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -42,7 +43,7 @@ for step in "$@"; do
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
-    profile:persistent) for v in 0 1; do CULA_SM90_INTRA_PERSISTENT=$v timeout 150 python3 benchmarks/profile_kda.py \
+    profile:persistent) for v in 0 1 2 noprefetch; do CULA_SM90_INTRA_PERSISTENT=$v timeout 150 python3 benchmarks/profile_kda.py \
                           --backend sm90 | tee -a "$OUT/profile_kda_persistent.txt"; done ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do

@@ -209,7 +209,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
         (o, ht), ws = kda.kda_prefill(args), None
 
     a = fake.intra
-    assert len(a) == 30
+    assert len(a) == 31
     assert a[:5] == tuple(x.data_ptr() for x in (args.q, args.k, args.v, args.g, args.beta))
     if args.A_log is not None:  # converted to fp32 for the kernel (read during the launch: a temporary)
         assert fake.read[5] == args.A_log.float().tolist() and fake.read[6] == args.dt_bias.float().tolist()
@@ -224,7 +224,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
-    assert a[28] == 0 and a[29] == 777  # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), the stream
+    assert a[28:31] == (0, 0, 777)  # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, the stream
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
@@ -290,23 +290,30 @@ def test_sm90_longest_first_can_be_turned_off(fake_sm90, monkeypatch: pytest.Mon
 
 
 def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_PERSISTENT=1 asks for 2 persistent intra CTAs per SM, 0 (the default) for one per item;
-    another value is a ValueError naming the variable; run_kernels(intra_ctas=n) overrides it, n >= 0."""
+    """CULA_SM90_INTRA_PERSISTENT picks the intra kernel's (persistent CTAs, L2 prefetch distance): "0" (the default)
+    one CTA per item, "1" 2 CTAs per SM prefetching one item ahead, "2" two ahead, "noprefetch" none; another value
+    is a ValueError naming the variable, raised before any launch; run_kernels(intra_ctas=n, intra_prefetch=d)
+    overrides it."""
     kda, fake = fake_sm90
     kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
     fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
     args = validate_kda_prefill(**kwargs)
-    monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
     kda.kda_prefill(args)
-    assert fake.intra[28] == 0
-    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "1")
-    kda.kda_prefill(args)
-    assert fake.intra[28] == 2 * 132
+    assert fake.intra[28:30] == (0, 0)
+    for value, expected in (("1", (264, 1)), ("2", (264, 2)), ("noprefetch", (264, 0)), ("0", (0, 0))):
+        monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, value)
+        kda.kda_prefill(args)
+        assert fake.intra[28:30] == expected, value
+    kda.run_kernels(args, intra_ctas=5, intra_prefetch=2)
+    assert fake.intra[28:30] == (5, 2)
     kda.run_kernels(args, intra_ctas=5)
-    assert fake.intra[28] == 5
+    assert fake.intra[28:30] == (5, 1)
     for bad in (-1, 1.5, True, 2**31):
         with pytest.raises(ValueError, match="intra_ctas"):
             kda.run_kernels(args, intra_ctas=bad)
+    for bad in (3, -1, True):
+        with pytest.raises(ValueError, match="intra_prefetch"):
+            kda.run_kernels(args, intra_ctas=5, intra_prefetch=bad)
     monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "yes")
     fake.intra = ()
     with pytest.raises(ValueError, match="CULA_SM90_INTRA_PERSISTENT='yes'"):

@@ -60,20 +60,26 @@ PERSISTENT_CASES["B2-T4000-H4-HV8"] = KdaCase(name="B2-T4000-H4-HV8", B=2, T=400
 @pytest.mark.parametrize("name", list(PERSISTENT_CASES))
 def test_persistent_intra_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The persistent intra kernel (CTAs walking the (chunk, value head) items, value head fastest, each prefetching
-    its next item's rows into L2) gives the one-CTA-per-item kernel's workspace, o and final state bit for bit, for
-    CTA counts that leave some CTAs one item, others several, and for CULA_SM90_INTRA_PERSISTENT=1."""
+    a later item's rows into L2) gives the one-CTA-per-item kernel's workspace, o and final state bit for bit, for
+    CTA counts that leave some CTAs one item, others several, every prefetch distance, and for each
+    CULA_SM90_INTRA_PERSISTENT mode."""
     kda = _sm90(monkeypatch)
     case = PERSISTENT_CASES[name]
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=13))
     o_ref, ht_ref, ws_ref = kda.run_kernels(args, intra_ctas=0)
     items = sum(-(-n // 64) for n in _lengths(args)) * args.HV
-    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "1")
-    for ctas in (1, 3, max(1, items // 2 - 1), None):
-        o, ht, ws = kda.run_kernels(args, intra_ctas=ctas)
-        assert torch.equal(o, o_ref), ctas
-        assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref), ctas
+    runs = [dict(intra_ctas=ctas, intra_prefetch=distance) for ctas in (1, 3, max(1, items // 2 - 1))
+            for distance in (0, 1, 2)]
+    for mode in ("1", "2", "noprefetch"):
+        monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, mode)
+        o, ht, ws = kda.run_kernels(args)
+        runs.append(dict(mode=mode, result=(o, ht, ws)))
+    for run in runs:
+        o, ht, ws = run.pop("result") if "result" in run else kda.run_kernels(args, **run)
+        assert torch.equal(o, o_ref), run
+        assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref), run
         for key, ref in ws_ref.items():
-            assert torch.equal(ws[key], ref), (ctas, key)
+            assert torch.equal(ws[key], ref), (run, key)
 
 
 def _lengths(args) -> list[int]:

@@ -14,7 +14,8 @@ struct KdaIntraArgs {
   float scale, lower_bound;
   bool l2norm_qk, gate_in_kernel, beta_sigmoid, allow_neg_eigval;
   std::uintptr_t qg, kg, w, u, Aqk, g_last;
-  int persistent_ctas;  // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs
+  int persistent_ctas;      // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs
+  int persistent_prefetch;  // 0, 1 or 2: which later item a persistent CTA prefetches into L2 (0: none)
 };
 
 struct KdaRecurrenceArgs {

@@ -116,12 +116,12 @@ __device__ __forceinline__ void prefetch_item_l2(const KdaIntraParams& p, const 
   }
 }
 
-// The whole computation of one (chunk ci, value head hv); with kPrefetchNext the input rows of item next_item (of
-// the persistent order) are sent to L2 once this item's inputs have arrived. (Locating that item there, not before
-// the call, keeps two registers free through phases 0-1: with them the compiler rolls the MMA loops up.)
+// The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
+// item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
+// have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
 template <bool kPrefetchNext>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
-                                           const int next_item) {
+                                           const int item) {
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -264,7 +264,9 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   cp_async_wait_all();
   __syncthreads();  // (B): Γ2, beta, q/k/v tiles visible
   NextItem next;
-  if constexpr (kPrefetchNext) next = locate_item(p, next_item);
+  if constexpr (kPrefetchNext) {
+    if (p.persistent_prefetch > 0) next = locate_item(p, item + p.persistent_prefetch * static_cast<int>(gridDim.x));
+  }
 
   // Phase 1b: per-column anchor factors (2^x kept subnormal-accurate: they may be tiny).
   {
@@ -649,14 +651,15 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraPa
 }
 
 // Persistent: gridDim.x CTAs walk the items (chunk, value head) with stride gridDim.x, value head fastest, each
-// prefetching its next item's rows into L2 while it computes the current one. The same arithmetic per item.
+// prefetching the rows of its item persistent_prefetch steps ahead into L2 while it computes the current one
+// (0: no prefetch). The same arithmetic per item.
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int HV = p.num_value_heads;
   const int items = p.num_chunks * HV;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     if (item != static_cast<int>(blockIdx.x)) __syncthreads();  // the previous item's last shared reads are done
-    intra_item<true>(p, smem, item / HV, item % HV, item + gridDim.x);
+    intra_item<true>(p, smem, item / HV, item % HV, item);
   }
 }
 
@@ -665,11 +668,13 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const
 cudaError_t launch_kda_intra(const KdaIntraParams& params, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
   if (params.num_heads <= 0 || params.num_value_heads % params.num_heads != 0) return cudaErrorInvalidValue;
-  if (params.persistent_ctas < 0) return cudaErrorInvalidValue;
+  if (params.persistent_ctas < 0 || params.persistent_prefetch < 0 || params.persistent_prefetch > 2) {
+    return cudaErrorInvalidValue;
+  }
   const int64_t items = static_cast<int64_t>(params.num_chunks) * params.num_value_heads;
-  // (the persistent kernel counts items in int, up to items + gridDim.x)
+  // (the persistent kernel counts items in int, up to items + persistent_prefetch * gridDim.x)
   if (params.persistent_ctas > 0 && params.persistent_ctas < items &&
-      items + params.persistent_ctas <= INT32_MAX) {
+      items + 2 * static_cast<int64_t>(params.persistent_ctas) <= INT32_MAX) {
     const cudaError_t err = allow_dynamic_smem<kda_intra_persistent_kernel>(static_cast<int>(kSmemBytes));
     if (err != cudaSuccess) return err;
     kda_intra_persistent_kernel<<<static_cast<unsigned>(params.persistent_ctas), kThreads, kSmemBytes, stream>>>(

@@ -50,6 +50,7 @@ struct KdaIntraParams {
   bool beta_sigmoid;      // beta <- sigmoid(beta) (2 * sigmoid with allow_neg_eigval)
   bool allow_neg_eigval;
   int persistent_ctas;    // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs (fewer items: as 0)
+  int persistent_prefetch;  // persistent CTAs prefetch the item this many steps ahead into L2 (0, 1 or 2; 0: none)
   // outputs (the workspace), all dense:
   void* qg;               // bf16 [Ttot, HV, K]  q ⊙ exp(Γ)              (no scale)
   void* kg;               // bf16 [Ttot, HV, K]  k ⊙ exp(Γ_last − Γ)

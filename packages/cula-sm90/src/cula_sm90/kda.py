@@ -2,8 +2,8 @@
 
 Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm, safe gate, cumulative gate,
 Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head) or, with
-``CULA_SM90_INTRA_PERSISTENT=1``, 2 persistent CTAs per SM that prefetch their next item's rows into L2 while
-they compute (same bits; not yet run on a GPU); ``recurrence`` walks each sequence's chunks with the
+``CULA_SM90_INTRA_PERSISTENT=1|2|noprefetch``, 2 persistent CTAs per SM that prefetch a later item's rows into
+L2 while they compute (same bits; not yet run on a GPU); ``recurrence`` walks each sequence's chunks with the
 fp32 state in registers and writes o and the final state. Both launch on the current torch stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
@@ -39,7 +39,8 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # "0" launches the recurrence's sequences in batch order instead of longest first (same bits; for timing).
 ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
 # "1" runs the intra kernel persistent (2 CTAs per SM walk the (chunk, value head) items, each prefetching its next
-# item's rows into L2 while it computes; same bits). Off by default until the H200 says it pays.
+# item's rows into L2 while it computes; same bits); "2" prefetches two items ahead, "noprefetch" not at all (to
+# tell the two effects apart). Off by default until the H200 says it pays.
 ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -143,15 +144,21 @@ def workspace_layout(total: int, HV: int, num_chunks: int) -> tuple[tuple[Worksp
     return tuple(regions), offset
 
 
-def _intra_persistent_ctas(device: torch.device) -> int:
-    """The intra kernel's persistent CTA count: 0 (one CTA per item) unless ``CULA_SM90_INTRA_PERSISTENT=1``, then
-    2 per SM (the kernel's occupancy). With as many items as CTAs or fewer the kernel runs one CTA per item."""
+# CULA_SM90_INTRA_PERSISTENT value -> (persistent CTAs per SM, how many items ahead each CTA prefetches into L2)
+_PERSISTENT_MODES = {"0": (0, 0), "1": (2, 1), "2": (2, 2), "noprefetch": (2, 0)}
+
+
+def _intra_persistent(device: torch.device) -> tuple[int, int]:
+    """The intra kernel's (persistent CTA count, L2 prefetch distance) from ``CULA_SM90_INTRA_PERSISTENT``: "0" (the
+    default) one CTA per item; "1" 2 persistent CTAs per SM (the kernel's occupancy), each prefetching its next
+    item; "2" two items ahead; "noprefetch" persistent without prefetch. With as many items as CTAs or fewer the
+    kernel runs one CTA per item."""
     value = os.environ.get(ENV_INTRA_PERSISTENT, "0")
-    if value == "0":
-        return 0
-    if value != "1":
-        raise ValueError(f"{ENV_INTRA_PERSISTENT}={value!r}: expected '0' or '1'")
-    return 2 * sm_count(device)
+    mode = _PERSISTENT_MODES.get(value)
+    if mode is None:
+        raise ValueError(f"{ENV_INTRA_PERSISTENT}={value!r}: expected one of {sorted(_PERSISTENT_MODES)}")
+    per_sm, prefetch = mode
+    return (per_sm * sm_count(device) if per_sm else 0), prefetch
 
 
 def _current_stream(index: int) -> int:
@@ -176,7 +183,7 @@ def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     return o, final_state
 
 
-def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None,
+def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intra_prefetch: int = 1,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
@@ -184,23 +191,27 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None,
     ``[Ttot, HV, 64]``, ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units); views into one buffer
     (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA (32, 64 or 128; 0:
     :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count). ``intra_ctas``: 0 runs
-    one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that);
-    None: ``CULA_SM90_INTRA_PERSISTENT``.
+    one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that),
+    each prefetching the item ``intra_prefetch`` (0, 1 or 2) steps ahead into L2; None: both from
+    ``CULA_SM90_INTRA_PERSISTENT``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
         raise ValueError(f"intra_ctas must be None or an int in [0, 2**31 - 1], got {intra_ctas!r}")
-    return _run(args, block_v, keep_workspace=True, intra_ctas=intra_ctas)
+    if intra_prefetch not in (0, 1, 2) or isinstance(intra_prefetch, bool):
+        raise ValueError(f"intra_prefetch must be 0, 1 or 2, got {intra_prefetch!r}")
+    persistent = None if intra_ctas is None else (intra_ctas, intra_prefetch)
+    return _run(args, block_v, keep_workspace=True, persistent=persistent)
 
 
-def _run(args: Any, block_v: int, keep_workspace: bool, intra_ctas: int | None = None,
+def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, int] | None = None,
          ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Allocate, then launch both kernels on the current stream; the workspace views only if ``keep_workspace``."""
     ext = load_extension()
     B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
     device = args.device
-    if intra_ctas is None:
-        intra_ctas = _intra_persistent_ctas(device)  # CULA_SM90_INTRA_PERSISTENT, checked before any allocation
+    if persistent is None:  # (persistent CTAs, prefetch distance), checked before any allocation
+        persistent = _intra_persistent(device)
     total = B * T
     if total == 0:
         o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -228,7 +239,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool, intra_ctas: int | None =
             _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], cu.data_ptr(), chunk_indices.data_ptr(),
             chunk_offsets.data_ptr(), total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel,
             args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
-            qg, kg, w, u, Aqk, g_last, intra_ctas, stream,
+            qg, kg, w, u, Aqk, g_last, *persistent, stream,
         )
         o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
         final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
