@@ -4,7 +4,8 @@
 # For sm90, then for the CuTeDSL backend once per intra variant in NCU_INTRA (default: its default variant
 # fused-prepare-prefetch-8warps, and lean-unrolled): throughput, occupancy, warp stall reasons (also per source line,
 # from SourceCounters) and memory traffic of every kernel of the call, as text in $OUT/ncu_<backend>[_<variant>].txt.
-# NCU_SM90_PERSISTENT=1 also profiles sm90 with CULA_SM90_INTRA_PERSISTENT=1 ($OUT/ncu_sm90_persistent.txt).
+# NCU_SM90_KNOBS="CULA_SM90_INTRA_PERSISTENT=1 CULA_SM90_RECURRENCE_WGMMA=1" also profiles sm90 with those settings
+# ($OUT/ncu_sm90_knobs.txt).
 # Clocks are left alone (--clock-control none), as the device notes ask.
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
@@ -18,8 +19,8 @@ run() {  # backend, output file, then the environment's CULA_CUTE_INTRA
   echo "ncu $1 ${CULA_CUTE_INTRA:-} ($config): exit $? | $(grep -c '^  [A-Za-z_].*(' "$2") kernel reports"
 }
 run sm90 "$OUT/ncu_sm90.txt"
-if [[ ${NCU_SM90_PERSISTENT:-0} == 1 ]]; then  # also the persistent intra kernel
-  CULA_SM90_INTRA_PERSISTENT=1 run sm90 "$OUT/ncu_sm90_persistent.txt"
+if [[ -n ${NCU_SM90_KNOBS:-} ]]; then  # sm90 once more with these knobs, e.g. the persistent intra kernel
+  (export $NCU_SM90_KNOBS; run sm90 "$OUT/ncu_sm90_knobs.txt")
 fi
 for variant in ${NCU_INTRA:-fused-prepare-prefetch-8warps lean-unrolled}; do
   CULA_CUTE_INTRA=$variant run cutedsl "$OUT/ncu_cutedsl_$variant.txt"

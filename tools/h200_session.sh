@@ -12,10 +12,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra): sm90's persistent intra kernel (not
-# yet the default; prefetching one or two items ahead, or not at all) and the CuTeDSL lean-unrolled pipeline (the previous default); bench-rest also times sm90's
+# yet the default; prefetching one or two items ahead, or not at all), sm90's recurrence with GEMM 1 on warpgroup
+# MMAs (not yet the default) and the CuTeDSL lean-unrolled pipeline (the previous default); bench-rest also times sm90's
 # recurrence in batch order instead of longest first (varlen only).
 BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra sm90:CULA_SM90_INTRA_PERSISTENT=2 \
---extra sm90:CULA_SM90_INTRA_PERSISTENT=noprefetch --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
+--extra sm90:CULA_SM90_INTRA_PERSISTENT=noprefetch --extra sm90:CULA_SM90_RECURRENCE_WGMMA=1 \
+--extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
 REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -29,6 +31,7 @@ for step in "$@"; do
     tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
                            -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
     tests:persistent) GPU_LOG_TAG=_persistent timeout 580 bash tools/h200_tests.sh -q -k "persistent" tests/sm90 ;;
+    tests:wgmma) GPU_LOG_TAG=_wgmma timeout 580 bash tools/h200_tests.sh -q -k "wgmma" tests/sm90 ;;
     tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k "prefetch or 8warps" tests/cute \
                       tests/gpu ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
@@ -43,16 +46,19 @@ for step in "$@"; do
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
-    profile:persistent) for v in 0 1 2 noprefetch; do CULA_SM90_INTRA_PERSISTENT=$v timeout 150 python3 benchmarks/profile_kda.py \
-                          --backend sm90 | tee -a "$OUT/profile_kda_persistent.txt"; done ;;
+    profile:sm90) for knobs in "" CULA_SM90_INTRA_PERSISTENT=1 CULA_SM90_INTRA_PERSISTENT=2 \
+                         CULA_SM90_INTRA_PERSISTENT=noprefetch CULA_SM90_RECURRENCE_WGMMA=1; do
+                    echo "knobs: ${knobs:-defaults}" | tee -a "$OUT/profile_kda_sm90.txt"
+                    env $knobs timeout 100 python3 benchmarks/profile_kda.py --backend sm90 \
+                      | tee -a "$OUT/profile_kda_sm90.txt"; done ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \
                           | tee -a "$OUT/profile_kda_prefetch.txt"; done ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
     ncu) timeout 580 bash tools/h200_ncu.sh ;;
-    *) echo "unknown step: $step (tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent] fla bench bench-fixed bench-rest" \
-          "stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl] profile[:prefetch|:persistent] intra ncu)" ;;
+    *) echo "unknown step: $step (tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma] fla bench bench-fixed bench-rest" \
+          "stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl] profile[:prefetch|:sm90] intra ncu)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -173,6 +173,7 @@ def fake_sm90(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(kda, "sm_count", lambda device: 132)
     monkeypatch.delenv("CULA_BLOCK_V", raising=False)
     monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
+    monkeypatch.delenv(kda.ENV_RECURRENCE_WGMMA, raising=False)
     return kda, fake
 
 
@@ -229,7 +230,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 19
+    assert len(r) == 20
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
     if case.cu is None:  # equal lengths: slot order
         assert r[8] == 0 and fake.order is None
@@ -241,7 +242,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132))
-    assert r[18] == 777
+    assert r[18] is False and r[19] == 777  # mma.sync GEMM 1 (no CULA_SM90_RECURRENCE_WGMMA), the stream
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -319,6 +320,31 @@ def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match="CULA_SM90_INTRA_PERSISTENT='yes'"):
         kda.kda_prefill(args)
     assert fake.intra == ()  # refused before any launch
+
+
+def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CULA_SM90_RECURRENCE_WGMMA=1 asks for the recurrence's warpgroup-MMA GEMM 1 at V blocks of 64 and 128 and
+    keeps mma.sync at 32; another value is a ValueError naming the variable, before any launch;
+    run_kernels(recurrence_wgmma=...) overrides it."""
+    kda, fake = fake_sm90
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
+    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
+    args = validate_kda_prefill(**kwargs)
+    kda.kda_prefill(args)
+    assert fake.recurrence[18] is False
+    monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "1")
+    for block_v, expected in ((64, True), (128, True), (32, False)):
+        kda.run_kernels(args, block_v=block_v)
+        assert fake.recurrence[17:19] == (block_v, expected), block_v
+    kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
+    assert fake.recurrence[18] is False
+    with pytest.raises(ValueError, match="recurrence_wgmma"):
+        kda.run_kernels(args, recurrence_wgmma=1)
+    monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "on")
+    fake.intra = ()
+    with pytest.raises(ValueError, match="CULA_SM90_RECURRENCE_WGMMA='on'"):
+        kda.kda_prefill(args)
+    assert fake.intra == ()
 
 
 def test_empty_call_launches_nothing(fake_sm90) -> None:

@@ -12,7 +12,9 @@
 //   o^T     [kBV x 64]  = scale * S^T_bf . qg^T       A = S^T (registers)       B = qg^T  (ldmatrix, no trans)
 //                       + v_new^T_bf . Aqk^T          A = v_new^T (registers)   B = Aqk^T (ldmatrix, no trans)
 //   S^T     [kBV x 128] = S^T * gamma + v_new^T_bf . kg   A = v_new^T (registers)   B = kg (ldmatrix.trans)
-// with mma.sync.m16n8k16 bf16 -> fp32. Warp w owns the 16 rows v0 + 16w + [0, 16) of S^T (V rows).
+// with mma.sync.m16n8k16 bf16 -> fp32. Warp w owns the 16 rows v0 + 16w + [0, 16) of S^T (V rows). With kWgmma
+// (V blocks of 64 or 128, whole warpgroups) the first line's two products run as wgmma.m64n64k16 with S^T_bf in
+// registers and w, qg read from shared memory once per warpgroup; the per-warp fragments are the same.
 //
 // Fragment layouts used (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"; cross-checked with
 // CuTe's SM80_16x8x16 traits). lane = 4*g + t (g = groupID = lane/4, t = threadID_in_group = lane%4):
@@ -56,6 +58,13 @@ using ptx::ldsm_x4_trans;
 using ptx::smem_addr;
 using ptx::st_shared_f4;
 using ptx::stsm_x4_trans;
+using ptx::fence_proxy_async_smem;
+using ptx::wgmma_commit;
+using ptx::wgmma_desc_k_sw128;
+using ptx::wgmma_fence;
+using ptx::wgmma_fence_operands;
+using ptx::wgmma_m64n64k16_bf16_rs;
+using ptx::wgmma_wait0;
 
 // 16-byte async copy global -> shared; an invalid row zero-fills the destination without reading the source.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
@@ -71,9 +80,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return ptx::
 // Configuration and shared-memory map
 // ------------------------------------------------------------------------------------------------------------------
 
-template <int kBV>
+// kWgmma: GEMM 1 (v_new and the qg half of o) runs as warpgroup MMAs reading w and qg from shared memory once per
+// 64 V rows (mma.sync has every warp read both tiles); those two tiles then use the 128-byte-swizzle layout wgmma
+// reads: [2 K halves][64 token rows][128 B], 16-byte chunk c of row r at ((c ^ r) & 7), tiles 1024-byte aligned.
+template <int kBV, bool kWgmma = false>
 struct RecurrenceConfig {
   static_assert(kBV == 32 || kBV == 64 || kBV == 128, "kBV must be 32, 64 or 128");
+  static_assert(!kWgmma || kBV >= 64, "warpgroup MMAs need whole warpgroups: kBV 64 or 128");
   static constexpr int kWarps = kBV / 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kVBlocks = kHeadDim / kBV;
@@ -93,11 +106,13 @@ struct RecurrenceConfig {
   static constexpr int kOffU = kOffKG + kTileK;
   static constexpr int kOffA = kOffU + kTileU;
   static constexpr int kOffG = kOffA + kTileA;
-  static constexpr int kStageBytes = (kOffG + kTileG + 127) / 128 * 128;
+  static constexpr int kStageAlign = kWgmma ? 1024 : 128;
+  static constexpr int kStageBytes = (kOffG + kTileG + kStageAlign - 1) / kStageAlign * kStageAlign;
   static constexpr int kOffGamma = 2 * kStageBytes;    // per warp: 128 fp32 exp2(g_last)
   static constexpr int kSmemBytes = kOffGamma + kWarps * kTileG;
 
   static_assert(kThreads >= kTileG / 16, "g_last copy split");
+  static_assert(kOffW % 1024 == 0 && kOffQ % 1024 == 0, "wgmma tiles must be 1024-byte aligned");
 };
 
 // One state element as fp32, and two K-adjacent ones (8-byte fp32 or 4-byte bf16 pair) of a V-first state.
@@ -167,14 +182,44 @@ __device__ __forceinline__ void copy_tile(const uint32_t (&dst)[kTensors], const
   }
 }
 
+// Copy [64 x 128] bf16 tiles (token rows) into the 128-byte-swizzle layout of RecurrenceConfig<., true>: 16-byte
+// chunk ch of row r goes to (ch / 8) * 8192 + r * 128 + ((ch ^ r) & 7) * 16. Same thread split as copy_tile.
+template <int kThreads, int kTensors>
+__device__ __forceinline__ void copy_tile_sw128(const uint32_t (&dst)[kTensors],
+                                                const __nv_bfloat16* const (&src_row0)[kTensors], int64_t row_stride,
+                                                int L, int tid) {
+  constexpr int R = kHeadDim * 2 / 16;  // 16 chunks per row
+  static_assert((kChunk * R) % kThreads == 0, "copy split");
+  constexpr int kRowsPerPass = kThreads / R;
+  const int ch = tid % R;
+  const int r0 = tid / R;
+#pragma unroll
+  for (int i = 0; i < kChunk / kRowsPerPass; ++i) {
+    const int row = r0 + i * kRowsPerPass;
+    const bool valid = row < L;
+    const int64_t src = (valid ? static_cast<int64_t>(row) * row_stride : 0) + ch * 8;
+    const uint32_t off = static_cast<uint32_t>((ch >> 3) * 8192 + row * 128 + (((ch ^ row) & 7) << 4));
+#pragma unroll
+    for (int t = 0; t < kTensors; ++t) cp_async_16(dst[t] + off, src_row0[t] + src, valid);
+  }
+}
+
 // Issue the cp.async copies of one chunk's operands into one stage. Rows >= L are zero-filled (never read).
-template <int kBV>
+template <int kBV, bool kWgmma>
 __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_t stage, int64_t tok0, int L,
                                            int64_t gchunk, int hv, int v0, int tid) {
-  using C = RecurrenceConfig<kBV>;
+  using C = RecurrenceConfig<kBV, kWgmma>;
   const int64_t HV = p.num_value_heads;
   const int64_t row_k = (tok0 * HV + hv) * kHeadDim;  // element offset of (tok0, hv, 0) in [Ttot, HV, 128]
-  {
+  if constexpr (kWgmma) {
+    const uint32_t dst[2] = {stage + C::kOffW, stage + C::kOffQ};
+    const __nv_bfloat16* const src[2] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
+                                         static_cast<const __nv_bfloat16*>(p.qg) + row_k};
+    copy_tile_sw128<C::kThreads, 2>(dst, src, HV * kHeadDim, L, tid);
+    const uint32_t dst_kg[1] = {stage + C::kOffKG};
+    const __nv_bfloat16* const src_kg[1] = {static_cast<const __nv_bfloat16*>(p.kg) + row_k};
+    copy_tile<C::kChunksK, C::kThreads, 1>(dst_kg, src_kg, HV * kHeadDim, L, tid);
+  } else {
     const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
     const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.qg) + row_k,
@@ -201,11 +246,11 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
 // The kernel
 // ------------------------------------------------------------------------------------------------------------------
 
-template <int kBV>
-__global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
+template <int kBV, bool kWgmma>
+__global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
     kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
-  using C = RecurrenceConfig<kBV>;
-  extern __shared__ __align__(128) uint8_t smem[];
+  using C = RecurrenceConfig<kBV, kWgmma>;
+  extern __shared__ __align__(1024) uint8_t smem[];
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -240,10 +285,13 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
 
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t gamma_w = smem_base + C::kOffGamma + warp * C::kTileG;
+  if constexpr (kWgmma) {
+    if ((smem_base & 1023u) != 0) __trap();  // the swizzled tiles' descriptors assume a 1024-byte aligned base
+  }
 
   // Prefetch chunk 0 while the initial state is read.
   if (num_chunks > 0) {
-    load_chunk<kBV>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
+    load_chunk<kBV, kWgmma>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
     cp_async_commit();
   }
 
@@ -286,10 +334,11 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
     const int L = static_cast<int>(rem < kChunk ? rem : kChunk);
 
     cp_async_wait_all();  // this thread's copies of chunk c have landed
+    if constexpr (kWgmma) fence_proxy_async_smem();  // ... and are visible to the warpgroup MMAs' reads
     __syncthreads();      // everyone's copies are visible; everyone is done with chunk c-1's stage
     if (c + 1 < num_chunks) {
       const int64_t rem1 = rem - kChunk;
-      load_chunk<kBV>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
+      load_chunk<kBV, kWgmma>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
                       static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + c + 1, hv, v0, tid);
       cp_async_commit();
     }
@@ -311,6 +360,32 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
         accO[nt][e] = 0.f;
       }
     }
+    if constexpr (kWgmma) {
+      // The same products as below, as one warpgroup MMA per (tile, k16 step): this warpgroup's 64 V rows of S^T_bf
+      // (A, registers) times the 64 token rows of w / qg (B, shared memory; the k16 step ks is 32 bytes into the
+      // 128-byte rows of K half ks / 4).
+      uint32_t a[8][4];
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        a[ks][0] = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+        a[ks][1] = pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+        a[ks][2] = pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        a[ks][3] = pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+      }
+      wgmma_fence_operands(accV);
+      wgmma_fence_operands(accO);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        const uint32_t k_off = static_cast<uint32_t>((ks >> 2) * 8192 + (ks & 3) * 32);
+        wgmma_m64n64k16_bf16_rs(accV, a[ks], wgmma_desc_k_sw128(stage + C::kOffW + k_off));
+        wgmma_m64n64k16_bf16_rs(accO, a[ks], wgmma_desc_k_sw128(stage + C::kOffQ + k_off));
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      wgmma_fence_operands(accV);
+      wgmma_fence_operands(accO);
+    } else {
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {  // K = 128 in 8 steps of 16
       uint32_t a[4];
@@ -331,6 +406,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
         mma_bf16_16816(accO[2 * m], a, q[0], q[1]);
         mma_bf16_16816(accO[2 * m + 1], a, q[2], q[3]);
       }
+    }
     }
 
     // ---- v_new^T = u^T - accV, rounded to bf16, packed straight into A fragments (k-step s = tokens 16s..16s+15).
@@ -431,15 +507,15 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
   }
 }
 
-template <int kBV>
+template <int kBV, bool kWgmma = false>
 cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stream) {
-  using C = RecurrenceConfig<kBV>;
+  using C = RecurrenceConfig<kBV, kWgmma>;
   const int64_t blocks = static_cast<int64_t>(p.num_seqs) * p.num_value_heads * C::kVBlocks;
   if (blocks <= 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const auto kernel = kda_recurrence_kernel<kBV>;
+  const auto kernel = kda_recurrence_kernel<kBV, kWgmma>;
   if (C::kSmemBytes > 48 * 1024) {
-    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV>>(C::kSmemBytes);
+    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV, kWgmma>>(C::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, stream>>>(p);
@@ -456,6 +532,15 @@ cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams& params, int bloc
     case 32: return recurrence_detail::launch_recurrence_bv<32>(params, stream);
     case 64: return recurrence_detail::launch_recurrence_bv<64>(params, stream);
     case 128: return recurrence_detail::launch_recurrence_bv<128>(params, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The same with GEMM 1 on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only.
+cudaError_t launch_kda_recurrence_wgmma_bv(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream) {
+  switch (block_v) {
+    case 64: return recurrence_detail::launch_recurrence_bv<64, true>(params, stream);
+    case 128: return recurrence_detail::launch_recurrence_bv<128, true>(params, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -65,6 +65,51 @@ __device__ __forceinline__ void mma_bf16_16816_free(float (&d)[4], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- Warpgroup MMA (sm_90a): D (64 x 64 fp32, this warp's 16 rows) += A (64 x 16 bf16, registers) * B (16 x 64
+// bf16, shared memory through a descriptor). A and D use the per-warp fragments of mma.m16n8k16 above (warp w of
+// the warpgroup holds rows 16w..16w+15; d[j] is n8 tile j). The four calls below are the whole protocol: fence, any
+// number of MMAs, commit, wait. A and D registers must not be touched between an MMA and the wait.
+
+// Shared-memory descriptor of a K-major bf16 B operand in 128-byte-swizzle layout: rows (N) of 128 bytes, 8-row
+// groups 1024 bytes apart, the 16-byte chunks of row r XOR-permuted by r & 7 (the tile 1024-byte aligned). `addr` is
+// the shared address of this k16 slice (tile + 32 bytes per k16 step inside a 128-byte row).
+__device__ __forceinline__ uint64_t wgmma_desc_k_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3FFFu) | (static_cast<uint64_t>(1) << 16)  // leading offset (unused)
+         | (static_cast<uint64_t>(1024 >> 4) << 32)                                       // 8-row group stride
+         | (static_cast<uint64_t>(1) << 62);                                              // 128-byte swizzle
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Shared memory written through the generic proxy (st.shared, cp.async) made visible to wgmma's (async proxy) reads.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Pins the accumulator registers at this point of the program (compiler-level: reads of D stay after the wait).
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+  }
+}
+__device__ __forceinline__ void wgmma_m64n64k16_bf16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  // scale-d is a predicate (D += A B when true); then scale-a = scale-b = 1 and B not transposed (K-major)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b)
+      : "memory");
+}
+
 // 2^x, flushing subnormal results to zero (one MUFU.EX2). Used where the result is known to be normal.
 __device__ __forceinline__ float ex2_ftz(float x) {
   float y;

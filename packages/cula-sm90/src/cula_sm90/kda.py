@@ -4,7 +4,8 @@ Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm
 Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head) or, with
 ``CULA_SM90_INTRA_PERSISTENT=1|2|noprefetch``, 2 persistent CTAs per SM that prefetch a later item's rows into
 L2 while they compute (same bits; not yet run on a GPU); ``recurrence`` walks each sequence's chunks with the
-fp32 state in registers and writes o and the final state. Both launch on the current torch stream.
+fp32 state in registers and writes o and the final state (with ``CULA_SM90_RECURRENCE_WGMMA=1`` its first GEMM runs
+on warpgroup MMAs; not yet run on a GPU). Both launch on the current torch stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
 ``lower_bound`` in [-5, 0)), fp32/bf16 g and beta, fp32/bf16 initial state, any GVA ratio, fixed or varlen.
@@ -42,6 +43,10 @@ ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
 # item's rows into L2 while it computes; same bits); "2" prefetches two items ahead, "noprefetch" not at all (to
 # tell the two effects apart). Off by default until the H200 says it pays.
 ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
+# "1" runs the recurrence's first GEMM (v_new and the qg half of o) as warpgroup MMAs, which read w and qg from shared
+# memory once per 64 V rows instead of once per warp; only at V blocks of 64 or 128 (32 keeps mma.sync). Off by
+# default until the H200 has checked and timed it.
+ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
@@ -161,6 +166,14 @@ def _intra_persistent(device: torch.device) -> tuple[int, int]:
     return (per_sm * sm_count(device) if per_sm else 0), prefetch
 
 
+def _recurrence_wgmma() -> bool:
+    """``CULA_SM90_RECURRENCE_WGMMA``: "1" GEMM 1 of the recurrence on warpgroup MMAs, "0" (the default) mma.sync."""
+    value = os.environ.get(ENV_RECURRENCE_WGMMA, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_RECURRENCE_WGMMA}={value!r}: expected '0' or '1'")
+    return value == "1"
+
+
 def _current_stream(index: int) -> int:
     """The current torch stream of CUDA device ``index``, as the integer ``cudaStream_t`` the extension takes."""
     if _raw_current_stream is not None:
@@ -184,6 +197,7 @@ def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intra_prefetch: int = 1,
+                recurrence_wgmma: bool | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
@@ -193,25 +207,30 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count). ``intra_ctas``: 0 runs
     one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that),
     each prefetching the item ``intra_prefetch`` (0, 1 or 2) steps ahead into L2; None: both from
-    ``CULA_SM90_INTRA_PERSISTENT``.
+    ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence's first GEMM on warpgroup MMAs (V blocks of
+    64 or 128; at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
         raise ValueError(f"intra_ctas must be None or an int in [0, 2**31 - 1], got {intra_ctas!r}")
     if intra_prefetch not in (0, 1, 2) or isinstance(intra_prefetch, bool):
         raise ValueError(f"intra_prefetch must be 0, 1 or 2, got {intra_prefetch!r}")
+    if recurrence_wgmma is not None and not isinstance(recurrence_wgmma, bool):
+        raise ValueError(f"recurrence_wgmma must be None or a bool, got {recurrence_wgmma!r}")
     persistent = None if intra_ctas is None else (intra_ctas, intra_prefetch)
-    return _run(args, block_v, keep_workspace=True, persistent=persistent)
+    return _run(args, block_v, keep_workspace=True, persistent=persistent, wgmma=recurrence_wgmma)
 
 
 def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, int] | None = None,
-         ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+         wgmma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Allocate, then launch both kernels on the current stream; the workspace views only if ``keep_workspace``."""
     ext = load_extension()
     B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
     device = args.device
     if persistent is None:  # (persistent CTAs, prefetch distance), checked before any allocation
         persistent = _intra_persistent(device)
+    if wgmma is None:
+        wgmma = _recurrence_wgmma()
     total = B * T
     if total == 0:
         o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -250,7 +269,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
             _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), o.data_ptr(),
-            N, HV, args.scale, args.state_v_first, block_v, stream,
+            N, HV, args.scale, args.state_v_first, block_v, wgmma and block_v != 32, stream,
         )
     if not keep_workspace:
         return o, final_state, {}
