@@ -242,7 +242,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132))
-    assert r[18] is False and r[19] == 777  # mma.sync GEMM 1 (no CULA_SM90_RECURRENCE_WGMMA), the stream
+    assert r[18] is False and r[19] == 777  # mma.sync (no CULA_SM90_RECURRENCE_WGMMA), the stream
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -323,7 +323,7 @@ def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_RECURRENCE_WGMMA=1 asks for the recurrence's warpgroup-MMA GEMM 1 at V blocks of 64 and 128 and
+    """CULA_SM90_RECURRENCE_WGMMA=1 asks for the recurrence on warpgroup MMAs at V blocks of 64 and 128 and
     keeps mma.sync at 32; another value is a ValueError naming the variable, before any launch;
     run_kernels(recurrence_wgmma=...) overrides it."""
     kda, fake = fake_sm90

@@ -26,7 +26,7 @@ struct KdaRecurrenceArgs {
   float scale;
   bool state_v_first;
   int block_v;  // 0: the default; else 32, 64 or 128
-  bool wgmma;   // GEMM 1 on warpgroup MMAs (block_v 0 = 64, or 128)
+  bool wgmma;   // the products on warpgroup MMAs (block_v 0 = 64, or 128)
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);

@@ -107,7 +107,8 @@ __device__ __forceinline__ void prefetch_item_l2(const KdaIntraParams& p, const 
   const int head = tensor < 2 ? hv / (p.num_value_heads / p.num_heads) : hv;
   const void* base = tensor == 0 ? p.q : (tensor == 1 ? p.k : (tensor == 2 ? p.v : p.g));
   const int bytes = (tensor == 3 && p.g_type == ScalarType::kFloat32) ? 512 : 256;
-  const uint8_t* src = static_cast<const uint8_t*>(base) + ((static_cast<int64_t>(next.t0) + row) * heads + head) * bytes;
+  const int64_t row_index = (static_cast<int64_t>(next.t0) + row) * heads + head;
+  const uint8_t* src = static_cast<const uint8_t*>(base) + row_index * bytes;
   prefetch_l2(src);
   prefetch_l2(src + 128);
   if (bytes == 512) {

@@ -13,8 +13,9 @@
 //                       + v_new^T_bf . Aqk^T          A = v_new^T (registers)   B = Aqk^T (ldmatrix, no trans)
 //   S^T     [kBV x 128] = S^T * gamma + v_new^T_bf . kg   A = v_new^T (registers)   B = kg (ldmatrix.trans)
 // with mma.sync.m16n8k16 bf16 -> fp32. Warp w owns the 16 rows v0 + 16w + [0, 16) of S^T (V rows). With kWgmma
-// (V blocks of 64 or 128, whole warpgroups) the first line's two products run as wgmma.m64n64k16 with S^T_bf in
-// registers and w, qg read from shared memory once per warpgroup; the per-warp fragments are the same.
+// (V blocks of 64 or 128, whole warpgroups) every product runs as a warpgroup MMA (wgmma m64n64k16 / m64n128k16)
+// with the A operand (S^T_bf, v_new^T_bf) in registers and w, qg, Aqk, kg read from shared memory once per
+// warpgroup instead of once per warp; the per-warp fragments are the same.
 //
 // Fragment layouts used (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"; cross-checked with
 // CuTe's SM80_16x8x16 traits). lane = 4*g + t (g = groupID = lane/4, t = threadID_in_group = lane%4):
@@ -61,8 +62,10 @@ using ptx::stsm_x4_trans;
 using ptx::fence_proxy_async_smem;
 using ptx::wgmma_commit;
 using ptx::wgmma_desc_k_sw128;
+using ptx::wgmma_desc_mn_sw128;
 using ptx::wgmma_fence;
 using ptx::wgmma_fence_operands;
+using ptx::wgmma_m64n128k16_bf16_rs_mn;
 using ptx::wgmma_m64n64k16_bf16_rs;
 using ptx::wgmma_wait0;
 
@@ -80,9 +83,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return ptx::
 // Configuration and shared-memory map
 // ------------------------------------------------------------------------------------------------------------------
 
-// kWgmma: GEMM 1 (v_new and the qg half of o) runs as warpgroup MMAs reading w and qg from shared memory once per
-// 64 V rows (mma.sync has every warp read both tiles); those two tiles then use the 128-byte-swizzle layout wgmma
-// reads: [2 K halves][64 token rows][128 B], 16-byte chunk c of row r at ((c ^ r) & 7), tiles 1024-byte aligned.
+// kWgmma: the products run as warpgroup MMAs reading w, qg, kg and Aqk from shared memory once per 64 V rows
+// (mma.sync has every warp read every tile). w, qg, kg then use the 128-byte-swizzle layout wgmma reads:
+// [2 halves of 64 columns][64 token rows][128 B], 16-byte chunk c of row r at ((c ^ r) & 7), tiles 1024-byte aligned
+// (w, qg K-major; kg MN-major). Aqk's [64][128 B] tile with chunk ^ (row & 7) already is that layout.
 template <int kBV, bool kWgmma = false>
 struct RecurrenceConfig {
   static_assert(kBV == 32 || kBV == 64 || kBV == 128, "kBV must be 32, 64 or 128");
@@ -112,7 +116,8 @@ struct RecurrenceConfig {
   static constexpr int kSmemBytes = kOffGamma + kWarps * kTileG;
 
   static_assert(kThreads >= kTileG / 16, "g_last copy split");
-  static_assert(kOffW % 1024 == 0 && kOffQ % 1024 == 0, "wgmma tiles must be 1024-byte aligned");
+  static_assert(kOffW % 1024 == 0 && kOffQ % 1024 == 0 && kOffKG % 1024 == 0 && kOffA % 1024 == 0,
+                "wgmma tiles must be 1024-byte aligned");
 };
 
 // One state element as fp32, and two K-adjacent ones (8-byte fp32 or 4-byte bf16 pair) of a V-first state.
@@ -211,14 +216,12 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
   using C = RecurrenceConfig<kBV, kWgmma>;
   const int64_t HV = p.num_value_heads;
   const int64_t row_k = (tok0 * HV + hv) * kHeadDim;  // element offset of (tok0, hv, 0) in [Ttot, HV, 128]
-  if constexpr (kWgmma) {
-    const uint32_t dst[2] = {stage + C::kOffW, stage + C::kOffQ};
-    const __nv_bfloat16* const src[2] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
-                                         static_cast<const __nv_bfloat16*>(p.qg) + row_k};
-    copy_tile_sw128<C::kThreads, 2>(dst, src, HV * kHeadDim, L, tid);
-    const uint32_t dst_kg[1] = {stage + C::kOffKG};
-    const __nv_bfloat16* const src_kg[1] = {static_cast<const __nv_bfloat16*>(p.kg) + row_k};
-    copy_tile<C::kChunksK, C::kThreads, 1>(dst_kg, src_kg, HV * kHeadDim, L, tid);
+  if constexpr (kWgmma) {  // (kg in the same physical layout, read MN-major)
+    const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
+    const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
+                                         static_cast<const __nv_bfloat16*>(p.qg) + row_k,
+                                         static_cast<const __nv_bfloat16*>(p.kg) + row_k};
+    copy_tile_sw128<C::kThreads, 3>(dst, src, HV * kHeadDim, L, tid);
   } else {
     const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
     const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
@@ -361,7 +364,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
       }
     }
     if constexpr (kWgmma) {
-      // The same products as below, as one warpgroup MMA per (tile, k16 step): this warpgroup's 64 V rows of S^T_bf
+      // The same products as below, one warpgroup MMA per (tile, k16 step): this warpgroup's 64 V rows of S^T_bf
       // (A, registers) times the 64 token rows of w / qg (B, shared memory; the k16 step ks is 32 bytes into the
       // 128-byte rows of K half ks / 4).
       uint32_t a[8][4];
@@ -387,26 +390,26 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
       wgmma_fence_operands(accO);
     } else {
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {  // K = 128 in 8 steps of 16
-      uint32_t a[4];
-      a[0] = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
-      a[1] = pack_bf16(S[2 * ks][2], S[2 * ks][3]);
-      a[2] = pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-      a[3] = pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+      for (int ks = 0; ks < 8; ++ks) {  // K = 128 in 8 steps of 16
+        uint32_t a[4];
+        a[0] = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+        a[1] = pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+        a[2] = pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        a[3] = pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
 #pragma unroll
-      for (int m = 0; m < 4; ++m) {  // token tiles 2m, 2m+1 (tokens 16m..16m+15)
-        // N order: 0 = (tokens 16m+0..7, k chunk 2ks), 1 = (16m+0..7, 2ks+1), 2 = (16m+8..15, 2ks), 3 = (16m+8..15, 2ks+1)
-        // -> r0 = b0(tile 2m), r1 = b1(tile 2m), r2 = b0(tile 2m+1), r3 = b1(tile 2m+1).
-        uint32_t b[4];
-        ldsm_x4(b, stage + C::kOffW + m * 16 * 256 + off_kn(ks));
-        mma_bf16_16816(accV[2 * m], a, b[0], b[1]);
-        mma_bf16_16816(accV[2 * m + 1], a, b[2], b[3]);
-        uint32_t q[4];
-        ldsm_x4(q, stage + C::kOffQ + m * 16 * 256 + off_kn(ks));
-        mma_bf16_16816(accO[2 * m], a, q[0], q[1]);
-        mma_bf16_16816(accO[2 * m + 1], a, q[2], q[3]);
+        for (int m = 0; m < 4; ++m) {  // token tiles 2m, 2m+1 (tokens 16m..16m+15)
+          // N order: 0 = (tokens 16m+0..7, k chunk 2ks), 1 = (16m+0..7, 2ks+1), 2 = (16m+8..15, 2ks),
+          // 3 = (16m+8..15, 2ks+1) -> r0 = b0(tile 2m), r1 = b1(tile 2m), r2 = b0(tile 2m+1), r3 = b1(tile 2m+1).
+          uint32_t b[4];
+          ldsm_x4(b, stage + C::kOffW + m * 16 * 256 + off_kn(ks));
+          mma_bf16_16816(accV[2 * m], a, b[0], b[1]);
+          mma_bf16_16816(accV[2 * m + 1], a, b[2], b[3]);
+          uint32_t q[4];
+          ldsm_x4(q, stage + C::kOffQ + m * 16 * 256 + off_kn(ks));
+          mma_bf16_16816(accO[2 * m], a, q[0], q[1]);
+          mma_bf16_16816(accO[2 * m + 1], a, q[2], q[3]);
+        }
       }
-    }
     }
 
     // ---- v_new^T = u^T - accV, rounded to bf16, packed straight into A fragments (k-step s = tokens 16s..16s+15).
@@ -430,39 +433,66 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accO[nt][e] *= scale;
     }
+    if constexpr (kWgmma) {
+      // The o half and the state update as warpgroup MMAs, one batch: accO += v_new^T_bf . Aqk^T (Aqk K-major: its
+      // 64 key columns are one 128-byte row per query token; zeros above the diagonal are multiplied too) and
+      // S^T = S^T * gamma + v_new^T_bf . kg (kg MN-major: 128 features over two 8 KB halves, 16 tokens per step).
+      __syncwarp();  // gamma_w written by the other lanes of this warp
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-#pragma unroll
-      for (int m = s; m < 4; ++m) {
-        // N order: rows = query tokens 16m+0..7 (r0, r1) / 16m+8..15 (r2, r3); 16-byte chunk = key tokens
-        // 16s+0..7 (r0, r2) / 16s+8..15 (r1, r3).
-        uint32_t b[4];
-        ldsm_x4(b, stage + C::kOffA + m * 16 * 128 + off_an(s));
-        mma_bf16_16816(accO[2 * m], vA[s], b[0], b[1]);
-        mma_bf16_16816(accO[2 * m + 1], vA[s], b[2], b[3]);
+      for (int j = 0; j < 16; ++j) {
+        const float2 gm = ld_shared_f2(gamma_w + (8 * j + 2 * t4) * 4);
+        S[j][0] *= gm.x;
+        S[j][1] *= gm.y;
+        S[j][2] *= gm.x;
+        S[j][3] *= gm.y;
       }
-    }
+      wgmma_fence_operands(accO);
+      wgmma_fence_operands(S);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        wgmma_m64n64k16_bf16_rs(accO, vA[s], wgmma_desc_k_sw128(stage + C::kOffA + s * 32));
+        wgmma_m64n128k16_bf16_rs_mn(S, vA[s], wgmma_desc_mn_sw128(stage + C::kOffKG + s * 2048));
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      wgmma_fence_operands(accO);
+      wgmma_fence_operands(S);
+    } else {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+#pragma unroll
+        for (int m = s; m < 4; ++m) {
+          // N order: rows = query tokens 16m+0..7 (r0, r1) / 16m+8..15 (r2, r3); 16-byte chunk = key tokens
+          // 16s+0..7 (r0, r2) / 16s+8..15 (r1, r3).
+          uint32_t b[4];
+          ldsm_x4(b, stage + C::kOffA + m * 16 * 128 + off_an(s));
+          mma_bf16_16816(accO[2 * m], vA[s], b[0], b[1]);
+          mma_bf16_16816(accO[2 * m + 1], vA[s], b[2], b[3]);
+        }
+      }
 
-    // ---- S^T = S^T * gamma + v_new^T_bf . kg
-    __syncwarp();  // gamma_w written by the other lanes of this warp
+      // ---- S^T = S^T * gamma + v_new^T_bf . kg
+      __syncwarp();  // gamma_w written by the other lanes of this warp
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float2 gm = ld_shared_f2(gamma_w + (8 * j + 2 * t4) * 4);
-      S[j][0] *= gm.x;
-      S[j][1] *= gm.y;
-      S[j][2] *= gm.x;
-      S[j][3] *= gm.y;
-    }
+      for (int j = 0; j < 16; ++j) {
+        const float2 gm = ld_shared_f2(gamma_w + (8 * j + 2 * t4) * 4);
+        S[j][0] *= gm.x;
+        S[j][1] *= gm.y;
+        S[j][2] *= gm.x;
+        S[j][3] *= gm.y;
+      }
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {  // tokens 16s..16s+15
+      for (int s = 0; s < 4; ++s) {  // tokens 16s..16s+15
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {  // K tiles 2q, 2q+1 (k = 16q..16q+15)
-        // T order: 0 = (tokens 16s+0..7, k chunk 2q) -> b0(tile 2q), 1 = (16s+8..15, 2q) -> b1(tile 2q),
-        //                  2 = (16s+0..7, 2q+1) -> b0(tile 2q+1), 3 = (16s+8..15, 2q+1) -> b1(tile 2q+1).
-        uint32_t b[4];
-        ldsm_x4_trans(b, stage + C::kOffKG + s * 16 * 256 + off_kt(q));
-        mma_bf16_16816(S[2 * q], vA[s], b[0], b[1]);
-        mma_bf16_16816(S[2 * q + 1], vA[s], b[2], b[3]);
+        for (int q = 0; q < 8; ++q) {  // K tiles 2q, 2q+1 (k = 16q..16q+15)
+          // T order: 0 = (tokens 16s+0..7, k chunk 2q) -> b0(tile 2q), 1 = (16s+8..15, 2q) -> b1(tile 2q),
+          //                  2 = (16s+0..7, 2q+1) -> b0(tile 2q+1), 3 = (16s+8..15, 2q+1) -> b1(tile 2q+1).
+          uint32_t b[4];
+          ldsm_x4_trans(b, stage + C::kOffKG + s * 16 * 256 + off_kt(q));
+          mma_bf16_16816(S[2 * q], vA[s], b[0], b[1]);
+          mma_bf16_16816(S[2 * q + 1], vA[s], b[2], b[3]);
+        }
       }
     }
 
@@ -536,7 +566,7 @@ cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams& params, int bloc
   }
 }
 
-// The same with GEMM 1 on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only.
+// The same on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only.
 cudaError_t launch_kda_recurrence_wgmma_bv(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream) {
   switch (block_v) {
     case 64: return recurrence_detail::launch_recurrence_bv<64, true>(params, stream);

@@ -4,8 +4,8 @@ Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm
 Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head) or, with
 ``CULA_SM90_INTRA_PERSISTENT=1|2|noprefetch``, 2 persistent CTAs per SM that prefetch a later item's rows into
 L2 while they compute (same bits; not yet run on a GPU); ``recurrence`` walks each sequence's chunks with the
-fp32 state in registers and writes o and the final state (with ``CULA_SM90_RECURRENCE_WGMMA=1`` its first GEMM runs
-on warpgroup MMAs; not yet run on a GPU). Both launch on the current torch stream.
+fp32 state in registers and writes o and the final state (with ``CULA_SM90_RECURRENCE_WGMMA=1`` its products run
+as warpgroup MMAs; not yet run on a GPU). Both launch on the current torch stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
 ``lower_bound`` in [-5, 0)), fp32/bf16 g and beta, fp32/bf16 initial state, any GVA ratio, fixed or varlen.
@@ -43,9 +43,9 @@ ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
 # item's rows into L2 while it computes; same bits); "2" prefetches two items ahead, "noprefetch" not at all (to
 # tell the two effects apart). Off by default until the H200 says it pays.
 ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
-# "1" runs the recurrence's first GEMM (v_new and the qg half of o) as warpgroup MMAs, which read w and qg from shared
-# memory once per 64 V rows instead of once per warp; only at V blocks of 64 or 128 (32 keeps mma.sync). Off by
-# default until the H200 has checked and timed it.
+# "1" runs the recurrence's products (v_new, o, the state update) as warpgroup MMAs, which read w, qg, Aqk and kg from
+# shared memory once per 64 V rows instead of once per warp; only at V blocks of 64 or 128 (32 keeps mma.sync). Off
+# by default until the H200 has checked and timed it.
 ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -167,7 +167,7 @@ def _intra_persistent(device: torch.device) -> tuple[int, int]:
 
 
 def _recurrence_wgmma() -> bool:
-    """``CULA_SM90_RECURRENCE_WGMMA``: "1" GEMM 1 of the recurrence on warpgroup MMAs, "0" (the default) mma.sync."""
+    """``CULA_SM90_RECURRENCE_WGMMA``: "1" the recurrence on warpgroup MMAs, "0" (the default) on mma.sync."""
     value = os.environ.get(ENV_RECURRENCE_WGMMA, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_RECURRENCE_WGMMA}={value!r}: expected '0' or '1'")
@@ -207,8 +207,8 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count). ``intra_ctas``: 0 runs
     one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that),
     each prefetching the item ``intra_prefetch`` (0, 1 or 2) steps ahead into L2; None: both from
-    ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence's first GEMM on warpgroup MMAs (V blocks of
-    64 or 128; at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``.
+    ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
+    at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
