@@ -332,7 +332,10 @@ def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     args = validate_kda_prefill(**kwargs)
     kda.kda_prefill(args)
     assert fake.recurrence[18] is False
+    assert fake.recurrence[17] == 32  # 6 (sequence, head) pairs: the heuristic's narrowest block
     monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "1")
+    kda.kda_prefill(args)
+    assert fake.recurrence[17:19] == (64, True)  # the heuristic keeps whole warpgroups for wgmma
     for block_v, expected in ((64, True), (128, True), (32, False)):
         kda.run_kernels(args, block_v=block_v)
         assert fake.recurrence[17:19] == (block_v, expected), block_v

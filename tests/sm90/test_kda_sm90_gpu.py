@@ -30,8 +30,8 @@ def test_every_block_v_gives_the_same_bits(block_v: int, monkeypatch: pytest.Mon
     kda = _sm90(monkeypatch)
     case = next(c for c in CASES if c.name == "varlen-6seqs-GVA2-vk")
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=5))
-    o_ref, ht_ref, _ = kda.run_kernels(args, block_v=64)
-    o, ht, _ = kda.run_kernels(args, block_v=block_v)
+    o_ref, ht_ref, _ = kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
+    o, ht, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=False)
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
 
 
@@ -43,9 +43,9 @@ def test_longest_first_launch_order_gives_the_same_bits(name: str, monkeypatch: 
     case = next(c for c in CASES if c.name == name)
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=9))
     for block_v in (32, 128):
-        o, ht, _ = kda.run_kernels(args, block_v=block_v)
+        o, ht, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=False)
         monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
-        o_batch, ht_batch, _ = kda.run_kernels(args, block_v=block_v)
+        o_batch, ht_batch, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=False)
         monkeypatch.delenv(kda.ENV_LONGEST_FIRST)
         assert torch.equal(o, o_batch) and torch.equal(ht, ht_batch)
 

@@ -264,12 +264,12 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
         final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
             if args.output_final_state else None
         h0 = _aligned(args.initial_state)
-        if block_v == 0:
-            block_v = recurrence_block_v(N * HV, sm_count(device))
+        if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least)
+            block_v = recurrence_block_v(N * HV, sm_count(device), narrowest=64 if wgmma else 32)
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
             _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), o.data_ptr(),
-            N, HV, args.scale, args.state_v_first, block_v, wgmma and block_v != 32, stream,
+            N, HV, args.scale, args.state_v_first, block_v, wgmma and block_v != 32, stream,  # 32 given: mma
         )
     if not keep_workspace:
         return o, final_state, {}
