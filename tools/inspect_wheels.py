@@ -96,7 +96,8 @@ ALLOWED_NEEDED = frozenset(
     }
 )
 
-# cuobjdump's device-code listing of an extension: the archs of its cubins (ELF) and of its PTX.
+# cuobjdump's device-code listing of an extension: the archs of its cubins (ELF) and of its PTX, and the kernels
+# that use local memory (register spills or a stack: the KDA kernels are built to have none).
 DeviceCodeLister = Callable[[Path], "DeviceCode"]
 
 
@@ -104,6 +105,7 @@ DeviceCodeLister = Callable[[Path], "DeviceCode"]
 class DeviceCode:
     elf_archs: tuple[str, ...]
     ptx_archs: tuple[str, ...]
+    local_memory: tuple[str, ...] = ()
 
 
 @dataclass
@@ -319,7 +321,7 @@ def find_cuobjdump() -> str | None:
 
 
 def cuobjdump_lister(cuobjdump: str) -> DeviceCodeLister:
-    """A DeviceCodeLister that runs ``cuobjdump --list-elf`` and ``--list-ptx`` on the extension."""
+    """A DeviceCodeLister that runs ``cuobjdump --list-elf``, ``--list-ptx`` and ``-res-usage`` on the extension."""
 
     def archs(option: str, path: Path) -> tuple[str, ...]:
         result = subprocess.run([cuobjdump, option, str(path)], capture_output=True, text=True)
@@ -330,8 +332,15 @@ def cuobjdump_lister(cuobjdump: str) -> DeviceCodeLister:
         # "ELF file    1: _C.cpython-311-x86_64-linux-gnu.1.sm_90a.cubin" / "PTX file    1: ....sm_90a.ptx"
         return tuple(re.findall(r"\.(sm_\d+[a-z]?)\.(?:cubin|ptx)\s*$", result.stdout, flags=re.MULTILINE))
 
+    def local_memory(path: Path) -> tuple[str, ...]:
+        # " Function <name>:" then "  REG:255 STACK:0 SHARED:1024 LOCAL:0 ..." per kernel
+        result = subprocess.run([cuobjdump, "-res-usage", str(path)], capture_output=True, text=True)
+        found = re.findall(r"Function (\S+):\s*\n\s*REG:\d+ STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", result.stdout)
+        return tuple(name for name, stack, local in found if int(stack) or int(local))
+
     def list_device_code(path: Path) -> DeviceCode:
-        return DeviceCode(elf_archs=archs("--list-elf", path), ptx_archs=archs("--list-ptx", path))
+        return DeviceCode(elf_archs=archs("--list-elf", path), ptx_archs=archs("--list-ptx", path),
+                          local_memory=local_memory(path))
 
     return list_device_code
 
@@ -359,6 +368,8 @@ def check_extension_binary(data: bytes, name: str, list_device_code: DeviceCodeL
         problems.append(f"{name} holds machine code for {sorted(set(code.elf_archs))}; expected {SM90_ARCH} only")
     if code.ptx_archs:
         problems.append(f"{name} holds PTX for {sorted(set(code.ptx_archs))}; expected {SM90_ARCH} machine code only")
+    if code.local_memory:
+        problems.append(f"{name}: kernels use local memory (register spills or a stack): {list(code.local_memory)}")
     return problems
 
 

@@ -413,3 +413,21 @@ def test_cuobjdump_listing_is_parsed(tmp_path: Path) -> None:
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     code = inspect_wheels.cuobjdump_lister(str(fake))(tmp_path / "x.so")
     assert code == inspect_wheels.DeviceCode(elf_archs=("sm_90a", "sm_80"), ptx_archs=())
+
+
+def test_cuobjdump_resource_usage_finds_spilling_kernels(tmp_path: Path) -> None:
+    """A kernel with local memory (spills) or a stack is named; the others are not, and the check reports it."""
+    fake = tmp_path / "cuobjdump"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "  --list-elf) echo 'ELF file    1: _C.cpython-311-x86_64-linux-gnu.1.sm_90a.cubin' ;;\n"
+        "  -res-usage) printf 'Resource usage:\\n Function good:\\n  REG:255 STACK:0 SHARED:1024 LOCAL:0 X\\n"
+        " Function spills:\\n  REG:128 STACK:8 SHARED:0 LOCAL:4 X\\n' ;;\n"
+        "esac\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    lister = inspect_wheels.cuobjdump_lister(str(fake))
+    assert lister(tmp_path / "x.so").local_memory == ("spills",)
+    problems = inspect_wheels.check_extension_binary(make_elf([]), "cula_sm90/_C.so", lister)
+    assert any("local memory" in p and "spills" in p and "good" not in p for p in problems)
