@@ -28,7 +28,8 @@ for step in "$@"; do
     tests:cute) GPU_LOG_TAG=_cute timeout 580 bash tools/h200_tests.sh -q -k "not prefetch and not 8warps" tests/cute ;;
     tests:cutedsl) GPU_LOG_TAG=_cutedsl timeout 580 bash tools/h200_tests.sh -q \
                      -k "cutedsl and not prefetch and not 8warps" tests/gpu tests/api ;;
-    tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q -k "not cute and not cutedsl" ;;
+    tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q \
+                  -k "not cute and not cutedsl and not persistent and not wgmma" ;;
     tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
                            -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
     tests:persistent) GPU_LOG_TAG=_persistent timeout 580 bash tools/h200_tests.sh -q -k "persistent" tests/sm90 ;;
