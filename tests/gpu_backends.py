@@ -53,3 +53,28 @@ def poison_allocator(nbytes: int) -> None:
     """Fill free blocks of the caching allocator with NaN so unwritten outputs show up."""
     block = torch.full((max(nbytes, 1 << 20) // 4,), float("nan"), device="cuda")
     del block
+
+
+def check_against_oracle(label: str, case, kwargs: dict, o: torch.Tensor, ht: torch.Tensor | None,
+                         note: str = "") -> None:
+    """o (and the final state when the case asks for it) against the fp64 oracle on the same inputs, within the
+    frozen bounds of ``case``; one line per call appended to $CULA_ERROR_LOG (``label``, the errors, ``note``)."""
+    import os
+
+    from tests.helpers import rel_l2
+    from tests.kda_cases import oracle
+
+    assert o.dtype == torch.bfloat16 and torch.isfinite(o).all(), "o has unwritten or non-finite entries"
+    o_ref, ht_ref = oracle(kwargs)
+    err_o = rel_l2(o.cpu(), o_ref)
+    err_ht = rel_l2(ht.cpu(), ht_ref) if case.final_state else 0.0
+    if os.environ.get("CULA_ERROR_LOG"):
+        with open(os.environ["CULA_ERROR_LOG"], "a") as log:
+            log.write(f"{label} {case.name} o {err_o:.4e} ht {err_ht:.4e} bound_o {bound(case.name, 0):.4e} "
+                      f"bound_ht {bound(case.name, 1):.4e}{' ' + note if note else ''}\n")
+    assert err_o <= bound(case.name, 0), f"o error {err_o:.3e}"
+    if case.final_state:
+        assert ht.dtype == torch.float32 and torch.isfinite(ht).all()
+        assert err_ht <= max(bound(case.name, 1), 1e-6), f"final state error {err_ht:.3e}"
+    else:
+        assert ht is None

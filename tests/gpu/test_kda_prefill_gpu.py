@@ -7,14 +7,11 @@ before each run. Per-case errors are appended to $CULA_ERROR_LOG.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.gpu_backends import BACKENDS, bound, poison_allocator, use_backend
-from tests.helpers import rel_l2
-from tests.kda_cases import CASES, make_inputs, oracle
+from tests.gpu_backends import BACKENDS, check_against_oracle, poison_allocator, use_backend
+from tests.kda_cases import CASES, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -29,20 +26,7 @@ def test_matches_oracle_within_fla_bound(backend: str, case, monkeypatch: pytest
     poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
     o, ht = kda_prefill(**kwargs)
     torch.cuda.synchronize()
-    assert o.dtype == torch.bfloat16 and torch.isfinite(o).all(), "o has unwritten or non-finite entries"
-    o_ref, ht_ref = oracle(kwargs)
-    err_o = rel_l2(o.cpu(), o_ref)
-    err_ht = rel_l2(ht.cpu(), ht_ref) if case.final_state else 0.0
-    if os.environ.get("CULA_ERROR_LOG"):
-        with open(os.environ["CULA_ERROR_LOG"], "a") as log:
-            log.write(f"{backend} {case.name} o {err_o:.4e} ht {err_ht:.4e} bound_o {bound(case.name, 0):.4e} "
-                      f"bound_ht {bound(case.name, 1):.4e}\n")
-    assert err_o <= bound(case.name, 0), f"o error {err_o:.3e}"
-    if case.final_state:
-        assert ht.dtype == torch.float32 and torch.isfinite(ht).all()
-        assert err_ht <= max(bound(case.name, 1), 1e-6), f"final state error {err_ht:.3e}"
-    else:
-        assert ht is None
+    check_against_oracle(backend, case, kwargs, o, ht)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

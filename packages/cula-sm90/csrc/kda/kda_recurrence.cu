@@ -169,10 +169,13 @@ __device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
 // Copy one [64 x R*8] bf16 tile (token rows) into swizzled smem: thread tid owns 16-byte chunk ch = tid % R of rows
 // tid / R + i * (kThreads / R). src_row0 points at (token tok0, this head, first column); rows are row_stride elements
 // apart. Rows >= L are zero-filled and their source is never read (the address is clamped to row 0 anyway).
-template <int R, int kThreads, int kTensors>
+// kSw128: the 128-byte-swizzle layout of RecurrenceConfig<., true> instead (R = 16): chunk ch of row r goes to
+// (ch / 8) * 8192 + r * 128 + ((ch ^ r) & 7) * 16, i.e. [2 halves][64 rows][128 B].
+template <int R, int kThreads, int kTensors, bool kSw128 = false>
 __device__ __forceinline__ void copy_tile(const uint32_t (&dst)[kTensors], const __nv_bfloat16* const (&src_row0)[kTensors],
                                           int64_t row_stride, int L, int tid) {
   static_assert(kThreads % R == 0 && (kChunk * R) % kThreads == 0, "copy split");
+  static_assert(!kSw128 || R == 16, "the 128-byte-swizzle layout is for 128-column tiles");
   constexpr int kRowsPerPass = kThreads / R;
   const int ch = tid % R;
   const int r0 = tid / R;
@@ -181,29 +184,12 @@ __device__ __forceinline__ void copy_tile(const uint32_t (&dst)[kTensors], const
     const int row = r0 + i * kRowsPerPass;
     const bool valid = row < L;
     const int64_t src = (valid ? static_cast<int64_t>(row) * row_stride : 0) + ch * 8;
-    const uint32_t off = static_cast<uint32_t>(row * (R * 16) + swizzle_chunk<R>(row, ch) * 16);
-#pragma unroll
-    for (int t = 0; t < kTensors; ++t) cp_async_16(dst[t] + off, src_row0[t] + src, valid);
-  }
-}
-
-// Copy [64 x 128] bf16 tiles (token rows) into the 128-byte-swizzle layout of RecurrenceConfig<., true>: 16-byte
-// chunk ch of row r goes to (ch / 8) * 8192 + r * 128 + ((ch ^ r) & 7) * 16. Same thread split as copy_tile.
-template <int kThreads, int kTensors>
-__device__ __forceinline__ void copy_tile_sw128(const uint32_t (&dst)[kTensors],
-                                                const __nv_bfloat16* const (&src_row0)[kTensors], int64_t row_stride,
-                                                int L, int tid) {
-  constexpr int R = kHeadDim * 2 / 16;  // 16 chunks per row
-  static_assert((kChunk * R) % kThreads == 0, "copy split");
-  constexpr int kRowsPerPass = kThreads / R;
-  const int ch = tid % R;
-  const int r0 = tid / R;
-#pragma unroll
-  for (int i = 0; i < kChunk / kRowsPerPass; ++i) {
-    const int row = r0 + i * kRowsPerPass;
-    const bool valid = row < L;
-    const int64_t src = (valid ? static_cast<int64_t>(row) * row_stride : 0) + ch * 8;
-    const uint32_t off = static_cast<uint32_t>((ch >> 3) * 8192 + row * 128 + (((ch ^ row) & 7) << 4));
+    uint32_t off;
+    if constexpr (kSw128) {
+      off = static_cast<uint32_t>((ch >> 3) * 8192 + row * 128 + (((ch ^ row) & 7) << 4));
+    } else {
+      off = static_cast<uint32_t>(row * (R * 16) + swizzle_chunk<R>(row, ch) * 16);
+    }
 #pragma unroll
     for (int t = 0; t < kTensors; ++t) cp_async_16(dst[t] + off, src_row0[t] + src, valid);
   }
@@ -221,7 +207,7 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
     const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.qg) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.kg) + row_k};
-    copy_tile_sw128<C::kThreads, 3>(dst, src, HV * kHeadDim, L, tid);
+    copy_tile<C::kChunksK, C::kThreads, 3, true>(dst, src, HV * kHeadDim, L, tid);
   } else {
     const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
     const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
