@@ -151,6 +151,19 @@ __device__ __forceinline__ void load_state(float (&S)[16][4], const T* h0, bool 
   }
 }
 
+// S^T *= gamma column-wise: this lane's state columns k = 8j + 2*t4 + (e & 1) by exp2(g_last[k]) from the warp's
+// gamma copy in shared memory (gamma_w, 128 fp32).
+__device__ __forceinline__ void decay_state(float (&S)[16][4], uint32_t gamma_w, int t4) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float2 gm = ld_shared_f2(gamma_w + (8 * j + 2 * t4) * 4);
+    S[j][0] *= gm.x;
+    S[j][1] *= gm.y;
+    S[j][2] *= gm.x;
+    S[j][3] *= gm.y;
+  }
+}
+
 // XOR swizzle of the 16-byte chunk index within a row of R chunks: the 8 consecutive rows read by one 8x8 ldmatrix
 // matrix (same logical chunk) land in 8 distinct 16-byte slots of a 128-byte bank window.
 template <int R>
@@ -426,14 +439,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
       // 64 key columns are one 128-byte row per query token; zeros above the diagonal are multiplied too) and
       // S^T = S^T * gamma + v_new^T_bf . kg (kg MN-major: 128 features over two 8 KB halves, 16 tokens per step).
       __syncwarp();  // gamma_w written by the other lanes of this warp
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 gm = ld_shared_f2(gamma_w + (8 * j + 2 * t4) * 4);
-        S[j][0] *= gm.x;
-        S[j][1] *= gm.y;
-        S[j][2] *= gm.x;
-        S[j][3] *= gm.y;
-      }
+      decay_state(S, gamma_w, t4);
       wgmma_fence_operands(accO);
       wgmma_fence_operands(S);
       wgmma_fence();
@@ -462,14 +468,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
 
       // ---- S^T = S^T * gamma + v_new^T_bf . kg
       __syncwarp();  // gamma_w written by the other lanes of this warp
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 gm = ld_shared_f2(gamma_w + (8 * j + 2 * t4) * 4);
-        S[j][0] *= gm.x;
-        S[j][1] *= gm.y;
-        S[j][2] *= gm.x;
-        S[j][3] *= gm.y;
-      }
+      decay_state(S, gamma_w, t4);
 #pragma unroll
       for (int s = 0; s < 4; ++s) {  // tokens 16s..16s+15
 #pragma unroll
