@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the GPU work still owes, as steps for the lent H200; each step is time-capped and writes under $OUT.
 # One device call holds at most 10 minutes, so run a few steps per call, e.g.:
+#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:persistent tests:wgmma
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:cute
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:cutedsl
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:rest
@@ -11,10 +12,11 @@
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh profile intra
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
-# The knob variants timed beside the defaults (bench_kda_prefill.py --extra): sm90's persistent intra kernel (not
-# yet the default; prefetching one or two items ahead, or not at all), sm90's recurrence on warpgroup MMAs (not yet
-# the default; also at BV=128 everywhere, and with the persistent intra kernel) and the CuTeDSL lean-unrolled pipeline (the previous default); bench-rest also times sm90's
-# recurrence in batch order instead of longest first (varlen only).
+# The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default yet:
+# - sm90's persistent intra kernel, prefetching one or two items ahead, or not at all;
+# - sm90's recurrence on warpgroup MMAs, also at BV=128 everywhere and with the persistent intra kernel;
+# - the CuTeDSL lean-unrolled pipeline (the previous default).
+# bench-rest also times sm90's recurrence in batch order instead of longest first (varlen only).
 BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra sm90:CULA_SM90_INTRA_PERSISTENT=2 \
 --extra sm90:CULA_SM90_INTRA_PERSISTENT=noprefetch --extra sm90:CULA_SM90_RECURRENCE_WGMMA=1 \
 --extra sm90:CULA_SM90_RECURRENCE_WGMMA=1,CULA_BLOCK_V=128 \
