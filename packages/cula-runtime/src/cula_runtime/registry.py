@@ -80,7 +80,8 @@ KERNELS: tuple[KernelEntry, ...] = (
                "racecheck clean at three shapes (benchmarks/results, 2026-11-29)",
         entry="cula_sm90.kda:kda_prefill",
         summary="native SM90 KDA prefill: chunk-parallel intra kernel + fp32-register state recurrence (K = V = 128, "
-                "bf16, safe gate)",
+                "bf16, safe gate); the status is the default path's: the opt-in CULA_SM90_INTRA_PERSISTENT and "
+                "CULA_SM90_RECURRENCE_WGMMA kernels are compiled for sm_90a and have not run on a GPU",
     ),
     KernelEntry(
         name="kda_prepare_cute", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
