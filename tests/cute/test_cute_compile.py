@@ -227,3 +227,22 @@ def test_launch_arg_copies_inputs_and_refuses_outputs_that_break_the_promises() 
     assert copy is not odd and spec.conforms(copy) and torch.equal(copy, odd)
     with pytest.raises(ValueError, match="layout promise"):
         spec.launch_arg(odd, output=True)
+
+
+def test_is_available_looks_up_until_found(monkeypatch) -> None:
+    """is_available() asks importlib until both packages are found, then answers from memory (it runs on every
+    cutedsl call); an absent package is looked up again on the next call."""
+    import importlib.util
+
+    import cula_runtime.cute as cute
+
+    lookups: list[str] = []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(cute, "_found", False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: lookups.append(name) or None)
+    assert not cute.is_available() and not cute.is_available()
+    assert lookups == ["cutlass", "cutlass"]  # (all() stops at the first missing one)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: lookups.append(name) or real(name))
+    lookups.clear()
+    assert cute.is_available() and cute.is_available()
+    assert lookups == ["cutlass", "tvm_ffi"]

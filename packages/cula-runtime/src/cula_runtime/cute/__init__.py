@@ -34,10 +34,18 @@ _LAZY_EXPORTS = {
 __all__ = ["is_available", *_LAZY_EXPORTS]
 
 
+# True once both packages were found: the cutedsl backend asks on every call, and an installed package stays
+# installed for the process, so the two module lookups run until they succeed, then never again.
+_found = False
+
+
 def is_available() -> bool:
     """True when CuTeDSL (``cutlass``, from ``nvidia-cutlass-dsl``) and TVM-FFI (``tvm_ffi``, from ``apache-tvm-ffi``)
     are installed; imports neither."""
-    return all(_installed(name) for name in ("cutlass", "tvm_ffi"))
+    global _found
+    if not _found:
+        _found = all(_installed(name) for name in ("cutlass", "tvm_ffi"))
+    return _found
 
 
 def _installed(name: str) -> bool:
