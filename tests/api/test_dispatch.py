@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import cula_runtime.cute
 from cula import dispatch
 from cula.kda import kda_prefill
 from cula_runtime.reference.kda_naive import kda_naive
@@ -61,8 +62,9 @@ CHAINS = [((9, 0), ["sm90", "cutedsl", "reference"]), ((10, 0), ["cutedsl", "ref
 def test_supported_gpu_without_kernels_falls_back_to_reference_with_a_warning(cap, expected, monkeypatch) -> None:
     monkeypatch.delenv("CULA_BACKEND", raising=False)
     monkeypatch.setattr(dispatch, "device_capability", lambda device: cap)
-    monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: None)  # no cula_sm90 installed
-    monkeypatch.setattr(dispatch, "_sm90_found", None)  # (as if it had never been found in this process)
+    monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda name: None)  # no cula_sm90, no CuTeDSL
+    monkeypatch.setattr(dispatch, "_sm90_found", None)  # (as if neither had ever been found in this process)
+    monkeypatch.setattr(cula_runtime.cute, "_found", False)
     choice = dispatch.explain(_fake_cuda_args())
     assert [d.backend for d in choice.decisions] == expected
     assert choice.gpu_fallback and choice.runner is not None
@@ -109,6 +111,8 @@ def test_unsupported_gpu_raises_with_the_fix(monkeypatch) -> None:
 def test_forced_backend_that_cannot_serve_raises(name, words, monkeypatch) -> None:
     monkeypatch.setenv("CULA_BACKEND", name)
     monkeypatch.setattr(dispatch.importlib.util, "find_spec", lambda mod: None)
+    monkeypatch.setattr(dispatch, "_sm90_found", None)
+    monkeypatch.setattr(cula_runtime.cute, "_found", False)
     with pytest.raises(NotImplementedError, match=f"CULA_BACKEND={name}.*{words}"):
         kda_prefill(**_inputs())
 
