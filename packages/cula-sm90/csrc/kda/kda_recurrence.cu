@@ -151,6 +151,14 @@ __device__ __forceinline__ void load_state(float (&S)[16][4], const T* h0, bool 
   }
 }
 
+// k16 step ks of S^T_bf as an A fragment (mma.m16n8k16 and wgmma register-A layout): the state's K tiles 2ks, 2ks+1.
+__device__ __forceinline__ void state_a_fragment(const float (&S)[16][4], int ks, uint32_t (&a)[4]) {
+  a[0] = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+  a[1] = pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+  a[2] = pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+  a[3] = pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+}
+
 // S^T *= gamma column-wise: this lane's state columns k = 8j + 2*t4 + (e & 1) by exp2(g_last[k]) from the warp's
 // gamma copy in shared memory (gamma_w, 128 fp32).
 __device__ __forceinline__ void decay_state(float (&S)[16][4], uint32_t gamma_w, int t4) {
@@ -215,18 +223,12 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
   using C = RecurrenceConfig<kBV, kWgmma>;
   const int64_t HV = p.num_value_heads;
   const int64_t row_k = (tok0 * HV + hv) * kHeadDim;  // element offset of (tok0, hv, 0) in [Ttot, HV, 128]
-  if constexpr (kWgmma) {  // (kg in the same physical layout, read MN-major)
+  {  // (with kWgmma in the 128-byte-swizzle layout; kg is read MN-major from it)
     const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
     const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.qg) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.kg) + row_k};
-    copy_tile<C::kChunksK, C::kThreads, 3, true>(dst, src, HV * kHeadDim, L, tid);
-  } else {
-    const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
-    const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
-                                         static_cast<const __nv_bfloat16*>(p.qg) + row_k,
-                                         static_cast<const __nv_bfloat16*>(p.kg) + row_k};
-    copy_tile<C::kChunksK, C::kThreads, 3>(dst, src, HV * kHeadDim, L, tid);
+    copy_tile<C::kChunksK, C::kThreads, 3, kWgmma>(dst, src, HV * kHeadDim, L, tid);
   }
   {
     const uint32_t dst[1] = {stage + C::kOffU};
@@ -370,12 +372,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
       // 128-byte rows of K half ks / 4).
       uint32_t a[8][4];
 #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        a[ks][0] = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
-        a[ks][1] = pack_bf16(S[2 * ks][2], S[2 * ks][3]);
-        a[ks][2] = pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-        a[ks][3] = pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
-      }
+      for (int ks = 0; ks < 8; ++ks) state_a_fragment(S, ks, a[ks]);
       wgmma_fence_operands(accV);
       wgmma_fence_operands(accO);
       wgmma_fence();
@@ -393,10 +390,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma>::kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {  // K = 128 in 8 steps of 16
         uint32_t a[4];
-        a[0] = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
-        a[1] = pack_bf16(S[2 * ks][2], S[2 * ks][3]);
-        a[2] = pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
-        a[3] = pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+        state_a_fragment(S, ks, a);
 #pragma unroll
         for (int m = 0; m < 4; ++m) {  // token tiles 2m, 2m+1 (tokens 16m..16m+15)
           // N order: 0 = (tokens 16m+0..7, k chunk 2ks), 1 = (16m+0..7, 2ks+1), 2 = (16m+8..15, 2ks),
