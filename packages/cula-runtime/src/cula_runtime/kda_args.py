@@ -17,8 +17,8 @@ import torch
 
 from .index import checked_cu_seqlens_values
 
-__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "safe_gate_kernel_rejection", "MAX_HEAD_DIM",
-           "SAFE_GATE_LOWER_BOUND_MIN"]
+__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "safe_gate_kernel_rejection", "empty_prefill_result",
+           "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
 
 MAX_HEAD_DIM = 256
 SAFE_GATE_LOWER_BOUND_MIN = -5.0
@@ -296,3 +296,15 @@ def safe_gate_kernel_rejection(args: KdaPrefillArgs, head_dim: int = 128) -> str
     if args.initial_state is not None and args.initial_state.dtype not in (torch.float32, torch.bfloat16):
         return f"needs initial_state in fp32 or bf16, got {args.initial_state.dtype}"
     return None
+
+
+def empty_prefill_result(args: KdaPrefillArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The result of a call with no tokens (``B * T == 0``), shared by the GPU backends, which launch nothing for it:
+    an empty ``o`` ``[B, T, HV, V]`` in q's dtype, and each sequence's state passed through as the final state (fp32,
+    a copy of ``initial_state``; zeros without one), or None when it is not asked for."""
+    o = torch.empty(args.B, args.T, args.HV, args.V, dtype=args.q.dtype, device=args.device)
+    if not args.output_final_state:
+        return o, None
+    if args.initial_state is None:
+        return o, torch.zeros(args.state_shape, dtype=torch.float32, device=args.device)
+    return o, args.initial_state.float().clone()

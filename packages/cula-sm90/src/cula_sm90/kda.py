@@ -26,7 +26,7 @@ from cula_runtime.index import (
     prepare_chunk_offsets,
     prepare_sequence_order,
 )
-from cula_runtime.kda_args import safe_gate_kernel_rejection
+from cula_runtime.kda_args import empty_prefill_result, safe_gate_kernel_rejection
 from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
@@ -232,12 +232,8 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
     if wgmma is None:
         wgmma = _recurrence_wgmma()
     total = B * T
-    if total == 0:
-        o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
-        if not args.output_final_state:
-            return o, None, {}
-        h0 = args.initial_state
-        return o, (h0.float().clone() if h0 is not None else torch.zeros(args.state_shape, device=device)), {}
+    if total == 0:  # nothing to launch: empty o, and each sequence's state passes through
+        return *empty_prefill_result(args), {}
     # Host order: only what the intra kernel needs comes before its launch; o, the final state, the block size and
     # the sequence order are prepared while it runs (at small T the host time before the first launch is GPU idle).
     cu, chunk_indices, chunk_offsets, num_chunks = _indices(args)

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from ...index import prepare_chunk_indices, prepare_chunk_offsets, prepare_sequence_order
-from ...kda_args import safe_gate_kernel_rejection
+from ...kda_args import empty_prefill_result, safe_gate_kernel_rejection
 from ...kda_tuning import device_capability, recurrence_block_v, sm_count
 from .. import is_available
 
@@ -116,12 +116,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
 
     intra, prepare, recurrence = _kernel_modules()
     if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
-        o = torch.empty(args.B, args.T, args.HV, args.V, dtype=args.q.dtype, device=args.device)
-        if not args.output_final_state:
-            return o, None
-        if args.initial_state is None:
-            return o, torch.zeros(args.state_shape, dtype=torch.float32, device=args.device)
-        return o, args.initial_state.float().clone()
+        return empty_prefill_result(args)
     B, T, H, HV, K = args.B, args.T, args.H, args.HV, args.K
     device = args.device
     cu = args.cu_seqlens
