@@ -277,12 +277,18 @@ def test_sm90_indices_follow_an_in_place_update_of_cu_seqlens(fake_sm90) -> None
         assert fake.intra[13] == len(rows) // 2  # the number of chunks
 
 
+def _varlen_228_args(fake) -> object:
+    """Validated CPU arguments of the varlen-0-100-100-228 case (3 sequences, one empty), with the fake extension's
+    o and final-state sizes set for them."""
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
+    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
+    return validate_kda_prefill(**kwargs)
+
+
 def test_sm90_longest_first_can_be_turned_off(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
     """CULA_SM90_LONGEST_FIRST=0 launches the sequences in batch order (a timing knob; the bits are the same)."""
     kda, fake = fake_sm90
-    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
-    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
-    args = validate_kda_prefill(**kwargs)
+    args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.order == [2, 0, 1]  # 128, 100 and 0 tokens
     monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
@@ -296,9 +302,7 @@ def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     is a ValueError naming the variable, raised before any launch; run_kernels(intra_ctas=n, intra_prefetch=d)
     overrides it."""
     kda, fake = fake_sm90
-    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
-    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
-    args = validate_kda_prefill(**kwargs)
+    args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.intra[28:30] == (0, 0)
     for value, expected in (("1", (264, 1)), ("2", (264, 2)), ("noprefetch", (264, 0)), ("0", (0, 0))):
@@ -327,9 +331,7 @@ def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     keeps mma.sync at 32; another value is a ValueError naming the variable, before any launch;
     run_kernels(recurrence_wgmma=...) overrides it."""
     kda, fake = fake_sm90
-    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
-    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
-    args = validate_kda_prefill(**kwargs)
+    args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.recurrence[18] is False
     assert fake.recurrence[17] == 32  # 6 (sequence, head) pairs: the heuristic's narrowest block
