@@ -203,15 +203,13 @@ def environment() -> list[str]:
 
 
 def main() -> None:
+    from cula_runtime.cute.kda.intra import VARIANTS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/kda_prefill_h200.md")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
-    parser.add_argument("--cutedsl-intra", default=None,
-                        choices=("wide", "lean", "lean-unrolled", "fused", "fused-prepare", "lean-unrolled-prefetch",
-                                 "fused-prefetch", "fused-prepare-prefetch", "lean-unrolled-8warps",
-                                 "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps",
-                                 "fused-prepare-prefetch-8warps"),
+    parser.add_argument("--cutedsl-intra", default=None, choices=tuple(VARIANTS),
                         help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
     parser.add_argument("--extra", action="append", default=[],
                         help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '

@@ -24,16 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_kda_prefill import configs, make_inputs  # noqa: E402
 
+from cula_runtime.cute.kda.intra import VARIANTS  # noqa: E402  (CPU-safe: imports no CuTeDSL)
+
 K = V = 128
 PICK = ("fixed B1 T16384", "fixed B2 T16384", "fixed B1 T512", "varlen T16384 10xskewed", "B1 H16 T32768")
 CUTE_STAGES = ("prepare", "intra", "recurrence")
 # backend -> its stages; the CuTeDSL entries name the intra kernel's variant after "cutedsl-"
 STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES,
-          **{f"cutedsl-{v}": CUTE_STAGES for v in ("wide", "lean", "lean-unrolled", "fused", "fused-prepare",
-                                                   "lean-unrolled-prefetch", "fused-prefetch",
-                                                   "fused-prepare-prefetch", "lean-unrolled-8warps",
-                                                   "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps",
-                                                   "fused-prepare-prefetch-8warps")}}
+          **{f"cutedsl-{v}": CUTE_STAGES for v in VARIANTS}}
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:
