@@ -241,8 +241,8 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[9:11] == ((0, 0) if h0 is None else (h0.data_ptr(), codes[h0.dtype]))
     assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
-    assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132))
-    assert r[18] is False and r[19] == 777  # mma.sync (no CULA_SM90_RECURRENCE_WGMMA), the stream
+    assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
+    assert r[18] is True and r[19] == 777  # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA), the stream
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -327,22 +327,27 @@ def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_RECURRENCE_WGMMA=1 asks for the recurrence on warpgroup MMAs at V blocks of 64 and 128 and
-    keeps mma.sync at 32; another value is a ValueError naming the variable, before any launch;
-    run_kernels(recurrence_wgmma=...) overrides it."""
+    """The recurrence runs on warpgroup MMAs at V blocks of 64 and 128 by default (and with
+    CULA_SM90_RECURRENCE_WGMMA=1) and keeps mma.sync at 32; CULA_SM90_RECURRENCE_WGMMA=0 keeps mma.sync everywhere;
+    another value is a ValueError naming the variable, before any launch; run_kernels(recurrence_wgmma=...)
+    overrides the variable."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
-    kda.kda_prefill(args)
-    assert fake.recurrence[18] is False
-    assert fake.recurrence[17] == 32  # 6 (sequence, head) pairs: the heuristic's narrowest block
-    monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "1")
-    kda.kda_prefill(args)
-    assert fake.recurrence[17:19] == (64, True)  # the heuristic keeps whole warpgroups for wgmma
-    for block_v, expected in ((64, True), (128, True), (32, False)):
-        kda.run_kernels(args, block_v=block_v)
-        assert fake.recurrence[17:19] == (block_v, expected), block_v
+    for env in (None, "1"):
+        if env is not None:
+            monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, env)
+        kda.kda_prefill(args)
+        assert fake.recurrence[17:19] == (64, True), env  # 6 pairs: the heuristic keeps whole warpgroups for wgmma
+        for block_v, expected in ((64, True), (128, True), (32, False)):
+            kda.run_kernels(args, block_v=block_v)
+            assert fake.recurrence[17:19] == (block_v, expected), (env, block_v)
     kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
     assert fake.recurrence[18] is False
+    monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "0")
+    kda.kda_prefill(args)
+    assert fake.recurrence[17:19] == (32, False)  # mma.sync: the heuristic's narrowest block for 6 pairs
+    kda.run_kernels(args, block_v=128, recurrence_wgmma=True)
+    assert fake.recurrence[17:19] == (128, True)
     with pytest.raises(ValueError, match="recurrence_wgmma"):
         kda.run_kernels(args, recurrence_wgmma=1)
     monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "on")

@@ -28,7 +28,8 @@ def recurrence_block_v(num_pairs: int, num_sms: int, narrowest: int = BLOCK_V_CH
 
     ``narrowest`` is the smallest ``block_v`` a backend may get: the CuTeDSL recurrence asks for 64, because at
     ``block_v`` = 32 its 2-warp CTAs are slower than 4-warp ones even with half the SMs idle (H200, B1 H16 T32768:
-    1229 vs 1121 us; ``kda_profile_h200.md``); the native one is fastest at 32 there (1026 vs 1320 us).
+    1229 vs 1121 us; ``kda_profile_h200.md``); so does the native one on warpgroup MMAs (its default), which needs
+    whole warpgroups. (The native mma.sync form was fastest at 32 there: 1026 vs 1320 us.)
 
     Raises:
         ValueError: ``CULA_BLOCK_V`` is set to something other than 32, 64 or 128.

@@ -3,9 +3,10 @@
 Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm, safe gate, cumulative gate,
 Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head) or, with
 ``CULA_SM90_INTRA_PERSISTENT=1|2|noprefetch``, 2 persistent CTAs per SM that prefetch a later item's rows into
-L2 while they compute (same bits; not yet run on a GPU); ``recurrence`` walks each sequence's chunks with the
-fp32 state in registers and writes o and the final state (with ``CULA_SM90_RECURRENCE_WGMMA=1`` its products run
-as warpgroup MMAs; not yet run on a GPU). Both launch on the current torch stream.
+L2 while they compute (same bits, measured 2-6% slower on the H200, kept for measurement); ``recurrence`` walks
+each sequence's chunks with the fp32 state in registers and writes o and the final state, its products on warpgroup
+MMAs at V blocks of 64 and 128 (``CULA_SM90_RECURRENCE_WGMMA=0``, or V blocks of 32: mma.sync). Both launch on the
+current torch stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
 ``lower_bound`` in [-5, 0)), fp32/bf16 g and beta, fp32/bf16 initial state, any GVA ratio, fixed or varlen.
@@ -41,11 +42,12 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
 # "1" runs the intra kernel persistent (2 CTAs per SM walk the (chunk, value head) items, each prefetching its next
 # item's rows into L2 while it computes; same bits); "2" prefetches two items ahead, "noprefetch" not at all (to
-# tell the two effects apart). Off by default until the H200 says it pays.
+# tell the two effects apart). Off by default: on the H200 it ran 2-6% slower than one CTA per item (2026-11-30).
 ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
-# "1" runs the recurrence's products (v_new, o, the state update) as warpgroup MMAs, which read w, qg, Aqk and kg from
-# shared memory once per 64 V rows instead of once per warp; only at V blocks of 64 or 128 (32 keeps mma.sync). Off
-# by default until the H200 has checked and timed it.
+# "1" (the default) runs the recurrence's products (v_new, o, the state update) as warpgroup MMAs, which read w, qg,
+# Aqk and kg from shared memory once per 64 V rows instead of once per warp; only at V blocks of 64 or 128 (32 keeps
+# mma.sync). "0" keeps mma.sync everywhere. On the H200 (2026-11-30) wgmma was 1.03-1.16x faster on 29 of the 30
+# benchmark configs and equal on the 30th.
 ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -167,8 +169,8 @@ def _intra_persistent(device: torch.device) -> tuple[int, int]:
 
 
 def _recurrence_wgmma() -> bool:
-    """``CULA_SM90_RECURRENCE_WGMMA``: "1" the recurrence on warpgroup MMAs, "0" (the default) on mma.sync."""
-    value = os.environ.get(ENV_RECURRENCE_WGMMA, "0")
+    """``CULA_SM90_RECURRENCE_WGMMA``: "1" (the default) the recurrence on warpgroup MMAs, "0" on mma.sync."""
+    value = os.environ.get(ENV_RECURRENCE_WGMMA, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_RECURRENCE_WGMMA}={value!r}: expected '0' or '1'")
     return value == "1"
