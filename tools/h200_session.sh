@@ -12,15 +12,13 @@
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh profile intra
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
-# The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default yet:
-# - sm90's persistent intra kernel, prefetching one or two items ahead, or not at all;
-# - sm90's recurrence on warpgroup MMAs, also at BV=128 everywhere and with the persistent intra kernel;
-# - the CuTeDSL lean-unrolled pipeline (the previous default).
+# The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default:
+# - sm90's persistent intra kernel (prefetching one item ahead), measured 2-6% slower at T >= 1024 (2026-11-30);
+# - sm90's recurrence on mma.sync (the default until 2026-11-30; wgmma was 1.03-1.16x faster);
+# - the CuTeDSL lean-unrolled pipeline (its default until the fifth session).
 # bench-rest also times sm90's recurrence in batch order instead of longest first (varlen only).
-BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra sm90:CULA_SM90_INTRA_PERSISTENT=2 \
---extra sm90:CULA_SM90_INTRA_PERSISTENT=noprefetch --extra sm90:CULA_SM90_RECURRENCE_WGMMA=1 \
---extra sm90:CULA_SM90_RECURRENCE_WGMMA=1,CULA_BLOCK_V=128 \
---extra sm90:CULA_SM90_INTRA_PERSISTENT=1,CULA_SM90_RECURRENCE_WGMMA=1 --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
+BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra sm90:CULA_SM90_RECURRENCE_WGMMA=0 \
+--extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
 REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -50,8 +48,7 @@ for step in "$@"; do
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
-    profile:sm90) for knobs in "" CULA_SM90_INTRA_PERSISTENT=1 CULA_SM90_INTRA_PERSISTENT=2 \
-                         CULA_SM90_INTRA_PERSISTENT=noprefetch CULA_SM90_RECURRENCE_WGMMA=1; do  # each BV
+    profile:sm90) for knobs in "" CULA_SM90_INTRA_PERSISTENT=1 CULA_SM90_RECURRENCE_WGMMA=0; do  # each BV
                     echo "knobs: ${knobs:-defaults}" | tee -a "$OUT/profile_kda_sm90.txt"
                     env $knobs timeout 100 python3 benchmarks/profile_kda.py --backend sm90 \
                       | tee -a "$OUT/profile_kda_sm90.txt"; done ;;

@@ -85,10 +85,11 @@ def test_persistent_intra_gives_the_same_bits(name: str, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("block_v", [64, 128])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_recurrence_wgmma_matches_oracle(case: KdaCase, block_v: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recurrence on warpgroup MMAs (CULA_SM90_RECURRENCE_WGMMA=1): o and the final state
+    """The recurrence on warpgroup MMAs (the default since 2026-11-30): o and the final state
     within the frozen FLA bounds against fp64 on every case, outputs poisoned first; the intra workspace untouched;
     close to the mma.sync recurrence (the tensor cores may sum a k16 step in another order, so bits are reported in
-    $CULA_ERROR_LOG, not required); the same bits over 10 replays."""
+    $CULA_ERROR_LOG, not required; on the H200 they were identical on all 64, 2026-11-30); the same bits over 10
+    replays."""
     kda = _sm90(monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=0)
     args = validate_kda_prefill(**kwargs)
