@@ -1,12 +1,12 @@
 """Where each GPU backend's time goes: per-kernel GPU time (torch.profiler) of one ``kda_prefill`` call.
 
     python benchmarks/profile_kda.py [--backend sm90|cutedsl|cutedsl-<intra variant>|all] [--reps 20]
-                                     [--block-v 32,64,128]
+                                     [--block-v 32,64,128] [--configs "fixed B1 T16384,fixed B2 T16384"]
 
-For a few of the benchmark configs and each recurrence block size BV (32, 64, 128), prints the mean GPU time per
-call of each stage (cula-sm90: intra, recurrence; CuTeDSL, with each variant of its intra kernel: prepare, intra,
-recurrence; "other": everything else on the GPU, e.g. index helpers and allocations), the
-bytes the intra and recurrence stages must move at least (the workspace model of csrc/kda/kda_params.h, the same
+For a few of the benchmark configs (``PICK``, or ``--configs``) and each recurrence block size BV (32, 64, 128),
+prints the mean GPU time per call of each stage (cula-sm90: intra, recurrence; CuTeDSL, with each variant of its
+intra kernel: prepare, intra, recurrence; "other": everything else on the GPU, e.g. index helpers and allocations),
+the bytes the intra and recurrence stages must move at least (the workspace model of csrc/kda/kda_params.h, the same
 for both backends) and the bandwidth that implies. A microbenchmark for tuning; the end-to-end numbers are
 bench_kda_prefill.py's.
 """
@@ -84,7 +84,13 @@ def main() -> None:
     parser.add_argument("--backend", choices=(*STAGES, "all"), default="all")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--block-v", default="32,64,128", help="comma-separated recurrence block sizes to time")
+    parser.add_argument("--configs", default=",".join(PICK),
+                        help="comma-separated config names of bench_kda_prefill.configs() (default: a few)")
     opts = parser.parse_args()
+    picked = opts.configs.split(",")
+    unknown = sorted(set(picked) - {cfg.name for cfg in configs()})
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}")
     block_vs = tuple(int(x) for x in opts.block_v.split(","))
     backends = tuple(STAGES) if opts.backend == "all" else (opts.backend,)
     print(f"{'backend':8s} {'config':26s} {'BV':>3s} {'prep us':>8s} {'intra us':>9s} {'GB/s':>5s} "
@@ -92,7 +98,7 @@ def main() -> None:
     for backend in backends:
         run = runner(backend)
         for cfg in configs():
-            if cfg.name not in PICK:
+            if cfg.name not in picked:
                 continue
             args = validate_kda_prefill(**make_inputs(cfg))
             intra_bytes, recur_bytes = kernel_bytes(cfg, cfg.HV)

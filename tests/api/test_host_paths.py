@@ -174,6 +174,7 @@ def fake_sm90(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("CULA_BLOCK_V", raising=False)
     monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
     monkeypatch.delenv(kda.ENV_RECURRENCE_WGMMA, raising=False)
+    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES, raising=False)
     return kda, fake
 
 
@@ -230,7 +231,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 20
+    assert len(r) == 21
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
     if case.cu is None:  # equal lengths: slot order
         assert r[8] == 0 and fake.order is None
@@ -242,7 +243,8 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
-    assert r[18] is True and r[19] == 777  # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA), the stream
+    # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA) with 2 pipeline stages, the stream
+    assert r[18] is True and r[19] == 2 and r[20] == 777
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -355,6 +357,38 @@ def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match="CULA_SM90_RECURRENCE_WGMMA='on'"):
         kda.kda_prefill(args)
     assert fake.intra == ()
+
+
+def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CULA_SM90_RECURRENCE_STAGES=3 (or run_kernels(recurrence_stages=3)) asks for the 3-stage warpgroup-MMA
+    recurrence; the mma.sync kernels (V block 32, or CULA_SM90_RECURRENCE_WGMMA=0) always get 2; another value is a
+    ValueError naming the variable or argument, before any launch."""
+    kda, fake = fake_sm90
+    args = _varlen_228_args(fake)
+    kda.kda_prefill(args)
+    assert fake.recurrence[17:20] == (64, True, 2)  # the default: 2 stages
+    monkeypatch.setenv(kda.ENV_RECURRENCE_STAGES, "3")
+    kda.kda_prefill(args)
+    assert fake.recurrence[17:20] == (64, True, 3)
+    kda.run_kernels(args, block_v=128)
+    assert fake.recurrence[17:20] == (128, True, 3)
+    kda.run_kernels(args, block_v=32)
+    assert fake.recurrence[17:20] == (32, False, 2)  # mma.sync: 2 stages whatever the variable says
+    kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
+    assert fake.recurrence[17:20] == (64, False, 2)
+    kda.run_kernels(args, block_v=64, recurrence_stages=2)
+    assert fake.recurrence[17:20] == (64, True, 2)  # the argument overrides the variable
+    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES)
+    kda.run_kernels(args, block_v=128, recurrence_stages=3)
+    assert fake.recurrence[17:20] == (128, True, 3)
+    for bad in (1, 4, True, "3"):
+        with pytest.raises(ValueError, match="recurrence_stages"):
+            kda.run_kernels(args, recurrence_stages=bad)
+    monkeypatch.setenv(kda.ENV_RECURRENCE_STAGES, "three")
+    fake.intra = ()
+    with pytest.raises(ValueError, match="CULA_SM90_RECURRENCE_STAGES='three'"):
+        kda.kda_prefill(args)
+    assert fake.intra == ()  # refused before any launch
 
 
 def test_empty_call_launches_nothing(fake_sm90) -> None:

@@ -107,6 +107,23 @@ def test_recurrence_wgmma_matches_oracle(case: KdaCase, block_v: int, monkeypatc
         assert torch.equal(o2, o) and (ht is None or torch.equal(ht2, ht))
 
 
+@pytest.mark.parametrize("block_v", [64, 128])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_recurrence_3_stages_gives_the_same_bits(case: KdaCase, block_v: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 3-stage warpgroup-MMA recurrence (CULA_SM90_RECURRENCE_STAGES=3: two chunks' loads in flight) computes
+    exactly what the 2-stage one does: o and the final state bit-identical on every case (1- and 2-chunk sequences,
+    empty and 1-token ones, tails, 32-chunk runs), outputs poisoned first, and over 5 replays."""
+    kda = _sm90(monkeypatch)
+    kwargs = make_inputs(case, "cuda", seed=0)
+    args = validate_kda_prefill(**kwargs)
+    o_ref, ht_ref, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=True, recurrence_stages=2)
+    for _ in range(5):
+        poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
+        o, ht, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=True, recurrence_stages=3)
+        assert torch.equal(o, o_ref)
+        assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
+
+
 def _lengths(args) -> list[int]:
     """Each sequence's length, from validated kda_prefill arguments."""
     if args.cu_seqlens is None:

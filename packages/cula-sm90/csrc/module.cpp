@@ -75,7 +75,7 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
                    std::uintptr_t g_last, std::uintptr_t cu_seqlens, std::uintptr_t chunk_offsets,
                    std::uintptr_t seq_order, std::uintptr_t initial_state, int state_type, std::uintptr_t final_state, std::uintptr_t o,
                    int num_seqs, int num_value_heads, float scale, bool state_v_first, int block_v, bool wgmma,
-                   std::uintptr_t stream) {
+                   int stages, std::uintptr_t stream) {
   if (block_v != 0 && block_v != 32 && block_v != 64 && block_v != 128) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 0, 32, 64 or 128, got " +
                                 std::to_string(block_v));
@@ -83,9 +83,13 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
   if (wgmma && block_v == 32) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: wgmma needs block_v 0 (64), 64 or 128, got 32");
   }
+  if (stages != 2 && !(stages == 3 && wgmma)) {
+    throw std::invalid_argument("cula_sm90.kda_recurrence: stages must be 2, or 3 with wgmma, got " +
+                                std::to_string(stages) + (wgmma ? "" : " without wgmma"));
+  }
   const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state,
                                           state_type, final_state, o, num_seqs, num_value_heads, scale,
-                                          state_v_first, block_v, wgmma};
+                                          state_v_first, block_v, wgmma, stages};
   int code;
   {
     py::gil_scoped_release release;

@@ -27,6 +27,7 @@ struct KdaRecurrenceArgs {
   bool state_v_first;
   int block_v;  // 0: the default; else 32, 64 or 128
   bool wgmma;   // the products on warpgroup MMAs (block_v 0 = 64, or 128)
+  int stages;   // shared-memory pipeline stages: 2, or 3 (wgmma only)
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);

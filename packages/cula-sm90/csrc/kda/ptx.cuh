@@ -23,6 +23,11 @@ __device__ __forceinline__ void prefetch_l2(const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_group0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed cp.async groups are still pending (the newest ones).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Four 8x8 b16 matrices. Lane l supplies the address of row (l & 7) of matrix (l >> 3); register i of lane
 // (4*row + w) receives word w (columns 2w, 2w+1) of row `row` of matrix i (transposed with .trans).

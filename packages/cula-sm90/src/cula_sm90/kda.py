@@ -49,6 +49,9 @@ ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 # mma.sync). "0" keeps mma.sync everywhere. On the H200 (2026-11-30) wgmma was 1.03-1.16x faster on 29 of the 30
 # benchmark configs and equal on the 30th.
 ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
+# "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
+# flight while one computes (same bits; the mma.sync kernels keep two). Off until the H200 has timed it.
+ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
@@ -176,6 +179,14 @@ def _recurrence_wgmma() -> bool:
     return value == "1"
 
 
+def _recurrence_stages() -> int:
+    """``CULA_SM90_RECURRENCE_STAGES``: "2" (the default) or "3" pipeline stages for the warpgroup-MMA recurrence."""
+    value = os.environ.get(ENV_RECURRENCE_STAGES, "2")
+    if value not in ("2", "3"):
+        raise ValueError(f"{ENV_RECURRENCE_STAGES}={value!r}: expected '2' or '3'")
+    return int(value)
+
+
 def _current_stream(index: int) -> int:
     """The current torch stream of CUDA device ``index``, as the integer ``cudaStream_t`` the extension takes."""
     if _raw_current_stream is not None:
@@ -199,7 +210,7 @@ def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intra_prefetch: int = 1,
-                recurrence_wgmma: bool | None = None,
+                recurrence_wgmma: bool | None = None, recurrence_stages: int | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
@@ -210,7 +221,8 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that),
     each prefetching the item ``intra_prefetch`` (0, 1 or 2) steps ahead into L2; None: both from
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
-    at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``.
+    at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
+    stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
@@ -219,12 +231,16 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
         raise ValueError(f"intra_prefetch must be 0, 1 or 2, got {intra_prefetch!r}")
     if recurrence_wgmma is not None and not isinstance(recurrence_wgmma, bool):
         raise ValueError(f"recurrence_wgmma must be None or a bool, got {recurrence_wgmma!r}")
+    if recurrence_stages is not None and (recurrence_stages not in (2, 3) or isinstance(recurrence_stages, bool)):
+        raise ValueError(f"recurrence_stages must be None, 2 or 3, got {recurrence_stages!r}")
     persistent = None if intra_ctas is None else (intra_ctas, intra_prefetch)
-    return _run(args, block_v, keep_workspace=True, persistent=persistent, wgmma=recurrence_wgmma)
+    return _run(args, block_v, keep_workspace=True, persistent=persistent, wgmma=recurrence_wgmma,
+                stages=recurrence_stages)
 
 
 def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, int] | None = None,
-         wgmma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+         wgmma: bool | None = None, stages: int | None = None,
+         ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Allocate, then launch both kernels on the current stream; the workspace views only if ``keep_workspace``."""
     ext = load_extension()
     B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
@@ -233,6 +249,8 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
         persistent = _intra_persistent(device)
     if wgmma is None:
         wgmma = _recurrence_wgmma()
+    if stages is None:
+        stages = _recurrence_stages()
     total = B * T
     if total == 0:  # nothing to launch: empty o, and each sequence's state passes through
         return *empty_prefill_result(args), {}
@@ -264,10 +282,11 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
         h0 = _aligned(args.initial_state)
         if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least)
             block_v = recurrence_block_v(N * HV, sm_count(device), narrowest=64 if wgmma else 32)
+        wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
             _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), o.data_ptr(),
-            N, HV, args.scale, args.state_v_first, block_v, wgmma and block_v != 32, stream,  # 32 given: mma
+            N, HV, args.scale, args.state_v_first, block_v, wgmma, stages if wgmma else 2, stream,
         )
     if not keep_workspace:
         return o, final_state, {}
