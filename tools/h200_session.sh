@@ -29,12 +29,13 @@ for step in "$@"; do
     tests:cutedsl) GPU_LOG_TAG=_cutedsl timeout 580 bash tools/h200_tests.sh -q \
                      -k "cutedsl and not prefetch and not 8warps" tests/gpu tests/api ;;
     tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q \
-                  -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages" ;;
+                  -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages and not intra_tuned" ;;
     tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
                            -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
     tests:persistent) GPU_LOG_TAG=_persistent timeout 580 bash tools/h200_tests.sh -q -k "persistent" tests/sm90 ;;
     tests:wgmma) GPU_LOG_TAG=_wgmma timeout 580 bash tools/h200_tests.sh -q -k "wgmma" tests/sm90 ;;
     tests:stages) GPU_LOG_TAG=_stages timeout 580 bash tools/h200_tests.sh -q -k "3_stages" tests/sm90 ;;
+    tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned" tests/sm90 ;;
     tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k "prefetch or 8warps" tests/cute \
                       tests/gpu ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
@@ -57,14 +58,18 @@ for step in "$@"; do
                       CULA_SM90_RECURRENCE_STAGES=$n timeout 100 python3 benchmarks/profile_kda.py --backend sm90 \
                         --block-v 64,128 --reps 10 --configs "${STAGES_CONFIGS:-fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform}" \
                         | sed "s/^/stages=$n /" | tee -a "$OUT/profile_kda_stages.txt"; done ;;
+    profile:tuned) for n in 0 1; do  # the intra kernel's verified and tuned forms, intra time alone
+                     CULA_SM90_INTRA_TUNED=$n timeout 100 python3 benchmarks/profile_kda.py --backend sm90 --block-v 64 \
+                       --reps 10 --configs "fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform" \
+                       | sed "s/^/tuned=$n /" | tee -a "$OUT/profile_kda_tuned.txt"; done ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \
                           | tee -a "$OUT/profile_kda_prefetch.txt"; done ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
     ncu) timeout 580 bash tools/h200_ncu.sh ;;
-    *) echo "unknown step: $step (tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages] fla" \
-          "bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl] profile[:prefetch|:sm90|:stages]" \
+    *) echo "unknown step: $step (tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned] fla" \
+          "bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl] profile[:prefetch|:sm90|:stages|:tuned]" \
           "intra ncu)" ;;
   esac
   echo "=== $step: exit $?"

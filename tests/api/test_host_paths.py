@@ -175,6 +175,7 @@ def fake_sm90(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
     monkeypatch.delenv(kda.ENV_RECURRENCE_WGMMA, raising=False)
     monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES, raising=False)
+    monkeypatch.delenv(kda.ENV_INTRA_TUNED, raising=False)
     return kda, fake
 
 
@@ -211,7 +212,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
         (o, ht), ws = kda.kda_prefill(args), None
 
     a = fake.intra
-    assert len(a) == 31
+    assert len(a) == 32
     assert a[:5] == tuple(x.data_ptr() for x in (args.q, args.k, args.v, args.g, args.beta))
     if args.A_log is not None:  # converted to fp32 for the kernel (read during the launch: a temporary)
         assert fake.read[5] == args.A_log.float().tolist() and fake.read[6] == args.dt_bias.float().tolist()
@@ -226,7 +227,8 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
-    assert a[28:31] == (0, 0, 777)  # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, the stream
+    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, not the tuned form, the stream
+    assert a[28:32] == (0, 0, False, 777)
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
@@ -389,6 +391,33 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ValueError, match="CULA_SM90_RECURRENCE_STAGES='three'"):
         kda.kda_prefill(args)
     assert fake.intra == ()  # refused before any launch
+
+
+def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CULA_SM90_INTRA_TUNED=1 (or run_kernels(intra_tuned=True)) asks for the intra kernel's tuned form; it does not
+    combine with persistent CTAs; bad values are ValueErrors naming the variable or argument, before any launch."""
+    kda, fake = fake_sm90
+    args = _varlen_228_args(fake)
+    kda.kda_prefill(args)
+    assert fake.intra[28:31] == (0, 0, False)
+    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "1")
+    kda.kda_prefill(args)
+    assert fake.intra[28:31] == (0, 0, True)
+    kda.run_kernels(args, intra_tuned=False)
+    assert fake.intra[30] is False  # the argument overrides the variable
+    fake.intra = ()
+    with pytest.raises(ValueError, match="does not combine with persistent CTAs"):
+        kda.run_kernels(args, intra_ctas=5)
+    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "1")
+    with pytest.raises(ValueError, match="does not combine with persistent CTAs"):
+        kda.kda_prefill(args)
+    monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT)
+    with pytest.raises(ValueError, match="intra_tuned"):
+        kda.run_kernels(args, intra_tuned=1)
+    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "yes")
+    with pytest.raises(ValueError, match="CULA_SM90_INTRA_TUNED='yes'"):
+        kda.kda_prefill(args)
+    assert fake.intra == ()  # every refusal came before any launch
 
 
 def test_empty_call_launches_nothing(fake_sm90) -> None:

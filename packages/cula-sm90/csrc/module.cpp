@@ -49,7 +49,7 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
               int num_heads, int num_value_heads, float scale, float lower_bound, bool l2norm_qk,
               bool gate_in_kernel, bool beta_sigmoid, bool allow_neg_eigval, std::uintptr_t qg, std::uintptr_t kg,
               std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, int persistent_ctas,
-              int persistent_prefetch, std::uintptr_t stream) {
+              int persistent_prefetch, bool tuned, std::uintptr_t stream) {
   if (persistent_ctas < 0) {
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
                                 std::to_string(persistent_ctas));
@@ -62,7 +62,7 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
                                      chunk_indices, chunk_offsets, num_tokens, num_chunks, num_heads,
                                      num_value_heads, scale, lower_bound, l2norm_qk, gate_in_kernel, beta_sigmoid,
                                      allow_neg_eigval, qg, kg, w, u, Aqk, g_last, persistent_ctas,
-                                     persistent_prefetch};
+                                     persistent_prefetch, tuned};
   int code;
   {
     py::gil_scoped_release release;

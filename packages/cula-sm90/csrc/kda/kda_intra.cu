@@ -6,7 +6,8 @@
 //   Tinv = (I + Akk)^-1 (fp32, rounded once to bf16), w = Tinv·bf16(β k e^Γ), u = Tinv·bf16(β v),
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
-// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), or (persistent_ctas > 0) that many
+// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head) (optionally its tuned form: the L2 norms'
+// row sums by a transposed reduction), or (persistent_ctas > 0) that many
 // CTAs walking the (chunk, value head) items, each prefetching its next item's rows into L2 while it computes the
 // current one. 103.25 KiB of dynamic shared memory, so two CTAs fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
@@ -117,10 +118,35 @@ __device__ __forceinline__ void prefetch_item_l2(const KdaIntraParams& p, const 
   }
 }
 
+// 1 / sqrt(sum + 1e-6) of the 8 rows r = warp + 8 pp (pp = 0..7) of a tile, from each lane's partial sum part[pp]
+// over its 4 columns: a transposed reduction (lane bits 4, 3, 2 split the rows between lane halves, quarters and
+// eighths: 4 + 2 + 1 shuffles, then 2 for the last 4 lanes' columns), one rsqrt per lane, and 8 broadcasts, instead
+// of a 5-shuffle butterfly per row (40 shuffles and 8 rsqrt).
+__device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, float (&r)[8]) {
+  const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
+  float t4[4], t2[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // keep rows 4*b4 + i
+    const float keep = b4 ? part[i + 4] : part[i];
+    t4[i] = keep + __shfl_xor_sync(0xffffffffu, b4 ? part[i] : part[i + 4], 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // keep rows 4*b4 + 2*b3 + i
+    const float keep = b3 ? t4[i + 2] : t4[i];
+    t2[i] = keep + __shfl_xor_sync(0xffffffffu, b3 ? t4[i] : t4[i + 2], 8);
+  }
+  float t1 = (b2 ? t2[1] : t2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? t2[0] : t2[1], 4);  // row 4*b4 + 2*b3 + b2
+  t1 += __shfl_xor_sync(0xffffffffu, t1, 2);
+  t1 += __shfl_xor_sync(0xffffffffu, t1, 1);
+  const float mine = rsqrtf(t1 + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
+#pragma unroll
+  for (int pp = 0; pp < 8; ++pp) r[pp] = __shfl_sync(0xffffffffu, mine, ((pp >> 2) << 4) | (((pp >> 1) & 1) << 3) | ((pp & 1) << 2));
+}
+
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
 // have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
-template <bool kPrefetchNext>
+template <bool kPrefetchNext, bool kTuned = false>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
                                            const int item) {
   const int tid = threadIdx.x;
@@ -306,6 +332,24 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const uint32_t off0 = quad_off(warp, lane);
     __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg);
     __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
+    // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
+    [[maybe_unused]] float rq8[8], rk8[8];
+    if constexpr (kTuned) {
+      if (p.l2norm_qk) {
+        float sq8[8], sk8[8];
+#pragma unroll
+        for (int pp = 0; pp < 8; ++pp) {
+          const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off0 + pp * 2048);
+          const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off0 + pp * 2048);
+          const float q0 = bf16_lo(qraw.x), q1 = bf16_hi(qraw.x), q2 = bf16_lo(qraw.y), q3 = bf16_hi(qraw.y);
+          const float k0 = bf16_lo(kraw.x), k1 = bf16_hi(kraw.x), k2 = bf16_lo(kraw.y), k3 = bf16_hi(kraw.y);
+          sq8[pp] = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3;
+          sk8[pp] = k0 * k0 + k1 * k1 + k2 * k2 + k3 * k3;
+        }
+        row_rsqrt8(sq8, lane, rq8);
+        row_rsqrt8(sk8, lane, rk8);
+      }
+    }
 #pragma unroll
     for (int pp = 0; pp < 8; ++pp) {
       const int J = pp >> 1;
@@ -323,15 +367,21 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       float k[4] = {bf16_lo(kraw.x), bf16_hi(kraw.x), bf16_lo(kraw.y), bf16_hi(kraw.y)};
       const float v[4] = {bf16_lo(vraw.x), bf16_hi(vraw.x), bf16_lo(vraw.y), bf16_hi(vraw.y)};
       if (p.l2norm_qk) {
-        float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3];
-        float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
+        float rq, rk;
+        if constexpr (kTuned) {
+          rq = rq8[pp];
+          rk = rk8[pp];
+        } else {
+          float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3];
+          float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, o);
-          sk += __shfl_xor_sync(0xffffffffu, sk, o);
+          for (int o = 16; o > 0; o >>= 1) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            sk += __shfl_xor_sync(0xffffffffu, sk, o);
+          }
+          rq = rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
+          rk = rsqrtf(sk + 1e-6f);
         }
-        const float rq = rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
-        const float rk = rsqrtf(sk + 1e-6f);
         // FLA stores the normalised q, k in bf16.
         const uint32_t q01 = pack_bf16x2(q[0] * rq, q[1] * rq), q23 = pack_bf16x2(q[2] * rq, q[3] * rq);
         const uint32_t k01 = pack_bf16x2(k[0] * rk, k[1] * rk), k23 = pack_bf16x2(k[2] * rk, k[3] * rk);
@@ -645,10 +695,13 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
 }
 
-// One CTA per (chunk, value head).
+// One CTA per (chunk, value head). kTuned: the L2 norms' row sums by one transposed reduction per tensor and warp
+// (row_rsqrt8: 17 shuffles and 1 rsqrt per tensor instead of 40 and 8); the summation order differs, so the bits
+// may. Opt-in (CULA_SM90_INTRA_TUNED=1) until the H200 has checked and timed it.
+template <bool kTuned>
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  intra_item<false>(p, smem, blockIdx.x, blockIdx.y, 0);
+  intra_item<false, kTuned>(p, smem, blockIdx.x, blockIdx.y, 0);
 }
 
 // Persistent: gridDim.x CTAs walk the items (chunk, value head) with stride gridDim.x, value head fastest, each
@@ -666,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const
 
 }  // namespace
 
-cudaError_t launch_kda_intra(const KdaIntraParams& params, cudaStream_t stream) {
+cudaError_t launch_kda_intra(const KdaIntraParams& params, bool tuned, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
   if (params.num_heads <= 0 || params.num_value_heads % params.num_heads != 0) return cudaErrorInvalidValue;
   if (params.persistent_ctas < 0 || params.persistent_prefetch < 0 || params.persistent_prefetch > 2) {
@@ -682,10 +735,12 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, cudaStream_t stream) 
         params);
     return cudaGetLastError();
   }
-  const cudaError_t err = allow_dynamic_smem<kda_intra_kernel>(static_cast<int>(kSmemBytes));
+  const auto kernel = tuned ? kda_intra_kernel<true> : kda_intra_kernel<false>;
+  const cudaError_t err = tuned ? allow_dynamic_smem<kda_intra_kernel<true>>(static_cast<int>(kSmemBytes))
+                                : allow_dynamic_smem<kda_intra_kernel<false>>(static_cast<int>(kSmemBytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
-  kda_intra_kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
