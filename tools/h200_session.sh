@@ -58,7 +58,7 @@ for step in "$@"; do
                       CULA_SM90_RECURRENCE_STAGES=$n timeout 100 python3 benchmarks/profile_kda.py --backend sm90 \
                         --block-v 64,128 --reps 10 --configs "${STAGES_CONFIGS:-fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform}" \
                         | sed "s/^/stages=$n /" | tee -a "$OUT/profile_kda_stages.txt"; done ;;
-    profile:tuned) for n in 0 1; do  # the intra kernel's verified and tuned forms, intra time alone
+    profile:tuned) for n in 0 norm inverse all; do  # the intra kernel's verified and tuned forms, intra time alone
                      CULA_SM90_INTRA_TUNED=$n timeout 100 python3 benchmarks/profile_kda.py --backend sm90 --block-v 64 \
                        --reps 10 --configs "fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform" \
                        | sed "s/^/tuned=$n /" | tee -a "$OUT/profile_kda_tuned.txt"; done ;;

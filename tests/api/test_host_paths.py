@@ -227,8 +227,8 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
-    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, not the tuned form, the stream
-    assert a[28:32] == (0, 0, False, 777)
+    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, the verified form (no tuned bits), the stream
+    assert a[28:32] == (0, 0, 0, 777)
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
@@ -394,17 +394,22 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=1 (or run_kernels(intra_tuned=True)) asks for the intra kernel's tuned form; it does not
-    combine with persistent CTAs; bad values are ValueErrors naming the variable or argument, before any launch."""
+    """CULA_SM90_INTRA_TUNED=norm|inverse|all (or run_kernels(intra_tuned=...)) asks for the intra kernel's tuned
+    forms as the bit set 1|2|3; they do not combine with persistent CTAs; bad values are ValueErrors naming the
+    variable or argument, before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
-    assert fake.intra[28:31] == (0, 0, False)
-    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "1")
-    kda.kda_prefill(args)
-    assert fake.intra[28:31] == (0, 0, True)
-    kda.run_kernels(args, intra_tuned=False)
-    assert fake.intra[30] is False  # the argument overrides the variable
+    assert fake.intra[28:31] == (0, 0, 0)
+    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("0", 0)):
+        monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
+        kda.kda_prefill(args)
+        assert fake.intra[28:31] == (0, 0, bits), value
+    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "all")
+    kda.run_kernels(args, intra_tuned="0")
+    assert fake.intra[30] == 0  # the argument overrides the variable
+    kda.run_kernels(args, intra_tuned="inverse")
+    assert fake.intra[30] == 2
     fake.intra = ()
     with pytest.raises(ValueError, match="does not combine with persistent CTAs"):
         kda.run_kernels(args, intra_ctas=5)
@@ -412,8 +417,9 @@ def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match="does not combine with persistent CTAs"):
         kda.kda_prefill(args)
     monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT)
-    with pytest.raises(ValueError, match="intra_tuned"):
-        kda.run_kernels(args, intra_tuned=1)
+    for bad in (True, 1, "1", "both"):
+        with pytest.raises(ValueError, match="intra_tuned"):
+            kda.run_kernels(args, intra_tuned=bad)
     monkeypatch.setenv(kda.ENV_INTRA_TUNED, "yes")
     with pytest.raises(ValueError, match="CULA_SM90_INTRA_TUNED='yes'"):
         kda.kda_prefill(args)

@@ -124,25 +124,26 @@ def test_recurrence_3_stages_gives_the_same_bits(case: KdaCase, block_v: int, mo
         assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
 
 
+@pytest.mark.parametrize("form", ["norm", "inverse", "all"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_intra_tuned_matches_oracle(case: KdaCase, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The intra kernel's tuned form (CULA_SM90_INTRA_TUNED=1: the L2 norms' row sums by a transposed reduction):
-    o and the final state within the frozen FLA bounds against fp64, outputs poisoned first; its workspace equal to
-    the verified form's or within bf16 rounding of it (the norms are summed in another order; bits reported in
-    $CULA_ERROR_LOG); the same bits over 5 replays."""
+def test_intra_tuned_matches_oracle(case: KdaCase, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The intra kernel's tuned forms (CULA_SM90_INTRA_TUNED: the L2 norms' row sums by a transposed reduction, the
+    inverse by recursive doubling, or both): o and the final state within the frozen FLA bounds against fp64,
+    outputs poisoned first; the workspace within bf16 rounding of the verified form's (other summation orders; whether
+    its bits are equal goes to $CULA_ERROR_LOG); the same bits over 5 replays."""
     kda = _sm90(monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=0)
     args = validate_kda_prefill(**kwargs)
-    _, _, ws_ref = kda.run_kernels(args, intra_tuned=False)
+    _, _, ws_ref = kda.run_kernels(args, intra_tuned="0")
     poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
-    o, ht, ws = kda.run_kernels(args, intra_tuned=True)
+    o, ht, ws = kda.run_kernels(args, intra_tuned=form)
     torch.cuda.synchronize()
     same = all(torch.equal(ws[key], ref) for key, ref in ws_ref.items())
     for key, ref in ws_ref.items():
         assert rel_l2(ws[key].float().cpu(), ref.float().cpu()) <= 1e-2, key
-    check_against_oracle("sm90-intra-tuned", case, kwargs, o, ht, note=f"workspace_bits_equal {same}")
+    check_against_oracle(f"sm90-intra-tuned-{form}", case, kwargs, o, ht, note=f"workspace_bits_equal {same}")
     for _ in range(5):
-        o2, ht2, _ = kda.run_kernels(args, intra_tuned=True)
+        o2, ht2, _ = kda.run_kernels(args, intra_tuned=form)
         assert torch.equal(o2, o) and (ht is None or torch.equal(ht2, ht))
 
 

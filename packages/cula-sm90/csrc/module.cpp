@@ -49,10 +49,14 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
               int num_heads, int num_value_heads, float scale, float lower_bound, bool l2norm_qk,
               bool gate_in_kernel, bool beta_sigmoid, bool allow_neg_eigval, std::uintptr_t qg, std::uintptr_t kg,
               std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, int persistent_ctas,
-              int persistent_prefetch, bool tuned, std::uintptr_t stream) {
+              int persistent_prefetch, int tuned, std::uintptr_t stream) {
   if (persistent_ctas < 0) {
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
                                 std::to_string(persistent_ctas));
+  }
+  if (tuned < 0 || tuned > 3 || (tuned != 0 && persistent_ctas > 0)) {
+    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be a bit set in [0, 3], and 0 with persistent CTAs; "
+                                "got " + std::to_string(tuned));
   }
   if (persistent_prefetch < 0 || persistent_prefetch > 2) {
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_prefetch must be 0, 1 or 2, got " +

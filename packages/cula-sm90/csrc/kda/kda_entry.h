@@ -16,7 +16,7 @@ struct KdaIntraArgs {
   std::uintptr_t qg, kg, w, u, Aqk, g_last;
   int persistent_ctas;      // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs
   int persistent_prefetch;  // 0, 1 or 2: which later item a persistent CTA prefetches into L2 (0: none)
-  bool tuned;               // the one-CTA-per-item kernel's tuned form (kda_intra.cu: the L2 norms' reduction)
+  int tuned;                // the one-CTA-per-item kernel's tuned forms, a bit set (kda_params.h); 0: verified
 };
 
 struct KdaRecurrenceArgs {

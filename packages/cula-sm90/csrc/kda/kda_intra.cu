@@ -6,8 +6,8 @@
 //   Tinv = (I + Akk)^-1 (fp32, rounded once to bf16), w = Tinv·bf16(β k e^Γ), u = Tinv·bf16(β v),
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
-// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head) (optionally its tuned form: the L2 norms'
-// row sums by a transposed reduction), or (persistent_ctas > 0) that many
+// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head) (opt-in tuned forms: kTunedNorm,
+// kTunedInverse), or (persistent_ctas > 0) that many
 // CTAs walking the (chunk, value head) items, each prefetching its next item's rows into L2 while it computes the
 // current one. 103.25 KiB of dynamic shared memory, so two CTAs fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
@@ -17,6 +17,7 @@
 //   2b   off-diagonal column operands k·b·2^{Γ2[n_I]-Γ2[n_J]} -> smem (over Γ2)
 //   3    mma.sync: 10 lower 16x16 blocks of Aqk and Akk; Aqk staged bf16 -> global; Akk -> fp32 smem
 //   4    inverse: fp32 column substitution on the 4 diagonal blocks, then 3 block-forward-substitution stages
+//        (kTunedInverse: 2 levels of recursive doubling instead)
 //   5    mma.sync: w, u = Tinv · (RHS), staged bf16 -> global
 //
 // Sub-chunk anchoring (KDA_SPEC §3.7): Γ_i - Γ_j = (Γ_i - Γ_n) + (Γ_n - Γ_j) with n the first row of the *query*
@@ -146,7 +147,96 @@ __device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, flo
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
 // have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
-template <bool kPrefetchNext, bool kTuned = false>
+// Phase 4b by recursive doubling (kTunedInverse), after 4a left the diagonal blocks' inverses T_II in sA (fp32, zeros
+// above their diagonals) and sT (bf16); sA's blocks below the diagonal still hold Akk. Every off-diagonal block
+// T_IJ goes to sA (fp32) and sT (bf16), in 4 barrier stages:
+//   level 1 (pairs (1,0) and (3,2)):  X = A_BA T_AA;  T_BA = -T_BB X             (16 x 16, X in sP)
+//   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y      (32 x 32, Y in the free Γ2 region)
+// with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1. The same products as the block forward
+// substitution, grouped so that all 8 warps work in every stage; the upper blocks of sA (stale data) are never read.
+__device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
+  float* sA = reinterpret_cast<float*>(smem + kOffA);
+  float* sX = reinterpret_cast<float*>(smem + kOffP);  // [2][16][16]
+  float* sY = reinterpret_cast<float*>(smem + kOffG);  // [32][32] (Γ2 and its successors are consumed)
+  {  // level 1, X: thread = (pair, row r, 2 columns)
+    const int pr = tid >> 7, r = (tid >> 3) & 15, c = 2 * (tid & 7);
+    const int A = 2 * pr, B = A + 1;
+    const float* arow = sA + (16 * B + r) * kAStride + 16 * A;
+    float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const float av = arow[m];
+      const float2 tv = *reinterpret_cast<const float2*>(sA + (16 * A + m) * kAStride + 16 * A + c);
+      acc.x = fmaf(av, tv.x, acc.x);
+      acc.y = fmaf(av, tv.y, acc.y);
+    }
+    *reinterpret_cast<float2*>(sX + (16 * pr + r) * 16 + c) = acc;
+  }
+  __syncthreads();
+  {  // level 1, T_BA = -T_BB X
+    const int pr = tid >> 7, r = (tid >> 3) & 15, c = 2 * (tid & 7);
+    const int A = 2 * pr, B = A + 1;
+    const float* trow = sA + (16 * B + r) * kAStride + 16 * B;
+    float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const float tt = trow[m];
+      const float2 xv = *reinterpret_cast<const float2*>(sX + (16 * pr + m) * 16 + c);
+      acc.x = fmaf(tt, xv.x, acc.x);
+      acc.y = fmaf(tt, xv.y, acc.y);
+    }
+    const int R = 16 * B + r, Cc = 16 * A + c;
+    *reinterpret_cast<float2*>(sA + R * kAStride + Cc) = make_float2(-acc.x, -acc.y);
+    *reinterpret_cast<uint32_t*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) = pack_bf16x2(-acc.x, -acc.y);
+  }
+  __syncthreads();
+  const int r = tid >> 3, c = 4 * (tid & 7);  // level 2: thread = (row r of 32, 4 columns)
+  {  // Y = A_hl T_lo: T_lo's block (0, 1) is zero, so columns of block 1 take rows m >= 16 only
+    const float* arow = sA + (32 + r) * kAStride;
+    const int m0 = c < 16 ? 0 : 16;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int m = 0; m < 32; ++m) {
+      if (m >= m0) {
+        const float av = arow[m];
+        const float4 tv = *reinterpret_cast<const float4*>(sA + m * kAStride + c);
+        acc.x = fmaf(av, tv.x, acc.x);
+        acc.y = fmaf(av, tv.y, acc.y);
+        acc.z = fmaf(av, tv.z, acc.z);
+        acc.w = fmaf(av, tv.w, acc.w);
+      }
+    }
+    *reinterpret_cast<float4*>(sY + r * 32 + c) = acc;
+  }
+  __syncthreads();
+  {  // T_hl = -T_hi Y: T_hi's block (2, 3) is zero, so rows of block 2 take m < 16 only
+    const float* trow = sA + (32 + r) * kAStride + 32;
+    const int m1 = r < 16 ? 16 : 32;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int m = 0; m < 32; ++m) {
+      if (m < m1) {
+        const float tt = trow[m];
+        const float4 yv = *reinterpret_cast<const float4*>(sY + m * 32 + c);
+        acc.x = fmaf(tt, yv.x, acc.x);
+        acc.y = fmaf(tt, yv.y, acc.y);
+        acc.z = fmaf(tt, yv.z, acc.z);
+        acc.w = fmaf(tt, yv.w, acc.w);
+      }
+    }
+    acc = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+    const int R = 32 + r;
+    *reinterpret_cast<float4*>(sA + R * kAStride + c) = acc;
+    *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, c >> 3) + (c & 7) * 2) =
+        make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
+  }
+  __syncthreads();
+}
+
+// kTuned: a bit set of the tuned forms (kTunedNorm, kTunedInverse), 0 for the verified kernel.
+constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
+constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
+template <bool kPrefetchNext, int kTuned = 0>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
                                            const int item) {
   const int tid = threadIdx.x;
@@ -334,7 +424,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
     // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
     [[maybe_unused]] float rq8[8], rk8[8];
-    if constexpr (kTuned) {
+    if constexpr ((kTuned & kTunedNorm) != 0) {
       if (p.l2norm_qk) {
         float sq8[8], sk8[8];
 #pragma unroll
@@ -368,7 +458,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const float v[4] = {bf16_lo(vraw.x), bf16_hi(vraw.x), bf16_lo(vraw.y), bf16_hi(vraw.y)};
       if (p.l2norm_qk) {
         float rq, rk;
-        if constexpr (kTuned) {
+        if constexpr ((kTuned & kTunedNorm) != 0) {
           rq = rq8[pp];
           rk = rk8[pp];
         } else {
@@ -582,6 +672,9 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     }
   }
   __syncthreads();  // (H)
+  if constexpr ((kTuned & kTunedInverse) != 0) {
+    inverse_by_doubling(smem, tid);
+  } else {
   // 4b: block forward substitution, row block I = 1..3:
   //   P_IJ = Σ_{M=J}^{I-1} A_IM Tinv_MJ;  Tinv_IJ = -Tinv_II P_IJ   (J < I; thread = (J, row r, 4 columns))
   {
@@ -631,6 +724,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
       __syncthreads();
     }
+  }
   }
 
   // ------------------------------------------------------------------------------------------------------
@@ -695,13 +789,21 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
 }
 
-// One CTA per (chunk, value head). kTuned: the L2 norms' row sums by one transposed reduction per tensor and warp
-// (row_rsqrt8: 17 shuffles and 1 rsqrt per tensor instead of 40 and 8); the summation order differs, so the bits
-// may. Opt-in (CULA_SM90_INTRA_TUNED=1) until the H200 has checked and timed it.
-template <bool kTuned>
+// One CTA per (chunk, value head). kTuned: the tuned forms of kTunedNorm and kTunedInverse it enables (their
+// summation orders differ, so the bits may). Opt-in (CULA_SM90_INTRA_TUNED) until the H200 has checked and timed them.
+template <int kTuned>
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   intra_item<false, kTuned>(p, smem, blockIdx.x, blockIdx.y, 0);
+}
+
+template <int kTuned>
+cudaError_t launch_one_cta_per_item(const KdaIntraParams& params, cudaStream_t stream) {
+  const cudaError_t err = allow_dynamic_smem<kda_intra_kernel<kTuned>>(static_cast<int>(kSmemBytes));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
+  kda_intra_kernel<kTuned><<<grid, kThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
 }
 
 // Persistent: gridDim.x CTAs walk the items (chunk, value head) with stride gridDim.x, value head fastest, each
@@ -719,7 +821,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const
 
 }  // namespace
 
-cudaError_t launch_kda_intra(const KdaIntraParams& params, bool tuned, cudaStream_t stream) {
+cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
   if (params.num_heads <= 0 || params.num_value_heads % params.num_heads != 0) return cudaErrorInvalidValue;
   if (params.persistent_ctas < 0 || params.persistent_prefetch < 0 || params.persistent_prefetch > 2) {
@@ -735,13 +837,13 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, bool tuned, cudaStrea
         params);
     return cudaGetLastError();
   }
-  const auto kernel = tuned ? kda_intra_kernel<true> : kda_intra_kernel<false>;
-  const cudaError_t err = tuned ? allow_dynamic_smem<kda_intra_kernel<true>>(static_cast<int>(kSmemBytes))
-                                : allow_dynamic_smem<kda_intra_kernel<false>>(static_cast<int>(kSmemBytes));
-  if (err != cudaSuccess) return err;
-  const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  switch (tuned) {
+    case 0: return launch_one_cta_per_item<0>(params, stream);
+    case kTunedNorm: return launch_one_cta_per_item<kTunedNorm>(params, stream);
+    case kTunedInverse: return launch_one_cta_per_item<kTunedInverse>(params, stream);
+    case kTunedNorm | kTunedInverse: return launch_one_cta_per_item<kTunedNorm | kTunedInverse>(params, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace cula::sm90

@@ -85,9 +85,10 @@ struct KdaRecurrenceParams {
 };
 
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).
-// tuned: the one-CTA-per-item kernel's tuned form (kda_intra.cu: kda_intra_kernel<true>, the L2 norms by a transposed
-// reduction); the persistent kernel (persistent_ctas > 0) has one form only.
-cudaError_t launch_kda_intra(const KdaIntraParams& params, bool tuned, cudaStream_t stream);
+// tuned: the one-CTA-per-item kernel's tuned forms as a bit set (kda_intra.cu: 1 = the L2 norms by a transposed
+// reduction, 2 = the inverse by recursive doubling; 0 the verified kernel); the persistent kernel (persistent_ctas > 0)
+// has one form only.
+cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, cudaStream_t stream);
 
 }  // namespace cula::sm90

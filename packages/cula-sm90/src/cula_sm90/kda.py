@@ -49,10 +49,12 @@ ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 # mma.sync). "0" keeps mma.sync everywhere. On the H200 (2026-11-30) wgmma was 1.03-1.16x faster on 29 of the 30
 # benchmark configs and equal on the 30th.
 ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
-# "1" runs the intra kernel's tuned form: the L2 norms' row sums by one transposed reduction per tensor and warp (17
-# shuffles instead of 40; the summation order differs, so the bits may). One CTA per item only (not with
-# CULA_SM90_INTRA_PERSISTENT). Off until the H200 has checked and timed it.
+# The intra kernel's tuned forms: "norm" the L2 norms' row sums by one transposed reduction per tensor and warp (34
+# shuffles instead of 80), "inverse" the off-diagonal inverse by recursive doubling (4 barrier stages instead of 6,
+# all warps busy), "all" both; "0" (the default) the verified kernel. Summation orders differ, so the bits may. One
+# CTA per item only (not with CULA_SM90_INTRA_PERSISTENT). Off until the H200 has checked and timed them.
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
+_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3}  # -> the kernel's bit set (csrc/kda/kda_params.h)
 # "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
 # flight while one computes (same bits; the mma.sync kernels keep two). Off until the H200 has timed it.
 ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
@@ -183,12 +185,12 @@ def _recurrence_wgmma() -> bool:
     return value == "1"
 
 
-def _intra_tuned() -> bool:
-    """``CULA_SM90_INTRA_TUNED``: "1" the intra kernel's tuned form, "0" (the default) the verified one."""
+def _intra_tuned() -> int:
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0" (the default), "norm", "inverse" or "all"."""
     value = os.environ.get(ENV_INTRA_TUNED, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_INTRA_TUNED}={value!r}: expected '0' or '1'")
-    return value == "1"
+    if value not in _TUNED_FORMS:
+        raise ValueError(f"{ENV_INTRA_TUNED}={value!r}: expected one of {sorted(_TUNED_FORMS)}")
+    return _TUNED_FORMS[value]
 
 
 def _recurrence_stages() -> int:
@@ -223,7 +225,7 @@ def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intra_prefetch: int = 1,
                 recurrence_wgmma: bool | None = None, recurrence_stages: int | None = None,
-                intra_tuned: bool | None = None,
+                intra_tuned: str | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
@@ -236,7 +238,8 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
     stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
-    ``intra_tuned``: the intra kernel's tuned form (one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
+    ``intra_tuned``: the intra kernel's tuned forms, "0", "norm", "inverse" or "all" (one CTA per item only); None:
+    ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
@@ -247,15 +250,15 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
         raise ValueError(f"recurrence_wgmma must be None or a bool, got {recurrence_wgmma!r}")
     if recurrence_stages is not None and (recurrence_stages not in (2, 3) or isinstance(recurrence_stages, bool)):
         raise ValueError(f"recurrence_stages must be None, 2 or 3, got {recurrence_stages!r}")
-    if intra_tuned is not None and not isinstance(intra_tuned, bool):
-        raise ValueError(f"intra_tuned must be None or a bool, got {intra_tuned!r}")
+    if intra_tuned is not None and intra_tuned not in _TUNED_FORMS:
+        raise ValueError(f"intra_tuned must be None or one of {sorted(_TUNED_FORMS)}, got {intra_tuned!r}")
     persistent = None if intra_ctas is None else (intra_ctas, intra_prefetch)
     return _run(args, block_v, keep_workspace=True, persistent=persistent, wgmma=recurrence_wgmma,
-                stages=recurrence_stages, tuned=intra_tuned)
+                stages=recurrence_stages, tuned=None if intra_tuned is None else _TUNED_FORMS[intra_tuned])
 
 
 def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, int] | None = None,
-         wgmma: bool | None = None, stages: int | None = None, tuned: bool | None = None,
+         wgmma: bool | None = None, stages: int | None = None, tuned: int | None = None,
          ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Allocate, then launch both kernels on the current stream; the workspace views only if ``keep_workspace``."""
     ext = load_extension()
