@@ -289,6 +289,26 @@ def _varlen_228_args(fake) -> object:
     return validate_kda_prefill(**kwargs)
 
 
+def test_sm90_shim_copies_a_tensor_that_starts_off_16_bytes(fake_sm90) -> None:
+    """A contiguous q whose data starts 2 bytes into its storage (a valid input) reaches the kernel as a 16-byte
+    aligned copy with the same values; aligned tensors are passed as they are."""
+    kda, fake = fake_sm90
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
+    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
+    q = kwargs["q"]
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 2
+    kwargs["q"] = shifted
+    args = validate_kda_prefill(**kwargs)
+    kda.kda_prefill(args)
+    assert fake.intra[0] % 16 == 0 and fake.intra[0] != shifted.data_ptr()
+    assert fake.intra[1] == args.k.data_ptr()  # aligned: the tensor itself
+    fake.reads = {0: (ctypes.c_uint16, q.numel())}
+    kda.kda_prefill(args)
+    assert fake.read[0] == [x & 0xFFFF for x in q.view(torch.int16).flatten().tolist()]  # the same bf16 values
+
+
 def test_sm90_longest_first_can_be_turned_off(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
     """CULA_SM90_LONGEST_FIRST=0 launches the sequences in batch order (a timing knob; the bits are the same)."""
     kda, fake = fake_sm90

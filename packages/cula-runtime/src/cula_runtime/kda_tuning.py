@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
+
+from .env import env_value
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ def recurrence_block_v(num_pairs: int, num_sms: int, narrowest: int = BLOCK_V_CH
     Raises:
         ValueError: ``CULA_BLOCK_V`` is set to something other than 32, 64 or 128.
     """
-    forced = os.environ.get(ENV_BLOCK_V)
+    forced = env_value(ENV_BLOCK_V, "")
     if forced:
         if forced not in {str(bv) for bv in BLOCK_V_CHOICES}:
             raise ValueError(f"{ENV_BLOCK_V}={forced!r}: expected one of {BLOCK_V_CHOICES}")

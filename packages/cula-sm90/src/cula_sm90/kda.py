@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Any, NamedTuple
 
 import torch
 
+from cula_runtime.env import env_value
 from cula_runtime.index import (
     cached_on_version,
     prepare_chunk_indices,
@@ -81,10 +81,10 @@ def verify_kda_prefill(args: Any) -> tuple[bool, str]:
 
 
 def _aligned(x: torch.Tensor | None) -> torch.Tensor | None:
-    """16-byte aligned dense tensor (the kernels use 16-byte vector loads)."""
+    """``x`` (a ``KdaPrefillArgs`` tensor, contiguous by the validator's contract) 16-byte aligned, as the kernels'
+    vector loads need: itself, or a dense copy when its data starts off a 16-byte boundary."""
     if x is None:
         return None
-    x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
@@ -122,7 +122,7 @@ def _sequence_order(args: Any) -> torch.Tensor | None:
     """Varlen: the sequences longest first, the recurrence's launch order (its longest chains start in the first
     wave; every order gives the same bits); cached per ``cu_seqlens`` version. None for a fixed-length batch (all
     sequences are equally long) or with ``CULA_SM90_LONGEST_FIRST=0``."""
-    if args.cu_seqlens is None or os.environ.get(ENV_LONGEST_FIRST, "1") == "0":
+    if args.cu_seqlens is None or env_value(ENV_LONGEST_FIRST, "1") == "0":
         return None
     return prepare_sequence_order(args.cu_seqlens)
 
@@ -169,7 +169,7 @@ def _intra_persistent(device: torch.device) -> tuple[int, int]:
     default) one CTA per item; "1" 2 persistent CTAs per SM (the kernel's occupancy), each prefetching its next
     item; "2" two items ahead; "noprefetch" persistent without prefetch. With as many items as CTAs or fewer the
     kernel runs one CTA per item."""
-    value = os.environ.get(ENV_INTRA_PERSISTENT, "0")
+    value = env_value(ENV_INTRA_PERSISTENT, "0")
     mode = _PERSISTENT_MODES.get(value)
     if mode is None:
         raise ValueError(f"{ENV_INTRA_PERSISTENT}={value!r}: expected one of {sorted(_PERSISTENT_MODES)}")
@@ -179,7 +179,7 @@ def _intra_persistent(device: torch.device) -> tuple[int, int]:
 
 def _recurrence_wgmma() -> bool:
     """``CULA_SM90_RECURRENCE_WGMMA``: "1" (the default) the recurrence on warpgroup MMAs, "0" on mma.sync."""
-    value = os.environ.get(ENV_RECURRENCE_WGMMA, "1")
+    value = env_value(ENV_RECURRENCE_WGMMA, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{ENV_RECURRENCE_WGMMA}={value!r}: expected '0' or '1'")
     return value == "1"
@@ -187,7 +187,7 @@ def _recurrence_wgmma() -> bool:
 
 def _intra_tuned() -> int:
     """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0" (the default), "norm", "inverse" or "all"."""
-    value = os.environ.get(ENV_INTRA_TUNED, "0")
+    value = env_value(ENV_INTRA_TUNED, "0")
     if value not in _TUNED_FORMS:
         raise ValueError(f"{ENV_INTRA_TUNED}={value!r}: expected one of {sorted(_TUNED_FORMS)}")
     return _TUNED_FORMS[value]
@@ -195,7 +195,7 @@ def _intra_tuned() -> int:
 
 def _recurrence_stages() -> int:
     """``CULA_SM90_RECURRENCE_STAGES``: "2" (the default) or "3" pipeline stages for the warpgroup-MMA recurrence."""
-    value = os.environ.get(ENV_RECURRENCE_STAGES, "2")
+    value = env_value(ENV_RECURRENCE_STAGES, "2")
     if value not in ("2", "3"):
         raise ValueError(f"{ENV_RECURRENCE_STAGES}={value!r}: expected '2' or '3'")
     return int(value)

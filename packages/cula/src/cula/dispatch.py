@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from functools import cache
 
 import torch
 
+from cula_runtime.env import env_value
 from cula_runtime.kda_args import KdaPrefillArgs
 from cula_runtime.kda_tuning import device_capability
 
@@ -125,7 +125,7 @@ def _accepted_summary(arch: str, name: str, chain: tuple[str, ...]) -> str:  # f
 
 def forced_backend() -> str | None:
     """The backend named by ``CULA_BACKEND``, or ``None``; ``ValueError`` for an unknown name."""
-    name = os.environ.get(ENV_FORCE, "").strip()
+    name = env_value(ENV_FORCE, "").strip()
     if not name:
         return None
     if name not in BACKEND_NAMES:

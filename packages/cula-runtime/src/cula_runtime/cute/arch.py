@@ -14,8 +14,9 @@ Nothing here imports CuTeDSL; torch is imported only where a GPU is queried.
 from __future__ import annotations
 
 import functools
-import os
 import re
+
+from ..env import env_value
 
 __all__ = [
     "CULA_ARCH_ENV",
@@ -101,7 +102,7 @@ def _device_target(index: int) -> str:
 
 def compile_target() -> str:
     """What CuTeDSL compiles for: ``CUTE_DSL_ARCH`` when set, else the current GPU's target."""
-    env = os.environ.get(CUTE_DSL_ARCH_ENV, "").strip()
+    env = env_value(CUTE_DSL_ARCH_ENV, "").strip()
     return normalize_target(env) if env else device_target()
 
 
@@ -113,7 +114,7 @@ def launch_target(device: int | None = None) -> str:
             this device; unset it to run kernels).
     """
     target = device_target(device)
-    env = os.environ.get(CUTE_DSL_ARCH_ENV, "").strip()
+    env = env_value(CUTE_DSL_ARCH_ENV, "").strip()
     if env and normalize_target(env) != target:
         raise RuntimeError(
             f"{CUTE_DSL_ARCH_ENV}={env} but the GPU is {target}: kernels compiled for {env} cannot run here; "
@@ -124,5 +125,5 @@ def launch_target(device: int | None = None) -> str:
 
 def dispatch_target(device: int | None = None) -> str:
     """Which kernel variant dispatch picks: ``CULA_ARCH`` when set, else the device's target."""
-    env = os.environ.get(CULA_ARCH_ENV, "").strip()
+    env = env_value(CULA_ARCH_ENV, "").strip()
     return normalize_target(env) if env else device_target(device)

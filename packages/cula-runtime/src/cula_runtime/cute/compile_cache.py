@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import tempfile
 import threading
 import time
 from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol
 
+from ..env import env_value
 from .arch import CUTE_DSL_ARCH_ENV, compile_target, launch_target, normalize_target
 
 __all__ = [
@@ -322,7 +322,7 @@ def launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, t
             raise TypeError(f"{kernel_cls.__name__}: tensor argument {i} is required by {config}, got None")
         args[i] = spec.launch_arg(tensor, output=i in outputs)
     index = device.index
-    key = (kernel_cls, config, index, os.environ.get(CUTE_DSL_ARCH_ENV))
+    key = (kernel_cls, config, index, env_value(CUTE_DSL_ARCH_ENV, "") or None)
     compiled = _launchable.get(key)
     if compiled is None:
         compiled = compile_kernel(kernel_cls, config, target=launch_target(index))

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import os
 
+from ...env import env_value
 from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import check_token_tensors, chunk_rows
@@ -1002,7 +1003,7 @@ def variant_flags(variant: str | None) -> tuple[bool, bool, bool, bool, int, int
     """``(lean_smem, unrolled_inverse, fuse_l2norm, fuse_gate, prefetch, threads)`` of a named variant; None:
     ``CULA_CUTE_INTRA``, else :data:`DEFAULT_VARIANT`. Every variant ran on the H200 with the same bits as ``wide``
     (or as the lean-unrolled pipeline). Asked on every cutedsl call: a lookup, no work."""
-    name = variant if variant is not None else os.environ.get(ENV_VARIANT, DEFAULT_VARIANT)
+    name = variant if variant is not None else env_value(ENV_VARIANT, DEFAULT_VARIANT)
     flags = VARIANTS.get(name)
     if flags is None:
         where = "variant" if variant is not None else ENV_VARIANT

@@ -1,0 +1,39 @@
+"""cula_runtime.env.env_value: what os.environ.get gives, through CPython's encoded mapping when it has one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cula_runtime import env
+
+NAME = "CULA_TEST_ENV_VALUE_KNOB"
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["encoded-mapping", "fallback"])
+def test_env_value_follows_os_environ(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if fast and env._DATA is None:
+        pytest.skip("this interpreter has no os.environ._data mapping")
+    if not fast:
+        monkeypatch.setattr(env, "_DATA", None)
+    monkeypatch.delenv(NAME, raising=False)
+    assert env.env_value(NAME, "dflt") == "dflt"
+    for value in ("1", "", " sm_90a ", "naïve"):  # set, changed, empty, non-ASCII
+        monkeypatch.setenv(NAME, value)
+        assert env.env_value(NAME, "dflt") == value == os.environ[NAME]
+    monkeypatch.delenv(NAME)
+    assert env.env_value(NAME, "dflt") == "dflt"
+
+
+def test_every_call_path_knob_reads_through_env_value() -> None:
+    """The knobs read on each call go through env_value (os.environ.get costs ~1-2 us per read on the H200 host)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "packages"
+    for rel in ("cula/src/cula/dispatch.py", "cula-runtime/src/cula_runtime/kda_tuning.py",
+                "cula-runtime/src/cula_runtime/cute/arch.py", "cula-runtime/src/cula_runtime/cute/compile_cache.py",
+                "cula-runtime/src/cula_runtime/cute/kda/intra.py", "cula-sm90/src/cula_sm90/kda.py"):
+        text = (root / rel).read_text(encoding="utf-8")
+        assert "os.environ.get(" not in text and "os.getenv(" not in text, rel
+        assert "env_value(" in text, rel
