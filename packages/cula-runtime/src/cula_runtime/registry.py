@@ -82,7 +82,8 @@ KERNELS: tuple[KernelEntry, ...] = (
         summary="native SM90 KDA prefill: chunk-parallel intra kernel + fp32-register state recurrence on warpgroup "
                 "MMAs (K = V = 128, bf16, safe gate); the opt-in persistent intra kernel "
                 "(CULA_SM90_INTRA_PERSISTENT) and the mma.sync recurrence (CULA_SM90_RECURRENCE_WGMMA=0) also ran "
-                "on the H200 (bit-identical / within the fp64 bounds)",
+                "on the H200 (bit-identical / within the fp64 bounds); the opt-in CULA_SM90_RECURRENCE_STAGES=3 and "
+                "CULA_SM90_INTRA_TUNED kernels are compiled for sm_90a and have not run on a GPU",
     ),
     KernelEntry(
         name="kda_prepare_cute", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
