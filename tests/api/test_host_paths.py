@@ -320,6 +320,20 @@ def test_sm90_longest_first_can_be_turned_off(fake_sm90, monkeypatch: pytest.Mon
     assert fake.recurrence[8] == 0 and fake.order is None
 
 
+def _refuses_bad_knob(kda, fake, args, monkeypatch: pytest.MonkeyPatch, *, argument: str, bad: tuple,
+                      variable: str, bad_value: str, **given) -> None:
+    """``run_kernels(**given, argument=b)`` for each b in ``bad``, and ``kda_prefill`` with ``variable=bad_value``,
+    are ValueErrors naming the argument / the variable and its value, raised before any launch."""
+    fake.intra = ()
+    for value in bad:
+        with pytest.raises(ValueError, match=argument):
+            kda.run_kernels(args, **given, **{argument: value})
+    monkeypatch.setenv(variable, bad_value)
+    with pytest.raises(ValueError, match=f"{variable}={bad_value!r}"):
+        kda.kda_prefill(args)
+    assert fake.intra == ()  # refused before any launch
+
+
 def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
     """CULA_SM90_INTRA_PERSISTENT picks the intra kernel's (persistent CTAs, L2 prefetch distance): "0" (the default)
     one CTA per item, "1" 2 CTAs per SM prefetching one item ahead, "2" two ahead, "noprefetch" none; another value
@@ -340,14 +354,8 @@ def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     for bad in (-1, 1.5, True, 2**31):
         with pytest.raises(ValueError, match="intra_ctas"):
             kda.run_kernels(args, intra_ctas=bad)
-    for bad in (3, -1, True):
-        with pytest.raises(ValueError, match="intra_prefetch"):
-            kda.run_kernels(args, intra_ctas=5, intra_prefetch=bad)
-    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "yes")
-    fake.intra = ()
-    with pytest.raises(ValueError, match="CULA_SM90_INTRA_PERSISTENT='yes'"):
-        kda.kda_prefill(args)
-    assert fake.intra == ()  # refused before any launch
+    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="intra_prefetch", bad=(3, -1, True), intra_ctas=5,
+                      variable=kda.ENV_INTRA_PERSISTENT, bad_value="yes")
 
 
 def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -372,13 +380,8 @@ def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) 
     assert fake.recurrence[17:19] == (32, False)  # mma.sync: the heuristic's narrowest block for 6 pairs
     kda.run_kernels(args, block_v=128, recurrence_wgmma=True)
     assert fake.recurrence[17:19] == (128, True)
-    with pytest.raises(ValueError, match="recurrence_wgmma"):
-        kda.run_kernels(args, recurrence_wgmma=1)
-    monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "on")
-    fake.intra = ()
-    with pytest.raises(ValueError, match="CULA_SM90_RECURRENCE_WGMMA='on'"):
-        kda.kda_prefill(args)
-    assert fake.intra == ()
+    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="recurrence_wgmma", bad=(1,),
+                      variable=kda.ENV_RECURRENCE_WGMMA, bad_value="on")
 
 
 def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -403,14 +406,8 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES)
     kda.run_kernels(args, block_v=128, recurrence_stages=3)
     assert fake.recurrence[17:20] == (128, True, 3)
-    for bad in (1, 4, True, "3"):
-        with pytest.raises(ValueError, match="recurrence_stages"):
-            kda.run_kernels(args, recurrence_stages=bad)
-    monkeypatch.setenv(kda.ENV_RECURRENCE_STAGES, "three")
-    fake.intra = ()
-    with pytest.raises(ValueError, match="CULA_SM90_RECURRENCE_STAGES='three'"):
-        kda.kda_prefill(args)
-    assert fake.intra == ()  # refused before any launch
+    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="recurrence_stages", bad=(1, 4, True, "3"),
+                      variable=kda.ENV_RECURRENCE_STAGES, bad_value="three")
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -436,14 +433,10 @@ def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "1")
     with pytest.raises(ValueError, match="does not combine with persistent CTAs"):
         kda.kda_prefill(args)
+    assert fake.intra == ()  # refused before any launch
     monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT)
-    for bad in (True, 1, "1", "both"):
-        with pytest.raises(ValueError, match="intra_tuned"):
-            kda.run_kernels(args, intra_tuned=bad)
-    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "yes")
-    with pytest.raises(ValueError, match="CULA_SM90_INTRA_TUNED='yes'"):
-        kda.kda_prefill(args)
-    assert fake.intra == ()  # every refusal came before any launch
+    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="intra_tuned", bad=(True, 1, "1", "both"),
+                      variable=kda.ENV_INTRA_TUNED, bad_value="yes")
 
 
 def test_empty_call_launches_nothing(fake_sm90) -> None:

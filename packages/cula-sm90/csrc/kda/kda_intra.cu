@@ -154,81 +154,64 @@ __device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, flo
 //   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y      (32 x 32, Y in the free Γ2 region)
 // with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1. The same products as the block forward
 // substitution, grouped so that all 8 warps work in every stage; the upper blocks of sA (stale data) are never read.
+// sum over m in [m_begin, m_end) of row[m] * tile[m * stride + 0 .. kN-1] (kN = 2 or 4 consecutive fp32 columns; the
+// bounds are per thread, the loop unrolled over kM rows).
+template <int kN, int kM>
+__device__ __forceinline__ void row_times_tile(const float* row, const float* tile, int stride, int m_begin,
+                                               int m_end, float (&acc)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+    if (m >= m_begin && m < m_end) {
+      const float rv = row[m];
+      float t[kN];
+      if constexpr (kN == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(tile + m * stride);
+        t[0] = v.x, t[1] = v.y, t[2] = v.z, t[3] = v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(tile + m * stride);
+        t[0] = v.x, t[1] = v.y;
+      }
+#pragma unroll
+      for (int i = 0; i < kN; ++i) acc[i] = fmaf(rv, t[i], acc[i]);
+    }
+  }
+}
+
 __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sX = reinterpret_cast<float*>(smem + kOffP);  // [2][16][16]
   float* sY = reinterpret_cast<float*>(smem + kOffG);  // [32][32] (Γ2 and its successors are consumed)
-  {  // level 1, X: thread = (pair, row r, 2 columns)
+  {  // level 1: thread = (pair, row r, 2 columns)
     const int pr = tid >> 7, r = (tid >> 3) & 15, c = 2 * (tid & 7);
     const int A = 2 * pr, B = A + 1;
-    const float* arow = sA + (16 * B + r) * kAStride + 16 * A;
-    float2 acc = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int m = 0; m < 16; ++m) {
-      const float av = arow[m];
-      const float2 tv = *reinterpret_cast<const float2*>(sA + (16 * A + m) * kAStride + 16 * A + c);
-      acc.x = fmaf(av, tv.x, acc.x);
-      acc.y = fmaf(av, tv.y, acc.y);
-    }
-    *reinterpret_cast<float2*>(sX + (16 * pr + r) * 16 + c) = acc;
-  }
-  __syncthreads();
-  {  // level 1, T_BA = -T_BB X
-    const int pr = tid >> 7, r = (tid >> 3) & 15, c = 2 * (tid & 7);
-    const int A = 2 * pr, B = A + 1;
-    const float* trow = sA + (16 * B + r) * kAStride + 16 * B;
-    float2 acc = make_float2(0.f, 0.f);
-#pragma unroll
-    for (int m = 0; m < 16; ++m) {
-      const float tt = trow[m];
-      const float2 xv = *reinterpret_cast<const float2*>(sX + (16 * pr + m) * 16 + c);
-      acc.x = fmaf(tt, xv.x, acc.x);
-      acc.y = fmaf(tt, xv.y, acc.y);
-    }
+    float x[2];  // X = A_BA T_AA
+    row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * A, sA + 16 * A * kAStride + 16 * A + c, kAStride, 0, 16, x);
+    *reinterpret_cast<float2*>(sX + (16 * pr + r) * 16 + c) = make_float2(x[0], x[1]);
+    __syncthreads();
+    float t[2];  // T_BA = -T_BB X
+    row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * B, sX + 16 * pr * 16 + c, 16, 0, 16, t);
     const int R = 16 * B + r, Cc = 16 * A + c;
-    *reinterpret_cast<float2*>(sA + R * kAStride + Cc) = make_float2(-acc.x, -acc.y);
-    *reinterpret_cast<uint32_t*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) = pack_bf16x2(-acc.x, -acc.y);
+    *reinterpret_cast<float2*>(sA + R * kAStride + Cc) = make_float2(-t[0], -t[1]);
+    *reinterpret_cast<uint32_t*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) = pack_bf16x2(-t[0], -t[1]);
   }
   __syncthreads();
-  const int r = tid >> 3, c = 4 * (tid & 7);  // level 2: thread = (row r of 32, 4 columns)
-  {  // Y = A_hl T_lo: T_lo's block (0, 1) is zero, so columns of block 1 take rows m >= 16 only
-    const float* arow = sA + (32 + r) * kAStride;
-    const int m0 = c < 16 ? 0 : 16;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int m = 0; m < 32; ++m) {
-      if (m >= m0) {
-        const float av = arow[m];
-        const float4 tv = *reinterpret_cast<const float4*>(sA + m * kAStride + c);
-        acc.x = fmaf(av, tv.x, acc.x);
-        acc.y = fmaf(av, tv.y, acc.y);
-        acc.z = fmaf(av, tv.z, acc.z);
-        acc.w = fmaf(av, tv.w, acc.w);
-      }
-    }
-    *reinterpret_cast<float4*>(sY + r * 32 + c) = acc;
-  }
-  __syncthreads();
-  {  // T_hl = -T_hi Y: T_hi's block (2, 3) is zero, so rows of block 2 take m < 16 only
-    const float* trow = sA + (32 + r) * kAStride + 32;
-    const int m1 = r < 16 ? 16 : 32;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int m = 0; m < 32; ++m) {
-      if (m < m1) {
-        const float tt = trow[m];
-        const float4 yv = *reinterpret_cast<const float4*>(sY + m * 32 + c);
-        acc.x = fmaf(tt, yv.x, acc.x);
-        acc.y = fmaf(tt, yv.y, acc.y);
-        acc.z = fmaf(tt, yv.z, acc.z);
-        acc.w = fmaf(tt, yv.w, acc.w);
-      }
-    }
-    acc = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+  {  // level 2: thread = (row r of 32, 4 columns)
+    const int r = tid >> 3, c = 4 * (tid & 7);
+    // Y = A_hl T_lo: T_lo's block (0, 1) is zero, so columns of block 1 take rows m >= 16 only
+    float y[4];
+    row_times_tile<4, 32>(sA + (32 + r) * kAStride, sA + c, kAStride, c < 16 ? 0 : 16, 32, y);
+    *reinterpret_cast<float4*>(sY + r * 32 + c) = make_float4(y[0], y[1], y[2], y[3]);
+    __syncthreads();
+    // T_hl = -T_hi Y: T_hi's block (2, 3) is zero, so rows of block 2 take m < 16 only
+    float t[4];
+    row_times_tile<4, 32>(sA + (32 + r) * kAStride + 32, sY + c, 32, 0, r < 16 ? 16 : 32, t);
+    const float4 neg = make_float4(-t[0], -t[1], -t[2], -t[3]);
     const int R = 32 + r;
-    *reinterpret_cast<float4*>(sA + R * kAStride + c) = acc;
+    *reinterpret_cast<float4*>(sA + R * kAStride + c) = neg;
     *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, c >> 3) + (c & 7) * 2) =
-        make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
+        make_uint2(pack_bf16x2(neg.x, neg.y), pack_bf16x2(neg.z, neg.w));
   }
   __syncthreads();
 }
