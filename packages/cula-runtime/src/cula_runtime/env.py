@@ -13,18 +13,18 @@ import os
 
 __all__ = ["env_value"]
 
-_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
-if not isinstance(_DATA, dict):
-    _DATA = None
+_POSIX = os.name == "posix"
 _KEYS: dict[str, bytes] = {}
 
 
 def env_value(name: str, default: str) -> str:
-    """``os.environ.get(name, default)``, without encoding ``name`` on every call."""
-    if _DATA is None:
+    """``os.environ.get(name, default)``, without encoding ``name`` on every call. ``os.environ`` is looked up on
+    each call, so code that replaces it (a test counting reads) is still served through its ``get``."""
+    data = getattr(os.environ, "_data", None) if _POSIX else None
+    if type(data) is not dict:
         return os.environ.get(name, default)
     key = _KEYS.get(name)
     if key is None:
         key = _KEYS[name] = os.fsencode(name)
-    raw = _DATA.get(key)
+    raw = data.get(key)
     return default if raw is None else os.fsdecode(raw)
