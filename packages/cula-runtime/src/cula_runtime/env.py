@@ -3,8 +3,9 @@
 ``os.environ.get`` encodes its key on every call: about 0.8 us here and 1.5-2 us on the H200's host, and a
 ``kda_prefill`` call reads five or more knobs before its first launch, while the GPU waits. CPython keeps the encoded
 mapping behind ``os.environ`` in its ``_data`` dict, which every change made through ``os.environ`` (``setenv`` in
-tests included) updates; a lookup there with a key encoded once costs about 40 ns. Where that mapping is missing (not
-CPython on POSIX) this falls back to ``os.environ.get``. Like ``os.environ`` itself, it does not see ``os.putenv``.
+tests included) updates; a lookup there with a key encoded once costs about 0.15 us, call included. Where that
+mapping is missing (not CPython on POSIX, or ``os.environ`` replaced by another mapping) this falls back to
+``os.environ.get``. Like ``os.environ`` itself, it does not see ``os.putenv``.
 """
 
 from __future__ import annotations
