@@ -26,6 +26,17 @@ def test_env_value_follows_os_environ(fast: bool, monkeypatch: pytest.MonkeyPatc
     assert env.env_value(NAME, "dflt") == "dflt"
 
 
+def test_env_choice_maps_the_value_or_names_what_it_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    choices = {"0": False, "1": True}
+    monkeypatch.delenv(NAME, raising=False)
+    assert env.env_choice(NAME, "1", choices) is True  # the default
+    monkeypatch.setenv(NAME, "0")
+    assert env.env_choice(NAME, "1", choices) is False
+    monkeypatch.setenv(NAME, "on")
+    with pytest.raises(ValueError, match=r"CULA_TEST_ENV_VALUE_KNOB='on': expected one of \['0', '1'\]"):
+        env.env_choice(NAME, "1", choices)
+
+
 def test_a_replaced_os_environ_is_read_through_its_get(monkeypatch: pytest.MonkeyPatch) -> None:
     """Code that swaps os.environ for a mapping of its own (tests counting reads) is served through that mapping."""
     reads: list[str] = []

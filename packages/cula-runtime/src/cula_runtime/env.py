@@ -11,8 +11,12 @@ mapping is missing (not CPython on POSIX, or ``os.environ`` replaced by another 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import TypeVar
 
-__all__ = ["env_value"]
+__all__ = ["env_choice", "env_value"]
+
+T = TypeVar("T")
 
 _POSIX = os.name == "posix"
 _KEYS: dict[str, bytes] = {}
@@ -29,3 +33,15 @@ def env_value(name: str, default: str) -> str:
         key = _KEYS[name] = os.fsencode(name)
     raw = data.get(key)
     return default if raw is None else os.fsdecode(raw)
+
+
+def env_choice(name: str, default: str, choices: Mapping[str, T]) -> T:
+    """What ``choices`` maps the variable ``name`` (``default`` when unset) to.
+
+    Raises:
+        ValueError: naming the variable, its value and the accepted ones, when the value is not a key of ``choices``.
+    """
+    value = env_value(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {sorted(choices)}")
+    return choices[value]

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cula_runtime.env import env_value
+from cula_runtime.env import env_choice, env_value
 from cula_runtime.index import (
     cached_on_version,
     prepare_chunk_indices,
@@ -169,36 +169,23 @@ def _intra_persistent(device: torch.device) -> tuple[int, int]:
     default) one CTA per item; "1" 2 persistent CTAs per SM (the kernel's occupancy), each prefetching its next
     item; "2" two items ahead; "noprefetch" persistent without prefetch. With as many items as CTAs or fewer the
     kernel runs one CTA per item."""
-    value = env_value(ENV_INTRA_PERSISTENT, "0")
-    mode = _PERSISTENT_MODES.get(value)
-    if mode is None:
-        raise ValueError(f"{ENV_INTRA_PERSISTENT}={value!r}: expected one of {sorted(_PERSISTENT_MODES)}")
-    per_sm, prefetch = mode
+    per_sm, prefetch = env_choice(ENV_INTRA_PERSISTENT, "0", _PERSISTENT_MODES)
     return (per_sm * sm_count(device) if per_sm else 0), prefetch
 
 
 def _recurrence_wgmma() -> bool:
     """``CULA_SM90_RECURRENCE_WGMMA``: "1" (the default) the recurrence on warpgroup MMAs, "0" on mma.sync."""
-    value = env_value(ENV_RECURRENCE_WGMMA, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_RECURRENCE_WGMMA}={value!r}: expected '0' or '1'")
-    return value == "1"
+    return env_choice(ENV_RECURRENCE_WGMMA, "1", {"0": False, "1": True})
 
 
 def _intra_tuned() -> int:
     """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0" (the default), "norm", "inverse" or "all"."""
-    value = env_value(ENV_INTRA_TUNED, "0")
-    if value not in _TUNED_FORMS:
-        raise ValueError(f"{ENV_INTRA_TUNED}={value!r}: expected one of {sorted(_TUNED_FORMS)}")
-    return _TUNED_FORMS[value]
+    return env_choice(ENV_INTRA_TUNED, "0", _TUNED_FORMS)
 
 
 def _recurrence_stages() -> int:
     """``CULA_SM90_RECURRENCE_STAGES``: "2" (the default) or "3" pipeline stages for the warpgroup-MMA recurrence."""
-    value = env_value(ENV_RECURRENCE_STAGES, "2")
-    if value not in ("2", "3"):
-        raise ValueError(f"{ENV_RECURRENCE_STAGES}={value!r}: expected '2' or '3'")
-    return int(value)
+    return env_choice(ENV_RECURRENCE_STAGES, "2", {"2": 2, "3": 3})
 
 
 def _current_stream(index: int) -> int:
