@@ -20,6 +20,16 @@ OUT=${OUT:-/tmp/cula-out}
 BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra sm90:CULA_SM90_RECURRENCE_WGMMA=0 \
 --extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
 REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
+# Stage times (profile_kda.py) of sm90 at each value of one knob: variable, values, block sizes, output file; each line
+# prefixed with variable=value. PROFILE_CONFIGS picks the configs.
+profile_sm90_knob() {
+  local value
+  for value in $2; do
+    env "$1=$value" timeout 100 python3 benchmarks/profile_kda.py --backend sm90 --block-v "$3" --reps 10 \
+      --configs "${PROFILE_CONFIGS:-fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform}" \
+      | sed "s/^/$1=$value /" | tee -a "$4"
+  done
+}
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in
@@ -54,14 +64,9 @@ for step in "$@"; do
                     echo "knobs: ${knobs:-defaults}" | tee -a "$OUT/profile_kda_sm90.txt"
                     env $knobs timeout 100 python3 benchmarks/profile_kda.py --backend sm90 \
                       | tee -a "$OUT/profile_kda_sm90.txt"; done ;;
-    profile:stages) for n in 2 3; do  # the wgmma recurrence with 2 and 3 pipeline stages, recurrence time alone
-                      CULA_SM90_RECURRENCE_STAGES=$n timeout 100 python3 benchmarks/profile_kda.py --backend sm90 \
-                        --block-v 64,128 --reps 10 --configs "${STAGES_CONFIGS:-fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform}" \
-                        | sed "s/^/stages=$n /" | tee -a "$OUT/profile_kda_stages.txt"; done ;;
-    profile:tuned) for n in 0 norm inverse all; do  # the intra kernel's verified and tuned forms, intra time alone
-                     CULA_SM90_INTRA_TUNED=$n timeout 100 python3 benchmarks/profile_kda.py --backend sm90 --block-v 64 \
-                       --reps 10 --configs "fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform" \
-                       | sed "s/^/tuned=$n /" | tee -a "$OUT/profile_kda_tuned.txt"; done ;;
+    # the wgmma recurrence with 2 and 3 pipeline stages; the intra kernel's verified and tuned forms
+    profile:stages) profile_sm90_knob CULA_SM90_RECURRENCE_STAGES "2 3" 64,128 "$OUT/profile_kda_stages.txt" ;;
+    profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "0 norm inverse all" 64 "$OUT/profile_kda_tuned.txt" ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \
