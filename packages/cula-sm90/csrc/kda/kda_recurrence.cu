@@ -356,6 +356,8 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.o);
 
   for (int c = 0; c < num_chunks; ++c) {
+    // (c & 1 spelled out for 2 stages although stage_index gives the same: through the helper ptxas schedules the
+    // BV = 32 mma.sync kernel differently, and its SASS is the one that ran on the H200)
     const uint32_t stage = smem_base + (kStages == 2 ? (c & 1) : stage_index<kStages>(c)) * C::kStageBytes;
     const int64_t tok0 = bos + static_cast<int64_t>(c) * kChunk;
     const int64_t rem = len - static_cast<int64_t>(c) * kChunk;
