@@ -31,6 +31,8 @@ PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.3e12
 FLOP_PER_CHUNK_HEAD = 10.89e6  # KDA_SPEC §8, K = V = 128, C = 64
 K = V = 128
+SM90_KNOBS = ("CULA_SM90_INTRA_TUNED", "CULA_SM90_RECURRENCE_WGMMA", "CULA_SM90_RECURRENCE_STAGES",
+              "CULA_SM90_INTRA_PERSISTENT")  # recorded in the header: "default" when unset (cula_sm90/kda.py)
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ def environment() -> list[str]:
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         f"- command: `python {' '.join(sys.argv)}`",
         f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', f'default ({DEFAULT_VARIANT})')}, "
-        f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}",
+        f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}; sm90: "
+        + ", ".join(f"{name}={os.environ.get(name, 'default')}" for name in SM90_KNOBS),
     ]
 
 

@@ -39,13 +39,15 @@ for step in "$@"; do
     tests:cutedsl) GPU_LOG_TAG=_cutedsl timeout 580 bash tools/h200_tests.sh -q \
                      -k "cutedsl and not prefetch and not 8warps" tests/gpu tests/api ;;
     tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q \
-                  -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages and not intra_tuned" ;;
+                  -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages and not intra_tuned \
+                      and not opt_in" ;;
     tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
                            -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
     tests:persistent) GPU_LOG_TAG=_persistent timeout 580 bash tools/h200_tests.sh -q -k "persistent" tests/sm90 ;;
     tests:wgmma) GPU_LOG_TAG=_wgmma timeout 580 bash tools/h200_tests.sh -q -k "wgmma" tests/sm90 ;;
     tests:stages) GPU_LOG_TAG=_stages timeout 580 bash tools/h200_tests.sh -q -k "3_stages" tests/sm90 ;;
-    tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned" tests/sm90 ;;
+    tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
+    tests:opt-in) GPU_LOG_TAG=_opt_in timeout 580 bash tools/h200_tests.sh -q -k "opt_in_forms" tests/sm90 ;;
     tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k "prefetch or 8warps" tests/cute \
                       tests/gpu ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
@@ -66,7 +68,7 @@ for step in "$@"; do
                       | tee -a "$OUT/profile_kda_sm90.txt"; done ;;
     # the wgmma recurrence with 2 and 3 pipeline stages; the intra kernel's verified and tuned forms
     profile:stages) profile_sm90_knob CULA_SM90_RECURRENCE_STAGES "2 3" 64,128 "$OUT/profile_kda_stages.txt" ;;
-    profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "0 norm inverse all" 64 "$OUT/profile_kda_tuned.txt" ;;
+    profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-0 all all+index all+early-g all+heads-first}" 64 "$OUT/profile_kda_tuned.txt" ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \

@@ -77,13 +77,16 @@ KERNELS: tuple[KernelEntry, ...] = (
                   "qk-l2norm", "beta-sigmoid", "state-kv", "state-vk", "initial-state", "final-state"),
         status="ran on sm_90 (H200) vs fp64: 32 configs within 1.25x FLA's error, 1000 bit-identical replays "
                "(tests/sm90, tests/gpu), 2x10^6 bit-identical stress replays, compute-sanitizer memcheck and "
-               "racecheck clean at three shapes (benchmarks/results; 2026-11-30 with the wgmma recurrence)",
+               "racecheck clean at three shapes (benchmarks/results; 2026-11-30 with the wgmma recurrence and the "
+               "tuned intra kernel)",
         entry="cula_sm90.kda:kda_prefill",
-        summary="native SM90 KDA prefill: chunk-parallel intra kernel + fp32-register state recurrence on warpgroup "
-                "MMAs (K = V = 128, bf16, safe gate); the opt-in persistent intra kernel "
-                "(CULA_SM90_INTRA_PERSISTENT) and the mma.sync recurrence (CULA_SM90_RECURRENCE_WGMMA=0) also ran "
-                "on the H200 (bit-identical / within the fp64 bounds); the opt-in CULA_SM90_RECURRENCE_STAGES=3 and "
-                "CULA_SM90_INTRA_TUNED kernels are compiled for sm_90a and have not run on a GPU",
+        summary="native SM90 KDA prefill: chunk-parallel intra kernel (its tuned forms) + fp32-register state "
+                "recurrence on warpgroup MMAs (K = V = 128, bf16, safe gate); the opt-in persistent intra kernel "
+                "(CULA_SM90_INTRA_PERSISTENT), the first verified intra kernel (CULA_SM90_INTRA_TUNED=0), the "
+                "mma.sync recurrence (CULA_SM90_RECURRENCE_WGMMA=0) and the 3-stage one "
+                "(CULA_SM90_RECURRENCE_STAGES=3) also ran on the H200 (bit-identical / within the fp64 bounds); the "
+                "opt-in CULA_SM90_INTRA_TUNED=all+index|all+early-g|all+heads-first kernels are compiled for sm_90a "
+                "and have not run on a GPU in this form",
     ),
     KernelEntry(
         name="kda_prepare_cute", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),

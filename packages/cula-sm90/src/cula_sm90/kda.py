@@ -51,10 +51,15 @@ ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # The intra kernel's tuned forms: "norm" the L2 norms' row sums by one transposed reduction per tensor and warp (34
 # shuffles instead of 80), "inverse" the off-diagonal inverse by recursive doubling (4 barrier stages instead of 6,
-# all warps busy), "all" both; "0" (the default) the verified kernel. Summation orders differ, so the bits may. One
-# CTA per item only (not with CULA_SM90_INTRA_PERSISTENT). Off until the H200 has checked and timed them.
+# all warps busy), "all" both (the default: on the H200 both passed the fp64 tests and made the intra kernel 6%
+# faster, 2026-11-30); "0" the first verified kernel. Opt-in on top of "all", to be timed apart on the H200 (the first
+# two together ran bit-identical to "all" but 2.6% slower, 2026-11-30): "all+index" locates fixed-length items without
+# the two index loads, "all+early-g" copies g's rows and the gate's parameters before q/k/v, "all+heads-first" runs
+# the items value head fastest. Summation orders differ, so the bits may. One CTA per item only (not with
+# CULA_SM90_INTRA_PERSISTENT).
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
-_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3}  # -> the kernel's bit set (csrc/kda/kda_params.h)
+_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_params.h)
+                "all+index": 7, "all+early-g": 11, "all+heads-first": 19}
 # "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
 # flight while one computes (same bits; the mma.sync kernels keep two). Off until the H200 has timed it.
 ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
@@ -178,9 +183,10 @@ def _recurrence_wgmma() -> bool:
     return env_choice(ENV_RECURRENCE_WGMMA, "1", {"0": False, "1": True})
 
 
-def _intra_tuned() -> int:
-    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0" (the default), "norm", "inverse" or "all"."""
-    return env_choice(ENV_INTRA_TUNED, "0", _TUNED_FORMS)
+def _intra_tuned(persistent: bool) -> int:
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all" or "all+...". Unset: "all"
+    (the tuned forms, 4-6% faster on the H200), or "0" when the intra kernel runs persistent CTAs, which have none."""
+    return env_choice(ENV_INTRA_TUNED, "0" if persistent else "all", _TUNED_FORMS)
 
 
 def _recurrence_stages() -> int:
@@ -225,8 +231,8 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
     stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
-    ``intra_tuned``: the intra kernel's tuned forms, "0", "norm", "inverse" or "all" (one CTA per item only); None:
-    ``CULA_SM90_INTRA_TUNED``.
+    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("all" and the opt-in "all+..." ones;
+    one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
@@ -258,7 +264,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
     if stages is None:
         stages = _recurrence_stages()
     if tuned is None:
-        tuned = _intra_tuned()
+        tuned = _intra_tuned(persistent[0] > 0)
     if tuned and persistent[0]:
         raise ValueError("the intra kernel's tuned form (CULA_SM90_INTRA_TUNED / intra_tuned) runs one CTA per item: "
                          "it does not combine with persistent CTAs (CULA_SM90_INTRA_PERSISTENT / intra_ctas)")
@@ -285,7 +291,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
             _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], cu.data_ptr(), chunk_indices.data_ptr(),
             chunk_offsets.data_ptr(), total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel,
             args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
-            qg, kg, w, u, Aqk, g_last, *persistent, tuned, stream,
+            qg, kg, w, u, Aqk, g_last, *persistent, tuned, T if args.cu_seqlens is None else 0, stream,
         )
         o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
         final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
