@@ -222,7 +222,7 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
   __syncthreads();
 }
 
-// kTuned: a bit set of the tuned forms (kTunedNorm, kTunedInverse), 0 for the verified kernel.
+// kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse is the default.
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
 // Opt-in forms, each in its own bit so that the H200 can time them apart (kda_intra_tuned.cu):
@@ -240,7 +240,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   const int h = hv / (HV / H);
 
   constexpr bool kIndexByArithmetic = (kTuned & kTunedIndex) != 0;
-  constexpr bool kLoadsFirst = (kTuned & kTunedEarlyG) != 0;
+  constexpr bool kEarlyG = (kTuned & kTunedEarlyG) != 0;
   // kTunedIndex with B sequences of fixed_len tokens: chunk ci is (ci / nt, ci % nt), no index loads
   const bool fixed = kIndexByArithmetic && p.fixed_len > 0;
   const int nt = fixed ? (p.fixed_len + 63) >> 6 : 1;
@@ -263,7 +263,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 
   // kTunedEarlyG: this thread's g rows (phase 1's layout below) by cp.async into its own Γ2 slots, one group
   // issued before q/k/v's, so they arrive first; phase 1 waits for that group only, and no other thread reads them.
-  if constexpr (kLoadsFirst) {
+  if constexpr (kEarlyG) {
     const int c0 = 4 * lane;
     const int rbase = 8 * warp;
     const bool fp32 = p.g_type == ScalarType::kFloat32;
@@ -339,7 +339,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const int64_t g0 = (static_cast<int64_t>(t0 + rbase) * HV + hv) * kD + c0;
     float4 early_bias = make_float4(0.f, 0.f, 0.f, 0.f);  // kTunedEarlyG: the gate's parameters, copied with g
     float early_a_log = 0.f;
-    if constexpr (kLoadsFirst) {
+    if constexpr (kEarlyG) {
       cp_async_wait_group<1>();  // this thread's g rows and gate parameters (q/k/v may still be in flight)
       early_bias = *reinterpret_cast<const float4*>(smem + kOffEarlyBias + tid * 16);  // zero-filled when absent
       early_a_log = *reinterpret_cast<const float*>(smem + kOffEarlyALog + tid * 4);
@@ -349,7 +349,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         uint2 raw = make_uint2(0u, 0u);  // rows >= L: g = 0 (Γ constant past the end)
-        if constexpr (kLoadsFirst) {
+        if constexpr (kEarlyG) {
           raw = *reinterpret_cast<const uint2*>(sG + (rbase + j) * kD + c0);  // zero-filled past L
         } else if (rbase + j < L) {
           raw = __ldg(reinterpret_cast<const uint2*>(gp + j * gstride));
@@ -364,7 +364,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float4 raw = make_float4(0.f, 0.f, 0.f, 0.f);
-        if constexpr (kLoadsFirst) {
+        if constexpr (kEarlyG) {
           raw = *reinterpret_cast<const float4*>(sG + (rbase + j) * kD + c0);
         } else if (rbase + j < L) {
           raw = __ldg(reinterpret_cast<const float4*>(gp + j * gstride));
@@ -379,13 +379,13 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       // g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) = lb / (1 + 2^{(g + bias) * (-exp(A_log) log2 e)})
       float bias[4] = {0.f, 0.f, 0.f, 0.f};
       if (p.dt_bias != nullptr) {
-        const float4 b4 = kLoadsFirst ? early_bias : __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * kD + c0));
+        const float4 b4 = kEarlyG ? early_bias : __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * kD + c0));
         bias[0] = b4.x;
         bias[1] = b4.y;
         bias[2] = b4.z;
         bias[3] = b4.w;
       }
-      const float mult = p.A_log != nullptr ? expf(kLoadsFirst ? early_a_log : __ldg(p.A_log + hv)) : 1.f;
+      const float mult = p.A_log != nullptr ? expf(kEarlyG ? early_a_log : __ldg(p.A_log + hv)) : 1.f;
       const float m2 = -mult * kLog2e;
       const float lb = p.lower_bound;
 #pragma unroll
