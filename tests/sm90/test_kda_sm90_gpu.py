@@ -148,14 +148,20 @@ def test_intra_tuned_matches_oracle(case: KdaCase, form: str, monkeypatch: pytes
         assert torch.equal(o2, o) and (ht is None or torch.equal(ht2, ht))
 
 
-@pytest.mark.parametrize("form", ["all+index", "all+early-g", "all+heads-first"])
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+OPT_IN_FORMS = ["all+index", "all+early-g", "all+heads-first", "all+ping-pong"]
+
+
+@pytest.mark.parametrize("form", OPT_IN_FORMS)
+@pytest.mark.parametrize("case", [*CASES, PERSISTENT_CASES["B2-T4000-H4-HV8"]],
+                         ids=[*(c.name for c in CASES), "B2-T4000-H4-HV8"])
 def test_intra_opt_in_forms_give_the_same_bits(case: KdaCase, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The intra kernel's opt-in forms (CULA_SM90_INTRA_TUNED: fixed-length items located without index loads; g's
-    rows and the gate's parameters copied before q/k/v; value heads fastest) move the same values through the same
-    arithmetic as "all": workspace, o and the final state bit-identical on every case (fixed and varlen, raw and
-    precomputed gates, fp32 and bf16 g; raw gates also without dt_bias, and without A_log), outputs poisoned first,
-    and over 5 replays. (Index and early g together ran on the H200, 32 passed, 2026-11-30.)"""
+    rows and the gate's parameters copied before q/k/v; value heads fastest; two items per CTA taking turns to load)
+    move the same values through the same arithmetic as "all": workspace, o and the final state bit-identical on
+    every case (fixed and varlen, raw and precomputed gates, fp32 and bf16 g; raw gates also without dt_bias, and
+    without A_log), outputs poisoned first, and over 5 replays. B2-T4000-H4-HV8 (1008 items) gives each ping-pong CTA
+    7 or 8 items, so both groups pass the turn to load back and forth; the small cases leave CTAs with 0, 1 or 2.
+    (Index and early g together ran on the H200, 32 passed, 2026-11-30.)"""
     kda = _sm90(monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=0)
     variants = [kwargs]

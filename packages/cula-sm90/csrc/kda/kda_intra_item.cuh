@@ -150,6 +150,21 @@ __device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, flo
   for (int pp = 0; pp < 8; ++pp) r[pp] = __shfl_sync(0xffffffffu, mine, ((pp >> 2) << 4) | (((pp >> 1) & 1) << 3) | ((pp & 1) << 2));
 }
 
+// The barrier of one item's threads: the whole CTA (__syncthreads), or in the ping-pong kernel (kGroup) the 256
+// threads of the item's group (threads 256 * group ..), on named barrier 1 + group. The group is read from %tid.x
+// afresh each time (a volatile read, not kept in a register: the per-item code runs at the 128-register cap, and a
+// group register live through it spilled).
+template <bool kGroup>
+__device__ __forceinline__ void item_sync() {
+  if constexpr (kGroup) {
+    uint32_t t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + (t >> 8)) : "memory");
+  } else {
+    __syncthreads();
+  }
+}
+
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
 // have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
@@ -185,6 +200,7 @@ __device__ __forceinline__ void row_times_tile(const float* row, const float* ti
   }
 }
 
+template <bool kGroup>
 __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sX = reinterpret_cast<float*>(smem + kOffP);  // [2][16][16]
@@ -195,21 +211,21 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
     float x[2];  // X = A_BA T_AA
     row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * A, sA + 16 * A * kAStride + 16 * A + c, kAStride, 0, 16, x);
     *reinterpret_cast<float2*>(sX + (16 * pr + r) * 16 + c) = make_float2(x[0], x[1]);
-    __syncthreads();
+    item_sync<kGroup>();
     float t[2];  // T_BA = -T_BB X
     row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * B, sX + 16 * pr * 16 + c, 16, 0, 16, t);
     const int R = 16 * B + r, Cc = 16 * A + c;
     *reinterpret_cast<float2*>(sA + R * kAStride + Cc) = make_float2(-t[0], -t[1]);
     *reinterpret_cast<uint32_t*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) = pack_bf16x2(-t[0], -t[1]);
   }
-  __syncthreads();
+  item_sync<kGroup>();
   {  // level 2: thread = (row r of 32, 4 columns)
     const int r = tid >> 3, c = 4 * (tid & 7);
     // Y = A_hl T_lo: T_lo's block (0, 1) is zero, so columns of block 1 take rows m >= 16 only
     float y[4];
     row_times_tile<4, 32>(sA + (32 + r) * kAStride, sA + c, kAStride, c < 16 ? 0 : 16, 32, y);
     *reinterpret_cast<float4*>(sY + r * 32 + c) = make_float4(y[0], y[1], y[2], y[3]);
-    __syncthreads();
+    item_sync<kGroup>();
     // T_hl = -T_hi Y: T_hi's block (2, 3) is zero, so rows of block 2 take m < 16 only
     float t[4];
     row_times_tile<4, 32>(sA + (32 + r) * kAStride + 32, sY + c, 32, 0, r < 16 ? 16 : 32, t);
@@ -219,7 +235,7 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
     *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, c >> 3) + (c & 7) * 2) =
         make_uint2(pack_bf16x2(neg.x, neg.y), pack_bf16x2(neg.z, neg.w));
   }
-  __syncthreads();
+  item_sync<kGroup>();
 }
 
 // kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse is the default.
@@ -229,10 +245,21 @@ constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubl
 constexpr int kTunedIndex = 4;       // fixed lengths: the item located by arithmetic, without the two index loads
 constexpr int kTunedEarlyG = 8;      // g's rows and the gate's parameters copied first, in their own cp.async group
 constexpr int kTunedHeadsFirst = 16;  // a 1-D grid, value head fastest (the default grid runs chunks fastest)
+constexpr int kTunedPingPong = 32;    // two items per CTA in two groups whose load phases alternate (below)
+
+// Named barrier on which the other group of a ping-pong CTA waits for its turn to load: bar.arrive with the 256
+// threads of this group (the waiting group's 256 make up the count of 512).
+__device__ __forceinline__ void pass_load_turn(int barrier) {
+  asm volatile("bar.arrive %0, 512;\n" ::"r"(barrier) : "memory");
+}
+
+// token_barrier (ping-pong kernel only): the named barrier to arrive on once this item's inputs are in shared memory,
+// which lets the other group start loading its next item (0: it has none).
 template <bool kPrefetchNext, int kTuned = 0>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
-                                           const int item) {
-  const int tid = threadIdx.x;
+                                           const int item, const int token_barrier = 0) {
+  constexpr bool kPingPong = (kTuned & kTunedPingPong) != 0;
+  const int tid = kPingPong ? static_cast<int>(threadIdx.x & 255) : static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int HV = p.num_value_heads;
@@ -246,12 +273,22 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   const int nt = fixed ? (p.fixed_len + 63) >> 6 : 1;
   const int seq = fixed ? ci / nt : p.chunk_indices[2 * ci];
   const int cic = fixed ? ci - seq * nt : p.chunk_indices[2 * ci + 1];
-  if (seq < 0) return;  // padding row (static chunk_indices)
+  if (seq < 0) {  // padding row (static chunk_indices)
+    if constexpr (kPingPong) {
+      if (token_barrier != 0) pass_load_turn(token_barrier);
+    }
+    return;
+  }
   const int bos = fixed ? seq * p.fixed_len : p.cu_seqlens[seq];
   const int eos = fixed ? bos + p.fixed_len : p.cu_seqlens[seq + 1];
   const int t0 = bos + cic * 64;
   const int L = min(64, eos - t0);
-  if (L <= 0) return;
+  if (L <= 0) {
+    if constexpr (kPingPong) {
+      if (token_barrier != 0) pass_load_turn(token_barrier);
+    }
+    return;
+  }
 
   const uint32_t sbase = smem_addr(smem);
   float* sG = reinterpret_cast<float*>(smem + kOffG);
@@ -401,7 +438,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int i = 0; i < 4; ++i) gv[j][i] += gv[j - 1][i];
     *reinterpret_cast<float4*>(sTot + warp * kD + c0) = make_float4(gv[7][0], gv[7][1], gv[7][2], gv[7][3]);
-    __syncthreads();  // (A)
+    item_sync<kPingPong>();  // (A)
     float off[4] = {0.f, 0.f, 0.f, 0.f};
     for (int sgi = 0; sgi < warp; ++sgi) {
       const float4 t = *reinterpret_cast<const float4*>(sTot + sgi * kD + c0);
@@ -419,7 +456,10 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     }
   }
   cp_async_wait_all();
-  __syncthreads();  // (B): Γ2, beta, q/k/v tiles visible
+  item_sync<kPingPong>();  // (B): Γ2, beta, q/k/v tiles visible
+  if constexpr (kPingPong) {
+    if (token_barrier != 0) pass_load_turn(token_barrier);  // this item's inputs are in: the other group may load
+  }
   NextItem next;
   if constexpr (kPrefetchNext) {
     if (p.persistent_prefetch > 0) next = locate_item(p, item + p.persistent_prefetch * static_cast<int>(gridDim.x));
@@ -449,7 +489,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       sD[pair_index(3, 2) * kD + c] = ex2_full(G3 - G2);
     }
   }
-  __syncthreads();  // (C)
+  item_sync<kPingPong>();  // (C)
   if constexpr (kPrefetchNext) prefetch_item_l2(p, next, tid);
 
   // ------------------------------------------------------------------------------------------------------
@@ -559,7 +599,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  __syncthreads();  // (D): Γ2 no longer needed
+  item_sync<kPingPong>();  // (D): Γ2 no longer needed
 
   // Phase 2b: off-diagonal column operands bf16(k_j e^{Γ_{n_I} - Γ_j}) for key sub-chunk J < I, tile rows 0..15.
   {
@@ -578,7 +618,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  __syncthreads();  // (E)
+  item_sync<kPingPong>();  // (E)
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 3: Aqk and Akk, 10 lower 16x16 blocks (I >= J) over K = 128 (8 k-steps of 16).
@@ -641,7 +681,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         }
       }
     }
-    __syncthreads();  // (F): all operand tiles consumed
+    item_sync<kPingPong>();  // (F): all operand tiles consumed
 
     float* sA = reinterpret_cast<float*>(smem + kOffA);
 #pragma unroll
@@ -681,7 +721,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  __syncthreads();  // (G): Akk complete in sA
+  item_sync<kPingPong>();  // (G): Akk complete in sA
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 4: Tinv = (I + Akk)^-1 in fp32, in place in sA; its bf16 copy goes to sT.
@@ -711,9 +751,9 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
           static_cast<unsigned short>(w & 0xffffu);
     }
   }
-  __syncthreads();  // (H)
+  item_sync<kPingPong>();  // (H)
   if constexpr ((kTuned & kTunedInverse) != 0) {
-    inverse_by_doubling(smem, tid);
+    inverse_by_doubling<kPingPong>(smem, tid);
   } else {
   // 4b: block forward substitution, row block I = 1..3:
   //   P_IJ = Σ_{M=J}^{I-1} A_IM Tinv_MJ;  Tinv_IJ = -Tinv_II P_IJ   (J < I; thread = (J, row r, 4 columns))
@@ -742,7 +782,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         }
         *reinterpret_cast<float4*>(sP + (J * 16 + r) * 16 + 4 * cg) = acc;
       }
-      __syncthreads();
+      item_sync<kPingPong>();
       if (act) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         const float* trow = sA + (16 * I + r) * kAStride + 16 * I;  // Tinv_II row r (zero above the diagonal)
@@ -762,7 +802,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
             make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
       }
-      __syncthreads();
+      item_sync<kPingPong>();
     }
   }
   }
@@ -810,7 +850,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  __syncthreads();
+  item_sync<kPingPong>();
   {
     __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w);
     __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u);
