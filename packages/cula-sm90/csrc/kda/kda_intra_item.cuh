@@ -6,10 +6,11 @@
 //   Tinv = (I + Akk)^-1 (fp32, rounded once to bf16), w = Tinv·bf16(β k e^Γ), u = Tinv·bf16(β v),
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
-// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head) (opt-in tuned forms: kTunedNorm,
-// kTunedInverse), or (persistent_ctas > 0) that many
-// CTAs walking the (chunk, value head) items, each prefetching its next item's rows into L2 while it computes the
-// current one. 103.25 KiB of dynamic shared memory, so two CTAs fit on an SM. Phases (every arrow is a __syncthreads):
+// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), with the tuned forms kTunedNorm and
+// kTunedInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value head) items, each
+// prefetching its next item's rows into L2 while it computes the current one; or (kTunedPingPong, opt-in,
+// kda_intra_tuned.cu) one CTA per SM of two such groups taking turns to load. 103.25 KiB of dynamic shared memory per
+// item, so two items fit on an SM. Phases (every arrow is a barrier of the item's threads, item_sync):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
 //   1b   per-column anchor factors 2^{Γ2[n_J]}, 2^{Γ2[L-1]-Γ2[n_J]}, 2^{Γ2[n_I]-Γ2[n_J]} (n_J = 16 J)
 //   2a   elementwise, warp = full rows: l2norm, a = 2^{Γ2-Γ2[n]}, b = 2^{Γ2[n]-Γ2}; qg, kg -> global;
