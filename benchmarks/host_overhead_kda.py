@@ -2,7 +2,7 @@
 against GPU kernel time, then the host wall time of each stage, and a cProfile of the call.
 
     python benchmarks/host_overhead_kda.py --backend sm90|cutedsl|all [--out FILE.md] [--calls 100] [--reps 50]
-        [--only SUBSTRINGS] [--top 25]
+        [--only SUBSTRINGS] [--configs "fixed B1 T16384,varlen T16384 10xuniform"] [--top 25]
 
 For each backend (forced through ``CULA_BACKEND``) and a few small configs of ``bench_kda_prefill.py`` (same inputs
 and flags: bf16, gate / L2 norm / beta sigmoid in kernel, safe gate, fp32 h0, final state out), after warm-up:
@@ -54,9 +54,17 @@ SMALL_VARLEN = Config("varlen T1024 4 seqs", 1, 1024, 64, 64, (300, 124, 412, 18
 DEFAULT_OUT = "benchmarks/results/kda_host_overhead_h200.md"
 
 
-def picked_configs(only: str) -> list[Config]:
-    """The fixed B1 T512 and B2 T1024 configs, one varlen config of bench_kda_prefill.py, and a small varlen one."""
-    chosen = [cfg for cfg in configs() if cfg.name in PICK] + [SMALL_VARLEN]
+def picked_configs(only: str, names: str = "") -> list[Config]:
+    """The fixed B1 T512 and B2 T1024 configs, one varlen config of bench_kda_prefill.py, and a small varlen one; or
+    the bench configs named in ``names`` (comma-separated). ``only`` keeps those whose name contains a substring."""
+    if names:
+        wanted = names.split(",")
+        chosen = [cfg for cfg in configs() if cfg.name in wanted]
+        unknown = sorted(set(wanted) - {cfg.name for cfg in chosen})
+        if unknown:
+            raise SystemExit(f"--configs: unknown {unknown}")
+    else:
+        chosen = [cfg for cfg in configs() if cfg.name in PICK] + [SMALL_VARLEN]
     if only:
         chosen = [cfg for cfg in chosen if any(part in cfg.name for part in only.split(","))]
     return chosen
@@ -372,6 +380,8 @@ def main() -> None:
                              "about a thousand launches while it sleeps: keep calls x kernels per call below that)")
     parser.add_argument("--reps", type=int, default=50, help="CUDA-event timings per eager / graph median")
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
+    parser.add_argument("--configs", default="",
+                        help="comma-separated bench_kda_prefill.py config names instead of the default few")
     parser.add_argument("--top", type=int, default=25, help="cProfile entries listed per ordering")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
@@ -383,7 +393,7 @@ def main() -> None:
     try:
         for backend in backends:
             os.environ["CULA_BACKEND"] = backend  # set once, so the timed calls pay no environment writes
-            for cfg in picked_configs(opts.only):
+            for cfg in picked_configs(opts.only, opts.configs):
                 row = measure(backend, cfg, opts, sleep)
                 results.append((backend, cfg, row))
                 brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()

@@ -76,9 +76,13 @@ for step in "$@"; do
                           | tee -a "$OUT/profile_kda_prefetch.txt"; done ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
     ncu) timeout 580 bash tools/h200_ncu.sh ;;
-    *) echo "unknown step: $step (tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned] fla" \
-          "bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl] profile[:prefetch|:sm90|:stages|:tuned]" \
-          "intra ncu)" ;;
+    # end-to-end time minus kernel time: varlen T16384 10xuniform spent ~0.2 ms outside its kernels, fixed ~0.06
+    host:gap) timeout 400 python3 benchmarks/host_overhead_kda.py --backend sm90 --calls 50 --reps 30 \
+                --configs "fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform" --out "$OUT/kda_host_gap_h200.md" ;;
+    *) echo "unknown step: $step" \
+          "(tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned|:opt-in]" \
+          "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
+          "profile[:prefetch|:sm90|:stages|:tuned] intra ncu host:gap)" ;;
   esac
   echo "=== $step: exit $?"
 done
