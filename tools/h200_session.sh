@@ -69,7 +69,7 @@ for step in "$@"; do
                       | tee -a "$OUT/profile_kda_sm90.txt"; done ;;
     # the wgmma recurrence with 2 and 3 pipeline stages; the intra kernel's verified and tuned forms
     profile:stages) profile_sm90_knob CULA_SM90_RECURRENCE_STAGES "2 3" 64,128 "$OUT/profile_kda_stages.txt" ;;
-    profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-0 all all+index all+early-g all+heads-first all+ping-pong}" 64 "$OUT/profile_kda_tuned.txt" ;;
+    profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-0 all all+index all+early-g all+heads-first all+ping-pong all+ping-pong+index}" 64 "$OUT/profile_kda_tuned.txt" ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \

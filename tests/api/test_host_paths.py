@@ -412,8 +412,8 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|all+index|all+early-g|all+heads-first|all+ping-pong (or
-    run_kernels(intra_tuned=...)) asks for the intra kernel's tuned forms as the bit set 0|1|2|3|7|11|19|35, "all"
+    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|all+index|all+early-g|all+heads-first|all+ping-pong[+index] (or
+    run_kernels(intra_tuned=...)) asks for the intra kernel's tuned forms as the bit set 0|1|2|3|7|11|19|35|39, "all"
     when unset; asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are
     ValueErrors naming the variable or argument, before any launch."""
     kda, fake = fake_sm90
@@ -421,7 +421,7 @@ def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> No
     kda.kda_prefill(args)
     assert fake.intra[28:31] == (0, 0, 3)
     for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("all+index", 7), ("all+early-g", 11),
-                        ("all+heads-first", 19), ("all+ping-pong", 35), ("0", 0)):
+                        ("all+heads-first", 19), ("all+ping-pong", 35), ("all+ping-pong+index", 39), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)
         assert fake.intra[28:31] == (0, 0, bits), value

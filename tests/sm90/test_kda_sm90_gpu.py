@@ -148,7 +148,7 @@ def test_intra_tuned_matches_oracle(case: KdaCase, form: str, monkeypatch: pytes
         assert torch.equal(o2, o) and (ht is None or torch.equal(ht2, ht))
 
 
-OPT_IN_FORMS = ["all+index", "all+early-g", "all+heads-first", "all+ping-pong"]
+OPT_IN_FORMS = ["all+index", "all+early-g", "all+heads-first", "all+ping-pong", "all+ping-pong+index"]
 
 
 @pytest.mark.parametrize("form", OPT_IN_FORMS)

@@ -54,9 +54,10 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
                                 std::to_string(persistent_ctas));
   }
-  const bool known_form = (tuned >= 0 && tuned <= 3) || tuned == 7 || tuned == 11 || tuned == 19 || tuned == 35;
+  const bool known_form =
+      (tuned >= 0 && tuned <= 3) || tuned == 7 || tuned == 11 || tuned == 19 || tuned == 35 || tuned == 39;
   if (!known_form || (tuned != 0 && persistent_ctas > 0)) {
-    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2, 3, 7, 11, 19 or 35, and 0 with "
+    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2, 3, 7, 11, 19, 35 or 39, and 0 with "
                                 "persistent CTAs; got " + std::to_string(tuned));
   }
   // fixed_len > 0 replaces the index loads of the kTunedIndex kernel: it must describe exactly the chunks launched

@@ -59,6 +59,7 @@ cudaError_t launch_kda_intra_opt_in(const KdaIntraParams& params, int tuned, cud
     case kDefault | kTunedEarlyG: return launch_one_cta_per_item<kDefault | kTunedEarlyG>(params, stream);
     case kDefault | kTunedHeadsFirst: return launch_one_cta_per_item<kDefault | kTunedHeadsFirst>(params, stream);
     case kDefault | kTunedPingPong: return launch_pingpong<kDefault>(params, stream);
+    case kDefault | kTunedPingPong | kTunedIndex: return launch_pingpong<kDefault | kTunedIndex>(params, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -91,8 +91,8 @@ struct KdaRecurrenceParams {
 // tuned: the one-CTA-per-item kernel's tuned forms as a bit set (kda_intra_item.cuh: 1 = the L2 norms by a transposed
 // reduction, 2 = the inverse by recursive doubling, 3 = both, the default; 0 the first verified kernel; opt-in on top of
 // 3: 4 = fixed-length items located without index loads, 8 = g's rows copied first, 16 = value heads fastest, 32 = the
-// ping-pong kernel (two items per CTA whose load phases alternate), i.e. 7, 11, 19 or 35); the persistent kernel
-// (persistent_ctas > 0) has one form only.
+// ping-pong kernel (two items per CTA whose load phases alternate), i.e. 7, 11, 19, 35, or 39 = ping-pong with 4);
+// the persistent kernel (persistent_ctas > 0) has one form only.
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, cudaStream_t stream);
 

@@ -55,11 +55,13 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # faster, 2026-11-30); "0" the first verified kernel. Opt-in on top of "all", to be timed apart on the H200 (the first
 # two together ran bit-identical to "all" but 2.6% slower, 2026-11-30): "all+index" locates fixed-length items without
 # the two index loads, "all+early-g" copies g's rows and the gate's parameters before q/k/v, "all+heads-first" runs
-# the items value head fastest, "all+ping-pong" runs two items per CTA (one per SM) whose load phases alternate.
+# the items value head fastest, "all+ping-pong" runs two items per CTA (one per SM) whose load phases alternate,
+# "all+ping-pong+index" with the index form.
 # Summation orders differ, so the bits may. Not with CULA_SM90_INTRA_PERSISTENT.
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_params.h)
-                "all+index": 7, "all+early-g": 11, "all+heads-first": 19, "all+ping-pong": 35}
+                "all+index": 7, "all+early-g": 11, "all+heads-first": 19, "all+ping-pong": 35,
+                "all+ping-pong+index": 39}
 # "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
 # flight while one computes (same bits; the mma.sync kernels keep two). Off until the H200 has timed it.
 ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
