@@ -419,7 +419,20 @@ sys.path.insert(0, sys.argv[1])
 import cula_sm90
 imported_torch = "torch" in sys.modules
 extension = cula_sm90.load_extension()
+
+def refusal(**bad):
+    # kda_intra's host checks run before any CUDA call: 100 tokens in 2 chunks, 1 head, null pointers
+    args = dict(tuned=3, fixed_len=0)
+    args.update(bad)
+    try:
+        extension.kda_intra(0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 100, 2, 1, 1, 1.0, -5.0, False, False, False, False,
+                            0, 0, 0, 0, 0, 0, 0, 0, args["tuned"], args["fixed_len"], 0)
+    except Exception as error:
+        return [type(error).__name__, str(error)]
+    return None
+
 print(json.dumps({
+    "refusals": {"tuned": refusal(tuned=5), "fixed_len": refusal(fixed_len=30)},
     "shim_version": cula_sm90.__version__,
     "version": extension.version(),
     "archs": extension.compiled_archs(),
@@ -431,7 +444,8 @@ print(json.dumps({
 
 
 def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
-    """Unpack the wheel and load its extension in ``python`` (needs no GPU): version, archs, no torch import."""
+    """Unpack the wheel and load its extension in ``python`` (needs no GPU): version, archs, refusals of bad
+    kda_intra arguments (ValueError before any launch), no torch import."""
     with tempfile.TemporaryDirectory() as scratch:
         with zipfile.ZipFile(path) as archive:
             archive.extractall(scratch)
@@ -450,6 +464,9 @@ def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
         problems.append(f"probe_fill of 0 elements returned {report['empty_fill']}, expected 0")
     if report["imported_torch"]:
         problems.append("importing cula_sm90 and its extension imported torch")
+    for argument, refused in report["refusals"].items():  # bad kda_intra arguments: ValueErrors before any launch
+        if refused is None or refused[0] != "ValueError" or f"{argument} must be" not in refused[1]:
+            problems.append(f"kda_intra with a bad {argument} gave {refused}, expected a ValueError naming it")
     return problems
 
 
@@ -496,7 +513,8 @@ def inspect_folder(
                     here = f"cp{sys.version_info.major}{sys.version_info.minor}"
                     if tag.startswith(f"{here}-"):
                         problems += load_check_sm90(path)
-                        notes.append(f"loaded in {sys.executable} (no GPU needed): version, archs, no torch import")
+                        notes.append(f"loaded in {sys.executable} (no GPU needed): version, archs, kda_intra "
+                                     "argument refusals, no torch import")
                     else:
                         notes.append(f"not loaded: built for {tag.split('-')[0]}, this interpreter is {here}")
                 reports.append(WheelReport(path, problems, notes))
