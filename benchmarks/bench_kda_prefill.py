@@ -84,6 +84,17 @@ def configs() -> list[Config]:
     return out
 
 
+def named_configs(names: str) -> list[Config]:
+    """The configs named in ``names`` (comma-separated, as ``--configs`` of the profiling scripts takes them), in
+    :func:`configs` order; ``SystemExit`` naming the unknown ones."""
+    wanted = names.split(",")
+    chosen = [cfg for cfg in configs() if cfg.name in wanted]
+    unknown = sorted(set(wanted) - {cfg.name for cfg in chosen})
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}")
+    return chosen
+
+
 def make_inputs(cfg: Config, seed: int = 0) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     N = cfg.B if cfg.lens is None else len(cfg.lens)

@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_kda_prefill import Config, configs, make_inputs, time_ms  # noqa: E402
+from bench_kda_prefill import Config, configs, make_inputs, named_configs, time_ms  # noqa: E402
 
 BACKENDS = ("sm90", "cutedsl")
 PICK = ("fixed B1 T512", "fixed B2 T1024", "varlen T4096 10xrandom")
@@ -57,14 +57,7 @@ DEFAULT_OUT = "benchmarks/results/kda_host_overhead_h200.md"
 def picked_configs(only: str, names: str = "") -> list[Config]:
     """The fixed B1 T512 and B2 T1024 configs, one varlen config of bench_kda_prefill.py, and a small varlen one; or
     the bench configs named in ``names`` (comma-separated). ``only`` keeps those whose name contains a substring."""
-    if names:
-        wanted = names.split(",")
-        chosen = [cfg for cfg in configs() if cfg.name in wanted]
-        unknown = sorted(set(wanted) - {cfg.name for cfg in chosen})
-        if unknown:
-            raise SystemExit(f"--configs: unknown {unknown}")
-    else:
-        chosen = [cfg for cfg in configs() if cfg.name in PICK] + [SMALL_VARLEN]
+    chosen = named_configs(names) if names else [cfg for cfg in configs() if cfg.name in PICK] + [SMALL_VARLEN]
     if only:
         chosen = [cfg for cfg in chosen if any(part in cfg.name for part in only.split(","))]
     return chosen

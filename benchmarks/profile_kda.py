@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_kda_prefill import configs, make_inputs  # noqa: E402
+from bench_kda_prefill import make_inputs, named_configs  # noqa: E402
 
 from cula_runtime.cute.kda.intra import VARIANTS  # noqa: E402  (CPU-safe: imports no CuTeDSL)
 
@@ -87,19 +87,14 @@ def main() -> None:
     parser.add_argument("--configs", default=",".join(PICK),
                         help="comma-separated config names of bench_kda_prefill.configs() (default: a few)")
     opts = parser.parse_args()
-    picked = opts.configs.split(",")
-    unknown = sorted(set(picked) - {cfg.name for cfg in configs()})
-    if unknown:
-        raise SystemExit(f"--configs: unknown {unknown}")
+    picked = named_configs(opts.configs)
     block_vs = tuple(int(x) for x in opts.block_v.split(","))
     backends = tuple(STAGES) if opts.backend == "all" else (opts.backend,)
     print(f"{'backend':8s} {'config':26s} {'BV':>3s} {'prep us':>8s} {'intra us':>9s} {'GB/s':>5s} "
           f"{'recur us':>9s} {'GB/s':>5s} {'other us':>8s} {'total us':>9s}")
     for backend in backends:
         run = runner(backend)
-        for cfg in configs():
-            if cfg.name not in picked:
-                continue
+        for cfg in picked:
             args = validate_kda_prefill(**make_inputs(cfg))
             intra_bytes, recur_bytes = kernel_bytes(cfg, cfg.HV)
             for block_v in block_vs:

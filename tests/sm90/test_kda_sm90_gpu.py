@@ -50,6 +50,16 @@ def test_longest_first_launch_order_gives_the_same_bits(name: str, monkeypatch: 
         assert torch.equal(o, o_batch) and torch.equal(ht, ht_batch)
 
 
+def _assert_same_bits(got: tuple, ref: tuple, context: object) -> None:
+    """Two ``run_kernels`` results (o, final state or None, workspace) equal bit for bit; ``context`` names the run
+    in the failure message."""
+    (o, ht, ws), (o_ref, ht_ref, ws_ref) = got, ref
+    assert torch.equal(o, o_ref), context
+    assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref), context
+    for key, value in ws_ref.items():
+        assert torch.equal(ws[key], value), (context, key)
+
+
 PERSISTENT_CASES = {c.name: c for c in CASES if c.name in (
     "B2-T1000-H4-betabf16", "B1-T700-H2-HV8", "varlen-6seqs-GVA2-vk", "varlen-3seqs-h0bf16-GVA4", "varlen-0-0-70",
     "B1-T300-H2-gate-precomputed-bf16")}
@@ -67,7 +77,7 @@ def test_persistent_intra_gives_the_same_bits(name: str, monkeypatch: pytest.Mon
     case = PERSISTENT_CASES[name]
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=13))
     # the persistent kernel has no tuned form: its reference is the untuned one-CTA-per-item kernel
-    o_ref, ht_ref, ws_ref = kda.run_kernels(args, intra_ctas=0, intra_tuned="0")
+    ref = kda.run_kernels(args, intra_ctas=0, intra_tuned="0")
     items = sum(-(-n // 64) for n in _lengths(args)) * args.HV
     runs = [dict(intra_ctas=ctas, intra_prefetch=distance) for ctas in (1, 3, max(1, items // 2 - 1))
             for distance in (0, 1, 2)]
@@ -76,11 +86,7 @@ def test_persistent_intra_gives_the_same_bits(name: str, monkeypatch: pytest.Mon
         o, ht, ws = kda.run_kernels(args)
         runs.append(dict(mode=mode, result=(o, ht, ws)))
     for run in runs:
-        o, ht, ws = run.pop("result") if "result" in run else kda.run_kernels(args, **run)
-        assert torch.equal(o, o_ref), run
-        assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref), run
-        for key, ref in ws_ref.items():
-            assert torch.equal(ws[key], ref), (run, key)
+        _assert_same_bits(run.pop("result") if "result" in run else kda.run_kernels(args, **run), ref, run)
 
 
 @pytest.mark.parametrize("block_v", [64, 128])
@@ -169,14 +175,10 @@ def test_intra_opt_in_forms_give_the_same_bits(case: KdaCase, form: str, monkeyp
         variants += [{**kwargs, "dt_bias": None}, {**kwargs, "A_log": None, "dt_bias": None}]
     for variant in variants:
         args = validate_kda_prefill(**variant)
-        o_ref, ht_ref, ws_ref = kda.run_kernels(args, intra_tuned="all")
+        ref = kda.run_kernels(args, intra_tuned="all")
         for _ in range(5):
             poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
-            o, ht, ws = kda.run_kernels(args, intra_tuned=form)
-            assert torch.equal(o, o_ref)
-            assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
-            for key, ref in ws_ref.items():
-                assert torch.equal(ws[key], ref), key
+            _assert_same_bits(kda.run_kernels(args, intra_tuned=form), ref, form)
 
 
 def _lengths(args) -> list[int]:

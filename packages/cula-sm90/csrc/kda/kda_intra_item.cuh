@@ -166,16 +166,6 @@ __device__ __forceinline__ void item_sync() {
   }
 }
 
-// The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
-// item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
-// have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
-// Phase 4b by recursive doubling (kTunedInverse), after 4a left the diagonal blocks' inverses T_II in sA (fp32, zeros
-// above their diagonals) and sT (bf16); sA's blocks below the diagonal still hold Akk. Every off-diagonal block
-// T_IJ goes to sA (fp32) and sT (bf16), in 4 barrier stages:
-//   level 1 (pairs (1,0) and (3,2)):  X = A_BA T_AA;  T_BA = -T_BB X             (16 x 16, X in sP)
-//   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y      (32 x 32, Y in the free Γ2 region)
-// with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1. The same products as the block forward
-// substitution, grouped so that all 8 warps work in every stage; the upper blocks of sA (stale data) are never read.
 // sum over m in [m_begin, m_end) of row[m] * tile[m * stride + 0 .. kN-1] (kN = 2 or 4 consecutive fp32 columns; the
 // bounds are per thread, the loop unrolled over kM rows).
 template <int kN, int kM>
@@ -201,6 +191,13 @@ __device__ __forceinline__ void row_times_tile(const float* row, const float* ti
   }
 }
 
+// Phase 4b by recursive doubling (kTunedInverse), after 4a left the diagonal blocks' inverses T_II in sA (fp32, zeros
+// above their diagonals) and sT (bf16); sA's blocks below the diagonal still hold Akk. Every off-diagonal block
+// T_IJ goes to sA (fp32) and sT (bf16), in 4 barrier stages:
+//   level 1 (pairs (1,0) and (3,2)):  X = A_BA T_AA;  T_BA = -T_BB X             (16 x 16, X in sP)
+//   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y      (32 x 32, Y in the free Γ2 region)
+// with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1. The same products as the block forward
+// substitution, grouped so that all 8 warps work in every stage; the upper blocks of sA (stale data) are never read.
 template <bool kGroup>
 __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
   float* sA = reinterpret_cast<float*>(smem + kOffA);
@@ -248,14 +245,20 @@ constexpr int kTunedEarlyG = 8;      // g's rows and the gate's parameters copie
 constexpr int kTunedHeadsFirst = 16;  // a 1-D grid, value head fastest (the default grid runs chunks fastest)
 constexpr int kTunedPingPong = 32;    // two items per CTA in two groups whose load phases alternate (below)
 
-// Named barrier on which the other group of a ping-pong CTA waits for its turn to load: bar.arrive with the 256
-// threads of this group (the waiting group's 256 make up the count of 512).
+// Ping-pong kernel (kPingPong) only: let the other group of the CTA load its next item, by bar.arrive with the 256
+// threads of this group on the named barrier it waits on (its 256 make up the count of 512); barrier 0: it has none.
+template <bool kPingPong>
 __device__ __forceinline__ void pass_load_turn(int barrier) {
-  asm volatile("bar.arrive %0, 512;\n" ::"r"(barrier) : "memory");
+  if constexpr (kPingPong) {
+    if (barrier != 0) asm volatile("bar.arrive %0, 512;\n" ::"r"(barrier) : "memory");
+  }
 }
 
-// token_barrier (ping-pong kernel only): the named barrier to arrive on once this item's inputs are in shared memory,
-// which lets the other group start loading its next item (0: it has none).
+// The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
+// item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
+// have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
+// token_barrier (ping-pong kernel only): the named barrier to arrive on (pass_load_turn) once this item's inputs are
+// in shared memory, or at once for an item with no rows; 0 when the other group has no next item.
 template <bool kPrefetchNext, int kTuned = 0>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
                                            const int item, const int token_barrier = 0) {
@@ -275,9 +278,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   const int seq = fixed ? ci / nt : p.chunk_indices[2 * ci];
   const int cic = fixed ? ci - seq * nt : p.chunk_indices[2 * ci + 1];
   if (seq < 0) {  // padding row (static chunk_indices)
-    if constexpr (kPingPong) {
-      if (token_barrier != 0) pass_load_turn(token_barrier);
-    }
+    pass_load_turn<kPingPong>(token_barrier);
     return;
   }
   const int bos = fixed ? seq * p.fixed_len : p.cu_seqlens[seq];
@@ -285,9 +286,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   const int t0 = bos + cic * 64;
   const int L = min(64, eos - t0);
   if (L <= 0) {
-    if constexpr (kPingPong) {
-      if (token_barrier != 0) pass_load_turn(token_barrier);
-    }
+    pass_load_turn<kPingPong>(token_barrier);
     return;
   }
 
@@ -314,7 +313,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       if (fp32) {
         cp_async_16(dst, static_cast<const float*>(p.g) + gi, row < L ? 16 : 0);
       } else {
-        cp_async_8(dst, static_cast<const unsigned short*>(p.g) + gi, row < L ? 8 : 0);
+        cp_async_ca<8>(dst, static_cast<const unsigned short*>(p.g) + gi, row < L ? 8 : 0);
       }
     }
     // and the gate's parameters (in shared memory that phase 1b fills only after barrier (B)): loads to registers
@@ -322,7 +321,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const bool has_bias = p.gate_in_kernel && p.dt_bias != nullptr;
     const bool has_a_log = p.gate_in_kernel && p.A_log != nullptr;
     cp_async_16(sbase + kOffEarlyBias + tid * 16, has_bias ? p.dt_bias + hv * kD + c0 : p.g, has_bias ? 16 : 0);
-    cp_async_4(sbase + kOffEarlyALog + tid * 4, has_a_log ? p.A_log + hv : p.g, has_a_log ? 4 : 0);
+    cp_async_ca<4>(sbase + kOffEarlyALog + tid * 4, has_a_log ? p.A_log + hv : p.g, has_a_log ? 4 : 0);
     cp_async_commit();
   }
 
@@ -458,9 +457,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
   cp_async_wait_all();
   item_sync<kPingPong>();  // (B): Γ2, beta, q/k/v tiles visible
-  if constexpr (kPingPong) {
-    if (token_barrier != 0) pass_load_turn(token_barrier);  // this item's inputs are in: the other group may load
-  }
+  pass_load_turn<kPingPong>(token_barrier);  // this item's inputs are in: the other group may load
   NextItem next;
   if constexpr (kPrefetchNext) {
     if (p.persistent_prefetch > 0) next = locate_item(p, item + p.persistent_prefetch * static_cast<int>(gridDim.x));
