@@ -45,8 +45,7 @@ for step in "$@"; do
                            -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
     tests:persistent) GPU_LOG_TAG=_persistent timeout 580 bash tools/h200_tests.sh -q -k "persistent" tests/sm90 ;;
     tests:wgmma) GPU_LOG_TAG=_wgmma timeout 580 bash tools/h200_tests.sh -q -k "wgmma" tests/sm90 ;;
-    tests:stages) GPU_LOG_TAG=_stages timeout 580 bash tools/h200_tests.sh -q -k "3_stages or 1_stage" tests/sm90 ;;
-    tests:one-stage) GPU_LOG_TAG=_one_stage timeout 240 bash tools/h200_tests.sh -q -x -k "1_stage" tests/sm90 ;;
+    tests:stages) GPU_LOG_TAG=_stages timeout 580 bash tools/h200_tests.sh -q -k "3_stages" tests/sm90 ;;
     tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
     # (a short cap: a barrier protocol error in the ping-pong kernel would hang rather than fail)
     tests:opt-in) GPU_LOG_TAG=_opt_in timeout 240 bash tools/h200_tests.sh -q -x -k "opt_in_forms" tests/sm90 ;;
@@ -70,13 +69,6 @@ for step in "$@"; do
                       | tee -a "$OUT/profile_kda_sm90.txt"; done ;;
     # the wgmma recurrence with 2 and 3 pipeline stages; the intra kernel's verified and tuned forms
     profile:stages) profile_sm90_knob CULA_SM90_RECURRENCE_STAGES "2 3" 64,128 "$OUT/profile_kda_stages.txt" ;;
-    # the 1-stage recurrence (V blocks of 64, two CTAs per SM) beside 2 stages at 64 and 128
-    profile:one-stage) picked=${PROFILE_CONFIGS:-fixed B2 T4096,fixed B2 T16384,varlen T4096 10xuniform,\
-varlen T4096 20xrandom,varlen T16384 10xuniform,GVA H16 HV64 B2 T8192}
-                       PROFILE_CONFIGS=$picked profile_sm90_knob CULA_SM90_RECURRENCE_STAGES 1 64 \
-                         "$OUT/profile_kda_one_stage.txt"
-                       PROFILE_CONFIGS=$picked profile_sm90_knob CULA_SM90_RECURRENCE_STAGES 2 64,128 \
-                         "$OUT/profile_kda_one_stage.txt" ;;
     profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-0 all all+index all+early-g all+heads-first all+ping-pong all+ping-pong+index}" 64 "$OUT/profile_kda_tuned.txt" ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
@@ -93,9 +85,9 @@ varlen T4096 20xrandom,varlen T16384 10xuniform,GVA H16 HV64 B2 T8192}
                      --configs "${PROFILE_CONFIGS:-fixed B2 T4096,fixed B2 T8192,varlen T4096 10xuniform,varlen T4096 20xrandom,varlen T8192 10xuniform,varlen T16384 10xuniform}" \
                      | tee "$OUT/profile_kda_short.txt" ;;
     *) echo "unknown step: $step" \
-          "(tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:one-stage|:tuned|:opt-in]" \
+          "(tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned|:opt-in]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
-          "profile[:prefetch|:sm90|:stages|:one-stage|:tuned|:short] intra ncu host:gap)" ;;
+          "profile[:prefetch|:sm90|:stages|:tuned|:short] intra ncu host:gap)" ;;
   esac
   echo "=== $step: exit $?"
 done

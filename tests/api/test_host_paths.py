@@ -407,20 +407,7 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES)
     kda.run_kernels(args, block_v=128, recurrence_stages=3)
     assert fake.recurrence[17:20] == (128, True, 3)
-    # 1 stage: V blocks of 64 whatever CULA_BLOCK_V says; an explicit 128 is refused before any launch
-    monkeypatch.setenv(kda.ENV_RECURRENCE_STAGES, "1")
-    monkeypatch.setenv("CULA_BLOCK_V", "128")
-    kda.kda_prefill(args)
-    assert fake.recurrence[17:20] == (64, True, 1)
-    monkeypatch.delenv("CULA_BLOCK_V")
-    kda.run_kernels(args, block_v=32)
-    assert fake.recurrence[17:20] == (32, False, 2)  # mma.sync: 2 stages
-    fake.intra = ()
-    with pytest.raises(ValueError, match="1-stage recurrence.*block_v=128"):
-        kda.run_kernels(args, block_v=128)
-    assert fake.intra == ()  # refused before any launch
-    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES)
-    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="recurrence_stages", bad=(0, 4, True, "3"),
+    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="recurrence_stages", bad=(1, 4, True, "3"),
                       variable=kda.ENV_RECURRENCE_STAGES, bad_value="three")
 
 

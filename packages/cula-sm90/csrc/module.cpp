@@ -96,10 +96,9 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
   if (wgmma && block_v == 32) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: wgmma needs block_v 0 (64), 64 or 128, got 32");
   }
-  if (stages != 2 && !(stages == 3 && wgmma) && !(stages == 1 && wgmma && (block_v == 0 || block_v == 64))) {
-    throw std::invalid_argument("cula_sm90.kda_recurrence: stages must be 2, 3 with wgmma, or 1 with wgmma at block_v "
-                                "0 (64) or 64, got " + std::to_string(stages) + (wgmma ? "" : " without wgmma") +
-                                " at block_v " + std::to_string(block_v));
+  if (stages != 2 && !(stages == 3 && wgmma)) {
+    throw std::invalid_argument("cula_sm90.kda_recurrence: stages must be 2, or 3 with wgmma, got " +
+                                std::to_string(stages) + (wgmma ? "" : " without wgmma"));
   }
   const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state,
                                           state_type, final_state, o, num_seqs, num_value_heads, scale,

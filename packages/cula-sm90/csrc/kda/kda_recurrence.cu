@@ -90,17 +90,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return ptx::
 // [2 halves of 64 columns][64 token rows][128 B], 16-byte chunk c of row r at ((c ^ r) & 7), tiles 1024-byte aligned
 // (w, qg K-major; kg MN-major). Aqk's [64][128 B] tile with chunk ^ (row & 7) already is that layout.
 // kStages: shared-memory pipeline stages, i.e. chunks whose loads are issued ahead of the one computing, minus one.
-// 3 only with kWgmma (whose stages fit three times: 197 KB at kBV = 64, 223 KB at kBV = 128). 1 only with kWgmma at
-// kBV = 64: one stage (67 KB) lets two CTAs share an SM (their 2 x 128 threads at <= 255 registers fit too), so
-// one CTA's loads overlap the other's products; within a CTA, chunk c + 1's w and qg are copied once chunk c's
-// first products have read theirs, the rest once chunk c is done.
+// 3 only with kWgmma (whose stages fit three times: 197 KB at kBV = 64, 223 KB at kBV = 128).
 template <int kBV, bool kWgmma = false, int kStages = 2>
 struct RecurrenceConfig {
   static_assert(kBV == 32 || kBV == 64 || kBV == 128, "kBV must be 32, 64 or 128");
   static_assert(!kWgmma || kBV >= 64, "warpgroup MMAs need whole warpgroups: kBV 64 or 128");
-  static_assert(kStages == 2 || (kStages == 3 && kWgmma) || (kStages == 1 && kWgmma && kBV == 64),
-                "3 stages are built for the warpgroup-MMA kernels only, 1 stage for the one at kBV = 64");
-  static constexpr int kCtasPerSm = kStages == 1 ? 2 : 1;
+  static_assert(kStages == 2 || (kStages == 3 && kWgmma), "3 stages are built for the warpgroup-MMA kernels only");
   static constexpr int kWarps = kBV / 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kVBlocks = kHeadDim / kBV;
@@ -228,33 +223,18 @@ __device__ __forceinline__ void copy_tile(const uint32_t (&dst)[kTensors], const
 }
 
 // Issue the cp.async copies of one chunk's operands into one stage. Rows >= L are zero-filled (never read).
-// kParts: which of a chunk's tiles to copy: kPartWQ (w, qg), kPartRest (kg, u, Aqk, g_last), or both.
-constexpr int kPartWQ = 1;
-constexpr int kPartRest = 2;
-constexpr int kPartAll = kPartWQ | kPartRest;
-
-template <int kBV, bool kWgmma, int kParts = kPartAll>
+template <int kBV, bool kWgmma>
 __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_t stage, int64_t tok0, int L,
                                            int64_t gchunk, int hv, int v0, int tid) {
   using C = RecurrenceConfig<kBV, kWgmma>;  // (the tile offsets within a stage do not depend on kStages)
   const int64_t HV = p.num_value_heads;
   const int64_t row_k = (tok0 * HV + hv) * kHeadDim;  // element offset of (tok0, hv, 0) in [Ttot, HV, 128]
-  if constexpr (kParts == kPartAll) {  // (with kWgmma in the 128-byte-swizzle layout; kg is read MN-major from it)
+  {  // (with kWgmma in the 128-byte-swizzle layout; kg is read MN-major from it)
     const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
     const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.qg) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.kg) + row_k};
     copy_tile<C::kChunksK, C::kThreads, 3, kWgmma>(dst, src, HV * kHeadDim, L, tid);
-  } else if constexpr (kParts == kPartWQ) {
-    const uint32_t dst[2] = {stage + C::kOffW, stage + C::kOffQ};
-    const __nv_bfloat16* const src[2] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
-                                         static_cast<const __nv_bfloat16*>(p.qg) + row_k};
-    copy_tile<C::kChunksK, C::kThreads, 2, kWgmma>(dst, src, HV * kHeadDim, L, tid);
-    return;
-  } else {
-    const uint32_t dst[1] = {stage + C::kOffKG};
-    const __nv_bfloat16* const src[1] = {static_cast<const __nv_bfloat16*>(p.kg) + row_k};
-    copy_tile<C::kChunksK, C::kThreads, 1, kWgmma>(dst, src, HV * kHeadDim, L, tid);
   }
   {
     const uint32_t dst[1] = {stage + C::kOffU};
@@ -283,8 +263,7 @@ __device__ __forceinline__ int stage_index(int c) {
 // ------------------------------------------------------------------------------------------------------------------
 
 template <int kBV, bool kWgmma, int kStages = 2>
-__global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThreads,
-                                  RecurrenceConfig<kBV, kWgmma, kStages>::kCtasPerSm)
+__global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThreads, 1)
     kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
   using C = RecurrenceConfig<kBV, kWgmma, kStages>;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -392,10 +371,8 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
     }
     if constexpr (kWgmma) fence_proxy_async_smem();  // ... and are visible to the warpgroup MMAs' reads
     __syncthreads();      // everyone's copies are visible; everyone is done with chunk c-1's stage
-    // Chunk c + kStages - 1 goes into the stage chunk c - 1 used (with 3 stages one group per chunk, maybe empty;
-    // with 1 stage chunk c + 1 is copied in two parts, below).
-    if constexpr (kStages == 1) {
-    } else if constexpr (kStages == 2) {
+    // Chunk c + kStages - 1 goes into the stage chunk c - 1 used (with 3 stages one group per chunk, maybe empty).
+    if constexpr (kStages == 2) {
       if (c + 1 < num_chunks) {
         const int64_t rem1 = rem - kChunk;
         load_chunk<kBV, kWgmma>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
@@ -448,15 +425,6 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
       wgmma_wait0();
       wgmma_fence_operands(accV);
       wgmma_fence_operands(accO);
-      if constexpr (kStages == 1) {  // every warp's products have read w and qg: chunk c + 1's may overwrite them
-        __syncthreads();
-        if (c + 1 < num_chunks) {
-          const int64_t rem1 = rem - kChunk;
-          load_chunk<kBV, kWgmma, kPartWQ>(p, stage, tok0 + kChunk, static_cast<int>(rem1 < kChunk ? rem1 : kChunk),
-                                           chunk0 + c + 1, hv, v0, tid);
-          cp_async_commit();
-        }
-      }
     } else {
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {  // K = 128 in 8 steps of 16
@@ -566,15 +534,6 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
         *reinterpret_cast<uint4*>(out + dst) = val;
       }
     }
-    if constexpr (kStages == 1) {  // every warp is done with kg, u (o's staging), Aqk and g_last of chunk c
-      __syncthreads();
-      if (c + 1 < num_chunks) {
-        const int64_t rem1 = rem - kChunk;
-        load_chunk<kBV, kWgmma, kPartRest>(p, stage, tok0 + kChunk, static_cast<int>(rem1 < kChunk ? rem1 : kChunk),
-                                           chunk0 + c + 1, hv, v0, tid);
-        cp_async_commit();
-      }
-    }
   }
 
   // ---- final state (fp32, same layout as the initial state)
@@ -627,12 +586,10 @@ cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams& params, int bloc
   }
 }
 
-// The same on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only, with 2 or 3 pipeline stages,
-// or 1 stage (two CTAs per SM) at V blocks of 64.
+// The same on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only, with 2 or 3 pipeline stages.
 cudaError_t launch_kda_recurrence_wgmma_bv(const KdaRecurrenceParams& params, int block_v, int stages,
                                            cudaStream_t stream) {
   using recurrence_detail::launch_recurrence_bv;
-  if (stages == 1) return block_v == 64 ? launch_recurrence_bv<64, true, 1>(params, stream) : cudaErrorInvalidValue;
   if (stages == 3) {
     switch (block_v) {
       case 64: return launch_recurrence_bv<64, true, 3>(params, stream);

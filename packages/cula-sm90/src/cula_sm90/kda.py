@@ -64,9 +64,7 @@ _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bi
                 "all+ping-pong+index": 39}
 # "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
 # flight while one computes (same bits; the mma.sync kernels keep two). Off: on the H200 (2026-11-30) the recurrence
-# was 1-2% faster on fixed batches, 2% slower on varlen, and no faster end to end. "1": one stage at V blocks of 64
-# (the block size it forces), so that two CTAs share an SM, each one's loads overlapping the other's products (same
-# bits); opt-in until timed on the H200.
+# was 1-2% faster on fixed batches, 2% slower on varlen, and no faster end to end.
 ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -195,9 +193,8 @@ def _intra_tuned(persistent: bool) -> int:
 
 
 def _recurrence_stages() -> int:
-    """``CULA_SM90_RECURRENCE_STAGES``: "2" (the default), "3" or "1" (V blocks of 64, two CTAs per SM) pipeline
-    stages for the warpgroup-MMA recurrence."""
-    return env_choice(ENV_RECURRENCE_STAGES, "2", {"1": 1, "2": 2, "3": 3})
+    """``CULA_SM90_RECURRENCE_STAGES``: "2" (the default) or "3" pipeline stages for the warpgroup-MMA recurrence."""
+    return env_choice(ENV_RECURRENCE_STAGES, "2", {"2": 2, "3": 3})
 
 
 def _current_stream(index: int) -> int:
@@ -236,8 +233,7 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     each prefetching the item ``intra_prefetch`` (0, 1 or 2) steps ahead into L2; None: both from
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
-    stages of the warpgroup-MMA recurrence (the mma.sync one always has 2), or 1 (V blocks of 64 only, two CTAs per
-    SM); None: ``CULA_SM90_RECURRENCE_STAGES``.
+    stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
     ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("all" and the opt-in "all+..." ones;
     one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
     """
@@ -248,8 +244,8 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
         raise ValueError(f"intra_prefetch must be 0, 1 or 2, got {intra_prefetch!r}")
     if recurrence_wgmma is not None and not isinstance(recurrence_wgmma, bool):
         raise ValueError(f"recurrence_wgmma must be None or a bool, got {recurrence_wgmma!r}")
-    if recurrence_stages is not None and (recurrence_stages not in (1, 2, 3) or isinstance(recurrence_stages, bool)):
-        raise ValueError(f"recurrence_stages must be None, 1, 2 or 3, got {recurrence_stages!r}")
+    if recurrence_stages is not None and (recurrence_stages not in (2, 3) or isinstance(recurrence_stages, bool)):
+        raise ValueError(f"recurrence_stages must be None, 2 or 3, got {recurrence_stages!r}")
     if intra_tuned is not None and intra_tuned not in _TUNED_FORMS:
         raise ValueError(f"intra_tuned must be None or one of {sorted(_TUNED_FORMS)}, got {intra_tuned!r}")
     persistent = None if intra_ctas is None else (intra_ctas, intra_prefetch)
@@ -275,9 +271,6 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
     if tuned and persistent[0]:
         raise ValueError("the intra kernel's tuned form (CULA_SM90_INTRA_TUNED / intra_tuned) runs one CTA per item: "
                          "it does not combine with persistent CTAs (CULA_SM90_INTRA_PERSISTENT / intra_ctas)")
-    if wgmma and stages == 1 and block_v == 128:
-        raise ValueError("the 1-stage recurrence (CULA_SM90_RECURRENCE_STAGES=1 / recurrence_stages=1) runs V blocks "
-                         "of 64, got block_v=128")
     total = B * T
     if total == 0:  # nothing to launch: empty o, and each sequence's state passes through
         return *empty_prefill_result(args), {}
@@ -307,10 +300,8 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
         final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
             if args.output_final_state else None
         h0 = _aligned(args.initial_state)
-        # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least; 1 stage: 64, CULA_BLOCK_V unread)
-        if block_v == 0:
-            block_v = 64 if wgmma and stages == 1 else \
-                recurrence_block_v(N * HV, sm_count(device), narrowest=64 if wgmma else 32)
+        if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least)
+            block_v = recurrence_block_v(N * HV, sm_count(device), narrowest=64 if wgmma else 32)
         wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
