@@ -1,12 +1,14 @@
 """KDA prefill on the H200: cuLA's backends against FLA Triton ``chunk_kda``, side by side in one process.
 
-    python benchmarks/bench_kda_prefill.py [--out benchmarks/results/kda_prefill_h200.md] [--reps 50]
+    python benchmarks/bench_kda_prefill.py [--out benchmarks/results/kda_prefill_h200.md] [--reps 100] [--rounds 5]
 
 Every contender gets the same inputs and flags: bf16 q/k/v and raw gate, gate / L2 norm / beta sigmoid in kernel,
 safe_gate=True, lower_bound=-5, fp32 initial state, final state out. Time = median of ``--reps`` CUDA-event
-timings after warm-up. FLA runs with FLA_FLASH_KDA=0 (never FlashKDA). The table adds the roofline floor of
-KDA_SPEC.md §8 (measured ceilings 790 TFLOP/s, 4.3 TB/s) and the goal of the native-kernel issue: cula's time
-<= 0.8 x FlashKDA's, judged through FLA in this run (FLA/cula >= 1.25 x FLA/FlashKDA from the issue's anchor run).
+timings after warm-up (each contender's first call apart, then ``--warm-up-s`` of GPU load before the first config),
+taken in ``--rounds`` interleaved rounds over the contenders (``interleaved_ms``). FLA runs with FLA_FLASH_KDA=0
+(never FlashKDA). The table adds the roofline floor of KDA_SPEC.md §8 (measured ceilings 790 TFLOP/s, 4.3 TB/s)
+and the goal of the native-kernel issue: cula's time <= 0.8 x FlashKDA's, judged through FLA in this run
+(FLA/cula >= 1.25 x FLA/FlashKDA from the issue's anchor run).
 """
 
 from __future__ import annotations
@@ -128,10 +130,9 @@ def floor_ms(cfg: Config) -> float:
     return max(flops / PEAK_FLOPS, bytes_ / PEAK_BYTES) * 1e3
 
 
-def time_ms(fn, reps: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+def event_times_ms(fn, reps: int) -> list[float]:
+    """``reps`` CUDA-event timings (ms) of one call of ``fn`` each, the GPU idle before each call (host time to the
+    first launch included, as a caller who waits for each result sees it)."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -140,8 +141,50 @@ def time_ms(fn, reps: int, warmup: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    return times
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def time_ms(fn, reps: int, warmup: int = 5) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return median(event_times_ms(fn, reps))
+
+
+def interleaved_ms(fns: dict, reps: int, rounds: int, warmup: int = 5) -> dict[str, float]:
+    """Median of ``reps`` CUDA-event timings per contender of ``fns`` (name -> zero-argument callable), taken in
+    ``rounds`` rounds that each time every contender in turn (the order rotated by one per round), after ``warmup``
+    calls each. The H200's clocks drift by 5-10% over seconds (the same config measured 0.54 ms in a process's first
+    timings and 0.48 ms a minute later, 2026-11-30); interleaving puts that drift on every contender alike instead of
+    on whichever was timed during a slow spell, which matters for the ratios of the table."""
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    per_round = -(-reps // rounds)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name] += event_times_ms(fns[name], per_round)
+    return {name: median(values) for name, values in samples.items()}
+
+
+def warm_up_gpu(seconds: float) -> None:
+    """Keep the GPU busy with bf16 matmuls for ``seconds``, so that the first config is not timed while its clocks
+    ramp up from idle."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def contenders(extra: tuple[str, ...] = ()) -> dict:
@@ -221,7 +264,10 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/kda_prefill_h200.md")
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=100, help="CUDA-event timings per contender and config")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds the timings are split over (see interleaved_ms)")
+    parser.add_argument("--warm-up-s", type=float, default=3.0, help="seconds of GPU load before the first config")
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
     parser.add_argument("--cutedsl-intra", default=None, choices=tuple(VARIANTS),
                         help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
@@ -233,21 +279,26 @@ def main() -> None:
         os.environ["CULA_CUTE_INTRA"] = args.cutedsl_intra
     runs = contenders(tuple(args.extra))
     rows = []
+    warmed = False
     for cfg in configs():
         if args.only and not any(s in cfg.name for s in args.only.split(",")):
             continue
         kwargs = make_inputs(cfg)
         times: dict[str, float | str] = {}
-        for name, fn in runs.items():
+        ready = {}
+        for name, fn in runs.items():  # first calls (compilation, autotuning) apart from the timings
             try:
                 start = time.perf_counter()
                 fn(kwargs)
                 torch.cuda.synchronize()
-                first = time.perf_counter() - start
-                times[name] = time_ms(lambda fn=fn, kw=kwargs: fn(kw), args.reps)
-                times[name + " first-call s"] = first
+                times[name + " first-call s"] = time.perf_counter() - start
+                ready[name] = lambda fn=fn, kw=kwargs: fn(kw)
             except (NotImplementedError, RuntimeError) as error:
                 times[name] = f"n/a ({str(error)[:60]})"
+        if not warmed:
+            warm_up_gpu(args.warm_up_s)
+            warmed = True
+        times.update(interleaved_ms(ready, args.reps, args.rounds))
         rows.append((cfg, times))
         print(cfg.name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()}, flush=True)
     write_table(rows, args.out)
@@ -256,7 +307,8 @@ def main() -> None:
 def write_table(rows: list, out: str) -> None:
     lines = ["# KDA prefill on the H200: cuLA vs FLA Triton", "", *environment(), "",
              "H=HV=64 unless named, K=V=128, bf16, gate/L2 norm/beta sigmoid in kernel, safe gate lower_bound=-5, "
-             "fp32 h0, final state out. ms = median CUDA-event time. Goal: FLA/cula >= 1.25 x FLA/FlashKDA "
+             "fp32 h0, final state out. ms = median of the CUDA-event timings, taken in interleaved rounds over the "
+             "contenders (`interleaved_ms`; reps and rounds in the command). Goal: FLA/cula >= 1.25 x FLA/FlashKDA "
              "(the issue's anchor ratios), i.e. cula <= 0.8 x FlashKDA.", "",
              "| config | FLA ms | cula-sm90 ms | FLA/cula | anchor FLA/FlashKDA | goal ratio | goal met | floor ms | "
              "cula/floor | cula-cutedsl ms | FLA/cutedsl | cutedsl/sm90 |", "|---" * 12 + "|"]

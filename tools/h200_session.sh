@@ -41,6 +41,8 @@ for step in "$@"; do
     tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q \
                   -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages and not intra_tuned \
                       and not opt_in" ;;
+    tests:cutedsl-varlen) GPU_LOG_TAG=_cutedsl_varlen timeout 300 bash tools/h200_tests.sh -q \
+                            -k "cutedsl and varlen and not prefetch and not 8warps" tests/gpu tests/api ;;
     tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
                            -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
     tests:persistent) GPU_LOG_TAG=_persistent timeout 580 bash tools/h200_tests.sh -q -k "persistent" tests/sm90 ;;
@@ -52,10 +54,10 @@ for step in "$@"; do
     tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k "prefetch or 8warps" tests/cute \
                       tests/gpu ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
-    bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" --reps 30 ;;
+    bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" ;;
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
                    $BENCH_EXTRA ;;
-    bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 --reps 30 \
+    bench-rest) timeout 580 python3 benchmarks/bench_kda_prefill.py --only varlen,GVA,H16 \
                   --out "$OUT/kda_prefill_rest.md" $BENCH_EXTRA $REST_EXTRA ;;
     stress|stress:sm90) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
     stress:cutedsl) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend cutedsl \
@@ -85,7 +87,7 @@ for step in "$@"; do
                      --configs "${PROFILE_CONFIGS:-fixed B2 T4096,fixed B2 T8192,varlen T4096 10xuniform,varlen T4096 20xrandom,varlen T8192 10xuniform,varlen T16384 10xuniform}" \
                      | tee "$OUT/profile_kda_short.txt" ;;
     *) echo "unknown step: $step" \
-          "(tests[:cute|:cutedsl|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned|:opt-in]" \
+          "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned|:opt-in]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:prefetch|:sm90|:stages|:tuned|:short] intra ncu host:gap)" ;;
   esac

@@ -1,6 +1,7 @@
-"""The host-side caches that spare per-call work: checked cu_seqlens boundaries (and the synchronisation they save
-in ``prepare_chunk_indices``) and the device capability. Each test could fail if a cache answered for another
-tensor, another version of one tensor, or another device."""
+"""The host-side caches that spare per-call work: checked cu_seqlens boundaries (the host copy that
+``prepare_chunk_indices`` then builds from, sparing the device's launches and synchronisations) and the device
+capability. Each test could fail if a cache answered for another tensor, another version of one tensor, or another
+device."""
 
 from __future__ import annotations
 
@@ -19,16 +20,16 @@ def _loop_indices(cu: list[int], chunk: int) -> list[list[int]]:
 
 
 @pytest.fixture
-def output_sizes(monkeypatch: pytest.MonkeyPatch) -> list:
-    """The ``output_size`` of every ``torch.repeat_interleave`` call (the real function still runs)."""
+def built_from(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The boundaries tensor every index build read (``cu_seqlens`` itself, or a checked host copy of it)."""
     seen: list = []
-    real = torch.repeat_interleave
+    real = index._chunks_per_sequence
 
-    def spy(*args, output_size=None, **kwargs):
-        seen.append(output_size)
-        return real(*args, output_size=output_size, **kwargs)
+    def spy(cu, chunk_size):
+        seen.append(cu)
+        return real(cu, chunk_size)
 
-    monkeypatch.setattr(torch, "repeat_interleave", spy)
+    monkeypatch.setattr(index, "_chunks_per_sequence", spy)
     return seen
 
 
@@ -60,29 +61,30 @@ def test_checked_values_are_read_once_per_version(monkeypatch: pytest.MonkeyPatc
 
 @pytest.mark.parametrize("cu_list", [[0, 100, 100, 228], [0, 15], [0, 0, 0, 65, 66], [0, 64, 128, 320], [0, 0]],
                          ids=["spec-example", "single", "leading-empty", "exact", "all-empty"])
-def test_indices_of_checked_cu_seqlens_need_no_device_read(cu_list: list[int], output_sizes: list) -> None:
-    """After the check, the row count comes from the host boundaries (no synchronising repeat_interleave)."""
+def test_indices_of_checked_cu_seqlens_need_no_device_read(cu_list: list[int], built_from: list) -> None:
+    """After the check, the indices are built from the checked host copy, not from cu_seqlens (on a GPU: no launch
+    and no synchronising repeat_interleave)."""
     clear_index_cache()
     cu = torch.tensor(cu_list, dtype=torch.int32)
     checked_cu_seqlens_values(cu, cu_list[-1])
     rows = _loop_indices(cu_list, 64)
     assert prepare_chunk_indices(cu, 64).tolist() == rows
-    assert output_sizes == [len(rows), len(rows)]
+    assert len(built_from) == 1 and built_from[0] is not cu and built_from[0].tolist() == cu_list
 
 
-def test_boundaries_of_an_older_version_are_never_used(output_sizes: list) -> None:
+def test_boundaries_of_an_older_version_are_never_used(built_from: list) -> None:
     clear_index_cache()
     cu = torch.tensor([0, 100, 228], dtype=torch.int32)
     checked_cu_seqlens_values(cu, 228)
     cu.copy_(torch.tensor([0, 10, 300], dtype=torch.int32))  # new contents, not checked again
     assert prepare_chunk_indices(cu, 64).tolist() == _loop_indices([0, 10, 300], 64)
-    assert output_sizes == [None, None]  # the stale boundaries (4 rows) were not used: 6 rows
+    assert len(built_from) == 1 and built_from[0] is cu  # the stale host copy was not used
     checked_cu_seqlens_values(cu, 300)
     assert prepare_chunk_indices(cu, 16).tolist() == _loop_indices([0, 10, 300], 16)
-    assert output_sizes[2:] == [20, 20]
+    assert len(built_from) == 2 and built_from[1] is not cu and built_from[1].tolist() == [0, 10, 300]
 
 
-def test_boundaries_of_another_tensor_are_never_used(output_sizes: list) -> None:
+def test_boundaries_of_another_tensor_are_never_used(built_from: list) -> None:
     """A new tensor that reuses a freed one's id (and version 0) gets its own rows."""
     clear_index_cache()
     for length in range(1, 400, 37):
@@ -91,10 +93,10 @@ def test_boundaries_of_another_tensor_are_never_used(output_sizes: list) -> None
         del checked
         cu = torch.tensor([0, 2 * length + 1], dtype=torch.int32)  # may take the freed tensor's id
         assert prepare_chunk_indices(cu, 64).tolist() == _loop_indices([0, 2 * length + 1], 64)
-    assert all(size is None for size in output_sizes)
+        assert built_from[-1] is cu
 
 
-def test_inference_tensors_keep_no_boundaries(output_sizes: list) -> None:
+def test_inference_tensors_keep_no_boundaries(built_from: list) -> None:
     with torch.inference_mode():
         cu = torch.tensor([0, 65, 130], dtype=torch.int32)
         assert checked_cu_seqlens_values(cu, 130) == [0, 65, 130]
@@ -102,7 +104,7 @@ def test_inference_tensors_keep_no_boundaries(output_sizes: list) -> None:
         cu[1] = 10
         assert checked_cu_seqlens_values(cu, 130) == [0, 10, 130]
         assert prepare_chunk_indices(cu, 64).tolist() == [[0, 0], [1, 0], [1, 1]]
-    assert output_sizes == [None] * 4
+        assert len(built_from) == 2 and all(source is cu for source in built_from)
 
 
 @pytest.fixture

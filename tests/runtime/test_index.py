@@ -126,3 +126,89 @@ def test_sequence_order_is_longest_first_and_stable(bounds: list[int], order: li
     assert prepare_sequence_order(cu) is got  # cached
     cu[1:] = cu[-1]  # in place: every sequence but the first is now empty
     assert prepare_sequence_order(cu).tolist() == list(range(len(bounds) - 1))
+
+
+# ---- building from a host copy of cu_seqlens (the validator's checked copy, passed as host=)
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_helpers_build_from_the_host_copy_they_are_given(case: str) -> None:
+    """With ``host=`` the helpers build from that copy, not from ``cu_seqlens``' own values: given a copy of other
+    (valid) boundaries of the same length, they return that copy's indices. (On a GPU, ``cu_seqlens`` and its
+    checked copy hold the same values; the copy spares the device a dozen launches and two synchronisations.)"""
+    from cula_runtime.index import prepare_sequence_order
+
+    clear_index_cache()
+    cu_list, chunk = CASES[case]
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    assert prepare_chunk_indices(cu, chunk, host=cu.clone()).tolist() == _loop_indices(cu_list, chunk)
+    other = [0] + [cu_list[-1] + 7 * i for i in range(1, len(cu_list))]  # same length, other lengths
+    clear_index_cache()
+    host = torch.tensor(other, dtype=torch.int32)
+    assert prepare_chunk_indices(cu, chunk, host=host).tolist() == _loop_indices(other, chunk)
+    expected = [0]
+    for n in range(len(other) - 1):
+        expected.append(expected[-1] + -(-(other[n + 1] - other[n]) // chunk))
+    assert prepare_chunk_offsets(cu, chunk, host=host).tolist() == expected
+    lens = [b - a for a, b in zip(other, other[1:], strict=False)]
+    order = sorted(range(len(lens)), key=lambda n: -lens[n])
+    assert prepare_sequence_order(cu, host=host).tolist() == order
+
+
+def test_validator_keeps_the_checked_host_copy() -> None:
+    """``validate_kda_prefill`` hands the CPU copy it checked to the backends (``cu_seqlens_host``), also for an
+    inference-mode tensor (never cached), and the helpers build from it; None without cu_seqlens."""
+    from cula_runtime.index import prepare_sequence_order
+    from cula_runtime.kda_args import validate_kda_prefill
+
+    def inputs(T: int) -> dict:
+        q = torch.randn(1, T, 2, 16)
+        return dict(q=q, k=torch.randn_like(q), v=torch.randn(1, T, 2, 16), g=-torch.rand(1, T, 2, 16),
+                    beta=torch.rand(1, T, 2))
+
+    clear_index_cache()
+    assert validate_kda_prefill(**inputs(40)).cu_seqlens_host is None
+    for inference in (False, True):
+        with torch.inference_mode(inference):
+            cu = torch.tensor([0, 5, 5, 40], dtype=torch.int32)
+            args = validate_kda_prefill(**inputs(40), cu_seqlens=cu)
+            host = args.cu_seqlens_host
+            assert host is not None and host.device.type == "cpu" and host is not cu and host.tolist() == [0, 5, 5, 40]
+            assert prepare_chunk_indices(cu, 16, host=host).tolist() == [[0, 0], [2, 0], [2, 1], [2, 2]]
+            assert prepare_sequence_order(cu, host=host).tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize("bad", [[0, 5], torch.tensor([0, 5, 9], dtype=torch.int64), torch.tensor([0, 5]),
+                                 torch.tensor([0, 5, 9], dtype=torch.int32).reshape(1, 3)],
+                         ids=["list", "int64", "short", "2-D"])
+def test_host_copy_is_checked(bad) -> None:
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="host must be None or a CPU copy of cu_seqlens"):
+        prepare_chunk_indices(cu, 64, host=bad)
+
+
+@pytest.mark.gpu
+def test_host_built_indices_equal_device_built_ones_and_launch_no_kernel() -> None:
+    """On the GPU: the helpers given the checked host copy return exactly what they build on the device, and launch
+    no kernel to do it (one host-to-device copy per tensor); random varlen batches with empty and 1-token sequences."""
+    from cula_runtime.index import checked_cu_seqlens_host, prepare_sequence_order
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        lens = torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
+        lens[trial % len(lens)] = trial % 2  # an empty or 1-token sequence
+        cu_list = [0, *torch.cumsum(lens, 0).tolist()]
+        with torch.inference_mode():  # uncached: the device path really builds
+            cu = torch.tensor(cu_list, dtype=torch.int32, device="cuda")
+            device_built = (prepare_chunk_indices(cu, 64), prepare_chunk_offsets(cu, 64), prepare_sequence_order(cu))
+            host = checked_cu_seqlens_host(cu, cu_list[-1])
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                host_built = (prepare_chunk_indices(cu, 64, host=host), prepare_chunk_offsets(cu, 64, host=host),
+                              prepare_sequence_order(cu, host=host))
+                torch.cuda.synchronize()
+        for a, b in zip(device_built, host_built, strict=True):
+            assert a.device == b.device and a.dtype == b.dtype and torch.equal(a, b)
+        kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and "memcpy" not in e.name.lower()]
+        assert kernels == [], kernels

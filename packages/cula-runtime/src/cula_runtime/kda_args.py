@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .index import checked_cu_seqlens_values
+from .index import checked_cu_seqlens_host
 
 __all__ = ["KdaPrefillArgs", "validate_kda_prefill", "safe_gate_kernel_rejection", "empty_prefill_result",
            "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
@@ -33,6 +33,8 @@ class KdaPrefillArgs:
 
     Sizes: ``B`` batch rows, ``T`` tokens per row, ``H`` q/k heads, ``HV`` value heads (``HV % H == 0``),
     ``K``/``V`` head dims, ``N`` sequences (``B`` without ``cu_seqlens``, else ``len(cu_seqlens) - 1``).
+    ``cu_seqlens_host``: the CPU copy of ``cu_seqlens`` the validator checked (None without ``cu_seqlens``), for the
+    index helpers' ``host=`` (they then build on the host, with no further synchronisation).
     """
 
     q: torch.Tensor
@@ -60,6 +62,7 @@ class KdaPrefillArgs:
     K: int
     V: int
     N: int
+    cu_seqlens_host: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -209,10 +212,11 @@ def validate_kda_prefill(
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
         # one host copy per (tensor, version): cached, so repeated calls with one cu_seqlens never synchronise
-        checked_cu_seqlens_values(cu_seqlens, T)
+        cu_host = checked_cu_seqlens_host(cu_seqlens, T)
         N = cu_seqlens.numel() - 1
     else:
         N = B
+        cu_host = None
 
     if initial_state is not None:
         state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
@@ -272,7 +276,7 @@ def validate_kda_prefill(
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
         A_log=None if A_log is None else A_log.contiguous(), dt_bias=None if dt_bias is None else dt_bias.contiguous(),
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.contiguous(), state_v_first=state_v_first,
-        B=B, T=T, H=H, HV=HV, K=K, V=V, N=N,
+        B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_host=cu_host,
     )
 
 

@@ -110,8 +110,10 @@ def _indices(args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     if args.cu_seqlens is not None:
         cu = args.cu_seqlens
         # one cache lookup for both (same key as the helpers': identity and version of cu_seqlens), not two
+        host = args.cu_seqlens_host  # (built from the validator's host copy: no launch, no synchronisation)
         indices, offsets = cached_on_version(
-            "sm90_indices", cu, CHUNK, lambda: (prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK))
+            "sm90_indices", cu, CHUNK,
+            lambda: (prepare_chunk_indices(cu, CHUNK, host=host), prepare_chunk_offsets(cu, CHUNK, host=host)),
         )
         return cu, indices, offsets, indices.shape[0]
     key = (args.B, args.T, args.device)
@@ -132,7 +134,7 @@ def _sequence_order(args: Any) -> torch.Tensor | None:
     sequences are equally long) or with ``CULA_SM90_LONGEST_FIRST=0``."""
     if args.cu_seqlens is None or env_value(ENV_LONGEST_FIRST, "1") == "0":
         return None
-    return prepare_sequence_order(args.cu_seqlens)
+    return prepare_sequence_order(args.cu_seqlens, host=args.cu_seqlens_host)
 
 
 class WorkspaceRegion(NamedTuple):

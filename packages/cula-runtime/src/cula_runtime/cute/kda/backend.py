@@ -119,8 +119,8 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         return empty_prefill_result(args)
     B, T, H, HV, K = args.B, args.T, args.H, args.HV, args.K
     device = args.device
-    cu = args.cu_seqlens
-    chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK)
+    cu, cu_host = args.cu_seqlens, args.cu_seqlens_host  # (the index tensors are built from the host copy)
+    chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK, host=cu_host)
     num_chunks = B * -(-T // CHUNK) if cu is None else chunk_indices.shape[0]
     h0 = args.initial_state
     if h0 is not None and h0.dtype != torch.float32:
@@ -147,8 +147,9 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         )
         o, ht, _, _ = recurrence._run(
             qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu,
-            None if cu is None else prepare_chunk_offsets(cu, CHUNK), args.state_v_first, block_v, h=None,
-            v_new=None, gate_per_chunk=True, seq_order=None if cu is None else prepare_sequence_order(cu), N=args.N,
+            None if cu is None else prepare_chunk_offsets(cu, CHUNK, host=cu_host), args.state_v_first, block_v, h=None,
+            v_new=None, gate_per_chunk=True, seq_order=None if cu is None else prepare_sequence_order(cu, host=cu_host),
+            N=args.N,
         )
         return o, ht
     # The "fused" intra variant L2-normalises q/k itself (same bits): prepare then only does the gate and beta.
