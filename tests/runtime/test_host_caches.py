@@ -21,15 +21,21 @@ def _loop_indices(cu: list[int], chunk: int) -> list[list[int]]:
 
 @pytest.fixture
 def built_from(monkeypatch: pytest.MonkeyPatch) -> list:
-    """The boundaries tensor every index build read (``cu_seqlens`` itself, or a checked host copy of it)."""
+    """What every index build read: the ``cu_seqlens`` tensor (a build from its own values), or the boundaries of
+    a checked host copy as a Python list (a build on the host)."""
     seen: list = []
-    real = index._chunks_per_sequence
+    real_tensor, real_list = index._chunks_per_sequence, index._chunk_counts
 
-    def spy(cu, chunk_size):
+    def spy_tensor(cu, chunk_size):
         seen.append(cu)
-        return real(cu, chunk_size)
+        return real_tensor(cu, chunk_size)
 
-    monkeypatch.setattr(index, "_chunks_per_sequence", spy)
+    def spy_list(values, chunk_size):
+        seen.append(list(values))
+        return real_list(values, chunk_size)
+
+    monkeypatch.setattr(index, "_chunks_per_sequence", spy_tensor)
+    monkeypatch.setattr(index, "_chunk_counts", spy_list)
     return seen
 
 
@@ -69,7 +75,7 @@ def test_indices_of_checked_cu_seqlens_need_no_device_read(cu_list: list[int], b
     checked_cu_seqlens_values(cu, cu_list[-1])
     rows = _loop_indices(cu_list, 64)
     assert prepare_chunk_indices(cu, 64).tolist() == rows
-    assert len(built_from) == 1 and built_from[0] is not cu and built_from[0].tolist() == cu_list
+    assert built_from == [cu_list]  # the host copy's boundaries, not the tensor
 
 
 def test_boundaries_of_an_older_version_are_never_used(built_from: list) -> None:
@@ -81,7 +87,7 @@ def test_boundaries_of_an_older_version_are_never_used(built_from: list) -> None
     assert len(built_from) == 1 and built_from[0] is cu  # the stale host copy was not used
     checked_cu_seqlens_values(cu, 300)
     assert prepare_chunk_indices(cu, 16).tolist() == _loop_indices([0, 10, 300], 16)
-    assert len(built_from) == 2 and built_from[1] is not cu and built_from[1].tolist() == [0, 10, 300]
+    assert len(built_from) == 2 and built_from[1] == [0, 10, 300]
 
 
 def test_boundaries_of_another_tensor_are_never_used(built_from: list) -> None:

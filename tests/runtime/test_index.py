@@ -178,6 +178,27 @@ def test_validator_keeps_the_checked_host_copy() -> None:
             assert prepare_sequence_order(cu, host=host).tolist() == [2, 0, 1]
 
 
+@pytest.mark.parametrize("sequences", [3, 700, 5000], ids=["few", "over-4096-chunks", "over-4096-sequences"])
+def test_host_builds_equal_tensor_builds_on_both_sides_of_the_loop_limit(sequences: int) -> None:
+    """The host builds (a Python loop up to 4096 values, torch CPU ops above) give exactly the tensor build's values,
+    with empty and 1-token sequences among random lengths."""
+    from cula_runtime.index import prepare_sequence_order
+
+    gen = torch.Generator().manual_seed(sequences)
+    lens = torch.randint(0, 700, (sequences,), generator=gen)
+    lens[::7] = 0
+    lens[1::11] = 1
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)]).to(torch.int32)
+    clear_index_cache()
+    plain = (prepare_chunk_indices(cu, 64), prepare_chunk_offsets(cu, 64), prepare_sequence_order(cu))
+    clear_index_cache()
+    host = cu.clone()
+    built = (prepare_chunk_indices(cu, 64, host=host), prepare_chunk_offsets(cu, 64, host=host),
+             prepare_sequence_order(cu, host=host))
+    for a, b in zip(plain, built, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("bad", [[0, 5], torch.tensor([0, 5, 9], dtype=torch.int64), torch.tensor([0, 5]),
                                  torch.tensor([0, 5, 9], dtype=torch.int32).reshape(1, 3)],
                          ids=["list", "int64", "short", "2-D"])
