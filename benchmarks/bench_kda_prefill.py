@@ -230,6 +230,16 @@ def _cula_run(kda_prefill, backend: str, env: dict):
     return run
 
 
+def host_loop_ms() -> float:
+    """Best of 5 timings of ``sum(range(10**6))``: how fast this machine's host runs Python."""
+    best = math.inf
+    for _ in range(5):
+        start = time.perf_counter()
+        sum(range(10**6))
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def environment() -> list[str]:
     smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                          capture_output=True, text=True).stdout.strip()
@@ -252,6 +262,8 @@ def environment() -> list[str]:
         f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton_version}, fla-core {fla_version} "
         f"(FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}), Python {platform.python_version()}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
+        f"- host CPU speed: {host_loop_ms():.1f} ms for a Python sum over 10^6 ints (small-T times are mostly host "
+        "time, FLA's above all: lent machines' hosts differ by up to 2x, which moves the ratios)",
         f"- command: `python {' '.join(sys.argv)}`",
         f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', f'default ({DEFAULT_VARIANT})')}, "
         f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}; sm90: "

@@ -271,6 +271,12 @@ def measure(backend: str, cfg: Config, opts: argparse.Namespace, sleep: GpuSleep
             return kda_prefill(**{**kwargs, "cu_seqlens": cu.clone()})
 
         row["eager_fresh_cu_ms"] = time_ms(fresh_cu, opts.reps)
+        cu_cpu = cu.cpu()
+
+        def fresh_cu_with_cpu_copy() -> object:  # the caller's host copy: no synchronisation
+            return kda_prefill(**{**kwargs, "cu_seqlens": cu.clone()}, cu_seqlens_cpu=cu_cpu)
+
+        row["eager_fresh_cu_cpu_ms"] = time_ms(fresh_cu_with_cpu_copy, opts.reps)
     row["back_to_back_us"] = back_to_back_us(call, opts.calls)
     try:
         row["graph_ms"] = graph_ms(call, opts.reps)
@@ -331,11 +337,11 @@ def report(results: list[tuple[str, Config, dict]], costs: list[tuple[str, float
              "waiting for Python). Host stage times: median host wall time of one call, GPU asleep (no launch "
              "waits).", "",
              "| backend | config | eager ms | graph ms | eager - graph us | back-to-back us/call | GPU us (events) | "
-             "eager, new cu_seqlens ms | host us: kda_prefill | validate | select_backend | backend runner | "
-             "GPU busy |", "|---" * 13 + "|"]
+             "eager, new cu_seqlens ms | same, with cu_seqlens_cpu ms | host us: kda_prefill | validate | "
+             "select_backend | backend runner | GPU busy |", "|---" * 14 + "|"]
     for backend, cfg, row in results:
         if "error" in row:
-            lines.append(f"| {backend} | {cfg.name} | {row['error']} |" + " |" * 10)
+            lines.append(f"| {backend} | {cfg.name} | {row['error']} |" + " |" * 11)
             continue
         graph = row["graph_ms"]
         gap = (row["eager_ms"] - graph) * 1e3 if isinstance(graph, float) else None
@@ -345,7 +351,7 @@ def report(results: list[tuple[str, Config, dict]], costs: list[tuple[str, float
         lines.append(
             f"| {backend} | {cfg.name} | {_fmt(row['eager_ms'])} | {_fmt(graph)} | {_fmt(gap, 1)} | "
             f"{_fmt(row['back_to_back_us'], 1)} | {_fmt(row['gpu_us'], 1)} ({row['gpu_events']:.0f}) | "
-            f"{_fmt(row.get('eager_fresh_cu_ms'))} | "
+            f"{_fmt(row.get('eager_fresh_cu_ms'))} | {_fmt(row.get('eager_fresh_cu_cpu_ms'))} | "
             + " | ".join(_fmt(host[name][0], 1) for name in host) + f" | {busy} |")
     lines += ["", "Kernels per call (torch.profiler, mean us):", ""]
     for backend, cfg, row in results:

@@ -84,6 +84,18 @@ BAD = {
                                    ["allow_neg_eigval", "use_beta_sigmoid_in_kernel"]),
     "device-mismatch": (valid(initial_state=torch.zeros(B, HV, K, V, device="meta")), ValueError,
                         ["initial_state", "device"]),
+    "cu-cpu-without-cu": (valid(cu_seqlens_cpu=torch.tensor([0, T], dtype=torch.int32)), ValueError,
+                          ["cu_seqlens_cpu", "pass cu_seqlens"]),
+    "cu-cpu-not-tensor": (varlen(cu_seqlens_cpu=[0, 30, 30, T]), TypeError, ["cu_seqlens_cpu", "torch.Tensor"]),
+    "cu-cpu-not-on-cpu": (varlen(cu_seqlens_cpu=torch.zeros(4, dtype=torch.int32, device="meta")), ValueError,
+                          ["cu_seqlens_cpu", "CPU tensor", "meta"]),
+    "cu-cpu-int64": (varlen(cu_seqlens_cpu=torch.tensor([0, 30, 30, T])), TypeError, ["cu_seqlens_cpu", "int32"]),
+    "cu-cpu-shape": (varlen(cu_seqlens_cpu=torch.tensor([0, 30, T], dtype=torch.int32)), ValueError,
+                     ["cu_seqlens_cpu", "shape of cu_seqlens", "[4]", "[3]"]),
+    "cu-cpu-decreasing": (varlen(cu_seqlens_cpu=torch.tensor([0, 40, 30, T], dtype=torch.int32)), ValueError,
+                          ["cu_seqlens_cpu", "non-decreasing"]),
+    "cu-cpu-last-not-T": (varlen(cu_seqlens_cpu=torch.tensor([0, 30, 30, T + 1], dtype=torch.int32)), ValueError,
+                          ["cu_seqlens_cpu", f"T={T}"]),
 }
 
 
@@ -150,3 +162,26 @@ def test_safe_gate_kernel_rejection_names_each_unsupported_feature() -> None:
         reason = safe_gate_kernel_rejection(args)
         assert reason is not None and words in reason, (words, reason)
     assert "K = V = 64" in safe_gate_kernel_rejection(kernel_args(), head_dim=64)
+
+
+def test_cu_seqlens_cpu_is_checked_in_place_of_cu_seqlens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With cu_seqlens_cpu the validator checks that copy and never copies cu_seqlens to the host (on a GPU: no
+    synchronisation); the backends get the checked copy as ``cu_seqlens_host`` and give the same answer."""
+    from cula_runtime import kda_args
+
+    kwargs = varlen()
+    copied = []
+    real = kda_args.checked_cu_seqlens_host
+
+    def spy(cu, T_):
+        copied.append(cu)
+        return real(cu, T_)
+
+    monkeypatch.setattr(kda_args, "checked_cu_seqlens_host", spy)
+    cpu = kwargs["cu_seqlens"].clone()
+    args = validate_kda_prefill(**kwargs, cu_seqlens_cpu=cpu)
+    assert len(copied) == 1 and copied[0] is cpu  # never cu_seqlens itself
+    assert args.cu_seqlens_host.tolist() == [0, 30, 30, T] and args.cu_seqlens is kwargs["cu_seqlens"]
+    o, ht = kda_prefill(**kwargs, cu_seqlens_cpu=cpu, output_final_state=True)
+    o_ref, ht_ref = kda_prefill(**kwargs, output_final_state=True)
+    assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)

@@ -189,6 +189,30 @@ def _lengths(args) -> list[int]:
     return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
 
 
+@pytest.mark.parametrize("name", ["varlen-6seqs-GVA2-vk", "varlen-3seqs-h0bf16-GVA4"])
+def test_varlen_with_cu_seqlens_cpu_never_synchronises(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kda_prefill with a fresh cu_seqlens on every call and its host copy as cu_seqlens_cpu runs without one
+    synchronisation (torch's sync debug mode raises on any), and gives the bits of the call without the copy; a
+    fresh cu_seqlens without the copy does synchronise (once, to check it), so the test can tell."""
+    from cula.kda import kda_prefill
+
+    _sm90(monkeypatch)
+    case = next(c for c in CASES if c.name == name)
+    kwargs = make_inputs(case, "cuda", seed=3)
+    o_ref, ht_ref = kda_prefill(**kwargs)
+    cpu = kwargs["cu_seqlens"].cpu()
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for _ in range(3):
+            o, ht = kda_prefill(**{**kwargs, "cu_seqlens": kwargs["cu_seqlens"].clone()}, cu_seqlens_cpu=cpu)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            kda_prefill(**{**kwargs, "cu_seqlens": kwargs["cu_seqlens"].clone()})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(o, o_ref) and (ht_ref is None or torch.equal(ht, ht_ref))
+
+
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     _sm90(monkeypatch)
     monkeypatch.delenv("CULA_BACKEND")  # the natural choice, not a forced one

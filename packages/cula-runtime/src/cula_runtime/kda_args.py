@@ -112,6 +112,25 @@ _FLAG_NAMES = ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_ker
                "allow_neg_eigval", "safe_gate", "state_v_first")
 
 
+def _checked_cpu_copy(cu_seqlens_cpu: object, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """``cu_seqlens_cpu`` checked as the host copy of ``cu_seqlens`` (a CPU int32 tensor of its shape) holding valid
+    boundaries for ``T`` tokens; returns the checked copy (cached per tensor and version)."""
+    if not isinstance(cu_seqlens_cpu, torch.Tensor):
+        raise TypeError(f"cu_seqlens_cpu must be a torch.Tensor or None, got {type(cu_seqlens_cpu).__name__}")
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got device "
+                         f"{cu_seqlens_cpu.device}")
+    if cu_seqlens_cpu.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens_cpu must have dtype torch.int32, got {cu_seqlens_cpu.dtype}")
+    if cu_seqlens_cpu.shape != cu_seqlens.shape:
+        raise ValueError(f"cu_seqlens_cpu must have the shape of cu_seqlens ({list(cu_seqlens.shape)}), got "
+                         f"{list(cu_seqlens_cpu.shape)}")
+    try:
+        return checked_cu_seqlens_host(cu_seqlens_cpu, T)
+    except ValueError as error:
+        raise ValueError(f"cu_seqlens_cpu: {error}") from None
+
+
 def validate_kda_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,6 +150,7 @@ def validate_kda_prefill(
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> KdaPrefillArgs:
     """Check every ``kda_prefill`` argument (see ``cula.kda.kda_prefill`` for their meaning).
 
@@ -211,10 +231,15 @@ def validate_kda_prefill(
             raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
-        # one host copy per (tensor, version): cached, so repeated calls with one cu_seqlens never synchronise
-        cu_host = checked_cu_seqlens_host(cu_seqlens, T)
+        if cu_seqlens_cpu is None:
+            # one host copy per (tensor, version): cached, so repeated calls with one cu_seqlens never synchronise
+            cu_host = checked_cu_seqlens_host(cu_seqlens, T)
+        else:  # the caller's host copy: checked instead, and cu_seqlens itself never read (no synchronisation)
+            cu_host = _checked_cpu_copy(cu_seqlens_cpu, cu_seqlens, T)
         N = cu_seqlens.numel() - 1
     else:
+        if cu_seqlens_cpu is not None:
+            raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens: pass cu_seqlens (on q's device) with it")
         N = B
         cu_host = None
 

@@ -31,6 +31,7 @@ def kda_prefill(
     dt_bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward over whole sequences (prefill), on the best backend for the tensors' device.
 
@@ -53,6 +54,11 @@ def kda_prefill(
         A_log: ``[HV]`` fp32, for the in-kernel gate. dt_bias: ``[HV * K]`` or ``[HV, K]`` fp32, optional.
         cu_seqlens: int32 ``[N + 1]`` cumulative lengths of a packed batch (then ``B`` must be 1).
         state_v_first: states laid out ``[N, HV, V, K]``.
+        cu_seqlens_cpu: the same boundaries as ``cu_seqlens`` in a CPU int32 tensor, if the caller has them (a
+            serving engine builds its batches on the host). The checks and the chunk indices then read this copy,
+            and a call with a new ``cu_seqlens`` never synchronises with the GPU; without it, each new
+            ``cu_seqlens`` is copied to the host once (one synchronisation). Its values are not compared with
+            ``cu_seqlens``' (that would synchronise): they must be equal.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 or ``None``.
@@ -65,6 +71,6 @@ def kda_prefill(
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
-        state_v_first,
+        state_v_first, cu_seqlens_cpu,
     )
     return select_backend(args)(args)
