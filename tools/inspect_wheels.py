@@ -422,17 +422,17 @@ extension = cula_sm90.load_extension()
 
 def refusal(**bad):
     # kda_intra's host checks run before any CUDA call: 100 tokens in 2 chunks, 1 head, null pointers
-    args = dict(tuned=3, fixed_len=0)
+    args = dict(tuned=3, persistent_ctas=0)
     args.update(bad)
     try:
         extension.kda_intra(0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 100, 2, 1, 1, 1.0, -5.0, False, False, False, False,
-                            0, 0, 0, 0, 0, 0, 0, 0, args["tuned"], args["fixed_len"], 0)
+                            0, 0, 0, 0, 0, 0, args["persistent_ctas"], 0, args["tuned"], 0)
     except Exception as error:
         return [type(error).__name__, str(error)]
     return None
 
 print(json.dumps({
-    "refusals": {"tuned": refusal(tuned=5), "fixed_len": refusal(fixed_len=30)},
+    "refusals": {"tuned": refusal(tuned=7), "persistent_ctas": refusal(persistent_ctas=-1)},
     "shim_version": cula_sm90.__version__,
     "version": extension.version(),
     "archs": extension.compiled_archs(),

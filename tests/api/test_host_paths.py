@@ -212,7 +212,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
         (o, ht), ws = kda.kda_prefill(args), None
 
     a = fake.intra
-    assert len(a) == 33
+    assert len(a) == 32
     assert a[:5] == tuple(x.data_ptr() for x in (args.q, args.k, args.v, args.g, args.beta))
     if args.A_log is not None:  # converted to fp32 for the kernel (read during the launch: a temporary)
         assert fake.read[5] == args.A_log.float().tolist() and fake.read[6] == args.dt_bias.float().tolist()
@@ -227,9 +227,8 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
-    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, both tuned forms (the default), the fixed
-    # sequence length (0: varlen), the stream
-    assert a[28:33] == (0, 0, 3, args.T if args.cu_seqlens is None else 0, 777)
+    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, both tuned forms (the default), the stream
+    assert a[28:32] == (0, 0, 3, 777)
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
@@ -412,16 +411,14 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|all+index|all+early-g|all+heads-first|all+ping-pong[+index] (or
-    run_kernels(intra_tuned=...)) asks for the intra kernel's tuned forms as the bit set 0|1|2|3|7|11|19|35|39, "all"
-    when unset; asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are
+    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all (or run_kernels(intra_tuned=...)) asks for the intra kernel's tuned
+    forms as the bit set 0|1|2|3, "all" when unset; asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are
     ValueErrors naming the variable or argument, before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.intra[28:31] == (0, 0, 3)
-    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("all+index", 7), ("all+early-g", 11),
-                        ("all+heads-first", 19), ("all+ping-pong", 35), ("all+ping-pong+index", 39), ("0", 0)):
+    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)
         assert fake.intra[28:31] == (0, 0, bits), value

@@ -49,23 +49,14 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
               int num_heads, int num_value_heads, float scale, float lower_bound, bool l2norm_qk,
               bool gate_in_kernel, bool beta_sigmoid, bool allow_neg_eigval, std::uintptr_t qg, std::uintptr_t kg,
               std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, int persistent_ctas,
-              int persistent_prefetch, int tuned, int fixed_len, std::uintptr_t stream) {
+              int persistent_prefetch, int tuned, std::uintptr_t stream) {
   if (persistent_ctas < 0) {
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
                                 std::to_string(persistent_ctas));
   }
-  const bool known_form =
-      (tuned >= 0 && tuned <= 3) || tuned == 7 || tuned == 11 || tuned == 19 || tuned == 35 || tuned == 39;
-  if (!known_form || (tuned != 0 && persistent_ctas > 0)) {
-    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2, 3, 7, 11, 19, 35 or 39, and 0 with "
-                                "persistent CTAs; got " + std::to_string(tuned));
-  }
-  // fixed_len > 0 replaces the index loads of the kTunedIndex kernel: it must describe exactly the chunks launched
-  if (fixed_len < 0 || (fixed_len > 0 && (num_tokens % fixed_len != 0 ||
-                                          static_cast<int64_t>(num_tokens / fixed_len) * ((fixed_len + 63) / 64) !=
-                                              num_chunks))) {
-    throw std::invalid_argument("cula_sm90.kda_intra: fixed_len must be 0 or a sequence length that divides "
-                                "num_tokens into num_chunks chunks of 64; got " + std::to_string(fixed_len));
+  if (tuned < 0 || tuned > 3 || (tuned != 0 && persistent_ctas > 0)) {
+    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2 or 3, and 0 with persistent CTAs; got " +
+                                std::to_string(tuned));
   }
   if (persistent_prefetch < 0 || persistent_prefetch > 2) {
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_prefetch must be 0, 1 or 2, got " +
@@ -75,7 +66,7 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
                                      chunk_indices, chunk_offsets, num_tokens, num_chunks, num_heads,
                                      num_value_heads, scale, lower_bound, l2norm_qk, gate_in_kernel, beta_sigmoid,
                                      allow_neg_eigval, qg, kg, w, u, Aqk, g_last, persistent_ctas,
-                                     persistent_prefetch, tuned, fixed_len};
+                                     persistent_prefetch, tuned};
   int code;
   {
     py::gil_scoped_release release;

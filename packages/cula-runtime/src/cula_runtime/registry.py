@@ -84,9 +84,7 @@ KERNELS: tuple[KernelEntry, ...] = (
                 "recurrence on warpgroup MMAs (K = V = 128, bf16, safe gate); the opt-in persistent intra kernel "
                 "(CULA_SM90_INTRA_PERSISTENT), the first verified intra kernel (CULA_SM90_INTRA_TUNED=0), the "
                 "mma.sync recurrence (CULA_SM90_RECURRENCE_WGMMA=0) and the 3-stage one "
-                "(CULA_SM90_RECURRENCE_STAGES=3) also ran on the H200 (bit-identical / within the fp64 bounds); the "
-                "opt-in CULA_SM90_INTRA_TUNED=all+index|all+early-g|all+heads-first|all+ping-pong[+index] kernels are "
-                "compiled for sm_90a and have not run on a GPU in this form",
+                "(CULA_SM90_RECURRENCE_STAGES=3) also ran on the H200 (bit-identical / within the fp64 bounds)",
     ),
     KernelEntry(
         name="kda_prepare_cute", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),

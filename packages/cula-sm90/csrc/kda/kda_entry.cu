@@ -55,7 +55,6 @@ int kda_intra(const KdaIntraArgs& a, std::uintptr_t stream) {
   p.g_last = as_ptr<float>(a.g_last);
   p.persistent_ctas = a.persistent_ctas;
   p.persistent_prefetch = a.persistent_prefetch;
-  p.fixed_len = a.fixed_len;
   return static_cast<int>(cula::sm90::launch_kda_intra(p, a.tuned, reinterpret_cast<cudaStream_t>(stream)));
 }
 

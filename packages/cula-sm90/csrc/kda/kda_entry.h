@@ -17,7 +17,6 @@ struct KdaIntraArgs {
   int persistent_ctas;      // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs
   int persistent_prefetch;  // 0, 1 or 2: which later item a persistent CTA prefetches into L2 (0: none)
   int tuned;                // the one-CTA-per-item kernel's tuned forms, a bit set (kda_params.h); 0: verified
-  int fixed_len;            // > 0: every sequence has this many tokens; 0: varlen
 };
 
 struct KdaRecurrenceArgs {

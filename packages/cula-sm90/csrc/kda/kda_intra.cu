@@ -1,12 +1,8 @@
 // Kernel 1 of the split SM90 KDA prefill ("intra"): its launchers, and the persistent form. The per-item code and
-// the one-CTA-per-item kernel are in kda_intra_item.cuh; the opt-in tuned forms are compiled in their own translation
-// unit (kda_intra_tuned.cu): instantiated here, they change how nvcc compiles the other kernels of this file.
+// the one-CTA-per-item kernel are in kda_intra_item.cuh.
 #include "kda/kda_intra_item.cuh"
 
 namespace cula::sm90 {
-
-cudaError_t launch_kda_intra_opt_in(const KdaIntraParams& params, int tuned, cudaStream_t stream);
-
 namespace {
 
 // Persistent: gridDim.x CTAs walk the items (chunk, value head) with stride gridDim.x, value head fastest, each
@@ -45,7 +41,7 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream
     case kTunedNorm: return launch_one_cta_per_item<kTunedNorm>(params, stream);
     case kTunedInverse: return launch_one_cta_per_item<kTunedInverse>(params, stream);
     case kTunedNorm | kTunedInverse: return launch_one_cta_per_item<kTunedNorm | kTunedInverse>(params, stream);
-    default: return launch_kda_intra_opt_in(params, tuned, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 

@@ -8,9 +8,8 @@
 //
 // One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), with the tuned forms kTunedNorm and
 // kTunedInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value head) items, each
-// prefetching its next item's rows into L2 while it computes the current one; or (kTunedPingPong, opt-in,
-// kda_intra_tuned.cu) one CTA per SM of two such groups taking turns to load. 103.25 KiB of dynamic shared memory per
-// item, so two items fit on an SM. Phases (every arrow is a barrier of the item's threads, item_sync):
+// prefetching its next item's rows into L2 while it computes the current one. 103.25 KiB of dynamic shared memory
+// per CTA, so two fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
 //   1b   per-column anchor factors 2^{Γ2[n_J]}, 2^{Γ2[L-1]-Γ2[n_J]}, 2^{Γ2[n_I]-Γ2[n_J]} (n_J = 16 J)
 //   2a   elementwise, warp = full rows: l2norm, a = 2^{Γ2-Γ2[n]}, b = 2^{Γ2[n]-Γ2}; qg, kg -> global;
@@ -69,10 +68,6 @@ constexpr uint32_t kOffT = 20480;    // bf16 [64][64] (swz128): Tinv, the A oper
 constexpr uint32_t kOffKoff = kOffG;           // bf16 6 x [16][128] (swz256)
 constexpr uint32_t kOffAqk = kOffG + 24576;    // bf16 [64][64] (swz128)
 constexpr uint32_t kOffTot = kOffX;            // fp32 [8][128]: cumsum segment totals
-// kTunedEarlyG, until barrier (B): each thread's copy of dt_bias (its 4 columns) and of A_log, over sF/sE/sD
-constexpr uint32_t kOffEarlyBias = kOffF;          // fp32 [256][4]
-constexpr uint32_t kOffEarlyALog = kOffF + 4096;   // fp32 [256]
-static_assert(kOffEarlyALog + 1024 <= kOffBeta, "the early gate parameters overlap beta");
 static_assert(kOffT + 8192 <= kOffV, "Tinv staging overlaps the u right-hand side");
 static_assert(kOffAqk + 8192 == kOffF, "Aqk staging must end where Γ2 ends");
 
@@ -151,21 +146,6 @@ __device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, flo
   for (int pp = 0; pp < 8; ++pp) r[pp] = __shfl_sync(0xffffffffu, mine, ((pp >> 2) << 4) | (((pp >> 1) & 1) << 3) | ((pp & 1) << 2));
 }
 
-// The barrier of one item's threads: the whole CTA (__syncthreads), or in the ping-pong kernel (kGroup) the 256
-// threads of the item's group (threads 256 * group ..), on named barrier 1 + group. The group is read from %tid.x
-// afresh each time (a volatile read, not kept in a register: the per-item code runs at the 128-register cap, and a
-// group register live through it spilled).
-template <bool kGroup>
-__device__ __forceinline__ void item_sync() {
-  if constexpr (kGroup) {
-    uint32_t t;
-    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
-    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + (t >> 8)) : "memory");
-  } else {
-    __syncthreads();
-  }
-}
-
 // sum over m in [m_begin, m_end) of row[m] * tile[m * stride + 0 .. kN-1] (kN = 2 or 4 consecutive fp32 columns; the
 // bounds are per thread, the loop unrolled over kM rows).
 template <int kN, int kM>
@@ -198,7 +178,6 @@ __device__ __forceinline__ void row_times_tile(const float* row, const float* ti
 //   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y      (32 x 32, Y in the free Γ2 region)
 // with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1. The same products as the block forward
 // substitution, grouped so that all 8 warps work in every stage; the upper blocks of sA (stale data) are never read.
-template <bool kGroup>
 __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sX = reinterpret_cast<float*>(smem + kOffP);  // [2][16][16]
@@ -209,21 +188,21 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
     float x[2];  // X = A_BA T_AA
     row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * A, sA + 16 * A * kAStride + 16 * A + c, kAStride, 0, 16, x);
     *reinterpret_cast<float2*>(sX + (16 * pr + r) * 16 + c) = make_float2(x[0], x[1]);
-    item_sync<kGroup>();
+    __syncthreads();
     float t[2];  // T_BA = -T_BB X
     row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * B, sX + 16 * pr * 16 + c, 16, 0, 16, t);
     const int R = 16 * B + r, Cc = 16 * A + c;
     *reinterpret_cast<float2*>(sA + R * kAStride + Cc) = make_float2(-t[0], -t[1]);
     *reinterpret_cast<uint32_t*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) = pack_bf16x2(-t[0], -t[1]);
   }
-  item_sync<kGroup>();
+  __syncthreads();
   {  // level 2: thread = (row r of 32, 4 columns)
     const int r = tid >> 3, c = 4 * (tid & 7);
     // Y = A_hl T_lo: T_lo's block (0, 1) is zero, so columns of block 1 take rows m >= 16 only
     float y[4];
     row_times_tile<4, 32>(sA + (32 + r) * kAStride, sA + c, kAStride, c < 16 ? 0 : 16, 32, y);
     *reinterpret_cast<float4*>(sY + r * 32 + c) = make_float4(y[0], y[1], y[2], y[3]);
-    item_sync<kGroup>();
+    __syncthreads();
     // T_hl = -T_hi Y: T_hi's block (2, 3) is zero, so rows of block 2 take m < 16 only
     float t[4];
     row_times_tile<4, 32>(sA + (32 + r) * kAStride + 32, sY + c, 32, 0, r < 16 ? 16 : 32, t);
@@ -233,62 +212,33 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
     *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, c >> 3) + (c & 7) * 2) =
         make_uint2(pack_bf16x2(neg.x, neg.y), pack_bf16x2(neg.z, neg.w));
   }
-  item_sync<kGroup>();
+  __syncthreads();
 }
 
 // kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse is the default.
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
-// Opt-in forms, each in its own bit so that the H200 can time them apart (kda_intra_tuned.cu):
-constexpr int kTunedIndex = 4;       // fixed lengths: the item located by arithmetic, without the two index loads
-constexpr int kTunedEarlyG = 8;      // g's rows and the gate's parameters copied first, in their own cp.async group
-constexpr int kTunedHeadsFirst = 16;  // a 1-D grid, value head fastest (the default grid runs chunks fastest)
-constexpr int kTunedPingPong = 32;    // two items per CTA in two groups whose load phases alternate (below)
-
-// Ping-pong kernel (kPingPong) only: let the other group of the CTA load its next item, by bar.arrive with the 256
-// threads of this group on the named barrier it waits on (its 256 make up the count of 512); barrier 0: it has none.
-template <bool kPingPong>
-__device__ __forceinline__ void pass_load_turn(int barrier) {
-  if constexpr (kPingPong) {
-    if (barrier != 0) asm volatile("bar.arrive %0, 512;\n" ::"r"(barrier) : "memory");
-  }
-}
-
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
 // have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
-// token_barrier (ping-pong kernel only): the named barrier to arrive on (pass_load_turn) once this item's inputs are
-// in shared memory, or at once for an item with no rows; 0 when the other group has no next item.
 template <bool kPrefetchNext, int kTuned = 0>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
-                                           const int item, const int token_barrier = 0) {
-  constexpr bool kPingPong = (kTuned & kTunedPingPong) != 0;
-  const int tid = kPingPong ? static_cast<int>(threadIdx.x & 255) : static_cast<int>(threadIdx.x);
+                                           const int item) {
+  const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int HV = p.num_value_heads;
   const int H = p.num_heads;
   const int h = hv / (HV / H);
 
-  constexpr bool kIndexByArithmetic = (kTuned & kTunedIndex) != 0;
-  constexpr bool kEarlyG = (kTuned & kTunedEarlyG) != 0;
-  // kTunedIndex with B sequences of fixed_len tokens: chunk ci is (ci / nt, ci % nt), no index loads
-  const bool fixed = kIndexByArithmetic && p.fixed_len > 0;
-  const int nt = fixed ? (p.fixed_len + 63) >> 6 : 1;
-  const int seq = fixed ? ci / nt : p.chunk_indices[2 * ci];
-  const int cic = fixed ? ci - seq * nt : p.chunk_indices[2 * ci + 1];
-  if (seq < 0) {  // padding row (static chunk_indices)
-    pass_load_turn<kPingPong>(token_barrier);
-    return;
-  }
-  const int bos = fixed ? seq * p.fixed_len : p.cu_seqlens[seq];
-  const int eos = fixed ? bos + p.fixed_len : p.cu_seqlens[seq + 1];
+  const int seq = p.chunk_indices[2 * ci];
+  const int cic = p.chunk_indices[2 * ci + 1];
+  if (seq < 0) return;  // padding row (static chunk_indices)
+  const int bos = p.cu_seqlens[seq];
+  const int eos = p.cu_seqlens[seq + 1];
   const int t0 = bos + cic * 64;
   const int L = min(64, eos - t0);
-  if (L <= 0) {
-    pass_load_turn<kPingPong>(token_barrier);
-    return;
-  }
+  if (L <= 0) return;
 
   const uint32_t sbase = smem_addr(smem);
   float* sG = reinterpret_cast<float*>(smem + kOffG);
@@ -297,33 +247,6 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   float* sD = reinterpret_cast<float*>(smem + kOffD);
   float* sBeta = reinterpret_cast<float*>(smem + kOffBeta);
   float* sTot = reinterpret_cast<float*>(smem + kOffTot);
-
-  // kTunedEarlyG: this thread's g rows (phase 1's layout below) by cp.async into its own Γ2 slots, one group
-  // issued before q/k/v's, so they arrive first; phase 1 waits for that group only, and no other thread reads them.
-  if constexpr (kEarlyG) {
-    const int c0 = 4 * lane;
-    const int rbase = 8 * warp;
-    const bool fp32 = p.g_type == ScalarType::kFloat32;
-    const int64_t g0 = (static_cast<int64_t>(t0) * HV + hv) * kD + c0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int row = rbase + j;
-      const int64_t gi = g0 + static_cast<int64_t>(row < L ? row : 0) * HV * kD;
-      const uint32_t dst = smem_addr(sG + row * kD + c0);
-      if (fp32) {
-        cp_async_16(dst, static_cast<const float*>(p.g) + gi, row < L ? 16 : 0);
-      } else {
-        cp_async_ca<8>(dst, static_cast<const unsigned short*>(p.g) + gi, row < L ? 8 : 0);
-      }
-    }
-    // and the gate's parameters (in shared memory that phase 1b fills only after barrier (B)): loads to registers
-    // would be scheduled after phase 1's wait, and start only then
-    const bool has_bias = p.gate_in_kernel && p.dt_bias != nullptr;
-    const bool has_a_log = p.gate_in_kernel && p.A_log != nullptr;
-    cp_async_16(sbase + kOffEarlyBias + tid * 16, has_bias ? p.dt_bias + hv * kD + c0 : p.g, has_bias ? 16 : 0);
-    cp_async_ca<4>(sbase + kOffEarlyALog + tid * 4, has_a_log ? p.A_log + hv : p.g, has_a_log ? 4 : 0);
-    cp_async_commit();
-  }
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 0: q, k, v tiles by cp.async (rows >= L zero-filled, never read).
@@ -374,23 +297,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     float gv[8][4];
     const int64_t gstride = static_cast<int64_t>(HV) * kD;
     const int64_t g0 = (static_cast<int64_t>(t0 + rbase) * HV + hv) * kD + c0;
-    float4 early_bias = make_float4(0.f, 0.f, 0.f, 0.f);  // kTunedEarlyG: the gate's parameters, copied with g
-    float early_a_log = 0.f;
-    if constexpr (kEarlyG) {
-      cp_async_wait_group<1>();  // this thread's g rows and gate parameters (q/k/v may still be in flight)
-      early_bias = *reinterpret_cast<const float4*>(smem + kOffEarlyBias + tid * 16);  // zero-filled when absent
-      early_a_log = *reinterpret_cast<const float*>(smem + kOffEarlyALog + tid * 4);
-    }
     if (p.g_type == ScalarType::kBFloat16) {
       const unsigned short* gp = static_cast<const unsigned short*>(p.g) + g0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         uint2 raw = make_uint2(0u, 0u);  // rows >= L: g = 0 (Γ constant past the end)
-        if constexpr (kEarlyG) {
-          raw = *reinterpret_cast<const uint2*>(sG + (rbase + j) * kD + c0);  // zero-filled past L
-        } else if (rbase + j < L) {
-          raw = __ldg(reinterpret_cast<const uint2*>(gp + j * gstride));
-        }
+        if (rbase + j < L) raw = __ldg(reinterpret_cast<const uint2*>(gp + j * gstride));
         gv[j][0] = bf16_lo(raw.x);
         gv[j][1] = bf16_hi(raw.x);
         gv[j][2] = bf16_lo(raw.y);
@@ -401,11 +313,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float4 raw = make_float4(0.f, 0.f, 0.f, 0.f);
-        if constexpr (kEarlyG) {
-          raw = *reinterpret_cast<const float4*>(sG + (rbase + j) * kD + c0);
-        } else if (rbase + j < L) {
-          raw = __ldg(reinterpret_cast<const float4*>(gp + j * gstride));
-        }
+        if (rbase + j < L) raw = __ldg(reinterpret_cast<const float4*>(gp + j * gstride));
         gv[j][0] = raw.x;
         gv[j][1] = raw.y;
         gv[j][2] = raw.z;
@@ -416,13 +324,13 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       // g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) = lb / (1 + 2^{(g + bias) * (-exp(A_log) log2 e)})
       float bias[4] = {0.f, 0.f, 0.f, 0.f};
       if (p.dt_bias != nullptr) {
-        const float4 b4 = kEarlyG ? early_bias : __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * kD + c0));
+        const float4 b4 = __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * kD + c0));
         bias[0] = b4.x;
         bias[1] = b4.y;
         bias[2] = b4.z;
         bias[3] = b4.w;
       }
-      const float mult = p.A_log != nullptr ? expf(kEarlyG ? early_a_log : __ldg(p.A_log + hv)) : 1.f;
+      const float mult = p.A_log != nullptr ? expf(__ldg(p.A_log + hv)) : 1.f;
       const float m2 = -mult * kLog2e;
       const float lb = p.lower_bound;
 #pragma unroll
@@ -438,7 +346,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int i = 0; i < 4; ++i) gv[j][i] += gv[j - 1][i];
     *reinterpret_cast<float4*>(sTot + warp * kD + c0) = make_float4(gv[7][0], gv[7][1], gv[7][2], gv[7][3]);
-    item_sync<kPingPong>();  // (A)
+    __syncthreads();  // (A)
     float off[4] = {0.f, 0.f, 0.f, 0.f};
     for (int sgi = 0; sgi < warp; ++sgi) {
       const float4 t = *reinterpret_cast<const float4*>(sTot + sgi * kD + c0);
@@ -456,8 +364,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     }
   }
   cp_async_wait_all();
-  item_sync<kPingPong>();  // (B): Γ2, beta, q/k/v tiles visible
-  pass_load_turn<kPingPong>(token_barrier);  // this item's inputs are in: the other group may load
+  __syncthreads();  // (B): Γ2, beta, q/k/v tiles visible
   NextItem next;
   if constexpr (kPrefetchNext) {
     if (p.persistent_prefetch > 0) next = locate_item(p, item + p.persistent_prefetch * static_cast<int>(gridDim.x));
@@ -487,7 +394,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       sD[pair_index(3, 2) * kD + c] = ex2_full(G3 - G2);
     }
   }
-  item_sync<kPingPong>();  // (C)
+  __syncthreads();  // (C)
   if constexpr (kPrefetchNext) prefetch_item_l2(p, next, tid);
 
   // ------------------------------------------------------------------------------------------------------
@@ -597,7 +504,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  item_sync<kPingPong>();  // (D): Γ2 no longer needed
+  __syncthreads();  // (D): Γ2 no longer needed
 
   // Phase 2b: off-diagonal column operands bf16(k_j e^{Γ_{n_I} - Γ_j}) for key sub-chunk J < I, tile rows 0..15.
   {
@@ -616,7 +523,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  item_sync<kPingPong>();  // (E)
+  __syncthreads();  // (E)
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 3: Aqk and Akk, 10 lower 16x16 blocks (I >= J) over K = 128 (8 k-steps of 16).
@@ -679,7 +586,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         }
       }
     }
-    item_sync<kPingPong>();  // (F): all operand tiles consumed
+    __syncthreads();  // (F): all operand tiles consumed
 
     float* sA = reinterpret_cast<float*>(smem + kOffA);
 #pragma unroll
@@ -719,7 +626,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  item_sync<kPingPong>();  // (G): Akk complete in sA
+  __syncthreads();  // (G): Akk complete in sA
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 4: Tinv = (I + Akk)^-1 in fp32, in place in sA; its bf16 copy goes to sT.
@@ -749,9 +656,9 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
           static_cast<unsigned short>(w & 0xffffu);
     }
   }
-  item_sync<kPingPong>();  // (H)
+  __syncthreads();  // (H)
   if constexpr ((kTuned & kTunedInverse) != 0) {
-    inverse_by_doubling<kPingPong>(smem, tid);
+    inverse_by_doubling(smem, tid);
   } else {
   // 4b: block forward substitution, row block I = 1..3:
   //   P_IJ = Σ_{M=J}^{I-1} A_IM Tinv_MJ;  Tinv_IJ = -Tinv_II P_IJ   (J < I; thread = (J, row r, 4 columns))
@@ -780,7 +687,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         }
         *reinterpret_cast<float4*>(sP + (J * 16 + r) * 16 + 4 * cg) = acc;
       }
-      item_sync<kPingPong>();
+      __syncthreads();
       if (act) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         const float* trow = sA + (16 * I + r) * kAStride + 16 * I;  // Tinv_II row r (zero above the diagonal)
@@ -800,7 +707,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
             make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
       }
-      item_sync<kPingPong>();
+      __syncthreads();
     }
   }
   }
@@ -848,7 +755,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  item_sync<kPingPong>();
+  __syncthreads();
   {
     __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w);
     __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u);
@@ -867,30 +774,20 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
 }
 
-// One CTA per (chunk, value head). kTuned: the tuned forms it enables (kTunedNorm, kTunedInverse and the opt-in ones
-// above; summation orders differ, so the bits may). kTunedNorm | kTunedInverse is the default since the H200 checked
-// and timed it (2026-11-30).
+// One CTA per (chunk, value head). kTuned: the tuned forms it enables (kTunedNorm, kTunedInverse; summation orders
+// differ, so the bits may). kTunedNorm | kTunedInverse is the default since the H200 checked and timed it
+// (2026-11-30).
 template <int kTuned>
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  if constexpr ((kTuned & kTunedHeadsFirst) != 0) {  // block b is item (chunk b / HV, value head b % HV)
-    const int ci = static_cast<int>(blockIdx.x) / p.num_value_heads;
-    intra_item<false, kTuned>(p, smem, ci, static_cast<int>(blockIdx.x) - ci * p.num_value_heads, 0);
-  } else {
-    intra_item<false, kTuned>(p, smem, blockIdx.x, blockIdx.y, 0);
-  }
+  intra_item<false, kTuned>(p, smem, blockIdx.x, blockIdx.y, 0);
 }
 
 template <int kTuned>
 cudaError_t launch_one_cta_per_item(const KdaIntraParams& params, cudaStream_t stream) {
   const cudaError_t err = allow_dynamic_smem<kda_intra_kernel<kTuned>>(static_cast<int>(kSmemBytes));
   if (err != cudaSuccess) return err;
-  dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
-  if constexpr ((kTuned & kTunedHeadsFirst) != 0) {
-    const int64_t items = static_cast<int64_t>(params.num_chunks) * params.num_value_heads;
-    if (items > INT32_MAX) return cudaErrorInvalidValue;
-    grid = dim3(static_cast<unsigned>(items));
-  }
+  const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
   kda_intra_kernel<kTuned><<<grid, kThreads, kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }

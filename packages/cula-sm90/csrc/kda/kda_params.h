@@ -59,9 +59,6 @@ struct KdaIntraParams {
   void* Aqk;              // bf16 [Ttot, HV, 64] scale·Σ_k q_i k_j exp(Γ_i − Γ_j) for j <= i (local index j), 0 above
                           //                      the diagonal and past the chunk end
   float* g_last;          // fp32 [NT, HV, K]    Γ_last / ln 2 (log2 units): the chunk's total decay exponent
-  // > 0: every sequence has fixed_len tokens (chunk i is (i / nt, i % nt)), so the kTunedIndex kernel reads no
-  // chunk_indices / cu_seqlens; 0: varlen
-  int fixed_len;
 };
 
 // Kernel 2 ("recurrence"): one CTA per (sequence, value head, V block); walks the sequence's chunks in order.
@@ -89,10 +86,8 @@ struct KdaRecurrenceParams {
 
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).
 // tuned: the one-CTA-per-item kernel's tuned forms as a bit set (kda_intra_item.cuh: 1 = the L2 norms by a transposed
-// reduction, 2 = the inverse by recursive doubling, 3 = both, the default; 0 the first verified kernel; opt-in on top of
-// 3: 4 = fixed-length items located without index loads, 8 = g's rows copied first, 16 = value heads fastest, 32 = the
-// ping-pong kernel (two items per CTA whose load phases alternate), i.e. 7, 11, 19, 35, or 39 = ping-pong with 4);
-// the persistent kernel (persistent_ctas > 0) has one form only.
+// reduction, 2 = the inverse by recursive doubling, 3 = both, the default; 0 the first verified kernel); the persistent
+// kernel (persistent_ctas > 0) has one form only.
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, cudaStream_t stream);
 

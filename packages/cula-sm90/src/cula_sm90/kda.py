@@ -52,16 +52,12 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # The intra kernel's tuned forms: "norm" the L2 norms' row sums by one transposed reduction per tensor and warp (34
 # shuffles instead of 80), "inverse" the off-diagonal inverse by recursive doubling (4 barrier stages instead of 6,
 # all warps busy), "all" both (the default: on the H200 both passed the fp64 tests and made the intra kernel 6%
-# faster, 2026-11-30); "0" the first verified kernel. Opt-in on top of "all", to be timed apart on the H200 (the first
-# two together ran bit-identical to "all" but 2.6% slower, 2026-11-30): "all+index" locates fixed-length items without
-# the two index loads, "all+early-g" copies g's rows and the gate's parameters before q/k/v, "all+heads-first" runs
-# the items value head fastest, "all+ping-pong" runs two items per CTA (one per SM) whose load phases alternate,
-# "all+ping-pong+index" with the index form.
-# Summation orders differ, so the bits may. Not with CULA_SM90_INTRA_PERSISTENT.
+# faster, 2026-11-30); "0" the first verified kernel. Summation orders differ, so the bits may. Not with
+# CULA_SM90_INTRA_PERSISTENT. (Five more forms on top of "all" ran bit-identical on the H200 and 1.6-5.9% slower, and
+# were removed: items located without index loads, g copied first, value heads fastest, two items per CTA whose load
+# phases alternate, and the last with the first; benchmarks/results/kda_profile_h200.md.)
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
-_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_params.h)
-                "all+index": 7, "all+early-g": 11, "all+heads-first": 19, "all+ping-pong": 35,
-                "all+ping-pong+index": 39}
+_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3}  # -> the kernel's bit set (csrc/kda/kda_params.h)
 # "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
 # flight while one computes (same bits; the mma.sync kernels keep two). Off: on the H200 (2026-11-30) the recurrence
 # was 1-2% faster on fixed batches, 2% slower on varlen, and no faster end to end.
@@ -236,7 +232,7 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
     stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
-    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("all" and the opt-in "all+..." ones;
+    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all";
     one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
@@ -296,7 +292,7 @@ def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, i
             _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], cu.data_ptr(), chunk_indices.data_ptr(),
             chunk_offsets.data_ptr(), total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel,
             args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
-            qg, kg, w, u, Aqk, g_last, *persistent, tuned, T if args.cu_seqlens is None else 0, stream,
+            qg, kg, w, u, Aqk, g_last, *persistent, tuned, stream,
         )
         o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
         final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
