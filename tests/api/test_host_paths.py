@@ -412,8 +412,8 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
     """CULA_SM90_INTRA_TUNED=0|norm|inverse|all (or run_kernels(intra_tuned=...)) asks for the intra kernel's tuned
-    forms as the bit set 0|1|2|3, "all" when unset; asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are
-    ValueErrors naming the variable or argument, before any launch."""
+    forms as the bit set 0|1|2|3, "all" when unset; asked for, they do not combine with persistent CTAs, and unset
+    they give way to them; bad values are ValueErrors naming the variable or argument, before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
