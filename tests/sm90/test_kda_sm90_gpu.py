@@ -184,6 +184,16 @@ def test_varlen_with_cu_seqlens_cpu_never_synchronises(name: str, monkeypatch: p
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(o, o_ref) and (ht_ref is None or torch.equal(ht, ht_ref))
+    # What the sync debug mode cannot see (the driver may stage a pageable host-to-device copy synchronously): with
+    # ~0.5 s of GPU work queued ahead, the call must return while that work still runs.
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    queued = torch.cuda.Event()
+    queued.record()
+    o, ht = kda_prefill(**{**kwargs, "cu_seqlens": kwargs["cu_seqlens"].clone()}, cu_seqlens_cpu=cpu)
+    assert not queued.query(), "kda_prefill with cu_seqlens_cpu waited for the work queued before it"
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_ref) and (ht_ref is None or torch.equal(ht, ht_ref))
 
 
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,8 +56,8 @@ def kda_prefill(
         state_v_first: states laid out ``[N, HV, V, K]``.
         cu_seqlens_cpu: the same boundaries as ``cu_seqlens`` in a CPU int32 tensor, if the caller has them (a
             serving engine builds its batches on the host). The checks and the chunk indices then read this copy,
-            and a call with a new ``cu_seqlens`` never synchronises with the GPU; without it, each new
-            ``cu_seqlens`` is copied to the host once (one synchronisation). Its values are not compared with
+            and a call with a new ``cu_seqlens`` makes no synchronising call; without it, each new ``cu_seqlens``
+            is copied to the host once (one synchronisation). Its values are not compared with
             ``cu_seqlens``' (that would synchronise): they must be equal.
 
     Returns:
