@@ -1,18 +1,19 @@
 """Index helpers for packed variable-length batches (KDA_SPEC.md §4).
 
 All helpers take ``cu_seqlens``, an integer tensor ``[N+1]`` of cumulative sequence starts (``cu[0] == 0``,
-non-decreasing), and return tensors of the same dtype and device. They are vectorised: no Python loop over
-sequences or chunks.
+non-decreasing), and return tensors of the same dtype and device.
 
 Results are cached on the identity of ``cu_seqlens`` *and* its version counter, so an in-place update of
 ``cu_seqlens`` is never answered from a stale entry, and a cache hit touches no device memory (no
 synchronisation). Inference-mode tensors carry no version counter and are never cached.
 
-Device synchronisation: :func:`checked_cu_seqlens_values` (the validator's check) copies ``cu_seqlens`` to the host
-once per (tensor, version) and keeps that copy; the index helpers then build their tensors from that copy on the
-host and move each to the device in one copy, so the indices of a checked ``cu_seqlens`` cost no further
-synchronisation and no kernel launches. Without a checked copy (an unchecked or inference-mode tensor) they are
-built on the device, where ``repeat_interleave`` reads the row count back (two synchronisations on a cache miss).
+Device synchronisation: :func:`checked_cu_seqlens_host` (the validator's check) copies ``cu_seqlens`` to the host
+once per (tensor, version) and keeps that copy, which the validator also hands to the backends
+(``cu_seqlens_host``, the helpers' ``host=``). The helpers build from a host copy on the host (a Python loop up to
+4096 values, vectorised torch CPU ops above) and move each result to the device in one copy, so the indices of a
+checked ``cu_seqlens`` cost no further synchronisation and no kernel launches. Without a host copy (an unchecked
+tensor) they are built on the device, vectorised, where ``repeat_interleave`` reads the row count back (two
+synchronisations on a cache miss).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def checked_cu_seqlens_host(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 def checked_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     """:func:`check_cu_seqlens_values` on the cached checked copy of :func:`checked_cu_seqlens_host`: the boundaries
     as Python ints; one synchronisation per (tensor, version), none after."""
-    return [int(c) for c in checked_cu_seqlens_host(cu_seqlens, T).tolist()]
+    return checked_cu_seqlens_host(cu_seqlens, T).tolist()
 
 
 def clear_index_cache() -> None:

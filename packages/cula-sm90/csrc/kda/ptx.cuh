@@ -16,14 +16,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// kBytes (4 or 8) global -> shared copy through L1 (.ca: the .cg form copies 16 bytes only); src_bytes == 0
-// zero-fills the destination without reading src.
-template <int kBytes>
-__device__ __forceinline__ void cp_async_ca(uint32_t dst, const void* src, int src_bytes) {
-  static_assert(kBytes == 4 || kBytes == 8, "cp.async.ca copies 4, 8 or 16 bytes (16: cp_async_16)");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(kBytes), "r"(src_bytes)
-               : "memory");
-}
 // Prefetch the cache line holding a global address into L2 (a hint: no completion, no register written).
 __device__ __forceinline__ void prefetch_l2(const void* src) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(__cvta_generic_to_global(src)));

@@ -185,7 +185,7 @@ def _recurrence_wgmma() -> bool:
 
 
 def _intra_tuned(persistent: bool) -> int:
-    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all" or "all+...". Unset: "all"
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse" or "all". Unset: "all"
     (the tuned forms, 4-6% faster on the H200), or "0" when the intra kernel runs persistent CTAs, which have none."""
     return env_choice(ENV_INTRA_TUNED, "0" if persistent else "all", _TUNED_FORMS)
 
