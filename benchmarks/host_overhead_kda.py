@@ -7,7 +7,9 @@ against GPU kernel time, then the host wall time of each stage, and a cProfile o
 For each backend (forced through ``CULA_BACKEND``) and a few small configs of ``bench_kda_prefill.py`` (same inputs
 and flags: bf16, gate / L2 norm / beta sigmoid in kernel, safe gate, fp32 h0, final state out), after warm-up:
 
-- eager ms: median CUDA-event time around one call, synchronised after each (as ``bench_kda_prefill.py``); with
+- eager ms: median CUDA-event time around one call, synchronised after each (as ``bench_kda_prefill.py``); the
+  repeated call runs its call plan (``cula.call_plans``); "unplanned" times validate + dispatch + the backend's
+  runner, what every call ran before plans; with
   a varlen config also with a new ``cu_seqlens`` tensor every call (the cache-miss path: validation copies it to the
   host, one synchronisation, and the index helpers are built again).
 - back-to-back us: CUDA-event time of ``--calls`` calls issued without synchronising, per call: max(host, GPU).
@@ -15,9 +17,9 @@ and flags: bf16, gate / L2 norm / beta sigmoid in kernel, safe gate, fp32 h0, fi
   so eager - graph is the host time the GPU waited for.
 - GPU us: torch.profiler, the sum of the device activity (kernels, memsets, copies) per call, and the events.
 - host us of each stage: the median over ``--calls`` calls, each timed with ``time.perf_counter_ns``, while the GPU
-  sleeps (``torch.cuda._sleep`` enqueued first), so no launch waits for the GPU: the whole ``kda_prefill``;
-  ``validate_kda_prefill``; ``select_backend``; the backend's runner. "GPU busy" says the sleep outlasted every
-  loop; "no" means a stage waited for the GPU (a synchronisation) or the sleep was too short.
+  sleeps (``torch.cuda._sleep`` enqueued first), so no launch waits for the GPU: the whole ``kda_prefill``; the
+  unplanned call; ``validate_kda_prefill``; ``select_backend``; the backend's runner. "GPU busy" says the sleep
+  outlasted every loop; "no" means a stage waited for the GPU (a synchronisation) or the sleep was too short.
 - cProfile of ``--calls`` calls (GPU asleep as above): the top entries by own time and by cumulative time, in us
   per call (cProfile's own cost inflates small functions; the header gives the profiled and unprofiled totals).
 - a table of what common host calls cost on this machine (allocation, stream and device queries, ...).
@@ -264,6 +266,12 @@ def measure(backend: str, cfg: Config, opts: argparse.Namespace, sleep: GpuSleep
     runner = dispatch.select_backend(args)
     row: dict = {"first_s": first_s, "runner": f"{runner.__module__}.{runner.__qualname__}"}
     row["eager_ms"] = time_ms(call, opts.reps)
+
+    def unplanned() -> object:  # what every call ran before call plans (cula.call_plans): validate, dispatch, run
+        validated = validate_kda_prefill(**kwargs)
+        return dispatch.select_backend(validated)(validated)
+
+    row["eager_unplanned_ms"] = time_ms(unplanned, opts.reps)
     if cfg.lens is not None:
         cu = kwargs["cu_seqlens"]
 
@@ -285,7 +293,8 @@ def measure(backend: str, cfg: Config, opts: argparse.Namespace, sleep: GpuSleep
     row["gpu_us"], row["gpu_events"], row["kernels"] = gpu_us(call, min(opts.calls, 50))
     # long enough for every loop: --calls calls at up to 2 ms of host time each
     sleep_ms = max(50.0, opts.calls * 2.0)
-    stages = {"kda_prefill": call, "validate_kda_prefill": lambda: validate_kda_prefill(**kwargs),
+    stages = {"kda_prefill": call, "unplanned": unplanned,
+              "validate_kda_prefill": lambda: validate_kda_prefill(**kwargs),
               "select_backend": lambda: dispatch.select_backend(args), "backend runner": lambda: runner(args)}
     row["host"] = {name: host_us(fn, opts.calls, sleep, sleep_ms) for name, fn in stages.items()}
     row["cprofile"] = cprofile_text(call, opts.calls, sleep, sleep_ms, opts.top)
@@ -336,12 +345,13 @@ def report(results: list[tuple[str, Config, dict]], costs: list[tuple[str, float
              f"CUDA-event timings; back-to-back and host stages: {opts.calls} calls. host = eager - graph (the GPU "
              "waiting for Python). Host stage times: median host wall time of one call, GPU asleep (no launch "
              "waits).", "",
-             "| backend | config | eager ms | graph ms | eager - graph us | back-to-back us/call | GPU us (events) | "
-             "eager, new cu_seqlens ms | same, with cu_seqlens_cpu ms | host us: kda_prefill | validate | "
-             "select_backend | backend runner | GPU busy |", "|---" * 14 + "|"]
+             "| backend | config | eager ms | eager unplanned ms | graph ms | eager - graph us | "
+             "back-to-back us/call | GPU us (events) | eager, new cu_seqlens ms | same, with cu_seqlens_cpu ms | "
+             "host us: kda_prefill | unplanned | validate | select_backend | backend runner | GPU busy |",
+             "|---" * 16 + "|"]
     for backend, cfg, row in results:
         if "error" in row:
-            lines.append(f"| {backend} | {cfg.name} | {row['error']} |" + " |" * 11)
+            lines.append(f"| {backend} | {cfg.name} | {row['error']} |" + " |" * 13)
             continue
         graph = row["graph_ms"]
         gap = (row["eager_ms"] - graph) * 1e3 if isinstance(graph, float) else None
@@ -349,7 +359,8 @@ def report(results: list[tuple[str, Config, dict]], costs: list[tuple[str, float
         busy = "yes" if all(b for *_, b in host.values()) else "no: " + ", ".join(
             name for name, (*_, b) in host.items() if not b)
         lines.append(
-            f"| {backend} | {cfg.name} | {_fmt(row['eager_ms'])} | {_fmt(graph)} | {_fmt(gap, 1)} | "
+            f"| {backend} | {cfg.name} | {_fmt(row['eager_ms'])} | {_fmt(row['eager_unplanned_ms'])} | {_fmt(graph)} | "
+            f"{_fmt(gap, 1)} | "
             f"{_fmt(row['back_to_back_us'], 1)} | {_fmt(row['gpu_us'], 1)} ({row['gpu_events']:.0f}) | "
             f"{_fmt(row.get('eager_fresh_cu_ms'))} | {_fmt(row.get('eager_fresh_cu_cpu_ms'))} | "
             + " | ".join(_fmt(host[name][0], 1) for name in host) + f" | {busy} |")

@@ -8,7 +8,6 @@ the stream query on the H200.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import inspect
@@ -21,6 +20,7 @@ from cula import dispatch
 from cula.kda import kda_prefill
 from cula_runtime.kda_args import KdaPrefillArgs, validate_kda_prefill
 from cula_runtime.kda_tuning import recurrence_block_v
+from tests.api.fake_sm90 import shim
 from tests.gpu_backends import use_backend
 from tests.kda_cases import CASES, make_inputs
 
@@ -122,61 +122,6 @@ def test_accepting_backend_gives_the_same_summary(monkeypatch: pytest.MonkeyPatc
 
 
 # ---- the sm90 shim, on CPU tensors through a fake extension
-
-
-def _shim():
-    """``cula_sm90.kda`` (pure Python: imports without the compiled extension), or skip where it is not importable."""
-    return pytest.importorskip("cula_sm90.kda", reason="the cula_sm90 shim is not importable here")
-
-
-def _read(ptr: int, ctype, count: int) -> list:
-    return list((ctype * count).from_address(ptr))
-
-
-class FakeExtension:
-    """Stands in for ``cula_sm90._C``: records each launch; the "intra kernel" fills each workspace region with its
-    own byte through the raw pointers; the "recurrence" fills o and the final state."""
-
-    O_BYTE, STATE_BYTE = 0x3C, 0x41
-
-    def __init__(self) -> None:
-        self.intra: tuple = ()
-        self.recurrence: tuple = ()
-        self.reads: dict[int, tuple] = {}  # intra argument position -> (ctypes type, count): read during the launch
-        self.read: dict[int, list] = {}
-
-    def kda_intra(self, *a) -> int:
-        self.intra = a
-        self.read = {i: _read(a[i], ctype, count) for i, (ctype, count) in self.reads.items() if a[i]}
-        regions, _ = _shim().workspace_layout(a[12], a[15], a[13])
-        for byte, (region, ptr) in enumerate(zip(regions, a[22:28], strict=True), start=1):
-            ctypes.memset(ptr, byte, region.nbytes)
-        return 0
-
-    def kda_recurrence(self, *a) -> int:
-        self.recurrence = a
-        self.order = _read(a[8], ctypes.c_int32, a[13]) if a[8] else None  # the launch order of the sequences
-        o_ptr, state_ptr = a[12], a[11]
-        ctypes.memset(o_ptr, self.O_BYTE, self.o_bytes)
-        if state_ptr:
-            ctypes.memset(state_ptr, self.STATE_BYTE, self.state_bytes)
-        return 0
-
-
-@pytest.fixture
-def fake_sm90(monkeypatch: pytest.MonkeyPatch):
-    kda = _shim()
-    fake = FakeExtension()
-    monkeypatch.setattr(kda, "load_extension", lambda: fake)
-    monkeypatch.setattr(kda, "_current_stream", lambda index: 777)
-    monkeypatch.setattr(kda, "_device_guard", lambda index: contextlib.nullcontext())
-    monkeypatch.setattr(kda, "sm_count", lambda device: 132)
-    monkeypatch.delenv("CULA_BLOCK_V", raising=False)
-    monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
-    monkeypatch.delenv(kda.ENV_RECURRENCE_WGMMA, raising=False)
-    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES, raising=False)
-    monkeypatch.delenv(kda.ENV_INTRA_TUNED, raising=False)
-    return kda, fake
 
 
 SHIM_CASES = {label: next(c for c in CASES if c.name == name) for label, name in (
@@ -456,7 +401,7 @@ def test_empty_call_launches_nothing(fake_sm90) -> None:
 
 @pytest.mark.parametrize("total,HV,num_chunks", [(1, 1, 1), (200, 4, 4), (777, 3, 15), (65, 64, 2), (4096, 64, 64)])
 def test_workspace_regions_are_disjoint_and_aligned(total: int, HV: int, num_chunks: int) -> None:
-    regions, size = _shim().workspace_layout(total, HV, num_chunks)
+    regions, size = shim().workspace_layout(total, HV, num_chunks)
     assert [r.name for r in regions] == ["qg", "kg", "w", "u", "Aqk", "g_last"]
     assert regions[0].offset == 0
     for region, after in zip(regions, regions[1:], strict=False):
@@ -468,14 +413,14 @@ def test_workspace_regions_are_disjoint_and_aligned(total: int, HV: int, num_chu
 
 
 def test_sm90_verify_asks_the_cached_capability(monkeypatch: pytest.MonkeyPatch) -> None:
-    kda = _shim()
+    kda = shim()
     args = SimpleNamespace(device=torch.device("cuda", 0))
     monkeypatch.setattr(kda, "device_capability", lambda device: (10, 0))
     assert kda.verify_kda_prefill(args) == (False, "built for sm_90a only; this GPU is sm_100")
 
 
 def test_sm90_stream_and_device_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
-    kda = _shim()
+    kda = shim()
     monkeypatch.setattr(kda, "_raw_current_stream", None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=1000 + index))
     assert kda._current_stream(2) == 1002  # without torch's raw query: torch.cuda.current_stream

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import TypeVar
 
-__all__ = ["env_choice", "env_value"]
+__all__ = ["env_choice", "env_snapshot", "env_value"]
 
 T = TypeVar("T")
 
@@ -25,14 +25,25 @@ _KEYS: dict[str, bytes] = {}
 def env_value(name: str, default: str) -> str:
     """``os.environ.get(name, default)``, without encoding ``name`` on every call. ``os.environ`` is looked up on
     each call, so code that replaces it (a test counting reads) is still served through its ``get``."""
+    key = _KEYS.get(name)
+    if key is None:  # (every name asked for is kept, also for env_snapshot)
+        key = _KEYS[name] = os.fsencode(name)
     data = getattr(os.environ, "_data", None) if _POSIX else None
     if type(data) is not dict:
         return os.environ.get(name, default)
-    key = _KEYS.get(name)
-    if key is None:
-        key = _KEYS[name] = os.fsencode(name)
     raw = data.get(key)
     return default if raw is None else os.fsdecode(raw)
+
+
+def env_snapshot() -> tuple:
+    """The raw values (None: unset) of every variable :func:`env_value` has been asked for in this process, in the
+    order they were first asked for. Two equal snapshots mean :func:`env_value` answers alike for all those names,
+    so a decision made from knobs can be cached under it: a knob read for the first time lengthens the snapshot, a
+    changed one changes it. About 0.05 us per name."""
+    data = getattr(os.environ, "_data", None) if _POSIX else None
+    if type(data) is not dict:
+        return tuple(os.environ.get(name) for name in _KEYS)
+    return tuple(map(data.get, _KEYS.values()))
 
 
 def env_choice(name: str, default: str, choices: Mapping[str, T]) -> T:

@@ -18,7 +18,7 @@ import torch
 from .index import checked_cu_seqlens_host
 
 __all__ = ["KdaPrefillArgs", "validate_kda_prefill", "safe_gate_kernel_rejection", "empty_prefill_result",
-           "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
+           "checked_boundaries", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
 
 MAX_HEAD_DIM = 256
 SAFE_GATE_LOWER_BOUND_MIN = -5.0
@@ -131,6 +131,20 @@ def _checked_cpu_copy(cu_seqlens_cpu: object, cu_seqlens: torch.Tensor, T: int) 
         raise ValueError(f"cu_seqlens_cpu: {error}") from None
 
 
+def checked_boundaries(cu_seqlens: torch.Tensor, cu_seqlens_cpu: object, T: int) -> torch.Tensor:
+    """The checked host copy of a varlen call's boundaries (int32 CPU ``[N + 1]``): ``cu_seqlens_cpu`` checked as
+    the copy of ``cu_seqlens`` when given (``cu_seqlens`` itself is then never read: no synchronisation), else
+    ``cu_seqlens`` copied to the host and checked (one synchronisation per tensor and version, cached). ``T``: the
+    packed length. The validator's check of the values, also run on every call a cached call plan serves.
+
+    Raises:
+        TypeError, ValueError: naming ``cu_seqlens`` or ``cu_seqlens_cpu`` and the bad entry.
+    """
+    if cu_seqlens_cpu is None:
+        return checked_cu_seqlens_host(cu_seqlens, T)
+    return _checked_cpu_copy(cu_seqlens_cpu, cu_seqlens, T)
+
+
 def validate_kda_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -231,11 +245,7 @@ def validate_kda_prefill(
             raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
-        if cu_seqlens_cpu is None:
-            # one host copy per (tensor, version): cached, so repeated calls with one cu_seqlens never synchronise
-            cu_host = checked_cu_seqlens_host(cu_seqlens, T)
-        else:  # the caller's host copy: checked instead, and cu_seqlens itself never read (no synchronisation)
-            cu_host = _checked_cpu_copy(cu_seqlens_cpu, cu_seqlens, T)
+        cu_host = checked_boundaries(cu_seqlens, cu_seqlens_cpu, T)
         N = cu_seqlens.numel() - 1
     else:
         if cu_seqlens_cpu is not None:

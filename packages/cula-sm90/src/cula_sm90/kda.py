@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -27,12 +28,13 @@ from cula_runtime.index import (
     prepare_chunk_offsets,
     prepare_sequence_order,
 )
-from cula_runtime.kda_args import empty_prefill_result, safe_gate_kernel_rejection
+from cula_runtime.kda_args import checked_boundaries, empty_prefill_result, safe_gate_kernel_rejection
 from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
 
-__all__ = ["verify_kda_prefill", "kda_prefill", "run_kernels", "workspace_layout", "WorkspaceRegion"]
+__all__ = ["verify_kda_prefill", "kda_prefill", "plan_kda_prefill", "run_kernels", "workspace_layout",
+           "WorkspaceRegion"]
 
 CHUNK = 64
 HEAD_DIM = 128
@@ -101,36 +103,27 @@ def _ptr(x: torch.Tensor | None) -> int:
     return 0 if x is None else x.data_ptr()
 
 
-def _indices(args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(cu_seqlens, chunk_indices, chunk_offsets, number of chunks), int32 on the device."""
-    if args.cu_seqlens is not None:
-        cu = args.cu_seqlens
-        # one cache lookup for both (same key as the helpers': identity and version of cu_seqlens), not two
-        host = args.cu_seqlens_host  # (built from the validator's host copy: no launch, no synchronisation)
-        indices, offsets = cached_on_version(
-            "sm90_indices", cu, CHUNK,
-            lambda: (prepare_chunk_indices(cu, CHUNK, host=host), prepare_chunk_offsets(cu, CHUNK, host=host)),
-        )
-        return cu, indices, offsets, indices.shape[0]
-    key = (args.B, args.T, args.device)
+def _fixed_indices(B: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cu_seqlens, chunk_indices, chunk_offsets) of a fixed-length batch, int32 on ``device``; cached per shape."""
+    key = (B, T, device)
     cached = _fixed_index_cache.get(key)
     if cached is None:
-        cu = torch.arange(args.B + 1, dtype=torch.int32, device=args.device) * args.T
+        cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
         cached = (cu, prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK))
         if len(_fixed_index_cache) > 64:
             _fixed_index_cache.clear()
         _fixed_index_cache[key] = cached
-    cu, indices, offsets = cached
-    return cu, indices, offsets, args.B * -(-args.T // CHUNK)
+    return cached
 
 
-def _sequence_order(args: Any) -> torch.Tensor | None:
-    """Varlen: the sequences longest first, the recurrence's launch order (its longest chains start in the first
-    wave; every order gives the same bits); cached per ``cu_seqlens`` version. None for a fixed-length batch (all
-    sequences are equally long) or with ``CULA_SM90_LONGEST_FIRST=0``."""
-    if args.cu_seqlens is None or env_value(ENV_LONGEST_FIRST, "1") == "0":
-        return None
-    return prepare_sequence_order(args.cu_seqlens, host=args.cu_seqlens_host)
+def _varlen_indices(cu: torch.Tensor, host: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk_indices, chunk_offsets) of a packed batch, int32 on its device, built from ``host`` (the checked host
+    copy of ``cu``: no launch, no synchronisation); one cache lookup for both, on the helpers' key (identity and
+    version of ``cu``)."""
+    return cached_on_version(
+        "sm90_indices", cu, CHUNK,
+        lambda: (prepare_chunk_indices(cu, CHUNK, host=host), prepare_chunk_offsets(cu, CHUNK, host=host)),
+    )
 
 
 class WorkspaceRegion(NamedTuple):
@@ -208,13 +201,134 @@ def _device_guard(index: int) -> contextlib.AbstractContextManager:
     return _SAME_DEVICE if torch.cuda.current_device() == index else torch.cuda.device(index)
 
 
+class _Launch:
+    """A call's two launches with everything its signature fixes resolved once: the knobs, the launch shapes, the
+    dtype codes, and for a fixed-length batch the index tensors and the workspace layout. Calling it with the call's
+    tensors checks their alignment, allocates o, the final state and the workspace, and launches both kernels on the
+    current stream. ``kda_prefill`` builds one per call; a call plan (:func:`plan_kda_prefill`) keeps one for every
+    call of its signature. Raises ValueError for a bad knob, before any launch."""
+
+    def __init__(self, args: Any, block_v: int = 0, persistent: tuple[int, int] | None = None,
+                 wgmma: bool | None = None, stages: int | None = None, tuned: int | None = None) -> None:
+        self.ext = load_extension()
+        device = args.device
+        if persistent is None:  # (persistent CTAs, prefetch distance)
+            persistent = _intra_persistent(device)
+        if wgmma is None:
+            wgmma = _recurrence_wgmma()
+        if stages is None:
+            stages = _recurrence_stages()
+        if tuned is None:
+            tuned = _intra_tuned(persistent[0] > 0)
+        if tuned and persistent[0]:
+            raise ValueError("the intra kernel's tuned form (CULA_SM90_INTRA_TUNED / intra_tuned) runs one CTA per "
+                             "item: it does not combine with persistent CTAs (CULA_SM90_INTRA_PERSISTENT / intra_ctas)")
+        if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least)
+            block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=64 if wgmma else 32)
+        self.wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
+        self.stages = stages if self.wgmma else 2
+        self.block_v, self.persistent, self.tuned = block_v, persistent, tuned
+        self.B, self.T, self.H, self.HV, self.N = args.B, args.T, args.H, args.HV, args.N
+        self.total = args.B * args.T
+        self.device, self.index = device, device.index
+        self.scale = args.scale
+        self.lower_bound = args.lower_bound if args.lower_bound is not None else -5.0
+        self.gate_flags = (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
+                           args.allow_neg_eigval)
+        self.type_codes = (_DTYPE_CODES[args.g.dtype], _DTYPE_CODES[args.beta.dtype])
+        h0 = args.initial_state
+        self.state_code = 0 if h0 is None else _DTYPE_CODES[h0.dtype]
+        self.state_shape = args.state_shape if args.output_final_state else None
+        self.state_v_first = args.state_v_first
+        self.longest_first = args.cu_seqlens is not None and env_value(ENV_LONGEST_FIRST, "1") != "0"
+        self.fixed = None
+        if args.cu_seqlens is None and self.total:
+            cu, indices, offsets = _fixed_indices(args.B, args.T, device)
+            num_chunks = args.B * -(-args.T // CHUNK)
+            self.fixed = (cu, indices, offsets, num_chunks, *workspace_layout(self.total, args.HV, num_chunks))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                 cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple[WorkspaceRegion, ...]]:
+        """Launch on contiguous tensors of the signature it was built for (``cu_host``: the checked host copy of
+        ``cu_seqlens``). Returns o, the final state (or None), the workspace buffer and its regions."""
+        # Host order: only what the intra kernel needs comes before its launch; o, the final state and the sequence
+        # order are prepared while it runs (at small T the host time before the first launch is GPU idle).
+        ext, device, HV, total = self.ext, self.device, self.HV, self.total
+        if self.fixed is not None:
+            cu, chunk_indices, chunk_offsets, num_chunks, regions, nbytes = self.fixed
+        else:
+            cu = cu_seqlens
+            chunk_indices, chunk_offsets = _varlen_indices(cu, cu_host)
+            num_chunks = chunk_indices.shape[0]
+            regions, nbytes = workspace_layout(total, HV, num_chunks)
+        q, k, v, g, beta = _aligned(q), _aligned(k), _aligned(v), _aligned(g), _aligned(beta)
+        A_log = _aligned(_fp32(A_log))
+        dt_bias = _aligned(_fp32(dt_bias))
+        # one allocation for the six workspace tensors (each only a pointer to the kernels), not six
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        base = buffer.data_ptr()
+        qg, kg, w, u, Aqk, g_last = (base + region.offset for region in regions)
+        index = self.index
+        stream = _current_stream(index)
+        with _device_guard(index):
+            ext.kda_intra(
+                q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _ptr(A_log), _ptr(dt_bias),
+                *self.type_codes, cu.data_ptr(), chunk_indices.data_ptr(), chunk_offsets.data_ptr(), total,
+                num_chunks, self.H, HV, self.scale, self.lower_bound, *self.gate_flags,
+                qg, kg, w, u, Aqk, g_last, *self.persistent, self.tuned, stream,
+            )
+            o = torch.empty(self.B, self.T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
+            state_shape = self.state_shape
+            final_state = None if state_shape is None else torch.empty(state_shape, dtype=torch.float32,
+                                                                       device=device)
+            order = prepare_sequence_order(cu, host=cu_host) if self.longest_first else None
+            ext.kda_recurrence(
+                qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(order),
+                _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
+                self.state_v_first, self.block_v, self.wgmma, self.stages, stream,
+            )
+        return o, final_state, buffer, regions
+
+
 def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run KDA prefill on the sm_90a kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted.
 
     Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (``[N, HV, K, V]`` or ``[N, HV, V, K]``) or None.
     """
-    o, final_state, _ = _run(args, 0, keep_workspace=False)
+    launch = _Launch(args)  # (knobs checked first: a bad one raises even for a call without tokens)
+    if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
+        return empty_prefill_result(args)
+    o, final_state, _, _ = launch(args.q, args.k, args.v, args.g, args.beta, args.initial_state, args.A_log,
+                                  args.dt_bias, args.cu_seqlens, args.cu_seqlens_host)
     return o, final_state
+
+
+Plan = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def plan_kda_prefill(args: Any) -> Plan | None:
+    """A call plan for every later call with the signature of ``args`` (validated arguments ``verify`` accepted,
+    whose tensors the caller passed contiguous), or None for a call without tokens (it launches nothing).
+
+    The plan takes the call's tensors in the order ``(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
+    cu_seqlens_cpu)`` and returns what :func:`kda_prefill` returns. It resolves the knobs and launch shapes once
+    (``cula.call_plans`` keys plans on the knobs' values), checks each varlen call's boundaries as the validator does
+    (:func:`cula_runtime.kda_args.checked_boundaries`: ValueError for bad ones, before any launch), and holds no
+    tensor of the call it was made from.
+    """
+    if args.B * args.T == 0:
+        return None
+    launch = _Launch(args)
+    T = args.T
+
+    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu):
+        cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, T)
+        o, final_state, _, _ = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
+        return o, final_state
+
+    return plan
 
 
 def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intra_prefetch: int = 1,
@@ -247,66 +361,12 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     if intra_tuned is not None and intra_tuned not in _TUNED_FORMS:
         raise ValueError(f"intra_tuned must be None or one of {sorted(_TUNED_FORMS)}, got {intra_tuned!r}")
     persistent = None if intra_ctas is None else (intra_ctas, intra_prefetch)
-    return _run(args, block_v, keep_workspace=True, persistent=persistent, wgmma=recurrence_wgmma,
-                stages=recurrence_stages, tuned=None if intra_tuned is None else _TUNED_FORMS[intra_tuned])
-
-
-def _run(args: Any, block_v: int, keep_workspace: bool, persistent: tuple[int, int] | None = None,
-         wgmma: bool | None = None, stages: int | None = None, tuned: int | None = None,
-         ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-    """Allocate, then launch both kernels on the current stream; the workspace views only if ``keep_workspace``."""
-    ext = load_extension()
-    B, T, H, HV, N = args.B, args.T, args.H, args.HV, args.N
-    device = args.device
-    if persistent is None:  # (persistent CTAs, prefetch distance), checked before any allocation
-        persistent = _intra_persistent(device)
-    if wgmma is None:
-        wgmma = _recurrence_wgmma()
-    if stages is None:
-        stages = _recurrence_stages()
-    if tuned is None:
-        tuned = _intra_tuned(persistent[0] > 0)
-    if tuned and persistent[0]:
-        raise ValueError("the intra kernel's tuned form (CULA_SM90_INTRA_TUNED / intra_tuned) runs one CTA per item: "
-                         "it does not combine with persistent CTAs (CULA_SM90_INTRA_PERSISTENT / intra_ctas)")
-    total = B * T
-    if total == 0:  # nothing to launch: empty o, and each sequence's state passes through
+    tuned = None if intra_tuned is None else _TUNED_FORMS[intra_tuned]
+    launch = _Launch(args, block_v, persistent=persistent, wgmma=recurrence_wgmma, stages=recurrence_stages,
+                     tuned=tuned)  # (knobs checked before the empty case: a bad one raises either way)
+    if args.B * args.T == 0:
         return *empty_prefill_result(args), {}
-    # Host order: only what the intra kernel needs comes before its launch; o, the final state, the block size and
-    # the sequence order are prepared while it runs (at small T the host time before the first launch is GPU idle).
-    cu, chunk_indices, chunk_offsets, num_chunks = _indices(args)
-    q, k, v, g, beta = _aligned(args.q), _aligned(args.k), _aligned(args.v), _aligned(args.g), _aligned(args.beta)
-    A_log = _aligned(_fp32(args.A_log))
-    dt_bias = _aligned(_fp32(args.dt_bias))
-    # one allocation for the six workspace tensors (each only a pointer to the kernels), not six
-    regions, nbytes = workspace_layout(total, HV, num_chunks)
-    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    base = buffer.data_ptr()
-    qg, kg, w, u, Aqk, g_last = (base + region.offset for region in regions)
-    index = device.index
-    stream = _current_stream(index)
-    lower_bound = args.lower_bound if args.lower_bound is not None else -5.0
-    with _device_guard(index):
-        ext.kda_intra(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _ptr(A_log), _ptr(dt_bias),
-            _DTYPE_CODES[g.dtype], _DTYPE_CODES[beta.dtype], cu.data_ptr(), chunk_indices.data_ptr(),
-            chunk_offsets.data_ptr(), total, num_chunks, H, HV, args.scale, lower_bound, args.use_qk_l2norm_in_kernel,
-            args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval,
-            qg, kg, w, u, Aqk, g_last, *persistent, tuned, stream,
-        )
-        o = torch.empty(B, T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
-        final_state = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
-            if args.output_final_state else None
-        h0 = _aligned(args.initial_state)
-        if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least)
-            block_v = recurrence_block_v(N * HV, sm_count(device), narrowest=64 if wgmma else 32)
-        wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
-        ext.kda_recurrence(
-            qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(_sequence_order(args)),
-            _ptr(h0), _DTYPE_CODES[h0.dtype] if h0 is not None else 0, _ptr(final_state), o.data_ptr(),
-            N, HV, args.scale, args.state_v_first, block_v, wgmma, stages if wgmma else 2, stream,
-        )
-    if not keep_workspace:
-        return o, final_state, {}
+    o, final_state, buffer, regions = launch(args.q, args.k, args.v, args.g, args.beta, args.initial_state,
+                                             args.A_log, args.dt_bias, args.cu_seqlens, args.cu_seqlens_host)
     views = {r.name: buffer[r.offset:r.offset + r.nbytes].view(r.dtype).view(r.shape) for r in regions}
     return o, final_state, views

@@ -31,7 +31,7 @@ from cula_runtime.kda_tuning import device_capability
 from ._version import __version__
 
 __all__ = ["BACKEND_NAMES", "Choice", "Decision", "explain", "select_backend", "CulaFallbackWarning",
-           "GPU_BACKENDS_BY_ARCH"]
+           "GPU_BACKENDS_BY_ARCH", "planner_for", "register_planner"]
 
 BACKEND_NAMES = ("reference", "cutedsl", "sm90")
 ENV_FORCE = "CULA_BACKEND"
@@ -85,6 +85,22 @@ def _cutedsl(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
     return Decision("cutedsl", ok, reason), backend.kda_prefill_cutedsl if ok else None
 
 
+Planner = Callable[[KdaPrefillArgs], Callable | None]
+# runner -> its backend's plan maker (cula.call_plans): plan(args) returns a callable that serves every later call
+# with the signature of args (or None when it will not); runners without one are never planned.
+_planners: dict[Runner, Planner] = {}
+
+
+def register_planner(runner: Runner, planner: Planner) -> None:
+    """Say that ``runner``'s backend makes call plans with ``planner`` (see ``cula.call_plans``)."""
+    _planners[runner] = planner
+
+
+def planner_for(runner: Runner) -> Planner | None:
+    """The plan maker of ``runner``'s backend, or None."""
+    return _planners.get(runner)
+
+
 # (verify, run) of cula-sm90 once it was found, matched and loaded: asked on every Hopper call, so the package
 # lookup, version check and extension load run until they succeed, then never again in this process.
 _sm90_found: tuple[Callable, Runner] | None = None
@@ -105,6 +121,9 @@ def _sm90(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
         except ImportError as error:
             return Decision("sm90", False, str(error)), None
         backend = importlib.import_module("cula_sm90.kda")
+        planner = getattr(backend, "plan_kda_prefill", None)
+        if planner is not None:
+            register_planner(backend.kda_prefill, planner)
         _sm90_found = backend.verify_kda_prefill, backend.kda_prefill
     verify, run = _sm90_found
     ok, reason = verify(args)

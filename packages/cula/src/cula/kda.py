@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_lens
-from cula_runtime.kda_args import validate_kda_prefill
+from cula_runtime.kda_args import KdaPrefillArgs, validate_kda_prefill
 
-from .dispatch import select_backend
+from .call_plans import call_signature, lookup, remember, with_current_knobs
+from .dispatch import planner_for, select_backend
 
 __all__ = ["kda_prefill", "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets"]
 
@@ -68,9 +69,33 @@ def kda_prefill(
     backends were tried and why. ``CULA_BACKEND=reference|cutedsl|sm90`` forces a backend.
     """
     # positional: the same order as validate_kda_prefill's parameters (keywords cost a little on every call)
+    signature = call_signature(
+        q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
+        state_v_first, cu_seqlens_cpu,
+    )
+    if signature is not None:
+        plan = lookup(signature)
+        if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
+            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu)
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
         state_v_first, cu_seqlens_cpu,
     )
-    return select_backend(args)(args)
+    runner = select_backend(args)
+    if signature is not None and _passed_as_is(args, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
+        planner = planner_for(runner)
+        plan = None if planner is None else planner(args)
+        if plan is not None:
+            remember(with_current_knobs(signature), plan)
+            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu)
+    return runner(args)
+
+
+def _passed_as_is(args: KdaPrefillArgs, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens) -> bool:
+    """Whether the validator kept every tensor as passed (contiguous: no copy), which a plan relies on (it takes
+    the call's tensors; a flattened ``dt_bias`` is a view of the same memory)."""
+    return (args.q is q and args.k is k and args.v is v and args.g is g and args.beta is beta
+            and args.initial_state is initial_state and args.A_log is A_log and args.cu_seqlens is cu_seqlens
+            and (dt_bias is None or dt_bias.is_contiguous()))

@@ -1,0 +1,87 @@
+"""Call plans: a repeated ``kda_prefill`` call skips validation and dispatch.
+
+A call's *signature* is everything the validator and the dispatch decide from, except ``cu_seqlens``' values: each
+tensor argument's class, shape, strides, dtype and device; the flags, ``scale`` and ``lower_bound`` with their
+types; and the value of every ``CULA_*`` knob read so far (:func:`cula_runtime.env.env_snapshot`). Two calls with
+one signature pass the same checks and reach the same backend with the same launch shapes, so the plan a backend
+made for the first (``plan(args)``, registered with :func:`cula.dispatch.register_planner`) serves the second: on
+the H200 the host time before the first launch was 50-110 us, most of it those decisions, while the GPU waited.
+
+What depends on values is still checked on every call, inside the plan: ``cu_seqlens``' boundaries (through the
+validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`) and each pointer's alignment. Plans are
+made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 today); a plan
+holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, or flags that are not
+``bool`` are never planned: the validator sees each of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cula_runtime.env import env_snapshot
+
+__all__ = ["call_signature", "clear_call_plans", "lookup", "remember", "with_current_knobs"]
+
+Plan = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+_CAPACITY = 256  # signatures; past it the cache starts over (a serving engine sees a few dozen shapes)
+_plans: dict[tuple, Plan] = {}
+_Tensor = torch.Tensor
+_NUMBERS = (float, int)
+
+
+class _Unplannable(Exception):
+    pass
+
+
+def _tensor_key(x: object) -> tuple | None:
+    if x is None:
+        return None
+    if x.__class__ is not _Tensor:  # (a subclass, or not a tensor: the validator decides)
+        raise _Unplannable
+    return x.shape, x.stride(), x.dtype, x.device
+
+
+def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log,
+                   dt_bias, cu_seqlens, state_v_first, cu_seqlens_cpu) -> tuple | None:
+    """The signature of a ``kda_prefill`` call (its arguments in ``kda_prefill``'s order) as a hashable key, or None
+    for a call that is never planned. About 5 us."""
+    flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval, safe_gate, state_v_first)
+    for flag in flags:
+        if flag.__class__ is not bool:
+            return None
+    if not ((scale is None or scale.__class__ in _NUMBERS)
+            and (lower_bound is None or lower_bound.__class__ in _NUMBERS)):
+        return None  # (bool is not a number there; 1 and 1.0 are one key, and one float to the validator)
+    try:
+        tensors = tuple(map(_tensor_key, (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                                          cu_seqlens_cpu)))
+    except (_Unplannable, RuntimeError):  # (RuntimeError: a layout without strides)
+        return None
+    return tensors, flags, scale, lower_bound, env_snapshot()
+
+
+def with_current_knobs(signature: tuple) -> tuple:
+    """``signature`` with the knobs' values as they are now (after a call that may have read new ones)."""
+    return *signature[:-1], env_snapshot()
+
+
+def lookup(signature: tuple) -> Plan | None:
+    """The plan made for this signature, or None."""
+    return _plans.get(signature)
+
+
+def remember(signature: tuple, plan: Plan) -> None:
+    """Keep ``plan`` for every later call with this signature."""
+    if len(_plans) >= _CAPACITY:
+        _plans.clear()
+    _plans[signature] = plan
+
+
+def clear_call_plans() -> None:
+    """Forget every plan (the next call of each signature is validated and dispatched again)."""
+    _plans.clear()

@@ -1,0 +1,51 @@
+"""A stand-in for the ``cula_sm90._C`` extension, to drive the sm90 shim on CPU tensors: it records each launch and
+reads and writes through the raw pointers it is given. Needs the ``cula_sm90`` shim importable (pure Python, e.g.
+``packages/cula-sm90/src`` on ``PYTHONPATH``); the compiled extension is never loaded."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+
+def shim():
+    """``cula_sm90.kda`` (pure Python: imports without the compiled extension), or skip where it is not importable."""
+    return pytest.importorskip("cula_sm90.kda", reason="the cula_sm90 shim is not importable here")
+
+
+def read_values(ptr: int, ctype, count: int) -> list:
+    return list((ctype * count).from_address(ptr))
+
+
+class FakeExtension:
+    """Stands in for ``cula_sm90._C``: records each launch; the "intra kernel" fills each workspace region with its
+    own byte through the raw pointers; the "recurrence" fills o and the final state (``o_bytes`` and
+    ``state_bytes``, set by the test, say how many bytes)."""
+
+    O_BYTE, STATE_BYTE = 0x3C, 0x41
+
+    def __init__(self) -> None:
+        self.intra: tuple = ()
+        self.recurrence: tuple = ()
+        self.reads: dict[int, tuple] = {}  # intra argument position -> (ctypes type, count): read during the launch
+        self.read: dict[int, list] = {}
+        self.launches = 0
+
+    def kda_intra(self, *a) -> int:
+        self.intra = a
+        self.launches += 1
+        self.read = {i: read_values(a[i], ctype, count) for i, (ctype, count) in self.reads.items() if a[i]}
+        regions, _ = shim().workspace_layout(a[12], a[15], a[13])
+        for byte, (region, ptr) in enumerate(zip(regions, a[22:28], strict=True), start=1):
+            ctypes.memset(ptr, byte, region.nbytes)
+        return 0
+
+    def kda_recurrence(self, *a) -> int:
+        self.recurrence = a
+        self.order = read_values(a[8], ctypes.c_int32, a[13]) if a[8] else None  # the sequences' launch order
+        o_ptr, state_ptr = a[12], a[11]
+        ctypes.memset(o_ptr, self.O_BYTE, self.o_bytes)
+        if state_ptr:
+            ctypes.memset(state_ptr, self.STATE_BYTE, self.state_bytes)
+        return 0

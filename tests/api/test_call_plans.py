@@ -1,0 +1,235 @@
+"""Call plans (``cula.call_plans``): a repeated ``kda_prefill`` call skips validation and dispatch, launches exactly
+what the first call launched, and still refuses everything the validator refuses. Driven on CPU tensors through the
+sm90 shim and a stand-in extension (``tests/api/fake_sm90.py``), with dispatch pointed at the shim."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import inspect
+import re
+import weakref
+
+import pytest
+import torch
+
+import cula.kda
+from cula import call_plans, dispatch
+from cula_runtime.env import env_snapshot, env_value
+from cula_runtime.kda_args import validate_kda_prefill
+from tests.kda_cases import CASES, make_inputs
+
+FIXED, VARLEN = "B2-T200-H2-HV4", "varlen-6seqs-GVA2-vk"
+
+
+@pytest.fixture
+def planned(fake_sm90, monkeypatch: pytest.MonkeyPatch):
+    """(shim, fake extension, validations): ``cula.kda.kda_prefill`` dispatches to the sm90 shim, whose planner is
+    registered; ``validations`` counts the validator's runs."""
+    kda, fake = fake_sm90
+    validations = []
+
+    def counted(*a):
+        validations.append(1)
+        return validate_kda_prefill(*a)
+
+    monkeypatch.setattr(cula.kda, "validate_kda_prefill", counted)
+    monkeypatch.setattr(cula.kda, "select_backend", lambda args: kda.kda_prefill)
+    monkeypatch.setattr(dispatch, "_planners", {kda.kda_prefill: kda.plan_kda_prefill})
+    monkeypatch.delenv(kda.ENV_LONGEST_FIRST, raising=False)
+    call_plans.clear_call_plans()
+    yield kda, fake, validations
+    call_plans.clear_call_plans()
+
+
+def _inputs(name: str, fake, seed: int) -> dict:
+    """``make_inputs`` for the named case on the CPU, with the fake extension's output sizes set."""
+    case = next(c for c in CASES if c.name == name)
+    kwargs = make_inputs(case, "cpu", seed=seed)
+    args = validate_kda_prefill(**kwargs)
+    fake.o_bytes = args.B * args.T * args.HV * 128 * 2
+    fake.state_bytes = args.N * args.HV * 128 * 128 * 4
+    return kwargs
+
+
+def _launch_record(fake, kwargs: dict) -> tuple:
+    """What the last launches passed, pointers of the call's own allocations left out: the input pointers, every
+    scalar, and the index tensors' values."""
+    a, r = fake.intra, fake.recurrence
+    inputs = tuple(kwargs[name].data_ptr() for name in ("q", "k", "v", "g", "beta"))
+    h0 = kwargs.get("initial_state")
+    return (a[:5] == inputs, r[9] == (0 if h0 is None else h0.data_ptr()), a[7:9], a[12:22], a[28:32], r[10],
+            r[13:21], fake.read, fake.order)
+
+
+def test_signature_takes_kda_prefills_parameters() -> None:
+    ours = list(inspect.signature(call_plans.call_signature).parameters)
+    assert ours == list(inspect.signature(cula.kda.kda_prefill).parameters)
+
+
+@pytest.mark.parametrize("name", [FIXED, VARLEN])
+def test_second_call_skips_validation_and_launches_the_same(name: str, planned) -> None:
+    kda, fake, validations = planned
+    first = _inputs(name, fake, seed=1)
+    num_chunks = 8 if name == FIXED else None
+    cu = first.get("cu_seqlens")
+    fake.reads = {9: (ctypes.c_int32, (cu.numel() if cu is not None else 3))}
+    o1, ht1 = cula.kda.kda_prefill(**first)
+    record = _launch_record(fake, first)
+    assert validations == [1] and record[0] and record[1]
+    second = _inputs(name, fake, seed=2)  # new tensors, one signature
+    o2, ht2 = cula.kda.kda_prefill(**second)
+    assert validations == [1], "the second call was validated again"
+    assert _launch_record(fake, second) == record
+    assert o2.data_ptr() != o1.data_ptr() and bool((o2.view(torch.uint8) == fake.O_BYTE).all())
+    assert (ht1 is None) == (ht2 is None) and (ht2 is None or ht2.shape == ht1.shape)
+    if num_chunks is not None:
+        assert fake.intra[13] == num_chunks
+    # the same launches as the shim's unplanned path on the same tensors
+    kda.kda_prefill(validate_kda_prefill(**second))
+    assert _launch_record(fake, second) == record
+
+
+def test_a_knob_change_makes_a_new_plan_and_the_old_one_serves_again(planned, monkeypatch) -> None:
+    kda, fake, validations = planned
+    kwargs = _inputs(VARLEN, fake, seed=1)
+    cula.kda.kda_prefill(**kwargs)
+    cula.kda.kda_prefill(**kwargs)
+    assert validations == [1] and fake.recurrence[19] == 2
+    monkeypatch.setenv(kda.ENV_RECURRENCE_STAGES, "3")
+    cula.kda.kda_prefill(**kwargs)
+    assert validations == [1, 1] and fake.recurrence[19] == 3
+    cula.kda.kda_prefill(**kwargs)
+    assert validations == [1, 1] and fake.recurrence[19] == 3
+    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES)
+    cula.kda.kda_prefill(**kwargs)
+    assert validations == [1, 1] and fake.recurrence[19] == 2  # the first plan again
+    monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
+    cula.kda.kda_prefill(**kwargs)
+    assert validations == [1, 1, 1] and fake.recurrence[8] == 0
+    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "nope")  # a bad knob is still refused, before any launch
+    fake.intra = ()
+    with pytest.raises(ValueError, match="CULA_SM90_INTRA_TUNED='nope'"):
+        cula.kda.kda_prefill(**kwargs)
+    assert fake.intra == ()
+
+
+BAD_AFTER_A_PLAN = {
+    "flag-int": (dict(output_final_state=1), TypeError, "output_final_state must be a bool, got int"),
+    "scale-bool": (dict(scale=True), TypeError, "scale must be a float or None"),
+    "scale-negative": (dict(scale=-1.0), ValueError, "scale must be a finite positive float"),
+    "lower_bound-bool": (dict(lower_bound=True), TypeError, "lower_bound must be a float or None, got bool"),
+    "k-dtype": (dict(k="float32"), TypeError, "k must have the dtype of q"),
+    "g-shape": (dict(g="short"), ValueError, "g must have shape"),
+    "k-not-a-tensor": (dict(k="list"), TypeError, "k must be a torch.Tensor, got list"),
+    "cu-decreasing": (dict(cu_seqlens="decreasing"), ValueError, "cu_seqlens must be non-decreasing"),
+    "cu-cpu-bad-end": (dict(cu_seqlens_cpu="bad-end"), ValueError, "cu_seqlens_cpu: cu_seqlens[-1] must equal"),
+}
+
+
+def _spoil(kwargs: dict, change: dict) -> dict:
+    kwargs = dict(kwargs)
+    for name, value in change.items():
+        if value == "float32":
+            value = kwargs[name].float()
+        elif value == "short":
+            value = kwargs[name][:, :-1]
+        elif value == "list":
+            value = kwargs[name].tolist()
+        elif value == "decreasing":  # same shape and dtype, new values
+            value = kwargs[name].clone()
+            value[2] = value[1] - 1
+        elif value == "bad-end":
+            value = kwargs["cu_seqlens"].clone()
+            value[-1] -= 1
+        kwargs[name] = value
+    return kwargs
+
+
+@pytest.mark.parametrize("bad", list(BAD_AFTER_A_PLAN), ids=list(BAD_AFTER_A_PLAN))
+def test_a_plan_never_admits_what_the_validator_refuses(bad: str, planned) -> None:
+    kda, fake, validations = planned
+    kwargs = _inputs(VARLEN, fake, seed=1)
+    if bad == "cu-cpu-bad-end":
+        kwargs["cu_seqlens_cpu"] = kwargs["cu_seqlens"].clone()
+    for _ in range(2):
+        cula.kda.kda_prefill(**kwargs)
+    assert validations == [1]
+    change, exc, message = BAD_AFTER_A_PLAN[bad]
+    fake.intra = ()
+    with pytest.raises(exc, match=re.escape(message)):
+        cula.kda.kda_prefill(**_spoil(kwargs, change))
+    assert fake.intra == ()  # refused before any launch
+    cula.kda.kda_prefill(**kwargs)  # the plan still serves the good call
+    assert fake.intra != ()
+
+
+def test_non_contiguous_or_subclass_inputs_are_validated_every_call(planned) -> None:
+    kda, fake, validations = planned
+    kwargs = _inputs(FIXED, fake, seed=1)
+    wide = torch.empty(*kwargs["v"].shape[:-1], 256, dtype=kwargs["v"].dtype)
+    wide[..., :128] = kwargs["v"]
+    kwargs["v"] = wide[..., :128]  # a strided view: the validator copies it
+    for count in (1, 2):
+        cula.kda.kda_prefill(**kwargs)
+        assert len(validations) == count
+        assert fake.intra[2] != kwargs["v"].data_ptr()  # the kernel got the dense copy
+    kwargs = _inputs(FIXED, fake, seed=1)
+    kwargs["q"] = torch.nn.Parameter(kwargs["q"], requires_grad=False)
+    for count in (3, 4):
+        cula.kda.kda_prefill(**kwargs)
+        assert len(validations) == count
+
+
+def test_a_plan_follows_an_in_place_update_of_cu_seqlens(planned) -> None:
+    kda, fake, validations = planned
+    kwargs = _inputs("varlen-0-100-100-228", fake, seed=7)
+    cu = kwargs["cu_seqlens"]
+    for bounds, rows in (([0, 100, 100, 228], [0, 0, 0, 1, 2, 0, 2, 1]),
+                         ([0, 10, 150, 228], [0, 0, 1, 0, 1, 1, 1, 2, 2, 0, 2, 1])):
+        cu.copy_(torch.tensor(bounds, dtype=torch.int32))
+        fake.reads = {9: (ctypes.c_int32, 4), 10: (ctypes.c_int32, len(rows))}
+        cula.kda.kda_prefill(**kwargs)
+        assert fake.read == {9: bounds, 10: rows}
+    assert validations == [1]
+
+
+def test_a_plan_holds_no_tensor_of_its_call(planned) -> None:
+    kda, fake, validations = planned
+    kwargs = _inputs(VARLEN, fake, seed=1)
+    kwargs["cu_seqlens_cpu"] = kwargs["cu_seqlens"].clone()
+    cula.kda.kda_prefill(**kwargs)
+    refs = [weakref.ref(x) for x in kwargs.values() if isinstance(x, torch.Tensor)]
+    del kwargs
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    assert len(call_plans._plans) == 1
+
+
+def test_backends_without_a_planner_are_never_planned(monkeypatch) -> None:
+    """The CPU reference (no planner) is validated and dispatched on every call."""
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    calls = []
+    monkeypatch.setattr(cula.kda, "validate_kda_prefill", lambda *a: calls.append(1) or validate_kda_prefill(*a))
+    kwargs = make_inputs(next(c for c in CASES if c.name == "B1-T333-H2-scale0.05"), "cpu", seed=1)
+    for _ in range(2):
+        cula.kda.kda_prefill(**kwargs)
+    assert calls == [1, 1] and not call_plans._plans
+
+
+def test_the_plan_cache_is_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(call_plans, "_plans", {})
+    for n in range(call_plans._CAPACITY + 5):
+        call_plans.remember((n,), print)
+    assert 0 < len(call_plans._plans) <= call_plans._CAPACITY and call_plans.lookup((call_plans._CAPACITY + 4,))
+
+
+def test_env_snapshot_sees_new_knobs_and_changed_values(monkeypatch) -> None:
+    name = "CULA_TEST_SNAPSHOT_KNOB"
+    monkeypatch.delenv(name, raising=False)
+    before = env_snapshot()
+    env_value(name, "x")
+    after = env_snapshot()
+    assert len(after) == len(before) + 1 and after[-1] is None
+    monkeypatch.setenv(name, "1")
+    assert env_snapshot() != after and env_snapshot() == env_snapshot()
