@@ -233,3 +233,63 @@ def test_env_snapshot_sees_new_knobs_and_changed_values(monkeypatch) -> None:
     assert len(after) == len(before) + 1 and after[-1] is None
     monkeypatch.setenv(name, "1")
     assert env_snapshot() != after and env_snapshot() == env_snapshot()
+
+
+# ---- the cutedsl backend's plans: its runner on the new call's tensors, the rest of the validated arguments kept
+
+
+def _same_args(got, want) -> None:
+    """Two KdaPrefillArgs hold the same tensors (same memory, shape and dtype) and the same values elsewhere."""
+    import dataclasses
+
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and (a.data_ptr(), a.shape, a.dtype, a.device) == \
+                (b.data_ptr(), b.shape, b.dtype, b.device), field.name
+            if field.name == "cu_seqlens_host":
+                assert torch.equal(a, b)
+        else:
+            assert a == b and type(a) is type(b), field.name
+
+
+@pytest.mark.parametrize("name", [FIXED, VARLEN, "B1-T300-H2-gate-precomputed", "varlen-3seqs-h0bf16-GVA4"])
+def test_cutedsl_plan_runs_its_runner_on_the_new_tensors(name: str, monkeypatch) -> None:
+    from cula_runtime.cute.kda import backend
+
+    runs = []
+    monkeypatch.setattr(backend, "kda_prefill_cutedsl", lambda args: runs.append(args) or ("o", "ht"))
+    case = next(c for c in CASES if c.name == name)
+    first = make_inputs(case, "cpu", seed=1)
+    if "dt_bias" in first:  # the [HV, K] form, which the validator flattens
+        first["dt_bias"] = first["dt_bias"].view(case.HV, -1)
+    plan = backend.plan_kda_prefill(validate_kda_prefill(**first))
+    second = make_inputs(case, "cpu", seed=2)
+    if "dt_bias" in second:
+        second["dt_bias"] = second["dt_bias"].view(case.HV, -1)
+    tensors = [second.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias",
+                                              "cu_seqlens")]
+    assert plan(*tensors, None) == ("o", "ht")
+    _same_args(runs[-1], validate_kda_prefill(**second))
+    if case.cu is not None:  # boundaries are checked per call
+        bad = second["cu_seqlens"].clone()
+        bad[1] = bad[2] + 1
+        with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+            plan(*tensors[:-1], bad, None)
+        assert len(runs) == 1
+
+
+def test_cutedsl_calls_are_planned_through_dispatch(monkeypatch) -> None:
+    from cula_runtime.cute.kda import backend
+
+    runs, validations = [], []
+    monkeypatch.setattr(backend, "kda_prefill_cutedsl", lambda args: runs.append(args) or ("o", "ht"))
+    monkeypatch.setattr(backend, "verify", lambda args: (True, "ok"))
+    monkeypatch.setattr(dispatch, "_planners", {})
+    monkeypatch.setenv("CULA_BACKEND", "cutedsl")
+    monkeypatch.setattr(cula.kda, "validate_kda_prefill", lambda *a: validations.append(1) or validate_kda_prefill(*a))
+    kwargs = make_inputs(next(c for c in CASES if c.name == VARLEN), "cpu", seed=1)
+    for _ in range(3):
+        assert cula.kda.kda_prefill(**kwargs) == ("o", "ht")
+    assert validations == [1] and len(runs) == 3 and dispatch.planner_for(backend.kda_prefill_cutedsl) is not None
+    _same_args(runs[-1], validate_kda_prefill(**kwargs))

@@ -41,6 +41,31 @@ def test_1000_replays_are_bit_identical(backend: str, monkeypatch: pytest.Monkey
         assert torch.equal(o, o0) and torch.equal(ht, ht0)
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_planned_calls_give_the_bits_of_the_first(backend: str, case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's first run is validated and dispatched and leaves a call plan (cula.call_plans); the next calls of
+    its signature run the plan, on new tensors of the same values, into poisoned memory: the same bits, and the plan
+    was used (the validator did not run again)."""
+    import cula.kda
+    from cula import call_plans
+    from cula_runtime.kda_args import validate_kda_prefill
+
+    use_backend(backend, monkeypatch)
+    kwargs = make_inputs(case, "cuda", seed=11)
+    o_ref, ht_ref = cula.kda.kda_prefill(**kwargs)
+    assert len(call_plans._plans) == 1, f"the {backend} backend made no plan"
+    validations = []
+    monkeypatch.setattr(cula.kda, "validate_kda_prefill",
+                        lambda *a: validations.append(1) or validate_kda_prefill(*a))
+    for _ in range(2):
+        poison_allocator(4 * o_ref.numel() * o_ref.element_size())
+        fresh = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
+        o, ht = cula.kda.kda_prefill(**fresh)
+        assert torch.equal(o, o_ref) and (ht_ref is None or torch.equal(ht, ht_ref))
+    assert validations == []
+
+
 @pytest.mark.parametrize("variant", ["wide", "lean", "fused", "lean-unrolled-prefetch", "fused-prefetch",
                                      "lean-unrolled-8warps", "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps"])
 @pytest.mark.parametrize("case_name", ["B2-T257-H2-vk", "varlen-3seqs-h0bf16-GVA4", "B1-T300-H2-no-l2norm"])

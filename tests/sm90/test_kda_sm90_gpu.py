@@ -196,29 +196,6 @@ def test_varlen_with_cu_seqlens_cpu_never_synchronises(name: str, monkeypatch: p
     assert torch.equal(o, o_ref) and (ht_ref is None or torch.equal(ht, ht_ref))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_planned_calls_give_the_bits_of_the_first(case: KdaCase, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A call's first run is validated and dispatched and leaves a call plan (cula.call_plans); the next calls of
-    its signature run the plan, on new tensors of the same values, into poisoned memory: the same bits, and the plan
-    was used (the validator did not run again)."""
-    import cula.kda
-    from cula import call_plans
-
-    _sm90(monkeypatch)
-    kwargs = make_inputs(case, "cuda", seed=11)
-    o_ref, ht_ref = cula.kda.kda_prefill(**kwargs)
-    assert len(call_plans._plans) == 1, "the sm90 backend made no plan"
-    validations = []
-    monkeypatch.setattr(cula.kda, "validate_kda_prefill",
-                        lambda *a: validations.append(1) or validate_kda_prefill(*a))
-    for _ in range(2):
-        poison_allocator(4 * o_ref.numel() * o_ref.element_size())
-        fresh = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
-        o, ht = cula.kda.kda_prefill(**fresh)
-        assert torch.equal(o, o_ref) and (ht_ref is None or torch.equal(ht, ht_ref))
-    assert validations == []
-
-
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     _sm90(monkeypatch)
     monkeypatch.delenv("CULA_BACKEND")  # the natural choice, not a forced one

@@ -10,6 +10,7 @@ backend receives dense row-major tensors. Pass contiguous tensors to avoid the c
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -72,6 +73,21 @@ class KdaPrefillArgs:
     def state_shape(self) -> tuple[int, int, int, int]:
         """Shape of ``initial_state`` / the final state: ``[N, HV, K, V]``, or ``[N, HV, V, K]`` if V-first."""
         return (self.N, self.HV, self.V, self.K) if self.state_v_first else (self.N, self.HV, self.K, self.V)
+
+    def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     initial_state: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                     cu_seqlens: torch.Tensor | None, cu_seqlens_host: torch.Tensor | None) -> KdaPrefillArgs:
+        """These arguments with another call's tensors, for a call plan (``cula.call_plans``): the tensors must have
+        this call's signature, contiguous, and ``cu_seqlens_host`` must be their checked host copy
+        (:func:`checked_boundaries`). A ``[HV, K]`` ``dt_bias`` is flattened as the validator does. No check runs."""
+        if dt_bias is not None and dt_bias.ndim != 1:
+            dt_bias = dt_bias.view(-1)
+        args = copy.copy(self)  # (a frozen dataclass: its fields are set the way its own __init__ sets them)
+        for name, value in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                            ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
+                            ("cu_seqlens_host", cu_seqlens_host)):
+            object.__setattr__(args, name, value)
+        return args
 
     def reference_kwargs(self) -> dict:
         """Keyword arguments for the reference functions ``kda_naive`` / ``kda_chunked``."""

@@ -71,20 +71,6 @@ class Choice:
     gpu_fallback: bool = False
 
 
-def _reference(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
-    from cula_runtime.reference import backend
-
-    ok, reason = backend.verify(args)
-    return Decision("reference", ok, reason), backend.kda_prefill_reference if ok else None
-
-
-def _cutedsl(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
-    from cula_runtime.cute.kda import backend
-
-    ok, reason = backend.verify(args)
-    return Decision("cutedsl", ok, reason), backend.kda_prefill_cutedsl if ok else None
-
-
 Planner = Callable[[KdaPrefillArgs], Callable | None]
 # runner -> its backend's plan maker (cula.call_plans): plan(args) returns a callable that serves every later call
 # with the signature of args (or None when it will not); runners without one are never planned.
@@ -99,6 +85,22 @@ def register_planner(runner: Runner, planner: Planner) -> None:
 def planner_for(runner: Runner) -> Planner | None:
     """The plan maker of ``runner``'s backend, or None."""
     return _planners.get(runner)
+
+
+def _reference(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
+    from cula_runtime.reference import backend
+
+    ok, reason = backend.verify(args)
+    return Decision("reference", ok, reason), backend.kda_prefill_reference if ok else None
+
+
+def _cutedsl(args: KdaPrefillArgs) -> tuple[Decision, Runner | None]:
+    from cula_runtime.cute.kda import backend
+
+    ok, reason = backend.verify(args)
+    if ok and backend.kda_prefill_cutedsl not in _planners:
+        register_planner(backend.kda_prefill_cutedsl, backend.plan_kda_prefill)
+    return Decision("cutedsl", ok, reason), backend.kda_prefill_cutedsl if ok else None
 
 
 # (verify, run) of cula-sm90 once it was found, matched and loaded: asked on every Hopper call, so the package
