@@ -11,6 +11,8 @@ Order: CPU tensors → reference. CUDA SM90 → sm90, then cutedsl. SM100/SM103 
 are being built, a call on SM90/SM100/SM103 that no GPU backend accepts runs the reference on the GPU (correct,
 slow) and says so in a ``CulaFallbackWarning``. Other GPUs raise ``NotImplementedError``.
 ``CULA_BACKEND=reference|cutedsl|sm90`` forces one backend; if it rejects the call, ``NotImplementedError`` says why.
+A backend may also make call plans (``register_planner``; sm90 and cutedsl do): ``cula.kda.kda_prefill`` keeps the
+plan of an accepted call and runs it for later calls of the same signature without asking again (``cula.call_plans``).
 """
 
 from __future__ import annotations

@@ -66,7 +66,10 @@ def kda_prefill(
 
     Any strides are accepted (non-contiguous inputs are copied once). Bad arguments raise ``TypeError`` or
     ``ValueError`` naming the argument; a call no backend can serve raises ``NotImplementedError`` saying which
-    backends were tried and why. ``CULA_BACKEND=reference|cutedsl|sm90`` forces a backend.
+    backends were tried and why. ``CULA_BACKEND=reference|cutedsl|sm90`` forces a backend. A call with the signature
+    of an earlier accepted one (tensors' shapes, strides, dtypes and devices, the flags, ``scale``, ``lower_bound``,
+    the ``CULA_*`` variables) runs the call plan that call's backend left, without validation and dispatch; it still
+    checks ``cu_seqlens``' values (``cula.call_plans``).
     """
     # positional: the same order as validate_kda_prefill's parameters (keywords cost a little on every call)
     signature = call_signature(
