@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cula_runtime.index import clear_index_cache, prepare_chunk_indices, prepare_chunk_offsets, prepare_lens
+from cula_runtime.index import (
+    checked_cu_seqlens_host,
+    clear_index_cache,
+    prepare_chunk_indices,
+    prepare_chunk_offsets,
+    prepare_lens,
+    prepare_sequence_order,
+    prepare_varlen_launch,
+)
 
 
 def _loop_indices(cu: list[int], chunk: int) -> list[list[int]]:
@@ -212,8 +220,6 @@ def test_host_copy_is_checked(bad) -> None:
 def test_host_built_indices_equal_device_built_ones_and_launch_no_kernel() -> None:
     """On the GPU: the helpers given the checked host copy return exactly what they build on the device, and launch
     no kernel to do it (one host-to-device copy per tensor); random varlen batches with empty and 1-token sequences."""
-    from cula_runtime.index import checked_cu_seqlens_host, prepare_sequence_order
-
     gen = torch.Generator().manual_seed(0)
     for trial in range(20):
         lens = torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
@@ -233,3 +239,51 @@ def test_host_built_indices_equal_device_built_ones_and_launch_no_kernel() -> No
         kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                    and "memcpy" not in e.name.lower()]
         assert kernels == [], kernels
+        with torch.inference_mode():  # the three in one buffer: the same values, one copy, no kernel
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                launch = prepare_varlen_launch(cu, 64, host=host)
+                torch.cuda.synchronize()
+        for a, b in zip(device_built, launch, strict=True):
+            assert a.device == b.device and a.dtype == b.dtype and torch.equal(a, b)
+        events = [e.name.lower() for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(events) == 1 and "memcpy" in events[0], events
+
+
+# (number of sequences, longest sequence): short batches (every part a Python loop), > 4096 chunks (the indices
+# built vectorised, the rest by the loop), > 4096 sequences (every part vectorised)
+SIZES = {"loop-built": (1, 40, 320), "long-indices": (100, 101, 64 * 90), "many-sequences": (4200, 4201, 128)}
+
+
+@pytest.mark.parametrize("size", list(SIZES), ids=list(SIZES))
+def test_varlen_launch_buffer_holds_the_three_helpers_values(size: str) -> None:
+    """prepare_varlen_launch: chunk indices, chunk offsets and the longest-first order, equal to the three helpers,
+    as views of one buffer whose parts each start on a 16-byte boundary (built from the checked host copy); random
+    batches with empty and 1-token sequences, and batches past the Python-loop limit (4096 values)."""
+    gen = torch.Generator().manual_seed(4)
+    low, high, longest = SIZES[size]
+    for trial in range(6):
+        count = int(torch.randint(low, high, (1,), generator=gen))
+        lens = torch.randint(0, longest, (count,), generator=gen)
+        lens[trial % count] = trial % 2
+        cu = torch.tensor([0, *torch.cumsum(lens, 0).tolist()], dtype=torch.int32)
+        host = checked_cu_seqlens_host(cu, int(cu[-1]))
+        indices, offsets, order = prepare_varlen_launch(cu, 64, host=host)
+        assert torch.equal(indices, prepare_chunk_indices(cu, 64)) and indices.shape[1] == 2
+        assert torch.equal(offsets, prepare_chunk_offsets(cu, 64)) and torch.equal(order, prepare_sequence_order(cu))
+        if size != "loop-built":
+            assert indices.shape[0] > 4096  # (the vectorised host builds ran)
+        storage = indices.untyped_storage().data_ptr()
+        for part in (indices, offsets, order):
+            assert part.dtype == torch.int32 and part.untyped_storage().data_ptr() == storage
+            assert part.storage_offset() % 4 == 0
+        assert prepare_varlen_launch(cu, 64, host=host)[0] is indices  # cached per tensor and version
+
+
+def test_varlen_launch_without_a_host_copy_builds_each_part() -> None:
+    clear_index_cache()
+    with torch.inference_mode():  # no version counter: no cached host copy either
+        cu = torch.tensor([0, 100, 100, 228, 240], dtype=torch.int32)
+        indices, offsets, order = prepare_varlen_launch(cu, 64)
+    assert indices.tolist() == [[0, 0], [0, 1], [2, 0], [2, 1], [3, 0]]
+    assert offsets.tolist() == [0, 2, 2, 4, 5] and order.tolist() == [2, 0, 3, 1]
+

@@ -22,12 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cula_runtime.env import env_choice, env_value
-from cula_runtime.index import (
-    cached_on_version,
-    prepare_chunk_indices,
-    prepare_chunk_offsets,
-    prepare_sequence_order,
-)
+from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_varlen_launch
 from cula_runtime.kda_args import checked_boundaries, empty_prefill_result, safe_gate_kernel_rejection
 from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
 
@@ -114,16 +109,6 @@ def _fixed_indices(B: int, T: int, device: torch.device) -> tuple[torch.Tensor, 
             _fixed_index_cache.clear()
         _fixed_index_cache[key] = cached
     return cached
-
-
-def _varlen_indices(cu: torch.Tensor, host: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chunk_indices, chunk_offsets) of a packed batch, int32 on its device, built from ``host`` (the checked host
-    copy of ``cu``: no launch, no synchronisation); one cache lookup for both, on the helpers' key (identity and
-    version of ``cu``)."""
-    return cached_on_version(
-        "sm90_indices", cu, CHUNK,
-        lambda: (prepare_chunk_indices(cu, CHUNK, host=host), prepare_chunk_offsets(cu, CHUNK, host=host)),
-    )
 
 
 class WorkspaceRegion(NamedTuple):
@@ -253,14 +238,16 @@ class _Launch:
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple[WorkspaceRegion, ...]]:
         """Launch on contiguous tensors of the signature it was built for (``cu_host``: the checked host copy of
         ``cu_seqlens``). Returns o, the final state (or None), the workspace buffer and its regions."""
-        # Host order: only what the intra kernel needs comes before its launch; o, the final state and the sequence
-        # order are prepared while it runs (at small T the host time before the first launch is GPU idle).
+        # Host order: only what the intra kernel needs comes before its launch; o and the final state are allocated
+        # while it runs (at small T the host time before the first launch is GPU idle).
         ext, device, HV, total = self.ext, self.device, self.HV, self.total
         if self.fixed is not None:
             cu, chunk_indices, chunk_offsets, num_chunks, regions, nbytes = self.fixed
+            order = None  # (equal lengths: slot order)
         else:
             cu = cu_seqlens
-            chunk_indices, chunk_offsets = _varlen_indices(cu, cu_host)
+            # built from the checked host copy and moved in one copy (no launch, no synchronisation); cached
+            chunk_indices, chunk_offsets, order = prepare_varlen_launch(cu, CHUNK, host=cu_host)
             num_chunks = chunk_indices.shape[0]
             regions, nbytes = workspace_layout(total, HV, num_chunks)
         q, k, v, g, beta = _aligned(q), _aligned(k), _aligned(v), _aligned(g), _aligned(beta)
@@ -283,7 +270,8 @@ class _Launch:
             state_shape = self.state_shape
             final_state = None if state_shape is None else torch.empty(state_shape, dtype=torch.float32,
                                                                        device=device)
-            order = prepare_sequence_order(cu, host=cu_host) if self.longest_first else None
+            if not self.longest_first:
+                order = None
             ext.kda_recurrence(
                 qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(order),
                 _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ...index import prepare_chunk_indices, prepare_chunk_offsets, prepare_sequence_order
+from ...index import prepare_varlen_launch
 from ...kda_args import checked_boundaries, empty_prefill_result, safe_gate_kernel_rejection
 from ...kda_tuning import device_capability, recurrence_block_v, sm_count
 from .. import is_available
@@ -121,7 +121,9 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     B, T, H, HV, K = args.B, args.T, args.H, args.HV, args.K
     device = args.device
     cu, cu_host = args.cu_seqlens, args.cu_seqlens_host  # (the index tensors are built from the host copy)
-    chunk_indices = None if cu is None else prepare_chunk_indices(cu, CHUNK, host=cu_host)
+    # chunk indices, chunk offsets and the longest-first order: one host build, one copy to the device (cached)
+    chunk_indices, chunk_offsets, seq_order = (None, None, None) if cu is None else \
+        prepare_varlen_launch(cu, CHUNK, host=cu_host)
     num_chunks = B * -(-T // CHUNK) if cu is None else chunk_indices.shape[0]
     h0 = args.initial_state
     if h0 is not None and h0.dtype != torch.float32:
@@ -147,10 +149,8 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
             num_chunks, flags, out=(w, u, qg, kg, Aqk, g_last),
         )
         o, ht, _, _ = recurrence._run(
-            qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu,
-            None if cu is None else prepare_chunk_offsets(cu, CHUNK, host=cu_host), args.state_v_first, block_v, h=None,
-            v_new=None, gate_per_chunk=True, seq_order=None if cu is None else prepare_sequence_order(cu, host=cu_host),
-            N=args.N,
+            qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu, chunk_offsets, args.state_v_first,
+            block_v, h=None, v_new=None, gate_per_chunk=True, seq_order=seq_order, N=args.N,
         )
         return o, ht
     # The "fused" intra variant L2-normalises q/k itself (same bits): prepare then only does the gate and beta.
