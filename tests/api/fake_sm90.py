@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+import torch
 
 
 def shim():
@@ -31,6 +32,21 @@ class FakeExtension:
         self.reads: dict[int, tuple] = {}  # intra argument position -> (ctypes type, count): read during the launch
         self.read: dict[int, list] = {}
         self.launches = 0
+
+    def varlen_launch_capacity(self, n: int, total: int, chunk: int) -> int:
+        return 2 * (total // chunk + n) + 4 + (n + 1) + 4 + n
+
+    def varlen_launch_values(self, cu: int, n: int, chunk: int, out: int, capacity: int) -> tuple:
+        """The extension's C++ builder, done here with the runtime's: the same buffer layout."""
+        from cula_runtime.index import prepare_varlen_launch
+
+        bounds = torch.tensor(read_values(cu, ctypes.c_int32, n + 1), dtype=torch.int32)
+        indices, offsets, order = prepare_varlen_launch(bounds, chunk, host=bounds.clone())
+        base = indices.untyped_storage().data_ptr()
+        size = (order.data_ptr() - base) // 4 + n
+        assert size <= capacity
+        ctypes.memmove(out, base, 4 * size)
+        return indices.shape[0], (offsets.data_ptr() - base) // 4, (order.data_ptr() - base) // 4, size
 
     def kda_intra(self, *a) -> int:
         self.intra = a

@@ -196,6 +196,40 @@ def test_varlen_with_cu_seqlens_cpu_never_synchronises(name: str, monkeypatch: p
     assert torch.equal(o, o_ref) and (ht_ref is None or torch.equal(ht, ht_ref))
 
 
+def test_varlen_launch_values_equal_the_runtime_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extension's C++ build of the varlen index buffer (what a new cu_seqlens costs on the host) gives the
+    runtime's chunk indices, chunk offsets and longest-first order, in its buffer layout; random batches with empty
+    and 1-token sequences, up to 5000 sequences; decreasing boundaries and a short buffer are ValueErrors. (Host code
+    only: it runs wherever the extension loads; marked gpu because only the GPU machine has the built extension.)"""
+    from cula_runtime.index import prepare_varlen_launch
+
+    kda = _sm90(monkeypatch)
+    ext = kda.load_extension()
+    gen = torch.Generator().manual_seed(8)
+    for trial, (count, longest) in enumerate([(1, 300), (7, 64), (40, 700), (300, 6000), (5000, 130)] * 3):
+        lens = torch.randint(0, longest, (count,), generator=gen)
+        lens[trial % count] = trial % 2
+        host = torch.tensor([0, *torch.cumsum(lens, 0).tolist()], dtype=torch.int32)
+        n, total = count, int(host[-1])
+        capacity = ext.varlen_launch_capacity(n, total, 64)
+        out = torch.full((capacity,), -7, dtype=torch.int32)
+        nt, offsets_at, order_at, size = ext.varlen_launch_values(host.data_ptr(), n, 64, out.data_ptr(), capacity)
+        indices, offsets, order = prepare_varlen_launch(host.clone(), 64, host=host)
+        base = indices.untyped_storage().data_ptr()
+        assert (offsets_at, order_at) == ((offsets.data_ptr() - base) // 4, (order.data_ptr() - base) // 4)
+        assert nt == indices.shape[0] and size == order_at + n <= capacity
+        assert torch.equal(out[:2 * nt].view(nt, 2), indices)
+        assert torch.equal(out[offsets_at:offsets_at + n + 1], offsets) and torch.equal(out[order_at:size], order)
+        assert bool((out[size:] == -7).all())  # nothing written past the layout
+    bad = torch.tensor([0, 5, 3], dtype=torch.int32)
+    out = torch.empty(64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="decreasing boundaries"):
+        ext.varlen_launch_values(bad.data_ptr(), 2, 64, out.data_ptr(), 64)
+    good = torch.tensor([0, 640], dtype=torch.int32)
+    with pytest.raises(ValueError, match="too small"):
+        ext.varlen_launch_values(good.data_ptr(), 1, 64, out.data_ptr(), 8)
+
+
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     _sm90(monkeypatch)
     monkeypatch.delenv("CULA_BACKEND")  # the natural choice, not a forced one

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kda/kda_entry.h"
+#include "kda/varlen_index.h"
 #include "probe_kernel.h"
 
 namespace py = pybind11;
@@ -102,6 +103,22 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
   return check_launch("kda_recurrence", code);
 }
 
+// The varlen index arrays into a host int32 buffer (see varlen_index.h); returns (NT, offsets_at, order_at, size).
+py::tuple varlen_launch_values(std::uintptr_t cu, std::int64_t n, int chunk, std::uintptr_t out,
+                               std::int64_t capacity) {
+  if (cu == 0 || out == 0 || n < 1 || chunk <= 0 || capacity < 0) {
+    throw std::invalid_argument("cula_sm90.varlen_launch_values: needs host pointers, n >= 1, chunk > 0 and "
+                                "capacity >= 0");
+  }
+  const auto layout = cula_sm90::varlen_launch_values(reinterpret_cast<const std::int32_t*>(cu), n, chunk,
+                                                      reinterpret_cast<std::int32_t*>(out), capacity);
+  if (layout.num_chunks < 0) {
+    throw std::invalid_argument("cula_sm90.varlen_launch_values: decreasing boundaries, or capacity " +
+                                std::to_string(capacity) + " too small");
+  }
+  return py::make_tuple(layout.num_chunks, layout.offsets_at, layout.order_at, layout.size);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -118,6 +135,12 @@ PYBIND11_MODULE(_C, m) {
         "(0: the legacy default stream). Returns the CUDA error code (0); raises RuntimeError naming the "
         "kernel when the launch fails, ValueError for a bad pointer or size.");
   m.def("kda_intra", &kda_intra, "KDA chunk-parallel kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
+  m.def("varlen_launch_capacity", &cula_sm90::varlen_launch_capacity, py::arg("n"), py::arg("total"),
+        py::arg("chunk"), "int32 slots varlen_launch_values needs at most for n sequences over total tokens.");
+  m.def("varlen_launch_values", &varlen_launch_values, py::arg("cu"), py::arg("n"), py::arg("chunk"), py::arg("out"),
+        py::arg("capacity"),
+        "Chunk indices, chunk offsets and the longest-first order of a packed batch, from host boundaries cu[0..n] "
+        "into the host int32 buffer out, on the host (no CUDA). Returns (NT, offsets_at, order_at, size).");
   m.def("kda_recurrence", &kda_recurrence,
         "KDA state recurrence + output kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
 }
