@@ -293,3 +293,22 @@ def test_cutedsl_calls_are_planned_through_dispatch(monkeypatch) -> None:
         assert cula.kda.kda_prefill(**kwargs) == ("o", "ht")
     assert validations == [1] and len(runs) == 3 and dispatch.planner_for(backend.kda_prefill_cutedsl) is not None
     _same_args(runs[-1], validate_kda_prefill(**kwargs))
+
+
+def test_planned_varlen_calls_under_inference_mode(planned) -> None:
+    """Inference-mode tensors carry no version counter (nothing derived from cu_seqlens is cached): every planned
+    call checks and builds from its own cu_seqlens, and a bad one is still refused."""
+    kda, fake, validations = planned
+    kwargs = _inputs("varlen-0-100-100-228", fake, seed=7)
+    with torch.inference_mode():
+        kwargs = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
+        for bounds, rows in (([0, 100, 100, 228], [0, 0, 0, 1, 2, 0, 2, 1]),
+                             ([0, 10, 150, 228], [0, 0, 1, 0, 1, 1, 1, 2, 2, 0, 2, 1])):
+            kwargs["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+            fake.reads = {9: (ctypes.c_int32, 4), 10: (ctypes.c_int32, len(rows))}
+            cula.kda.kda_prefill(**kwargs)
+            assert fake.read == {9: bounds, 10: rows}
+        kwargs["cu_seqlens"] = torch.tensor([0, 150, 100, 228], dtype=torch.int32)
+        with pytest.raises(ValueError, match="non-decreasing"):
+            cula.kda.kda_prefill(**kwargs)
+    assert validations == [1]
