@@ -312,3 +312,28 @@ def test_planned_varlen_calls_under_inference_mode(planned) -> None:
         with pytest.raises(ValueError, match="non-decreasing"):
             cula.kda.kda_prefill(**kwargs)
     assert validations == [1]
+
+
+def test_a_knob_first_read_by_the_plans_run_does_not_cost_a_second_validation(planned, monkeypatch) -> None:
+    """The plan is kept under the knobs as they are after its first run: a knob that run reads for the first time
+    in the process is in the key already, so the next call is served by the plan."""
+    kda, fake, validations = planned
+    name = f"CULA_TEST_READ_BY_THE_PLAN_{id(validations)}"  # (a name no code has read yet in this process)
+    make = kda.plan_kda_prefill
+
+    def planner(args):
+        plan = make(args)
+
+        def reading(*tensors):
+            from cula_runtime.env import env_value
+
+            env_value(name, "")
+            return plan(*tensors)
+
+        return reading
+
+    monkeypatch.setattr(dispatch, "_planners", {kda.kda_prefill: planner})
+    kwargs = _inputs(FIXED, fake, seed=1)
+    for _ in range(3):
+        cula.kda.kda_prefill(**kwargs)
+    assert validations == [1]

@@ -91,8 +91,10 @@ def kda_prefill(
         planner = planner_for(runner)
         plan = None if planner is None else planner(args)
         if plan is not None:
+            result = plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu)
+            # kept under the knobs as they are after its first run (which may read a knob for the first time)
             remember(with_current_knobs(signature), plan)
-            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu)
+            return result
     return runner(args)
 
 
