@@ -1,15 +1,16 @@
 """Call plans: a repeated ``kda_prefill`` call skips validation and dispatch.
 
 A call's *signature* is everything the validator and the dispatch decide from, except ``cu_seqlens``' values: each
-tensor argument's class, shape, strides, dtype and device; the flags, ``scale`` and ``lower_bound`` with their
-types; and the value of every ``CULA_*`` knob read so far (:func:`cula_runtime.env.env_snapshot`). Two calls with
+tensor argument's class, shape, strides, dtype and device; the flags (``bool`` only), ``scale`` and ``lower_bound``
+(``float``/``int`` only); and the value of every ``CULA_*`` knob read so far (:func:`cula_runtime.env.env_snapshot`,
+taken after the plan's first run, which may read a knob for the first time). Two calls with
 one signature pass the same checks and reach the same backend with the same launch shapes, so the plan a backend
 made for the first (``plan(args)``, registered with :func:`cula.dispatch.register_planner`) serves the second: on
 the H200 the host time before the first launch was 50-110 us, most of it those decisions, while the GPU waited.
 
 What depends on values is still checked on every call, inside the plan: ``cu_seqlens``' boundaries (through the
 validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`) and each pointer's alignment. Plans are
-made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 today); a plan
+made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
 holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, or flags that are not
 ``bool`` are never planned: the validator sees each of them.
 """
