@@ -431,8 +431,18 @@ def refusal(**bad):
         return [type(error).__name__, str(error)]
     return None
 
+def varlen(bounds):
+    # the host-side varlen index build (C++, no CUDA), into an array buffer
+    import array
+    cu, n = array.array("i", bounds), len(bounds) - 1
+    capacity = extension.varlen_launch_capacity(n, bounds[-1], 64)
+    out = array.array("i", [-7] * capacity)
+    layout = extension.varlen_launch_values(cu.buffer_info()[0], n, 64, out.buffer_info()[0], capacity)
+    return [*layout, out.tolist()[:layout[3]]]
+
 print(json.dumps({
     "refusals": {"tuned": refusal(tuned=7), "persistent_ctas": refusal(persistent_ctas=-1)},
+    "varlen": varlen([0, 100, 100, 228, 240]),
     "shim_version": cula_sm90.__version__,
     "version": extension.version(),
     "archs": extension.compiled_archs(),
@@ -443,9 +453,15 @@ print(json.dumps({
 """
 
 
+# cu = [0, 100, 100, 228, 240], 64-token chunks: (NT, offsets at, order at, size, buffer) = chunk rows (sequence,
+# chunk) | pad | chunk offsets | pad | longest first (lengths 100, 0, 128, 12)
+_VARLEN_EXPECTED = [5, 12, 20, 24, [0, 0, 0, 1, 2, 0, 2, 1, 3, 0, 0, 0, 0, 2, 2, 4, 5, 0, 0, 0, 2, 0, 3, 1]]
+
+
 def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
     """Unpack the wheel and load its extension in ``python`` (needs no GPU): version, archs, refusals of bad
-    kda_intra arguments (ValueError before any launch), no torch import."""
+    kda_intra arguments (ValueError before any launch), the host-side varlen index build on one batch, no torch
+    import."""
     with tempfile.TemporaryDirectory() as scratch:
         with zipfile.ZipFile(path) as archive:
             archive.extractall(scratch)
@@ -464,6 +480,9 @@ def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
         problems.append(f"probe_fill of 0 elements returned {report['empty_fill']}, expected 0")
     if report["imported_torch"]:
         problems.append("importing cula_sm90 and its extension imported torch")
+    if report["varlen"] != _VARLEN_EXPECTED:
+        problems.append(f"varlen_launch_values of cu = [0, 100, 100, 228, 240] gave {report['varlen']}, expected "
+                        f"{_VARLEN_EXPECTED}")
     for argument, refused in report["refusals"].items():  # bad kda_intra arguments: ValueErrors before any launch
         if refused is None or refused[0] != "ValueError" or f"{argument} must be" not in refused[1]:
             problems.append(f"kda_intra with a bad {argument} gave {refused}, expected a ValueError naming it")
@@ -514,7 +533,7 @@ def inspect_folder(
                     if tag.startswith(f"{here}-"):
                         problems += load_check_sm90(path)
                         notes.append(f"loaded in {sys.executable} (no GPU needed): version, archs, kda_intra "
-                                     "argument refusals, no torch import")
+                                     "argument refusals, the varlen index build, no torch import")
                     else:
                         notes.append(f"not loaded: built for {tag.split('-')[0]}, this interpreter is {here}")
                 reports.append(WheelReport(path, problems, notes))
