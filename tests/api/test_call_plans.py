@@ -337,3 +337,17 @@ def test_a_knob_first_read_by_the_plans_run_does_not_cost_a_second_validation(pl
     for _ in range(3):
         cula.kda.kda_prefill(**kwargs)
     assert validations == [1]
+
+
+def test_plans_can_be_turned_off(planned, monkeypatch) -> None:
+    kda, fake, validations = planned
+    kwargs = _inputs(FIXED, fake, seed=1)
+    monkeypatch.setenv(call_plans.ENV_CALL_PLANS, "0")
+    for count in (1, 2, 3):
+        cula.kda.kda_prefill(**kwargs)
+        assert len(validations) == count
+    assert not call_plans._plans
+    monkeypatch.setenv(call_plans.ENV_CALL_PLANS, "1")
+    for _ in range(2):
+        cula.kda.kda_prefill(**kwargs)
+    assert len(validations) == 4 and len(call_plans._plans) == 1

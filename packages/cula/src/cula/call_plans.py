@@ -12,7 +12,7 @@ What depends on values is still checked on every call, inside the plan: ``cu_seq
 validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`) and each pointer's alignment. Plans are
 made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
 holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, or flags that are not
-``bool`` are never planned: the validator sees each of them.
+``bool`` are never planned: the validator sees each of them. ``CULA_CALL_PLANS=0`` turns plans off.
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from collections.abc import Callable
 
 import torch
 
-from cula_runtime.env import env_snapshot
+from cula_runtime.env import env_snapshot, env_value
 
-__all__ = ["call_signature", "clear_call_plans", "lookup", "remember", "with_current_knobs"]
+__all__ = ["ENV_CALL_PLANS", "call_signature", "clear_call_plans", "lookup", "remember", "with_current_knobs"]
+
+#: "0" turns call plans off: every call is validated and dispatched (for debugging; read on every call).
+ENV_CALL_PLANS = "CULA_CALL_PLANS"
 
 Plan = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -49,7 +52,9 @@ def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, u
                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log,
                    dt_bias, cu_seqlens, state_v_first, cu_seqlens_cpu) -> tuple | None:
     """The signature of a ``kda_prefill`` call (its arguments in ``kda_prefill``'s order) as a hashable key, or None
-    for a call that is never planned. About 5 us."""
+    for a call that is never planned (or with ``CULA_CALL_PLANS=0``). About 5 us."""
+    if env_value(ENV_CALL_PLANS, "1") == "0":
+        return None
     flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
              allow_neg_eigval, safe_gate, state_v_first)
     for flag in flags:
