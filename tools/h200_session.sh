@@ -69,6 +69,11 @@ for step in "$@"; do
     # the wgmma recurrence with 2 and 3 pipeline stages; the intra kernel's verified and tuned forms
     profile:stages) profile_sm90_knob CULA_SM90_RECURRENCE_STAGES "2 3" 64,128 "$OUT/profile_kda_stages.txt" ;;
     profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-0 norm inverse all}" 64 "$OUT/profile_kda_tuned.txt" ;;
+    # the intra kernel without each phase's arithmetic (timing only; needs CULA_SM90_ABLATION=1 when sourcing
+    # tools/h200_setup.sh, which builds those forms)
+    profile:ablation) profile_sm90_knob CULA_SM90_INTRA_TUNED \
+                        "all ablate:gate ablate:norm-exp ablate:products ablate:inverse ablate:solve" 64 \
+                        "$OUT/profile_kda_ablation.txt" ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
                         timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \
@@ -86,7 +91,7 @@ for step in "$@"; do
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
-          "profile[:prefetch|:sm90|:stages|:tuned|:short] intra ncu host:gap)" ;;
+          "profile[:prefetch|:sm90|:stages|:tuned|:short|:ablation] intra ncu host:gap)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -5,8 +5,9 @@ for _w in .devcarry/extra-tvm-ffi/*.whl; do [ -e "$_w" ] && python3 -m zipfile -
 # (a fresh target each call: pip --target keeps an existing package directory, so a warm machine would otherwise
 # keep the previous call's build of the extension)
 rm -rf /tmp/cula-site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/cula-site ./packages/cula-sm90 \
-  2>&1 | tail -3
+# CULA_SM90_ABLATION=1 also builds the intra kernel's timing-only ablation forms (CULA_SM90_INTRA_TUNED=ablate:*)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/cula-site \
+  ${CULA_SM90_ABLATION:+--config-settings=cmake.define.CULA_SM90_ABLATION=ON} ./packages/cula-sm90 2>&1 | tail -3
 export PYTHONPATH="/tmp/cula-site:$PWD/packages/cula-runtime/src:$PWD/packages/cula/src:$PWD:${PYTHONPATH:-}"
 export OUT=${OUT:-/tmp/cula-out}
 mkdir -p "$OUT"

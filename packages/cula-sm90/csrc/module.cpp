@@ -55,7 +55,12 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
                                 std::to_string(persistent_ctas));
   }
-  if (tuned < 0 || tuned > 3 || (tuned != 0 && persistent_ctas > 0)) {
+#ifdef CULA_SM90_ABLATION  // (timing-only forms: 3 plus one kAblate* bit of kda_intra_item.cuh)
+  const bool ablation = tuned == 19 || tuned == 35 || tuned == 67 || tuned == 131 || tuned == 259;
+#else
+  const bool ablation = false;
+#endif
+  if (((tuned < 0 || tuned > 3) && !ablation) || (tuned != 0 && persistent_ctas > 0)) {
     throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2 or 3, and 0 with persistent CTAs; got " +
                                 std::to_string(tuned));
   }

@@ -218,6 +218,14 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
 // kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse is the default.
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
+// Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
+// each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
+// The intra kernel's time without a phase bounds what rewriting that phase could gain.
+constexpr int kAblateGate = 16;      // phase 1: no gate activation (the raw g is summed)
+constexpr int kAblateNormExp = 32;   // phase 2a: no L2 norms and no row factors (a = b = 1)
+constexpr int kAblateProducts = 64;  // phase 3: no Aqk/Akk MMAs
+constexpr int kAblateInverse = 128;  // phase 4: no inverse (sT keeps what it held)
+constexpr int kAblateSolve = 256;    // phase 5: no w/u MMAs
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
 // have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
@@ -320,7 +328,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         gv[j][3] = raw.w;
       }
     }
-    if (p.gate_in_kernel) {
+    if (p.gate_in_kernel && (kTuned & kAblateGate) == 0) {
       // g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) = lb / (1 + 2^{(g + bias) * (-exp(A_log) log2 e)})
       float bias[4] = {0.f, 0.f, 0.f, 0.f};
       if (p.dt_bias != nullptr) {
@@ -410,7 +418,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
     [[maybe_unused]] float rq8[8], rk8[8];
     if constexpr ((kTuned & kTunedNorm) != 0) {
-      if (p.l2norm_qk) {
+      if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
         float sq8[8], sk8[8];
 #pragma unroll
         for (int pp = 0; pp < 8; ++pp) {
@@ -441,7 +449,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       float q[4] = {bf16_lo(qraw.x), bf16_hi(qraw.x), bf16_lo(qraw.y), bf16_hi(qraw.y)};
       float k[4] = {bf16_lo(kraw.x), bf16_hi(kraw.x), bf16_lo(kraw.y), bf16_hi(kraw.y)};
       const float v[4] = {bf16_lo(vraw.x), bf16_hi(vraw.x), bf16_lo(vraw.y), bf16_hi(vraw.y)};
-      if (p.l2norm_qk) {
+      if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
         float rq, rk;
         if constexpr ((kTuned & kTunedNorm) != 0) {
           rq = rq8[pp];
@@ -476,8 +484,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       float a[4], b[4], e[4], kf[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        a[i] = ex2_ftz(g[i] - gn[i]);  // e^{Γ - Γn}   in [e^-75, 1]
-        b[i] = ex2_ftz(gn[i] - g[i]);  // e^{Γn - Γ}   in [1, e^75]
+        if constexpr ((kTuned & kAblateNormExp) != 0) {
+          a[i] = b[i] = 1.f + 0.f * (g[i] - gn[i]);
+        } else {
+          a[i] = ex2_ftz(g[i] - gn[i]);  // e^{Γ - Γn}   in [e^-75, 1]
+          b[i] = ex2_ftz(gn[i] - g[i]);  // e^{Γn - Γ}   in [1, e^75]
+        }
         e[i] = f[i] * a[i];            // e^{Γ}
         kf[i] = ef[i] * b[i];          // e^{Γlast - Γ}
       }
@@ -558,7 +570,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
             accK[nt][e] = 0.f;
           }
 #pragma unroll
-        for (int s = 0; s < 8; ++s) {
+        for (int s = 0; s < ((kTuned & kAblateProducts) != 0 ? 0 : 8); ++s) {
           uint32_t aq[4], ak[4], bb[4];
           ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
           ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
@@ -633,7 +645,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sP = reinterpret_cast<float*>(smem + kOffP);
   // 4a: diagonal blocks. Lane (block blk, column c) solves (I + A_bb) x = e_c by forward substitution.
-  if (warp < 2) {
+  if (warp < 2 && (kTuned & kAblateInverse) == 0) {
     const int blk = 2 * warp + (lane >> 4);
     const int c = lane & 15;
     float* Ab = sA + (16 * blk) * kAStride + 16 * blk;
@@ -657,7 +669,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     }
   }
   __syncthreads();  // (H)
-  if constexpr ((kTuned & kTunedInverse) != 0) {
+  if constexpr ((kTuned & kAblateInverse) != 0) {
+  } else if constexpr ((kTuned & kTunedInverse) != 0) {
     inverse_by_doubling(smem, tid);
   } else {
   // 4b: block forward substitution, row block I = 1..3:
@@ -730,7 +743,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
 #pragma unroll
-      for (int kb2 = 0; kb2 <= I; ++kb2) {
+      for (int kb2 = 0; kb2 <= ((kTuned & kAblateSolve) != 0 ? -1 : I); ++kb2) {
         uint32_t a[4];
         ldsm_x4(a, sbase + kOffT + swz128(16 * I + lrow, 2 * kb2 + lchk));
 #pragma unroll

@@ -1,0 +1,21 @@
+// Timing-only forms of the intra kernel: the default tuned kernel without one phase's arithmetic (the kAblate* bits
+// of kda_intra_item.cuh). Built only when CMake's CULA_SM90_ABLATION is ON (tools/h200_setup.sh with
+// CULA_SM90_ABLATION=1), for measurements on the H200; never in a wheel. Their outputs are garbage by design.
+// A translation unit of its own: instantiating more forms beside the default ones changes their code.
+#include "kda/kda_intra_item.cuh"
+
+namespace cula::sm90 {
+
+cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
+  constexpr int kBase = kTunedNorm | kTunedInverse;
+  switch (tuned) {
+    case kBase | kAblateGate: return launch_one_cta_per_item<kBase | kAblateGate>(params, stream);
+    case kBase | kAblateNormExp: return launch_one_cta_per_item<kBase | kAblateNormExp>(params, stream);
+    case kBase | kAblateProducts: return launch_one_cta_per_item<kBase | kAblateProducts>(params, stream);
+    case kBase | kAblateInverse: return launch_one_cta_per_item<kBase | kAblateInverse>(params, stream);
+    case kBase | kAblateSolve: return launch_one_cta_per_item<kBase | kAblateSolve>(params, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace cula::sm90
