@@ -16,7 +16,7 @@ import torch
 import cula.kda
 from cula import call_plans, dispatch
 from cula_runtime.env import env_snapshot, env_value
-from cula_runtime.kda_args import validate_kda_prefill
+from cula_runtime.kda_args import checked_boundaries, validate_kda_prefill
 from tests.kda_cases import CASES, make_inputs
 
 FIXED, VARLEN = "B2-T200-H2-HV4", "varlen-6seqs-GVA2-vk"
@@ -269,14 +269,9 @@ def test_cutedsl_plan_runs_its_runner_on_the_new_tensors(name: str, monkeypatch)
         second["dt_bias"] = second["dt_bias"].view(case.HV, -1)
     tensors = [second.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias",
                                               "cu_seqlens")]
-    assert plan(*tensors, None) == ("o", "ht")
+    host = None if case.cu is None else checked_boundaries(second["cu_seqlens"], None, case.T)
+    assert plan(*tensors, host) == ("o", "ht")
     _same_args(runs[-1], validate_kda_prefill(**second))
-    if case.cu is not None:  # boundaries are checked per call
-        bad = second["cu_seqlens"].clone()
-        bad[1] = bad[2] + 1
-        with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
-            plan(*tensors[:-1], bad, None)
-        assert len(runs) == 1
 
 
 def test_cutedsl_calls_are_planned_through_dispatch(monkeypatch) -> None:
@@ -293,6 +288,11 @@ def test_cutedsl_calls_are_planned_through_dispatch(monkeypatch) -> None:
         assert cula.kda.kda_prefill(**kwargs) == ("o", "ht")
     assert validations == [1] and len(runs) == 3 and dispatch.planner_for(backend.kda_prefill_cutedsl) is not None
     _same_args(runs[-1], validate_kda_prefill(**kwargs))
+    bad = kwargs["cu_seqlens"].clone()  # boundaries are checked per planned call, before the plan runs
+    bad[1] = bad[2] + 1
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        cula.kda.kda_prefill(**{**kwargs, "cu_seqlens": bad})
+    assert validations == [1] and len(runs) == 3
 
 
 def test_planned_varlen_calls_under_inference_mode(planned) -> None:

@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 import torch
 
 from cula_runtime.env import env_choice, env_value
-from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets, prepare_varlen_launch
-from cula_runtime.kda_args import checked_boundaries, empty_prefill_result, safe_gate_kernel_rejection
+from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
+from cula_runtime.kda_args import empty_prefill_result, safe_gate_kernel_rejection
 from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
@@ -115,15 +115,13 @@ def _fixed_indices(B: int, T: int, device: torch.device) -> tuple[torch.Tensor, 
     return cached
 
 
-def _varlen_launch(ext: Any, cu: torch.Tensor, host: torch.Tensor | None, total: int,
+def _varlen_launch(ext: Any, cu: torch.Tensor, host: torch.Tensor, total: int,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chunk_indices [NT, 2], chunk_offsets [N + 1], launch order [N]) of a packed batch on ``cu``'s device: the
     values of :func:`cula_runtime.index.prepare_varlen_launch`, built by the extension in C++ from ``host`` (the
     checked host copy of ``cu``, int32) into one host buffer and moved in one copy. Cached per ``cu`` version. On the
     H200's host the Python build of a fresh ``cu_seqlens`` took ~38 us (varlen T4096, 10 sequences), all of it before
-    the first launch. Without a host copy: the runtime's build."""
-    if host is None:
-        return prepare_varlen_launch(cu, CHUNK)
+    the first launch. (Every varlen call has that copy: the validator's, or the one a call plan's caller checked.)"""
 
     def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = host.numel() - 1
@@ -328,18 +326,16 @@ def plan_kda_prefill(args: Any) -> Plan | None:
     whose tensors the caller passed contiguous), or None for a call without tokens (it launches nothing).
 
     The plan takes the call's tensors in the order ``(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
-    cu_seqlens_cpu)`` and returns what :func:`kda_prefill` returns. It resolves the knobs and launch shapes once
-    (``cula.call_plans`` keys plans on the knobs' values), checks each varlen call's boundaries as the validator does
-    (:func:`cula_runtime.kda_args.checked_boundaries`: ValueError for bad ones, before any launch), and holds no
-    tensor of the call it was made from.
+    cu_seqlens_host)``, the last the checked host copy of ``cu_seqlens``
+    (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and returns what :func:`kda_prefill`
+    returns. It resolves the knobs and launch shapes once (``cula.call_plans`` keys plans on the knobs' values) and
+    holds no tensor of the call it was made from.
     """
     if args.B * args.T == 0:
         return None
     launch = _Launch(args)
-    T = args.T
 
-    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu):
-        cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, T)
+    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host):
         o, final_state, _, _ = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
         return o, final_state
 

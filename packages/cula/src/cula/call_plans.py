@@ -8,8 +8,9 @@ one signature pass the same checks and reach the same backend with the same laun
 made for the first (``plan(args)``, registered with :func:`cula.dispatch.register_planner`) serves the second: on
 the H200 the host time before the first launch was 50-110 us, most of it those decisions, while the GPU waited.
 
-What depends on values is still checked on every call, inside the plan: ``cu_seqlens``' boundaries (through the
-validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`) and each pointer's alignment. Plans are
+What depends on values is still checked on every call: ``cu_seqlens``' boundaries by ``cula.kda.kda_prefill`` before
+it runs a plan (the validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`, whose host copy the
+plan receives), and each pointer's alignment inside the sm90 plan. Plans are
 made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
 holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, or flags that are not
 ``bool`` are never planned: the validator sees each of them. ``CULA_CALL_PLANS=0`` turns plans off.

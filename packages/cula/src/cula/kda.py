@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_lens
-from cula_runtime.kda_args import KdaPrefillArgs, validate_kda_prefill
+from cula_runtime.kda_args import KdaPrefillArgs, checked_boundaries, validate_kda_prefill
 
 from .call_plans import call_signature, lookup, remember, with_current_knobs
 from .dispatch import planner_for, select_backend
@@ -80,7 +80,9 @@ def kda_prefill(
     if signature is not None:
         plan = lookup(signature)
         if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
-            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu)
+            # cu_seqlens' values are checked on every call, as the validator does (ValueError before any launch)
+            cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
@@ -91,7 +93,7 @@ def kda_prefill(
         planner = planner_for(runner)
         plan = None if planner is None else planner(args)
         if plan is not None:
-            result = plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu)
+            result = plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, args.cu_seqlens_host)
             # kept under the knobs as they are after its first run (which may read a knob for the first time)
             remember(with_current_knobs(signature), plan)
             return result

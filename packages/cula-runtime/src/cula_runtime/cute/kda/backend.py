@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...index import prepare_varlen_launch
-from ...kda_args import checked_boundaries, empty_prefill_result, safe_gate_kernel_rejection
+from ...kda_args import empty_prefill_result, safe_gate_kernel_rejection
 from ...kda_tuning import device_capability, recurrence_block_v, sm_count
 from .. import is_available
 
@@ -176,14 +176,12 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
 def plan_kda_prefill(args: Any) -> Callable[..., tuple[Any, Any]] | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     ``verify`` accepted, passed contiguous): it takes the call's tensors in the order ``(q, k, v, g, beta,
-    initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu)``, checks a varlen call's boundaries as the validator
-    does (ValueError, before any launch), and runs :func:`kda_prefill_cutedsl` on them, skipping validation and
-    dispatch. Holds no tensor of the call it was made from."""
-    T = args.T
+    initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_host)``, the last the checked host copy of ``cu_seqlens``
+    (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and runs :func:`kda_prefill_cutedsl`
+    on them, skipping validation and dispatch. Holds no tensor of the call it was made from."""
     template = args.with_tensors(*(None,) * 10)
 
-    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu):
-        cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, T)
+    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host):
         return kda_prefill_cutedsl(template.with_tensors(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                          cu_host))
 
