@@ -356,15 +356,15 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all (or run_kernels(intra_tuned=...)) asks for the intra kernel's tuned
-    forms as the bit set 0|1|2|3, "all" when unset; asked for, they do not combine with persistent CTAs, and unset
+    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|overlap (or run_kernels(intra_tuned=...)) asks for the intra
+    kernel's tuned forms as the bit set 0|1|2|3|7, "all" when unset; asked for, they do not combine with persistent CTAs, and unset
     they give way to them; bad values are ValueErrors naming the variable or argument, before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.intra[28:31] == (0, 0, 3)
-    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("ablate:products", 67), ("ablate:solve", 259),
-                        ("0", 0)):
+    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("overlap", 7), ("ablate:products", 67),
+                        ("ablate:solve", 259), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)
         assert fake.intra[28:31] == (0, 0, bits), value

@@ -154,6 +154,19 @@ def test_intra_tuned_matches_oracle(case: KdaCase, form: str, monkeypatch: pytes
         assert torch.equal(o2, o) and (ht is None or torch.equal(ht2, ht))
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_intra_overlap_gives_the_bits_of_all(case: KdaCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "overlap" form (each diagonal block of Akk inverted inside phase 3 by the warp that made it, the same
+    arithmetic in another loop order) gives "all"'s workspace, o and final state bit for bit on every case (tails,
+    empty and 1-token sequences, GVA, both beta dtypes, precomputed gates), outputs poisoned first, over 3 replays."""
+    kda = _sm90(monkeypatch)
+    args = validate_kda_prefill(**make_inputs(case, "cuda", seed=21))
+    ref = kda.run_kernels(args, intra_tuned="all")
+    for replay in range(3):
+        poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
+        _assert_same_bits(kda.run_kernels(args, intra_tuned="overlap"), ref, ("overlap", replay))
+
+
 def _lengths(args) -> list[int]:
     """Each sequence's length, from validated kda_prefill arguments."""
     if args.cu_seqlens is None:

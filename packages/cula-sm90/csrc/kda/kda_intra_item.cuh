@@ -69,6 +69,12 @@ constexpr uint32_t kOffKoff = kOffG;           // bf16 6 x [16][128] (swz256)
 constexpr uint32_t kOffAqk = kOffG + 24576;    // bf16 [64][64] (swz128)
 constexpr uint32_t kOffTot = kOffX;            // fp32 [8][128]: cumsum segment totals
 static_assert(kOffT + 8192 <= kOffV, "Tinv staging overlaps the u right-hand side");
+// kTunedOverlap: the 4 diagonal blocks' inverses, fp32 [16][kDiagStride] each, over the anchor factors (consumed by
+// phase 2b). The stride of 20 floats puts an MMA fragment's transposed stores on 32 distinct banks.
+constexpr uint32_t kOffDiag = kOffF;
+constexpr int kDiagStride = 20;
+constexpr uint32_t kDiagBytes = 16 * kDiagStride * 4;
+static_assert(kOffDiag + 4 * kDiagBytes <= kOffBeta, "the diagonal inverses' scratch overlaps beta");
 static_assert(kOffAqk + 8192 == kOffF, "Aqk staging must end where Γ2 ends");
 
 // Index of the off-diagonal block (I, J), I > J, in the 6-tile arrays:
@@ -215,9 +221,52 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
   __syncthreads();
 }
 
+// Phase 4a inside phase 3 (kTunedOverlap), by the warp that made diagonal block I of Akk (its masked, β-scaled
+// accumulators akk, in the m16n8k16 C layout), while warps 0 and 1 still run their second block. S: the block's
+// scratch at kOffDiag. Lane c = lane & 15 solves (I + A) x = e_c with the first form's arithmetic (each row's sum
+// over m ascending, the same fmaf chain), in the other loop order: step m adds column m's terms to every later row,
+// so the dependent chain is 15 steps long instead of 120 (the first form: rows outer, a 120-deep chain per lane).
+// Leaves T_II row-major in S (stride kDiagStride), zeros above its diagonal.
+__device__ __forceinline__ void invert_diagonal_block(float* S, const float (&akk)[2][4], int lane) {
+  const int g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // A[i][j] -> S[j][i]: column m of A becomes a row of S
+      const int i = g8 + 8 * (e >> 1), j = 8 * nt + 2 * t4 + (e & 1);
+      S[j * kDiagStride + i] = akk[nt][e];
+    }
+  __syncwarp();
+  const int c = lane & 15;
+  float s[16];  // row r's running sum over m < r of A[r][m] x[m]
+#pragma unroll
+  for (int r = 0; r < 16; ++r) s[r] = 0.f;
+#pragma unroll
+  for (int m = 0; m < 15; ++m) {
+    const float xm = (m == c) ? 1.f : ((m < c) ? 0.f : -s[m]);
+#pragma unroll
+    for (int q = (m + 1) >> 2; q < 4; ++q) {
+      const float4 a = *reinterpret_cast<const float4*>(S + m * kDiagStride + 4 * q);
+      const float av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (4 * q + e > m) s[4 * q + e] = fmaf(av[e], xm, s[4 * q + e]);
+      }
+    }
+  }
+  __syncwarp();  // every lane has read A
+  if (lane < 16) {
+#pragma unroll
+    for (int r = 0; r < 16; ++r) S[r * kDiagStride + c] = (r == c) ? 1.f : ((r < c) ? 0.f : -s[r]);
+  }
+}
+
 // kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse is the default.
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
+// (with kTunedInverse) phase 4a inside phase 3: each diagonal block inverted by the warp that made it, while warps 0
+// and 1 run their second block; one barrier fewer, the same arithmetic (the same bits)
+constexpr int kTunedOverlap = 4;
 // Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
 // each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
 // The intra kernel's time without a phase bounds what rewriting that phase could gain.
@@ -596,14 +645,27 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
             akk[jj][nt][2 * hh + 1] = (ok && j + 1 < i) ? bi * accK[nt][2 * hh + 1] : 0.f;
           }
         }
+        if constexpr ((kTuned & kTunedOverlap) != 0) {
+          if (jj == 0 && J == I) {
+            invert_diagonal_block(reinterpret_cast<float*>(smem + kOffDiag + I * kDiagBytes), akk[0], lane);
+          }
+        }
       }
     }
     __syncthreads();  // (F): all operand tiles consumed
 
     float* sA = reinterpret_cast<float*>(smem + kOffA);
+    if constexpr ((kTuned & kTunedOverlap) != 0) {  // T_II -> sA (fp32) and sT (bf16); thread = (block, row, 4 columns)
+      const int blk = tid >> 6, r = (tid >> 2) & 15, c4 = 4 * (tid & 3);
+      const float4 t = *reinterpret_cast<const float4*>(smem + kOffDiag + blk * kDiagBytes + (r * kDiagStride + c4) * 4);
+      const int R = 16 * blk + r, Cc = 16 * blk + c4;
+      *reinterpret_cast<float4*>(sA + R * kAStride + Cc) = t;
+      *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
+          make_uint2(pack_bf16x2(t.x, t.y), pack_bf16x2(t.z, t.w));
+    }
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
-      if (jj < nJ) {
+      if (jj < nJ && ((kTuned & kTunedOverlap) == 0 || J0 + jj != I)) {  // (overlap: diagonal blocks hold T_II)
         const int J = J0 + jj;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -645,7 +707,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sP = reinterpret_cast<float*>(smem + kOffP);
   // 4a: diagonal blocks. Lane (block blk, column c) solves (I + A_bb) x = e_c by forward substitution.
-  if (warp < 2 && (kTuned & kAblateInverse) == 0) {
+  if (warp < 2 && (kTuned & (kAblateInverse | kTunedOverlap)) == 0) {
     const int blk = 2 * warp + (lane >> 4);
     const int c = lane & 15;
     float* Ab = sA + (16 * blk) * kAStride + 16 * blk;
@@ -668,7 +730,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
           static_cast<unsigned short>(w & 0xffffu);
     }
   }
-  __syncthreads();  // (H)
+  if constexpr ((kTuned & kTunedOverlap) == 0) __syncthreads();  // (H)
   if constexpr ((kTuned & kAblateInverse) != 0) {
   } else if constexpr ((kTuned & kTunedInverse) != 0) {
     inverse_by_doubling(smem, tid);

@@ -53,8 +53,11 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # CULA_SM90_INTRA_PERSISTENT. (Five more forms on top of "all" ran bit-identical on the H200 and 1.6-5.9% slower, and
 # were removed: items located without index loads, g copied first, value heads fastest, two items per CTA whose load
 # phases alternate, and the last with the first; benchmarks/results/kda_profile_h200.md.)
+# "overlap" is "all" with each diagonal block of Akk inverted inside phase 3 by the warp that made it, while two warps
+# still run their second block (the same arithmetic: the same bits as "all"; one barrier fewer per item).
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_intra_item.cuh)
+                "overlap": 7,
                 # timing-only: "all" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 3 | 16, "ablate:norm-exp": 3 | 32, "ablate:products": 3 | 64, "ablate:inverse": 3 | 128,
@@ -188,7 +191,7 @@ def _recurrence_wgmma() -> bool:
 
 
 def _intra_tuned(persistent: bool) -> int:
-    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse" or "all". Unset: "all"
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all" or "overlap". Unset: "all"
     (the tuned forms, 4-6% faster on the H200), or "0" when the intra kernel runs persistent CTAs, which have none."""
     return env_choice(ENV_INTRA_TUNED, "0" if persistent else "all", _TUNED_FORMS)
 
@@ -357,7 +360,7 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
     stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
-    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all";
+    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all", "overlap";
     one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
