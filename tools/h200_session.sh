@@ -39,7 +39,7 @@ for step in "$@"; do
     tests:cutedsl) GPU_LOG_TAG=_cutedsl timeout 580 bash tools/h200_tests.sh -q \
                      -k "cutedsl and not prefetch and not 8warps" tests/gpu tests/api ;;
     tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q \
-                  -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages and not intra_tuned and not intra_overlap" ;;
+                  -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages and not intra_tuned" ;;
     tests:cutedsl-varlen) GPU_LOG_TAG=_cutedsl_varlen timeout 300 bash tools/h200_tests.sh -q \
                             -k "cutedsl and varlen and not prefetch and not 8warps" tests/gpu tests/api ;;
     tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
@@ -48,7 +48,6 @@ for step in "$@"; do
     tests:wgmma) GPU_LOG_TAG=_wgmma timeout 580 bash tools/h200_tests.sh -q -k "wgmma" tests/sm90 ;;
     tests:stages) GPU_LOG_TAG=_stages timeout 580 bash tools/h200_tests.sh -q -k "3_stages" tests/sm90 ;;
     tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
-    tests:overlap) GPU_LOG_TAG=_overlap timeout 300 bash tools/h200_tests.sh -q -k "intra_overlap" tests/sm90 ;;
     tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k "prefetch or 8warps" tests/cute \
                       tests/gpu ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
@@ -90,7 +89,7 @@ for step in "$@"; do
                      --configs "${PROFILE_CONFIGS:-fixed B2 T4096,fixed B2 T8192,varlen T4096 10xuniform,varlen T4096 20xrandom,varlen T8192 10xuniform,varlen T16384 10xuniform}" \
                      | tee "$OUT/profile_kda_short.txt" ;;
     *) echo "unknown step: $step" \
-          "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned|:overlap]" \
+          "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:prefetch|:sm90|:stages|:tuned|:short|:ablation] intra ncu host:gap)" ;;
   esac

@@ -172,8 +172,9 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
-    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, both tuned forms (the default), the stream
-    assert a[28:32] == (0, 0, 3, 777)
+    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, the tuned forms with the tensor-core
+    # inverse (the default), the stream
+    assert a[28:32] == (0, 0, 11, 777)
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
@@ -356,14 +357,15 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|overlap (or run_kernels(intra_tuned=...)) asks for the intra
-    kernel's tuned forms as the bit set 0|1|2|3|7, "all" when unset; asked for, they do not combine with persistent CTAs, and unset
-    they give way to them; bad values are ValueErrors naming the variable or argument, before any launch."""
+    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|tensor (or run_kernels(intra_tuned=...)) asks for the intra
+    kernel's tuned forms as the bit set 0|1|2|3|11, "tensor" when unset; asked for, they do not combine with
+    persistent CTAs, and unset they give way to them; bad values are ValueErrors naming the variable or argument,
+    before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
-    assert fake.intra[28:31] == (0, 0, 3)
-    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("overlap", 7), ("ablate:products", 67),
+    assert fake.intra[28:31] == (0, 0, 11)
+    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("ablate:products", 67),
                         ("ablate:solve", 259), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)

@@ -6,8 +6,8 @@
 //   Tinv = (I + Akk)^-1 (fp32, rounded once to bf16), w = Tinv·bf16(β k e^Γ), u = Tinv·bf16(β v),
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
-// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), with the tuned forms kTunedNorm and
-// kTunedInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value head) items, each
+// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), with the tuned forms kTunedNorm,
+// kTunedInverse and kTunedTensorInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value head) items, each
 // prefetching its next item's rows into L2 while it computes the current one. 103.25 KiB of dynamic shared memory
 // per CTA, so two fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
@@ -17,7 +17,7 @@
 //   2b   off-diagonal column operands k·b·2^{Γ2[n_I]-Γ2[n_J]} -> smem (over Γ2)
 //   3    mma.sync: 10 lower 16x16 blocks of Aqk and Akk; Aqk staged bf16 -> global; Akk -> fp32 smem
 //   4    inverse: fp32 column substitution on the 4 diagonal blocks, then 3 block-forward-substitution stages
-//        (kTunedInverse: 2 levels of recursive doubling instead)
+//        (kTunedInverse: 2 levels of recursive doubling instead; kTunedTensorInverse: their products as bf16x3 MMAs)
 //   5    mma.sync: w, u = Tinv · (RHS), staged bf16 -> global
 //
 // Sub-chunk anchoring (KDA_SPEC §3.7): Γ_i - Γ_j = (Γ_i - Γ_n) + (Γ_n - Γ_j) with n the first row of the *query*
@@ -69,12 +69,6 @@ constexpr uint32_t kOffKoff = kOffG;           // bf16 6 x [16][128] (swz256)
 constexpr uint32_t kOffAqk = kOffG + 24576;    // bf16 [64][64] (swz128)
 constexpr uint32_t kOffTot = kOffX;            // fp32 [8][128]: cumsum segment totals
 static_assert(kOffT + 8192 <= kOffV, "Tinv staging overlaps the u right-hand side");
-// kTunedOverlap: the 4 diagonal blocks' inverses, fp32 [16][kDiagStride] each, over the anchor factors (consumed by
-// phase 2b). The stride of 20 floats puts an MMA fragment's transposed stores on 32 distinct banks.
-constexpr uint32_t kOffDiag = kOffF;
-constexpr int kDiagStride = 20;
-constexpr uint32_t kDiagBytes = 16 * kDiagStride * 4;
-static_assert(kOffDiag + 4 * kDiagBytes <= kOffBeta, "the diagonal inverses' scratch overlaps beta");
 static_assert(kOffAqk + 8192 == kOffF, "Aqk staging must end where Γ2 ends");
 
 // Index of the off-diagonal block (I, J), I > J, in the 6-tile arrays:
@@ -221,52 +215,101 @@ __device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
   __syncthreads();
 }
 
-// Phase 4a inside phase 3 (kTunedOverlap), by the warp that made diagonal block I of Akk (its masked, β-scaled
-// accumulators akk, in the m16n8k16 C layout), while warps 0 and 1 still run their second block. S: the block's
-// scratch at kOffDiag. Lane c = lane & 15 solves (I + A) x = e_c with the first form's arithmetic (each row's sum
-// over m ascending, the same fmaf chain), in the other loop order: step m adds column m's terms to every later row,
-// so the dependent chain is 15 steps long instead of 120 (the first form: rows outer, a 120-deep chain per lane).
-// Leaves T_II row-major in S (stride kDiagStride), zeros above its diagonal.
-__device__ __forceinline__ void invert_diagonal_block(float* S, const float (&akk)[2][4], int lane) {
-  const int g8 = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {  // A[i][j] -> S[j][i]: column m of A becomes a row of S
-      const int i = g8 + 8 * (e >> 1), j = 8 * nt + 2 * t4 + (e & 1);
-      S[j * kDiagStride + i] = akk[nt][e];
-    }
-  __syncwarp();
-  const int c = lane & 15;
-  float s[16];  // row r's running sum over m < r of A[r][m] x[m]
-#pragma unroll
-  for (int r = 0; r < 16; ++r) s[r] = 0.f;
-#pragma unroll
-  for (int m = 0; m < 15; ++m) {
-    const float xm = (m == c) ? 1.f : ((m < c) ? 0.f : -s[m]);
-#pragma unroll
-    for (int q = (m + 1) >> 2; q < 4; ++q) {
-      const float4 a = *reinterpret_cast<const float4*>(S + m * kDiagStride + 4 * q);
-      const float av[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (4 * q + e > m) s[4 * q + e] = fmaf(av[e], xm, s[4 * q + e]);
-      }
-    }
-  }
-  __syncwarp();  // every lane has read A
-  if (lane < 16) {
-#pragma unroll
-    for (int r = 0; r < 16; ++r) S[r * kDiagStride + c] = (r == c) ? 1.f : ((r < c) ? 0.f : -s[r]);
-  }
+// ---- Phase 4b on the tensor cores (kTunedTensorInverse): the products of inverse_by_doubling as bf16x3 MMAs.
+// Every fp32 operand is kept as two bf16 tiles x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), and a k16 step adds
+// lo·hi' + hi·lo' + hi·hi' with fp32 accumulation: operands good to ~2^-17 and the dropped lo·lo' ~2^-18 of the
+// product, far below Tinv's one bf16 rounding (2^-9), in other summation orders than the FMA form (so other low
+// bits). Tiles (bf16 [rows][64], swz128, in the free Γ2 region; Tinv's hi part is sT itself):
+constexpr uint32_t kOffAkkHi = kOffG;          // Akk's blocks below the diagonal (written after (F))
+constexpr uint32_t kOffAkkLo = kOffG + 8192;
+constexpr uint32_t kOffTLo = kOffG + 16384;    // Tinv's lo part
+constexpr uint32_t kOffXYHi = kOffG + 24576;   // [32][64]: X of level 1, then Y of level 2 (over the Aqk staging,
+constexpr uint32_t kOffXYLo = kOffG + 28672;   // consumed before (G))
+static_assert(kOffXYLo + 4096 == kOffF, "the split tiles must end where Γ2 ends");
+
+// The bf16x3 parts of two fp32 values (row, columns col, col + 1) into a hi and a lo swz128 tile.
+__device__ __forceinline__ void store_split_pair(uint8_t* smem, uint32_t off_hi, uint32_t off_lo, int row, int col,
+                                                 float v0, float v1) {
+  const uint32_t hi = pack_bf16x2(v0, v1);
+  const uint32_t lo = pack_bf16x2(v0 - bf16_lo(hi), v1 - bf16_hi(hi));
+  const uint32_t o = swz128(row, col >> 3) + (col & 7) * 2;
+  *reinterpret_cast<uint32_t*>(smem + off_hi + o) = hi;
+  *reinterpret_cast<uint32_t*>(smem + off_lo + o) = lo;
 }
 
-// kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse is the default.
+// D += A[ar .. ar+15][ac .. ac+15] · B[br .. br+15][bc .. bc+7] in 3 bf16 MMAs, A and B each a hi/lo pair of swz128
+// tiles (A row-major [m][k], B row-major [k][n]; byte offsets from the shared base sbase).
+__device__ __forceinline__ void mma_split_step(float (&d)[4], uint32_t sbase, uint32_t a_hi, uint32_t a_lo, int ar,
+                                               int ac, uint32_t b_hi, uint32_t b_lo, int br, int bc, int lane) {
+  const int lrow = (lane & 7) + (((lane >> 3) & 1) << 3);
+  const uint32_t aoff = swz128(ar + lrow, (ac >> 3) + (lane >> 4));
+  const uint32_t boff = swz128(br + lrow, bc >> 3);
+  uint32_t ah[4], al[4], bh[2], bl[2];
+  ldsm_x4(ah, sbase + a_hi + aoff);
+  ldsm_x4(al, sbase + a_lo + aoff);
+  ldsm_x2_trans(bh, sbase + b_hi + boff);
+  ldsm_x2_trans(bl, sbase + b_lo + boff);
+  mma_bf16_16816(d, al, bh[0], bh[1]);
+  mma_bf16_16816(d, ah, bl[0], bl[1]);
+  mma_bf16_16816(d, ah, bh[0], bh[1]);
+}
+
+// inverse_by_doubling's 4 barrier stages, each product a grid of m16n8 tiles over the warps (g = lane >> 2,
+// t = lane & 3 index the accumulator):
+//   level 1 (warps 0-3 = pair x 8-column half):  X = A_BA T_AA;  T_BA = -T_BB X            (16 x 16)
+//   level 2 (warps 0-7 = 16-row half x 8-column quarter):  Y = A_hl T_lo;  T_hl = -T_hi Y   (32 x 32)
+// k16 steps that would read a block of sT above the diagonal (never written) are skipped: those blocks of Tinv are 0.
+__device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int warp, int lane) {
+  const uint32_t sbase = smem_addr(smem);
+  const int g = lane >> 2, t = lane & 3;
+  const int pr = (warp >> 1) & 1, n1 = 8 * (warp & 1);  // level 1: pair (A, B) = (2 pr, 2 pr + 1), columns n1 ..
+  const int A = 2 * pr, B = A + 1;
+  if (warp < 4) {
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_split_step(x, sbase, kOffAkkHi, kOffAkkLo, 16 * B, 16 * A, kOffT, kOffTLo, 16 * A, 16 * A + n1, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffXYHi, kOffXYLo, 16 * pr + g + 8 * hh, n1 + 2 * t, x[2 * hh], x[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+  if (warp < 4) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_split_step(d, sbase, kOffT, kOffTLo, 16 * B, 16 * B, kOffXYHi, kOffXYLo, 16 * pr, n1, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffT, kOffTLo, 16 * B + g + 8 * hh, 16 * A + n1 + 2 * t, -d[2 * hh], -d[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+  const int mt = warp >> 2, n2 = 8 * (warp & 3);  // level 2: rows 16 mt .., columns n2 .. of the 32 x 32 products
+  {
+    float y[4] = {0.f, 0.f, 0.f, 0.f};
+    if (n2 < 16) mma_split_step(y, sbase, kOffAkkHi, kOffAkkLo, 32 + 16 * mt, 0, kOffT, kOffTLo, 0, n2, lane);
+    mma_split_step(y, sbase, kOffAkkHi, kOffAkkLo, 32 + 16 * mt, 16, kOffT, kOffTLo, 16, n2, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffXYHi, kOffXYLo, 16 * mt + g + 8 * hh, n2 + 2 * t, y[2 * hh], y[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+  {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_split_step(d, sbase, kOffT, kOffTLo, 32 + 16 * mt, 32, kOffXYHi, kOffXYLo, 0, n2, lane);
+    if (mt == 1) mma_split_step(d, sbase, kOffT, kOffTLo, 48, 48, kOffXYHi, kOffXYLo, 16, n2, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffT, kOffTLo, 32 + 16 * mt + g + 8 * hh, n2 + 2 * t, -d[2 * hh], -d[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+}
+
+// kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse |
+// kTunedTensorInverse is the default.
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
-// (with kTunedInverse) phase 4a inside phase 3: each diagonal block inverted by the warp that made it, while warps 0
-// and 1 run their second block; one barrier fewer, the same arithmetic (the same bits)
-constexpr int kTunedOverlap = 4;
+constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as bf16x3 tensor-core MMAs
 // Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
 // each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
 // The intra kernel's time without a phase bounds what rewriting that phase could gain.
@@ -311,18 +354,24 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const __nv_bfloat16* gq = static_cast<const __nv_bfloat16*>(p.q);
     const __nv_bfloat16* gk = static_cast<const __nv_bfloat16*>(p.k);
     const __nv_bfloat16* gv = static_cast<const __nv_bfloat16*>(p.v);
+    // thread = (row0 = tid / 16 + 16 it, 16-byte chunk ch); rows >= L copy nothing from the item's row 0
+    const int row0 = tid >> 4, ch = tid & 15;
+    const int64_t qk_step = static_cast<int64_t>(16) * H * kD, v_step = static_cast<int64_t>(16) * HV * kD;
+    const __nv_bfloat16* q0 = gq + (static_cast<int64_t>(t0) * H + h) * kD + ch * 8;
+    const __nv_bfloat16* k0 = gk + (static_cast<int64_t>(t0) * H + h) * kD + ch * 8;
+    const __nv_bfloat16* v0 = gv + (static_cast<int64_t>(t0) * HV + hv) * kD + ch * 8;
+    const __nv_bfloat16* qr = q0 + row0 * (qk_step >> 4);
+    const __nv_bfloat16* kr = k0 + row0 * (qk_step >> 4);
+    const __nv_bfloat16* vr = v0 + row0 * (v_step >> 4);
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
-      const int idx = tid + kThreads * it;
-      const int row = idx >> 4;
-      const int ch = idx & 15;
+      const int row = row0 + 16 * it;
       const bool valid = row < L;
-      const int64_t tok = static_cast<int64_t>(t0 + (valid ? row : 0));
       const int bytes = valid ? 16 : 0;
       const uint32_t dst = swz256(row, ch);
-      cp_async_16(sbase + kOffQ + dst, gq + (tok * H + h) * kD + ch * 8, bytes);
-      cp_async_16(sbase + kOffK + dst, gk + (tok * H + h) * kD + ch * 8, bytes);
-      cp_async_16(sbase + kOffV + dst, gv + (tok * HV + hv) * kD + ch * 8, bytes);
+      cp_async_16(sbase + kOffQ + dst, valid ? qr + it * qk_step : q0, bytes);
+      cp_async_16(sbase + kOffK + dst, valid ? kr + it * qk_step : k0, bytes);
+      cp_async_16(sbase + kOffV + dst, valid ? vr + it * v_step : v0, bytes);
     }
     cp_async_commit();
   }
@@ -462,8 +511,11 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   {
     const int gcol = 4 * lane;
     const uint32_t off0 = quad_off(warp, lane);
-    __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg);
-    __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
+    // (this lane's columns of row warp; row warp + 8 pp is pp * row8_step elements further)
+    const int64_t row_off = (static_cast<int64_t>(t0 + warp) * HV + hv) * kD + gcol;
+    const int64_t row8_step = static_cast<int64_t>(8) * HV * kD;
+    __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg) + row_off;
+    __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg) + row_off;
     // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
     [[maybe_unused]] float rq8[8], rk8[8];
     if constexpr ((kTuned & kTunedNorm) != 0) {
@@ -543,7 +595,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         kf[i] = ef[i] * b[i];          // e^{Γlast - Γ}
       }
       if (r < L) {
-        const int64_t o = (static_cast<int64_t>(t0 + r) * HV + hv) * kD + gcol;
+        const int64_t o = pp * row8_step;
         *reinterpret_cast<uint2*>(gqg + o) =
             make_uint2(pack_bf16x2(q[0] * e[0], q[1] * e[1]), pack_bf16x2(q[2] * e[2], q[3] * e[3]));
         *reinterpret_cast<uint2*>(gkg + o) =
@@ -645,27 +697,14 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
             akk[jj][nt][2 * hh + 1] = (ok && j + 1 < i) ? bi * accK[nt][2 * hh + 1] : 0.f;
           }
         }
-        if constexpr ((kTuned & kTunedOverlap) != 0) {
-          if (jj == 0 && J == I) {
-            invert_diagonal_block(reinterpret_cast<float*>(smem + kOffDiag + I * kDiagBytes), akk[0], lane);
-          }
-        }
       }
     }
     __syncthreads();  // (F): all operand tiles consumed
 
     float* sA = reinterpret_cast<float*>(smem + kOffA);
-    if constexpr ((kTuned & kTunedOverlap) != 0) {  // T_II -> sA (fp32) and sT (bf16); thread = (block, row, 4 columns)
-      const int blk = tid >> 6, r = (tid >> 2) & 15, c4 = 4 * (tid & 3);
-      const float4 t = *reinterpret_cast<const float4*>(smem + kOffDiag + blk * kDiagBytes + (r * kDiagStride + c4) * 4);
-      const int R = 16 * blk + r, Cc = 16 * blk + c4;
-      *reinterpret_cast<float4*>(sA + R * kAStride + Cc) = t;
-      *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
-          make_uint2(pack_bf16x2(t.x, t.y), pack_bf16x2(t.z, t.w));
-    }
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
-      if (jj < nJ && ((kTuned & kTunedOverlap) == 0 || J0 + jj != I)) {  // (overlap: diagonal blocks hold T_II)
+      if (jj < nJ) {
         const int J = J0 + jj;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -673,7 +712,11 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             const int j = 16 * J + 8 * nt + 2 * t4;
-            *reinterpret_cast<float2*>(sA + i * kAStride + j) = make_float2(akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
+            if ((kTuned & kTunedTensorInverse) != 0 && J < I) {  // (the diagonal blocks stay fp32, for 4a)
+              store_split_pair(smem, kOffAkkHi, kOffAkkLo, i, j, akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
+            } else {
+              *reinterpret_cast<float2*>(sA + i * kAStride + j) = make_float2(akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
+            }
           }
         }
       }
@@ -687,16 +730,15 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
   // Aqk -> global (upper blocks written as zeros), rows < L.
   {
-    __nv_bfloat16* gA = static_cast<__nv_bfloat16*>(p.Aqk);
+    const int row0 = tid >> 3, ch = tid & 7;  // thread = (rows row0, row0 + 32; 16-byte chunk ch)
+    __nv_bfloat16* gA = static_cast<__nv_bfloat16*>(p.Aqk) + (static_cast<int64_t>(t0 + row0) * HV + hv) * 64 + ch * 8;
 #pragma unroll
     for (int it = 0; it < 2; ++it) {
-      const int idx = tid + kThreads * it;
-      const int row = idx >> 3;
-      const int ch = idx & 7;
+      const int row = row0 + 32 * it;
       if (row < L) {
         uint4 val = make_uint4(0u, 0u, 0u, 0u);
         if ((ch >> 1) <= (row >> 4)) val = *reinterpret_cast<const uint4*>(smem + kOffAqk + swz128(row, ch));
-        *reinterpret_cast<uint4*>(gA + (static_cast<int64_t>(t0 + row) * HV + hv) * 64 + ch * 8) = val;
+        *reinterpret_cast<uint4*>(gA + it * (static_cast<int64_t>(32) * HV * 64)) = val;
       }
     }
   }
@@ -707,7 +749,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sP = reinterpret_cast<float*>(smem + kOffP);
   // 4a: diagonal blocks. Lane (block blk, column c) solves (I + A_bb) x = e_c by forward substitution.
-  if (warp < 2 && (kTuned & (kAblateInverse | kTunedOverlap)) == 0) {
+  if (warp < 2 && (kTuned & kAblateInverse) == 0) {
     const int blk = 2 * warp + (lane >> 4);
     const int c = lane & 15;
     float* Ab = sA + (16 * blk) * kAStride + 16 * blk;
@@ -722,16 +764,23 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     __syncwarp();
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
-      Ab[r * kAStride + c] = x[r];
+      if constexpr ((kTuned & kTunedTensorInverse) == 0) Ab[r * kAStride + c] = x[r];
       const int R = 16 * blk + r;
       const int Cc = 16 * blk + c;
       const uint32_t w = pack_bf16x2(x[r], 0.f);
       *reinterpret_cast<unsigned short*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
           static_cast<unsigned short>(w & 0xffffu);
+      if constexpr ((kTuned & kTunedTensorInverse) != 0) {  // T_II's lo part (its fp32 copy is not read again)
+        const uint32_t lo = pack_bf16x2(x[r] - bf16_lo(w), 0.f);
+        *reinterpret_cast<unsigned short*>(smem + kOffTLo + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
+            static_cast<unsigned short>(lo & 0xffffu);
+      }
     }
   }
-  if constexpr ((kTuned & kTunedOverlap) == 0) __syncthreads();  // (H)
+  __syncthreads();  // (H)
   if constexpr ((kTuned & kAblateInverse) != 0) {
+  } else if constexpr ((kTuned & kTunedTensorInverse) != 0) {
+    inverse_by_doubling_tensor(smem, warp, lane);
   } else if constexpr ((kTuned & kTunedInverse) != 0) {
     inverse_by_doubling(smem, tid);
   } else {
@@ -832,26 +881,27 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
   __syncthreads();
   {
-    __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w);
-    __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u);
+    const int row0 = tid >> 4, ch = tid & 15;  // thread = (rows row0 + 16 q, 16-byte chunk ch) of w, then of u
+    const int64_t off = (static_cast<int64_t>(t0 + row0) * HV + hv) * kD + ch * 8;
+    const int64_t step = static_cast<int64_t>(16) * HV * kD;
+    __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w) + off;
+    __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u) + off;
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
-      const int idx = tid + kThreads * it;
-      const int tsel = idx >> 10;
-      const int row = (idx >> 4) & 63;
-      const int ch = idx & 15;
+      const int tsel = it >> 2;
+      const int row = row0 + 16 * (it & 3);
       if (row < L) {
         const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffG + tsel * 16384 + swz256(row, ch));
-        __nv_bfloat16* dst = tsel ? gu : gw;
-        *reinterpret_cast<uint4*>(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD + ch * 8) = val;
+        *reinterpret_cast<uint4*>((tsel ? gu : gw) + (it & 3) * step) = val;
       }
     }
   }
 }
 
-// One CTA per (chunk, value head). kTuned: the tuned forms it enables (kTunedNorm, kTunedInverse; summation orders
-// differ, so the bits may). kTunedNorm | kTunedInverse is the default since the H200 checked and timed it
-// (2026-11-30).
+// One CTA per (chunk, value head). kTuned: the tuned forms it enables (kTunedNorm, kTunedInverse,
+// kTunedTensorInverse; summation orders differ, so the bits may). kTunedNorm | kTunedInverse was the default from
+// the seventh session, with kTunedTensorInverse since the tenth (the H200 checked and timed each, 2026-11-30); the
+// default's instance is in kda_intra_tensor.cu.
 template <int kTuned>
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];

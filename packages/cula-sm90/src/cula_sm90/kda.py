@@ -48,16 +48,17 @@ ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # The intra kernel's tuned forms: "norm" the L2 norms' row sums by one transposed reduction per tensor and warp (34
 # shuffles instead of 80), "inverse" the off-diagonal inverse by recursive doubling (4 barrier stages instead of 6,
-# all warps busy), "all" both (the default: on the H200 both passed the fp64 tests and made the intra kernel 6%
-# faster, 2026-11-30); "0" the first verified kernel. Summation orders differ, so the bits may. Not with
-# CULA_SM90_INTRA_PERSISTENT. (Five more forms on top of "all" ran bit-identical on the H200 and 1.6-5.9% slower, and
-# were removed: items located without index loads, g copied first, value heads fastest, two items per CTA whose load
-# phases alternate, and the last with the first; benchmarks/results/kda_profile_h200.md.)
-# "overlap" is "all" with each diagonal block of Akk inverted inside phase 3 by the warp that made it, while two warps
-# still run their second block (the same arithmetic: the same bits as "all"; one barrier fewer per item).
+# all warps busy), "all" both (6% faster than "0" on the H200, 2026-11-30), "tensor" (the default since the tenth
+# session) "all" with the doubling's products as bf16x3 tensor-core MMAs (each fp32 operand kept as two bf16 parts:
+# about fp32 accuracy, other low bits; on the H200 the intra kernel 10% faster than "all", o and final-state errors
+# against fp64 equal to "all"'s within 0.6% on 32 cases); "0" the first verified kernel. Summation orders differ, so
+# the bits may. Not with CULA_SM90_INTRA_PERSISTENT. (Forms tried on the H200 and removed, each bit-identical to "all"
+# and no faster: items located without index loads, g copied first, value heads fastest, two items per CTA whose load
+# phases alternate, and the last with the first (1.6-5.9% slower); each diagonal block inverted inside phase 3 by the
+# warp that made it (equal); benchmarks/results/kda_profile_h200.md.)
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_intra_item.cuh)
-                "overlap": 7,
+                "tensor": 11,
                 # timing-only: "all" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 3 | 16, "ablate:norm-exp": 3 | 32, "ablate:products": 3 | 64, "ablate:inverse": 3 | 128,
@@ -191,9 +192,10 @@ def _recurrence_wgmma() -> bool:
 
 
 def _intra_tuned(persistent: bool) -> int:
-    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all" or "overlap". Unset: "all"
-    (the tuned forms, 4-6% faster on the H200), or "0" when the intra kernel runs persistent CTAs, which have none."""
-    return env_choice(ENV_INTRA_TUNED, "0" if persistent else "all", _TUNED_FORMS)
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all" or "tensor". Unset: "tensor"
+    (the tuned forms, 16% faster than "0" on the H200), or "0" when the intra kernel runs persistent CTAs, which have
+    none."""
+    return env_choice(ENV_INTRA_TUNED, "0" if persistent else "tensor", _TUNED_FORMS)
 
 
 def _recurrence_stages() -> int:
@@ -360,7 +362,7 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
     stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
-    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all", "overlap";
+    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all", "tensor";
     one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
