@@ -365,8 +365,8 @@ def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> No
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.intra[28:31] == (0, 0, 11)
-    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("ablate:products", 67),
-                        ("ablate:solve", 259), ("0", 0)):
+    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("ablate:products", 75),
+                        ("ablate:solve", 267), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)
         assert fake.intra[28:31] == (0, 0, bits), value

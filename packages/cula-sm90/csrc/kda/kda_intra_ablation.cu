@@ -7,7 +7,7 @@
 namespace cula::sm90 {
 
 cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
-  constexpr int kBase = kTunedNorm | kTunedInverse;
+  constexpr int kBase = kTunedNorm | kTunedInverse | kTunedTensorInverse;  // the default form
   switch (tuned) {
     case kBase | kAblateGate: return launch_one_cta_per_item<kBase | kAblateGate>(params, stream);
     case kBase | kAblateNormExp: return launch_one_cta_per_item<kBase | kAblateNormExp>(params, stream);
