@@ -354,24 +354,18 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const __nv_bfloat16* gq = static_cast<const __nv_bfloat16*>(p.q);
     const __nv_bfloat16* gk = static_cast<const __nv_bfloat16*>(p.k);
     const __nv_bfloat16* gv = static_cast<const __nv_bfloat16*>(p.v);
-    // thread = (row0 = tid / 16 + 16 it, 16-byte chunk ch); rows >= L copy nothing from the item's row 0
-    const int row0 = tid >> 4, ch = tid & 15;
-    const int64_t qk_step = static_cast<int64_t>(16) * H * kD, v_step = static_cast<int64_t>(16) * HV * kD;
-    const __nv_bfloat16* q0 = gq + (static_cast<int64_t>(t0) * H + h) * kD + ch * 8;
-    const __nv_bfloat16* k0 = gk + (static_cast<int64_t>(t0) * H + h) * kD + ch * 8;
-    const __nv_bfloat16* v0 = gv + (static_cast<int64_t>(t0) * HV + hv) * kD + ch * 8;
-    const __nv_bfloat16* qr = q0 + row0 * (qk_step >> 4);
-    const __nv_bfloat16* kr = k0 + row0 * (qk_step >> 4);
-    const __nv_bfloat16* vr = v0 + row0 * (v_step >> 4);
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
-      const int row = row0 + 16 * it;
+      const int idx = tid + kThreads * it;
+      const int row = idx >> 4;
+      const int ch = idx & 15;
       const bool valid = row < L;
+      const int64_t tok = static_cast<int64_t>(t0 + (valid ? row : 0));
       const int bytes = valid ? 16 : 0;
       const uint32_t dst = swz256(row, ch);
-      cp_async_16(sbase + kOffQ + dst, valid ? qr + it * qk_step : q0, bytes);
-      cp_async_16(sbase + kOffK + dst, valid ? kr + it * qk_step : k0, bytes);
-      cp_async_16(sbase + kOffV + dst, valid ? vr + it * v_step : v0, bytes);
+      cp_async_16(sbase + kOffQ + dst, gq + (tok * H + h) * kD + ch * 8, bytes);
+      cp_async_16(sbase + kOffK + dst, gk + (tok * H + h) * kD + ch * 8, bytes);
+      cp_async_16(sbase + kOffV + dst, gv + (tok * HV + hv) * kD + ch * 8, bytes);
     }
     cp_async_commit();
   }
@@ -511,11 +505,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   {
     const int gcol = 4 * lane;
     const uint32_t off0 = quad_off(warp, lane);
-    // (this lane's columns of row warp; row warp + 8 pp is pp * row8_step elements further)
-    const int64_t row_off = (static_cast<int64_t>(t0 + warp) * HV + hv) * kD + gcol;
-    const int64_t row8_step = static_cast<int64_t>(8) * HV * kD;
-    __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg) + row_off;
-    __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg) + row_off;
+    __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg);
+    __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
     // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
     [[maybe_unused]] float rq8[8], rk8[8];
     if constexpr ((kTuned & kTunedNorm) != 0) {
@@ -595,7 +586,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         kf[i] = ef[i] * b[i];          // e^{Γlast - Γ}
       }
       if (r < L) {
-        const int64_t o = pp * row8_step;
+        const int64_t o = (static_cast<int64_t>(t0 + r) * HV + hv) * kD + gcol;
         *reinterpret_cast<uint2*>(gqg + o) =
             make_uint2(pack_bf16x2(q[0] * e[0], q[1] * e[1]), pack_bf16x2(q[2] * e[2], q[3] * e[3]));
         *reinterpret_cast<uint2*>(gkg + o) =
@@ -730,15 +721,16 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
   // Aqk -> global (upper blocks written as zeros), rows < L.
   {
-    const int row0 = tid >> 3, ch = tid & 7;  // thread = (rows row0, row0 + 32; 16-byte chunk ch)
-    __nv_bfloat16* gA = static_cast<__nv_bfloat16*>(p.Aqk) + (static_cast<int64_t>(t0 + row0) * HV + hv) * 64 + ch * 8;
+    __nv_bfloat16* gA = static_cast<__nv_bfloat16*>(p.Aqk);
 #pragma unroll
     for (int it = 0; it < 2; ++it) {
-      const int row = row0 + 32 * it;
+      const int idx = tid + kThreads * it;
+      const int row = idx >> 3;
+      const int ch = idx & 7;
       if (row < L) {
         uint4 val = make_uint4(0u, 0u, 0u, 0u);
         if ((ch >> 1) <= (row >> 4)) val = *reinterpret_cast<const uint4*>(smem + kOffAqk + swz128(row, ch));
-        *reinterpret_cast<uint4*>(gA + it * (static_cast<int64_t>(32) * HV * 64)) = val;
+        *reinterpret_cast<uint4*>(gA + (static_cast<int64_t>(t0 + row) * HV + hv) * 64 + ch * 8) = val;
       }
     }
   }
@@ -881,18 +873,18 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
   __syncthreads();
   {
-    const int row0 = tid >> 4, ch = tid & 15;  // thread = (rows row0 + 16 q, 16-byte chunk ch) of w, then of u
-    const int64_t off = (static_cast<int64_t>(t0 + row0) * HV + hv) * kD + ch * 8;
-    const int64_t step = static_cast<int64_t>(16) * HV * kD;
-    __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w) + off;
-    __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u) + off;
+    __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w);
+    __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u);
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
-      const int tsel = it >> 2;
-      const int row = row0 + 16 * (it & 3);
+      const int idx = tid + kThreads * it;
+      const int tsel = idx >> 10;
+      const int row = (idx >> 4) & 63;
+      const int ch = idx & 15;
       if (row < L) {
         const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffG + tsel * 16384 + swz256(row, ch));
-        *reinterpret_cast<uint4*>((tsel ? gu : gw) + (it & 3) * step) = val;
+        __nv_bfloat16* dst = tsel ? gu : gw;
+        *reinterpret_cast<uint4*>(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD + ch * 8) = val;
       }
     }
   }
