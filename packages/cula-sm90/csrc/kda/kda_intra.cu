@@ -28,7 +28,9 @@ cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, c
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
 #ifdef CULA_SM90_ABLATION
-  if (tuned > (kTunedNorm | kTunedInverse | kTunedTensorInverse)) return launch_kda_intra_ablation(params, tuned, stream);
+  if (tuned > (kTunedNorm | kTunedInverse | kTunedTensorInverse)) {
+    return launch_kda_intra_ablation(params, tuned, stream);
+  }
 #endif
   if (params.num_heads <= 0 || params.num_value_heads % params.num_heads != 0) return cudaErrorInvalidValue;
   if (params.persistent_ctas < 0 || params.persistent_prefetch < 0 || params.persistent_prefetch > 2) {

@@ -7,15 +7,16 @@
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
 // One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), with the tuned forms kTunedNorm,
-// kTunedInverse and kTunedTensorInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value head) items, each
-// prefetching its next item's rows into L2 while it computes the current one. 103.25 KiB of dynamic shared memory
-// per CTA, so two fit on an SM. Phases (every arrow is a __syncthreads):
+// kTunedInverse and kTunedTensorInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value
+// head) items, each prefetching its next item's rows into L2 while it computes the current one. 103.25 KiB of dynamic
+// shared memory per CTA, so two fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
 //   1b   per-column anchor factors 2^{Γ2[n_J]}, 2^{Γ2[L-1]-Γ2[n_J]}, 2^{Γ2[n_I]-Γ2[n_J]} (n_J = 16 J)
 //   2a   elementwise, warp = full rows: l2norm, a = 2^{Γ2-Γ2[n]}, b = 2^{Γ2[n]-Γ2}; qg, kg -> global;
 //        q·a, k·a, k·b, β·v -> smem (bf16, in place); β·k·e^Γ and k·b (rows < 48) kept in registers
 //   2b   off-diagonal column operands k·b·2^{Γ2[n_I]-Γ2[n_J]} -> smem (over Γ2)
 //   3    mma.sync: 10 lower 16x16 blocks of Aqk and Akk; Aqk staged bf16 -> global; Akk -> fp32 smem
+//        (kTunedTensorInverse: the blocks below the diagonal as hi/lo bf16 tiles instead)
 //   4    inverse: fp32 column substitution on the 4 diagonal blocks, then 3 block-forward-substitution stages
 //        (kTunedInverse: 2 levels of recursive doubling instead; kTunedTensorInverse: their products as bf16x3 MMAs)
 //   5    mma.sync: w, u = Tinv · (RHS), staged bf16 -> global
@@ -706,7 +707,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
             if ((kTuned & kTunedTensorInverse) != 0 && J < I) {  // (the diagonal blocks stay fp32, for 4a)
               store_split_pair(smem, kOffAkkHi, kOffAkkLo, i, j, akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
             } else {
-              *reinterpret_cast<float2*>(sA + i * kAStride + j) = make_float2(akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
+              *reinterpret_cast<float2*>(sA + i * kAStride + j) =
+                  make_float2(akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
             }
           }
         }
@@ -734,10 +736,11 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  __syncthreads();  // (G): Akk complete in sA
+  __syncthreads();  // (G): Akk complete in sA (kTunedTensorInverse: its lower blocks in the hi/lo tiles)
 
   // ------------------------------------------------------------------------------------------------------
-  // Phase 4: Tinv = (I + Akk)^-1 in fp32, in place in sA; its bf16 copy goes to sT.
+  // Phase 4: Tinv = (I + Akk)^-1 in fp32, in place in sA; its bf16 copy goes to sT (kTunedTensorInverse: sT and its
+  // lo tile are Tinv, sA holds only the diagonal blocks' Akk).
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sP = reinterpret_cast<float*>(smem + kOffP);
   // 4a: diagonal blocks. Lane (block blk, column c) solves (I + A_bb) x = e_c by forward substitution.

@@ -1,6 +1,6 @@
 // The default intra kernel: the tuned forms with the off-diagonal inverse's products on the tensor cores
-// (kTunedTensorInverse on top of kTunedNorm | kTunedInverse: bf16x3 MMAs, other low bits than the FMA form). A translation unit of its
-// own: instantiating more forms beside the default ones changes their code.
+// (kTunedTensorInverse on top of kTunedNorm | kTunedInverse: bf16x3 MMAs, other low bits than the FMA form). A
+// translation unit of its own: instantiating more forms beside the default ones changes their code.
 #include "kda/kda_intra_item.cuh"
 
 namespace cula::sm90 {
