@@ -33,8 +33,9 @@ PEAK_FLOPS = 790e12
 PEAK_BYTES = 4.3e12
 FLOP_PER_CHUNK_HEAD = 10.89e6  # KDA_SPEC §8, K = V = 128, C = 64
 K = V = 128
+# recorded in the header: "default" when unset (cula_sm90/kda.py)
 SM90_KNOBS = ("CULA_SM90_INTRA_TUNED", "CULA_SM90_RECURRENCE_WGMMA", "CULA_SM90_RECURRENCE_STAGES",
-              "CULA_SM90_INTRA_PERSISTENT")  # recorded in the header: "default" when unset (cula_sm90/kda.py)
+              "CULA_SM90_INTRA_PERSISTENT", "CULA_SM90_PDL")
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,9 @@ def warm_up_gpu(seconds: float) -> None:
         torch.cuda.synchronize()
 
 
-def contenders(extra: tuple[str, ...] = ()) -> dict:
+def contenders(extra: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> dict:
+    """The timed calls by name: FLA, cula on each backend, and the ``extra`` knob variants; the names in ``skip``
+    ("fla", "cula-sm90", "cula-cutedsl") left out."""
     from cula.kda import kda_prefill
 
     runs = {}
@@ -209,7 +212,7 @@ def contenders(extra: tuple[str, ...] = ()) -> dict:
         backend, _, knobs = spec.partition(":")
         env = dict(item.split("=", 1) for item in knobs.split(",") if item)
         runs[f"cula-{backend}[{knobs}]"] = _cula_run(kda_prefill, backend, env)
-    return runs
+    return {name: run for name, run in runs.items() if name not in skip}
 
 
 def _cula_run(kda_prefill, backend: str, env: dict):
@@ -286,10 +289,13 @@ def main() -> None:
     parser.add_argument("--extra", action="append", default=[],
                         help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '
                              'cutedsl:CULA_CUTE_INTRA=lean-unrolled (repeatable; timed in the same process)')
+    parser.add_argument("--skip", default="",
+                        help='comma-separated contenders left out: "fla", "cula-sm90", "cula-cutedsl" (quick A/B runs '
+                             'of --extra variants; the table then lacks those columns)')
     args = parser.parse_args()
     if args.cutedsl_intra:
         os.environ["CULA_CUTE_INTRA"] = args.cutedsl_intra
-    runs = contenders(tuple(args.extra))
+    runs = contenders(tuple(args.extra), tuple(x for x in args.skip.split(",") if x))
     rows = []
     warmed = False
     for cfg in configs():

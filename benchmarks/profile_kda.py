@@ -37,7 +37,8 @@ STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES,
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:
     """Minimum HBM bytes of (intra, recurrence) for one call."""
     tokens = cfg.B * cfg.T
-    workspace = tokens * HV * (4 * 2 * K + 2 * 64) + tokens / 64 * HV * 4 * K  # qg kg w u, Aqk, g_last
+    # qg kg w u, Aqk (its 10 written 16 x 16 blocks of 16 per chunk: 40 columns per token on average), g_last
+    workspace = tokens * HV * (4 * 2 * K + 2 * 40) + tokens / 64 * HV * 4 * K
     intra_in = tokens * (2 * 2 * K * cfg.H + HV * (2 * V + 2 * K + 4))
     recurrence_out = tokens * HV * 2 * V
     return intra_in + workspace, workspace + recurrence_out

@@ -179,7 +179,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 21
+    assert len(r) == 22
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
     if case.cu is None:  # equal lengths: slot order
         assert r[8] == 0 and fake.order is None
@@ -191,8 +191,9 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
-    # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA) with 2 pipeline stages, the stream
-    assert r[18] is True and r[19] == 2 and r[20] == 777
+    # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA) with 2 pipeline stages, launched as a programmatic
+    # dependent of the intra kernel (the default, no CULA_SM90_PDL), the stream
+    assert r[18] is True and r[19] == 2 and r[20] is True and r[21] == 777
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -354,6 +355,28 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
     assert fake.recurrence[17:20] == (128, True, 3)
     _refuses_bad_knob(kda, fake, args, monkeypatch, argument="recurrence_stages", bad=(1, 4, True, "3"),
                       variable=kda.ENV_RECURRENCE_STAGES, bad_value="three")
+
+
+def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CULA_SM90_PDL: "1" (the default) launches the recurrence as a programmatic dependent of the intra kernel,
+    "0" in plain stream order; another value is a ValueError naming the variable and its value, before any launch."""
+    kda, fake = fake_sm90
+    args = _varlen_228_args(fake)
+    kda.kda_prefill(args)
+    assert fake.recurrence[20] is True
+    monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "0")
+    kda.kda_prefill(args)
+    assert fake.recurrence[20] is False
+    kda.run_kernels(args, block_v=64)
+    assert fake.recurrence[20] is False
+    monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "1")
+    kda.run_kernels(args, block_v=64)
+    assert fake.recurrence[20] is True
+    fake.intra = ()
+    monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "yes")
+    with pytest.raises(ValueError, match=f"{kda.ENV_PROGRAMMATIC_LAUNCH}='yes'"):
+        kda.kda_prefill(args)
+    assert fake.intra == ()  # refused before any launch
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:

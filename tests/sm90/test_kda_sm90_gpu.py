@@ -25,13 +25,27 @@ def _sm90(monkeypatch: pytest.MonkeyPatch):
     return kda
 
 
+def _run(kda, args, **knobs) -> tuple:
+    """``kda.run_kernels(args, **knobs)`` with the workspace's Aqk blocks above the diagonal set to zero: the intra
+    kernel writes only the 16 x 16 blocks on and below it (the recurrence zero-fills the others in shared memory), so
+    the rest of that region is whatever the allocator left there."""
+    o, ht, ws = kda.run_kernels(args, **knobs)
+    if "Aqk" in ws:
+        cu = args.cu_seqlens_host if args.cu_seqlens is not None else [b * args.T for b in range(args.B + 1)]
+        cu = [int(x) for x in cu]
+        local = torch.cat([torch.arange(end - start) for start, end in itertools.pairwise(cu)]) % 64
+        written = (torch.arange(64) // 16)[None, :] <= (local // 16)[:, None]  # [Ttot, 64]
+        ws["Aqk"] = torch.where(written[:, None, :].to(ws["Aqk"].device), ws["Aqk"], 0)
+    return o, ht, ws
+
+
 @pytest.mark.parametrize("block_v", [32, 64, 128])
 def test_every_block_v_gives_the_same_bits(block_v: int, monkeypatch: pytest.MonkeyPatch) -> None:
     kda = _sm90(monkeypatch)
     case = next(c for c in CASES if c.name == "varlen-6seqs-GVA2-vk")
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=5))
-    o_ref, ht_ref, _ = kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
-    o, ht, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=False)
+    o_ref, ht_ref, _ = _run(kda, args, block_v=64, recurrence_wgmma=False)
+    o, ht, _ = _run(kda, args, block_v=block_v, recurrence_wgmma=False)
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
 
 
@@ -43,9 +57,9 @@ def test_longest_first_launch_order_gives_the_same_bits(name: str, monkeypatch: 
     case = next(c for c in CASES if c.name == name)
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=9))
     for block_v in (32, 128):
-        o, ht, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=False)
+        o, ht, _ = _run(kda, args, block_v=block_v, recurrence_wgmma=False)
         monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
-        o_batch, ht_batch, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=False)
+        o_batch, ht_batch, _ = _run(kda, args, block_v=block_v, recurrence_wgmma=False)
         monkeypatch.delenv(kda.ENV_LONGEST_FIRST)
         assert torch.equal(o, o_batch) and torch.equal(ht, ht_batch)
 
@@ -77,16 +91,16 @@ def test_persistent_intra_gives_the_same_bits(name: str, monkeypatch: pytest.Mon
     case = PERSISTENT_CASES[name]
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=13))
     # the persistent kernel has no tuned form: its reference is the untuned one-CTA-per-item kernel
-    ref = kda.run_kernels(args, intra_ctas=0, intra_tuned="0")
+    ref = _run(kda, args, intra_ctas=0, intra_tuned="0")
     items = sum(-(-n // 64) for n in _lengths(args)) * args.HV
     runs = [dict(intra_ctas=ctas, intra_prefetch=distance) for ctas in (1, 3, max(1, items // 2 - 1))
             for distance in (0, 1, 2)]
     for mode in ("1", "2", "noprefetch"):
         monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, mode)
-        o, ht, ws = kda.run_kernels(args)
+        o, ht, ws = _run(kda, args)
         runs.append(dict(mode=mode, result=(o, ht, ws)))
     for run in runs:
-        _assert_same_bits(run.pop("result") if "result" in run else kda.run_kernels(args, **run), ref, run)
+        _assert_same_bits(run.pop("result") if "result" in run else _run(kda, args, **run), ref, run)
 
 
 @pytest.mark.parametrize("block_v", [64, 128])
@@ -100,9 +114,9 @@ def test_recurrence_wgmma_matches_oracle(case: KdaCase, block_v: int, monkeypatc
     kda = _sm90(monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=0)
     args = validate_kda_prefill(**kwargs)
-    o_mma, ht_mma, ws_mma = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=False)
+    o_mma, ht_mma, ws_mma = _run(kda, args, block_v=block_v, recurrence_wgmma=False)
     poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
-    o, ht, ws = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=True)
+    o, ht, ws = _run(kda, args, block_v=block_v, recurrence_wgmma=True)
     torch.cuda.synchronize()
     for key, ref in ws_mma.items():
         assert torch.equal(ws[key], ref), key
@@ -110,7 +124,7 @@ def test_recurrence_wgmma_matches_oracle(case: KdaCase, block_v: int, monkeypatc
     check_against_oracle(f"sm90-wgmma-bv{block_v}", case, kwargs, o, ht, note=f"bits_equal_mma {same}")
     assert rel_l2(o.float().cpu(), o_mma.float().cpu()) <= 1e-2
     for _ in range(10):
-        o2, ht2, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=True)
+        o2, ht2, _ = _run(kda, args, block_v=block_v, recurrence_wgmma=True)
         assert torch.equal(o2, o) and (ht is None or torch.equal(ht2, ht))
 
 
@@ -123,12 +137,47 @@ def test_recurrence_3_stages_gives_the_same_bits(case: KdaCase, block_v: int, mo
     kda = _sm90(monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=0)
     args = validate_kda_prefill(**kwargs)
-    o_ref, ht_ref, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=True, recurrence_stages=2)
+    o_ref, ht_ref, _ = _run(kda, args, block_v=block_v, recurrence_wgmma=True, recurrence_stages=2)
     for _ in range(5):
         poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
-        o, ht, _ = kda.run_kernels(args, block_v=block_v, recurrence_wgmma=True, recurrence_stages=3)
+        o, ht, _ = _run(kda, args, block_v=block_v, recurrence_wgmma=True, recurrence_stages=3)
         assert torch.equal(o, o_ref)
         assert (ht is None and ht_ref is None) or torch.equal(ht, ht_ref)
+
+
+@pytest.mark.parametrize("name", ["B2-T1000-H4-betabf16", "B1-T700-H2-HV8", "varlen-6seqs-GVA2-vk",
+                                  "varlen-0-1-64-65-200"])
+def test_programmatic_launch_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recurrence launched as a programmatic dependent of the intra kernel (the default) gives the bits of the
+    plain stream-ordered launch (CULA_SM90_PDL=0): workspace, o and final state, outputs poisoned first, over 5
+    replays; and captured in a CUDA graph (fixed-length cases), each replay into NaN-filled outputs gives them
+    again."""
+    kda = _sm90(monkeypatch)
+    case = next(c for c in CASES if c.name == name)
+    args = validate_kda_prefill(**make_inputs(case, "cuda", seed=21))
+    monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "0")
+    ref = _run(kda, args)
+    monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH)
+    for replay in range(5):
+        poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
+        _assert_same_bits(_run(kda, args), ref, replay)
+    if args.cu_seqlens is not None:
+        return
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (warm-up off the capturing stream, as torch asks)
+        kda.kda_prefill(args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, ht = kda.kda_prefill(args)
+    for _ in range(3):
+        o.fill_(float("nan"))
+        if ht is not None:
+            ht.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o, ref[0]) and (ht is None or torch.equal(ht, ref[1]))
 
 
 @pytest.mark.parametrize("form", ["norm", "inverse", "all", "tensor"])
@@ -142,16 +191,16 @@ def test_intra_tuned_matches_oracle(case: KdaCase, form: str, monkeypatch: pytes
     kda = _sm90(monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=0)
     args = validate_kda_prefill(**kwargs)
-    _, _, ws_ref = kda.run_kernels(args, intra_tuned="0")
+    _, _, ws_ref = _run(kda, args, intra_tuned="0")
     poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
-    o, ht, ws = kda.run_kernels(args, intra_tuned=form)
+    o, ht, ws = _run(kda, args, intra_tuned=form)
     torch.cuda.synchronize()
     same = all(torch.equal(ws[key], ref) for key, ref in ws_ref.items())
     for key, ref in ws_ref.items():
         assert rel_l2(ws[key].float().cpu(), ref.float().cpu()) <= 1e-2, key
     check_against_oracle(f"sm90-intra-tuned-{form}", case, kwargs, o, ht, note=f"workspace_bits_equal {same}")
     for _ in range(5):
-        o2, ht2, _ = kda.run_kernels(args, intra_tuned=form)
+        o2, ht2, _ = _run(kda, args, intra_tuned=form)
         assert torch.equal(o2, o) and (ht is None or torch.equal(ht2, ht))
 
 
@@ -264,7 +313,7 @@ def test_intra_workspace_matches_reference_intermediates(name: str, monkeypatch:
     case = next(c for c in CASES if c.name == name)
     kwargs = make_inputs(case, "cuda", seed=4)
     args = validate_kda_prefill(**kwargs)
-    _, _, ws = kda.run_kernels(args)
+    _, _, ws = _run(kda, args)
     ref_kwargs = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in args.reference_kwargs().items()}
     _, _, inter = kda_chunked(**ref_kwargs, return_intermediates=True)
     total = args.B * args.T

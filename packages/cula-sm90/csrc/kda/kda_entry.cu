@@ -77,6 +77,7 @@ int kda_recurrence(const KdaRecurrenceArgs& a, std::uintptr_t stream) {
   p.num_value_heads = a.num_value_heads;
   p.scale = a.scale;
   p.state_v_first = a.state_v_first;
+  p.programmatic_launch = a.programmatic_launch;
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   if (a.wgmma) {
     return static_cast<int>(

@@ -29,6 +29,7 @@ struct KdaRecurrenceArgs {
   int block_v;  // 0: the default; else 32, 64 or 128
   bool wgmma;   // the products on warpgroup MMAs (block_v 0 = 64, or 128)
   int stages;   // shared-memory pipeline stages: 2, or 3 (wgmma only)
+  bool programmatic_launch;  // launch as a programmatic dependent of the intra kernel (kda_params.h)
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);

@@ -721,7 +721,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const int r = warp + 8 * pp;
     *reinterpret_cast<uint2*>(smem + kOffX + quad_off(r, lane)) = make_uint2(wrhs[pp][0], wrhs[pp][1]);
   }
-  // Aqk -> global (upper blocks written as zeros), rows < L.
+  // Aqk -> global, rows < L, the blocks on and below the diagonal only (the recurrence zero-fills the others).
   {
     __nv_bfloat16* gA = static_cast<__nv_bfloat16*>(p.Aqk);
 #pragma unroll
@@ -729,9 +729,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const int idx = tid + kThreads * it;
       const int row = idx >> 3;
       const int ch = idx & 7;
-      if (row < L) {
-        uint4 val = make_uint4(0u, 0u, 0u, 0u);
-        if ((ch >> 1) <= (row >> 4)) val = *reinterpret_cast<const uint4*>(smem + kOffAqk + swz128(row, ch));
+      if (row < L && (ch >> 1) <= (row >> 4)) {
+        const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffAqk + swz128(row, ch));
         *reinterpret_cast<uint4*>(gA + (static_cast<int64_t>(t0 + row) * HV + hv) * 64 + ch * 8) = val;
       }
     }
@@ -897,9 +896,13 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 // kTunedTensorInverse; summation orders differ, so the bits may). kTunedNorm | kTunedInverse was the default from
 // the seventh session, with kTunedTensorInverse since the tenth (the H200 checked and timed each, 2026-11-30); the
 // default's instance is in kda_intra_tensor.cu.
+// Each CTA releases the recurrence's programmatic launch as it starts, so the recurrence grid launches once the last
+// intra CTA has started; its CTAs take the SMs the intra kernel frees and wait there (griddepcontrol.wait) for the
+// whole intra grid to finish before they read anything.
 template <int kTuned>
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
+  grid_launch_dependents();
   intra_item<false, kTuned>(p, smem, blockIdx.x, blockIdx.y, 0);
 }
 

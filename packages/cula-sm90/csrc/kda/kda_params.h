@@ -56,8 +56,9 @@ struct KdaIntraParams {
   void* kg;               // bf16 [Ttot, HV, K]  k ⊙ exp(Γ_last − Γ)
   void* w;                // bf16 [Ttot, HV, K]  Tinv · (β ⊙ k ⊙ exp(Γ))
   void* u;                // bf16 [Ttot, HV, V]  Tinv · (β ⊙ v)
-  void* Aqk;              // bf16 [Ttot, HV, 64] scale·Σ_k q_i k_j exp(Γ_i − Γ_j) for j <= i (local index j), 0 above
-                          //                      the diagonal and past the chunk end
+  void* Aqk;              // bf16 [Ttot, HV, 64] scale·Σ_k q_i k_j exp(Γ_i − Γ_j) for j <= i (local index j); only the
+                          //                      16 x 16 blocks on and below the diagonal are written (3 KB fewer
+                          //                      bytes per chunk each way): the recurrence reads no others
   float* g_last;          // fp32 [NT, HV, K]    Γ_last / ln 2 (log2 units): the chunk's total decay exponent
 };
 
@@ -82,6 +83,9 @@ struct KdaRecurrenceParams {
   int num_value_heads;        // HV
   float scale;
   bool state_v_first;
+  // Launch as a programmatic dependent of the kernel before it on the stream (the intra kernel): the grid launches
+  // while the intra kernel's last CTAs run, and its CTAs wait at their start for it to finish (griddepcontrol).
+  bool programmatic_launch;
 };
 
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).

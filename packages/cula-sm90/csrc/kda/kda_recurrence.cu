@@ -198,18 +198,21 @@ __device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
 // apart. Rows >= L are zero-filled and their source is never read (the address is clamped to row 0 anyway).
 // kSw128: the 128-byte-swizzle layout of RecurrenceConfig<., true> instead (R = 16): chunk ch of row r goes to
 // (ch / 8) * 8192 + r * 128 + ((ch ^ r) & 7) * 16, i.e. [2 halves][64 rows][128 B].
-template <int R, int kThreads, int kTensors, bool kSw128 = false>
+// kLowerBlocks (Aqk, R = 8): only the 16 x 16 blocks on and below the diagonal are read from global memory (the
+// intra kernel writes no others); the blocks above it are zero-filled like the rows >= L.
+template <int R, int kThreads, int kTensors, bool kSw128 = false, bool kLowerBlocks = false>
 __device__ __forceinline__ void copy_tile(const uint32_t (&dst)[kTensors], const __nv_bfloat16* const (&src_row0)[kTensors],
                                           int64_t row_stride, int L, int tid) {
   static_assert(kThreads % R == 0 && (kChunk * R) % kThreads == 0, "copy split");
   static_assert(!kSw128 || R == 16, "the 128-byte-swizzle layout is for 128-column tiles");
+  static_assert(!kLowerBlocks || R == 8, "the lower-block mask is for the 64-column Aqk tile");
   constexpr int kRowsPerPass = kThreads / R;
   const int ch = tid % R;
   const int r0 = tid / R;
 #pragma unroll
   for (int i = 0; i < kChunk / kRowsPerPass; ++i) {
     const int row = r0 + i * kRowsPerPass;
-    const bool valid = row < L;
+    const bool valid = row < L && (!kLowerBlocks || (ch >> 1) <= (row >> 4));
     const int64_t src = (valid ? static_cast<int64_t>(row) * row_stride : 0) + ch * 8;
     uint32_t off;
     if constexpr (kSw128) {
@@ -244,7 +247,7 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
   {
     const uint32_t dst[1] = {stage + C::kOffA};
     const __nv_bfloat16* const src[1] = {static_cast<const __nv_bfloat16*>(p.Aqk) + (tok0 * HV + hv) * kChunk};
-    copy_tile<C::kChunksA, C::kThreads, 1>(dst, src, HV * kChunk, L, tid);
+    copy_tile<C::kChunksA, C::kThreads, 1, false, true>(dst, src, HV * kChunk, L, tid);
   }
   if (tid < C::kTileG / 16) {
     const float* gl = p.g_last + (gchunk * HV + hv) * kHeadDim + tid * 4;
@@ -267,6 +270,9 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
     kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
   using C = RecurrenceConfig<kBV, kWgmma, kStages>;
   extern __shared__ __align__(1024) uint8_t smem[];
+  // Launched programmatically after the intra kernel (KdaRecurrenceParams::programmatic_launch): nothing global is
+  // read before the grid this one depends on has finished and its writes are visible.
+  ptx::grid_dependency_wait();
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -568,8 +574,19 @@ cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stre
     const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV, kWgmma, kStages>>(C::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(blocks), C::kThreads, C::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(C::kThreads);
+  config.dynamicSmemBytes = C::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = p.programmatic_launch ? 1 : 0;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, p);
+  const cudaError_t last = cudaGetLastError();  // (clears the launch's error state either way)
+  return err != cudaSuccess ? err : last;
 }
 
 }  // namespace recurrence_detail

@@ -20,6 +20,13 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
 __device__ __forceinline__ void prefetch_l2(const void* src) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(__cvta_generic_to_global(src)));
 }
+// Programmatic dependent launch (PTX griddepcontrol, sm_90). launch_dependents: this CTA no longer holds back the
+// launch of the grid that depends on this one (it launches once every CTA has said so or exited). wait: block until
+// the grids this one depends on have completed and their memory is visible (a no-op without such a dependency).
+__device__ __forceinline__ void grid_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_group0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }

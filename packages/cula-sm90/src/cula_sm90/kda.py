@@ -67,6 +67,10 @@ _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bi
 # flight while one computes (same bits; the mma.sync kernels keep two). Off: on the H200 (2026-11-30) the recurrence
 # was 1-2% faster on fixed batches, 2% slower on varlen, and no faster end to end.
 ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
+# "1" (the default) launches the recurrence as a programmatic dependent of the intra kernel (CUDA's programmatic
+# dependent launch): its grid launches while the intra kernel's last CTAs run and waits on the GPU for them, instead of
+# launching after the intra kernel has drained. "0" launches it in plain stream order. Same bits either way.
+ENV_PROGRAMMATIC_LAUNCH = "CULA_SM90_PDL"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
@@ -203,6 +207,11 @@ def _recurrence_stages() -> int:
     return env_choice(ENV_RECURRENCE_STAGES, "2", {"2": 2, "3": 3})
 
 
+def _programmatic_launch() -> bool:
+    """``CULA_SM90_PDL``: "1" (the default) launches the recurrence as a programmatic dependent of the intra kernel."""
+    return env_choice(ENV_PROGRAMMATIC_LAUNCH, "1", {"0": False, "1": True})
+
+
 def _current_stream(index: int) -> int:
     """The current torch stream of CUDA device ``index``, as the integer ``cudaStream_t`` the extension takes."""
     if _raw_current_stream is not None:
@@ -242,6 +251,7 @@ class _Launch:
             block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=64 if wgmma else 32)
         self.wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
         self.stages = stages if self.wgmma else 2
+        self.programmatic = _programmatic_launch()
         self.block_v, self.persistent, self.tuned = block_v, persistent, tuned
         self.B, self.T, self.H, self.HV, self.N = args.B, args.T, args.H, args.HV, args.N
         self.total = args.B * args.T
@@ -305,7 +315,7 @@ class _Launch:
             ext.kda_recurrence(
                 qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(order),
                 _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
-                self.state_v_first, self.block_v, self.wgmma, self.stages, stream,
+                self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, stream,
             )
         return o, final_state, buffer, regions
 
@@ -354,7 +364,8 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
     Workspace (token-major, ``Ttot = B*T``): ``qg``, ``kg``, ``w``, ``u`` bf16 ``[Ttot, HV, 128]``, ``Aqk`` bf16
-    ``[Ttot, HV, 64]``, ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units); views into one buffer
+    ``[Ttot, HV, 64]`` (only its 16 x 16 blocks on and below each chunk's diagonal are written; the rest is
+    whatever the allocator left), ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units); views into one buffer
     (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA (32, 64 or 128; 0:
     :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count). ``intra_ctas``: 0 runs
     one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that),
