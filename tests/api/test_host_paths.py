@@ -192,7 +192,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
     # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA) with 2 pipeline stages, launched as a programmatic
-    # dependent of the intra kernel (the default, no CULA_SM90_PDL), the stream
+    # dependent of the intra kernel (no CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), the stream
     assert r[18] is True and r[19] == 2 and r[20] is True and r[21] == 777
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
@@ -358,12 +358,25 @@ def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_PDL: "1" (the default) launches the recurrence as a programmatic dependent of the intra kernel,
-    "0" in plain stream order; another value is a ValueError naming the variable and its value, before any launch."""
+    """CULA_SM90_PDL: "1" launches the recurrence as a programmatic dependent of the intra kernel, "0" in plain
+    stream order, "auto" (the default) the first when its CTAs fit on the SMs at once; another value is a ValueError
+    naming the variable and its value, before any launch."""
     kda, fake = fake_sm90
-    args = _varlen_228_args(fake)
+    args = _varlen_228_args(fake)  # 3 sequences x 2 value heads x 2 V blocks of 64 = 12 recurrence CTAs
     kda.kda_prefill(args)
-    assert fake.recurrence[20] is True
+    assert fake.recurrence[17] == 64 and fake.recurrence[20] is True  # 12 CTAs on 132 SMs: one wave
+    for sms, expected in ((12, True), (11, False)):
+        monkeypatch.setattr(kda, "sm_count", lambda device, sms=sms: sms)
+        kda.run_kernels(args, block_v=64)
+        assert fake.recurrence[20] is expected, sms
+        monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "1")
+        kda.run_kernels(args, block_v=64)
+        assert fake.recurrence[20] is True, sms
+        monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "auto")
+        kda.run_kernels(args, block_v=64)
+        assert fake.recurrence[20] is expected, sms
+        monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH)
+    monkeypatch.setattr(kda, "sm_count", lambda device: 132)
     monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "0")
     kda.kda_prefill(args)
     assert fake.recurrence[20] is False

@@ -148,16 +148,16 @@ def test_recurrence_3_stages_gives_the_same_bits(case: KdaCase, block_v: int, mo
 @pytest.mark.parametrize("name", ["B2-T1000-H4-betabf16", "B1-T700-H2-HV8", "varlen-6seqs-GVA2-vk",
                                   "varlen-0-1-64-65-200"])
 def test_programmatic_launch_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recurrence launched as a programmatic dependent of the intra kernel (the default) gives the bits of the
-    plain stream-ordered launch (CULA_SM90_PDL=0): workspace, o and final state, outputs poisoned first, over 5
-    replays; and captured in a CUDA graph (fixed-length cases), each replay into NaN-filled outputs gives them
-    again."""
+    """The recurrence launched as a programmatic dependent of the intra kernel (CULA_SM90_PDL=1; "auto", the
+    default, does so for these cases) gives the bits of the plain stream-ordered launch (CULA_SM90_PDL=0): workspace,
+    o and final state, outputs poisoned first, over 5 replays; and captured in a CUDA graph (fixed-length cases), each
+    replay into NaN-filled outputs gives them again."""
     kda = _sm90(monkeypatch)
     case = next(c for c in CASES if c.name == name)
     args = validate_kda_prefill(**make_inputs(case, "cuda", seed=21))
     monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "0")
     ref = _run(kda, args)
-    monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH)
+    monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "1")
     for replay in range(5):
         poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
         _assert_same_bits(_run(kda, args), ref, replay)

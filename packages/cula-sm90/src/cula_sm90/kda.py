@@ -67,9 +67,12 @@ _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bi
 # flight while one computes (same bits; the mma.sync kernels keep two). Off: on the H200 (2026-11-30) the recurrence
 # was 1-2% faster on fixed batches, 2% slower on varlen, and no faster end to end.
 ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
-# "1" (the default) launches the recurrence as a programmatic dependent of the intra kernel (CUDA's programmatic
-# dependent launch): its grid launches while the intra kernel's last CTAs run and waits on the GPU for them, instead of
-# launching after the intra kernel has drained. "0" launches it in plain stream order. Same bits either way.
+# "1" launches the recurrence as a programmatic dependent of the intra kernel (CUDA's programmatic dependent launch):
+# its grid launches while the intra kernel's last CTAs run and its CTAs wait on the GPU for them, instead of the grid
+# launching after the intra kernel has drained. "0" launches it in plain stream order. "auto" (the default): "1" when
+# the recurrence's CTAs fit on the SMs at once (one wave: every fixed-length benchmark config), else "0". Same bits
+# either way. On the H200 (2026-11-30, benchmarks/results/kda_pdl_h200.md) "1" was 5-6% faster at B1 T512, 1-4%
+# at the other one-wave configs, and 0-2% slower on varlen batches of 20 sequences (many waves).
 ENV_PROGRAMMATIC_LAUNCH = "CULA_SM90_PDL"
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -207,9 +210,11 @@ def _recurrence_stages() -> int:
     return env_choice(ENV_RECURRENCE_STAGES, "2", {"2": 2, "3": 3})
 
 
-def _programmatic_launch() -> bool:
-    """``CULA_SM90_PDL``: "1" (the default) launches the recurrence as a programmatic dependent of the intra kernel."""
-    return env_choice(ENV_PROGRAMMATIC_LAUNCH, "1", {"0": False, "1": True})
+def _programmatic_launch(recurrence_ctas: int, device: torch.device) -> bool:
+    """``CULA_SM90_PDL``: whether the recurrence launches as a programmatic dependent of the intra kernel ("1"), in
+    stream order ("0"), or ("auto", the default) the first when its ``recurrence_ctas`` CTAs fit on the SMs at once."""
+    choice = env_choice(ENV_PROGRAMMATIC_LAUNCH, "auto", {"auto": None, "0": False, "1": True})
+    return recurrence_ctas <= sm_count(device) if choice is None else choice
 
 
 def _current_stream(index: int) -> int:
@@ -251,7 +256,7 @@ class _Launch:
             block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=64 if wgmma else 32)
         self.wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
         self.stages = stages if self.wgmma else 2
-        self.programmatic = _programmatic_launch()
+        self.programmatic = _programmatic_launch(args.N * args.HV * (HEAD_DIM // block_v), device)
         self.block_v, self.persistent, self.tuned = block_v, persistent, tuned
         self.B, self.T, self.H, self.HV, self.N = args.B, args.T, args.H, args.HV, args.N
         self.total = args.B * args.T
