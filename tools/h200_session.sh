@@ -72,7 +72,7 @@ for step in "$@"; do
     # the intra kernel without each phase's arithmetic (timing only; needs CULA_SM90_ABLATION=1 when sourcing
     # tools/h200_setup.sh, which builds those forms)
     profile:ablation) profile_sm90_knob CULA_SM90_INTRA_TUNED \
-                        "tensor ablate:gate ablate:norm-exp ablate:products ablate:inverse ablate:solve" 64 \
+                        "${ABLATION_FORMS:-tensor ablate:gate ablate:norm-exp ablate:products ablate:inverse ablate:solve ablate:loads ablate:stores ablate:io}" 64 \
                         "$OUT/profile_kda_ablation.txt" ;;
     profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
                                  lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do

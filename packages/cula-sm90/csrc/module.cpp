@@ -55,8 +55,9 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
                                 std::to_string(persistent_ctas));
   }
-#ifdef CULA_SM90_ABLATION  // (timing-only forms: 11 plus one kAblate* bit of kda_intra_item.cuh)
-  const bool ablation = tuned == 27 || tuned == 43 || tuned == 75 || tuned == 139 || tuned == 267;
+#ifdef CULA_SM90_ABLATION  // (timing-only forms: 11 plus kAblate* bits of kda_intra_item.cuh)
+  const bool ablation = tuned == 27 || tuned == 43 || tuned == 75 || tuned == 139 || tuned == 267 || tuned == 523 ||
+                        tuned == 1035 || tuned == 1547;
 #else
   const bool ablation = false;
 #endif

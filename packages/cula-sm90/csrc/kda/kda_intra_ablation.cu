@@ -1,5 +1,5 @@
-// Timing-only forms of the intra kernel: the default tuned kernel without one phase's arithmetic (the kAblate* bits
-// of kda_intra_item.cuh). Built only when CMake's CULA_SM90_ABLATION is ON (tools/h200_setup.sh with
+// Timing-only forms of the intra kernel: the default tuned kernel without one phase's arithmetic, or without its
+// global loads and/or stores (the kAblate* bits of kda_intra_item.cuh). Built only when CMake's CULA_SM90_ABLATION is ON (tools/h200_setup.sh with
 // CULA_SM90_ABLATION=1), for measurements on the H200; never in a wheel. Their outputs are garbage by design.
 // A translation unit of its own: instantiating more forms beside the default ones changes their code.
 #include "kda/kda_intra_item.cuh"
@@ -14,6 +14,10 @@ cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, c
     case kBase | kAblateProducts: return launch_one_cta_per_item<kBase | kAblateProducts>(params, stream);
     case kBase | kAblateInverse: return launch_one_cta_per_item<kBase | kAblateInverse>(params, stream);
     case kBase | kAblateSolve: return launch_one_cta_per_item<kBase | kAblateSolve>(params, stream);
+    case kBase | kAblateLoads: return launch_one_cta_per_item<kBase | kAblateLoads>(params, stream);
+    case kBase | kAblateStores: return launch_one_cta_per_item<kBase | kAblateStores>(params, stream);
+    case kBase | kAblateLoads | kAblateStores:
+      return launch_one_cta_per_item<kBase | kAblateLoads | kAblateStores>(params, stream);
     default: return cudaErrorInvalidValue;
   }
 }

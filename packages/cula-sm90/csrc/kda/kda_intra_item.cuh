@@ -319,6 +319,19 @@ constexpr int kAblateNormExp = 32;   // phase 2a: no L2 norms and no row factors
 constexpr int kAblateProducts = 64;  // phase 3: no Aqk/Akk MMAs
 constexpr int kAblateInverse = 128;  // phase 4: no inverse (sT keeps what it held)
 constexpr int kAblateSolve = 256;    // phase 5: no w/u MMAs
+constexpr int kAblateLoads = 512;    // no input read from global memory (cp.async zero-fills the tiles; g, beta = 0)
+constexpr int kAblateStores = 1024;  // no workspace value reaches global memory (the values are still computed)
+// Whether a form reads its inputs / writes its workspace: always, except in the kAblateLoads / kAblateStores forms,
+// where the condition is one that never holds at run time (p.num_tokens < 0), so the compiler keeps the address and
+// value arithmetic around each access and drops only the memory traffic.
+template <int kTuned>
+__device__ __forceinline__ bool reads_inputs(const KdaIntraParams& p) {
+  return (kTuned & kAblateLoads) == 0 || p.num_tokens < 0;
+}
+template <int kTuned>
+__device__ __forceinline__ bool writes_workspace(const KdaIntraParams& p) {
+  return (kTuned & kAblateStores) == 0 || p.num_tokens < 0;
+}
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
 // have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
@@ -362,7 +375,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const int ch = idx & 15;
       const bool valid = row < L;
       const int64_t tok = static_cast<int64_t>(t0 + (valid ? row : 0));
-      const int bytes = valid ? 16 : 0;
+      const int bytes = valid && reads_inputs<kTuned>(p) ? 16 : 0;
       const uint32_t dst = swz256(row, ch);
       cp_async_16(sbase + kOffQ + dst, gq + (tok * H + h) * kD + ch * 8, bytes);
       cp_async_16(sbase + kOffK + dst, gk + (tok * H + h) * kD + ch * 8, bytes);
@@ -376,7 +389,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   if (tid >= 128 && tid < 192) {
     const int r = tid - 128;
     float b = 0.f;
-    if (r < L) {
+    if (r < L && reads_inputs<kTuned>(p)) {
       const int64_t bi = static_cast<int64_t>(t0 + r) * HV + hv;
       if (p.beta_type == ScalarType::kBFloat16) {
         b = bf16_bits(__ldg(static_cast<const unsigned short*>(p.beta) + bi));
@@ -403,7 +416,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         uint2 raw = make_uint2(0u, 0u);  // rows >= L: g = 0 (Γ constant past the end)
-        if (rbase + j < L) raw = __ldg(reinterpret_cast<const uint2*>(gp + j * gstride));
+        if (rbase + j < L && reads_inputs<kTuned>(p)) raw = __ldg(reinterpret_cast<const uint2*>(gp + j * gstride));
         gv[j][0] = bf16_lo(raw.x);
         gv[j][1] = bf16_hi(raw.x);
         gv[j][2] = bf16_lo(raw.y);
@@ -414,7 +427,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         float4 raw = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (rbase + j < L) raw = __ldg(reinterpret_cast<const float4*>(gp + j * gstride));
+        if (rbase + j < L && reads_inputs<kTuned>(p)) raw = __ldg(reinterpret_cast<const float4*>(gp + j * gstride));
         gv[j][0] = raw.x;
         gv[j][1] = raw.y;
         gv[j][2] = raw.z;
@@ -477,7 +490,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const float G0 = sG[0 * kD + c], G1 = sG[16 * kD + c], G2 = sG[32 * kD + c], G3 = sG[48 * kD + c];
     if (tid < 128) {
       const float GL = sG[(L - 1) * kD + c];
-      p.g_last[(static_cast<int64_t>(ci) * HV + hv) * kD + c] = GL;  // Γ_last / ln 2
+      if (writes_workspace<kTuned>(p)) p.g_last[(static_cast<int64_t>(ci) * HV + hv) * kD + c] = GL;  // Γ_last / ln 2
       sF[0 * kD + c] = ex2_full(G0);
       sF[1 * kD + c] = ex2_full(G1);
       sF[2 * kD + c] = ex2_full(G2);
@@ -586,7 +599,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         e[i] = f[i] * a[i];            // e^{Γ}
         kf[i] = ef[i] * b[i];          // e^{Γlast - Γ}
       }
-      if (r < L) {
+      if (r < L && writes_workspace<kTuned>(p)) {
         const int64_t o = (static_cast<int64_t>(t0 + r) * HV + hv) * kD + gcol;
         *reinterpret_cast<uint2*>(gqg + o) =
             make_uint2(pack_bf16x2(q[0] * e[0], q[1] * e[1]), pack_bf16x2(q[2] * e[2], q[3] * e[3]));
@@ -729,7 +742,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const int idx = tid + kThreads * it;
       const int row = idx >> 3;
       const int ch = idx & 7;
-      if (row < L && (ch >> 1) <= (row >> 4)) {
+      if (row < L && (ch >> 1) <= (row >> 4) && writes_workspace<kTuned>(p)) {
         const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffAqk + swz128(row, ch));
         *reinterpret_cast<uint4*>(gA + (static_cast<int64_t>(t0 + row) * HV + hv) * 64 + ch * 8) = val;
       }
@@ -883,7 +896,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const int tsel = idx >> 10;
       const int row = (idx >> 4) & 63;
       const int ch = idx & 15;
-      if (row < L) {
+      if (row < L && writes_workspace<kTuned>(p)) {
         const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffG + tsel * 16384 + swz256(row, ch));
         __nv_bfloat16* dst = tsel ? gu : gw;
         *reinterpret_cast<uint4*>(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD + ch * 8) = val;

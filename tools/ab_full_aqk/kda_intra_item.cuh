@@ -1,0 +1,920 @@
+// Kernel 1 of the split SM90 KDA prefill ("intra"): per (chunk, value head), everything that does not depend
+// on the recurrent state (KDA_SPEC §3.1-3.4, safe gate only):
+//   q, k  (optionally L2-normalised, rounded to bf16), beta (optionally sigmoid), gate (optionally in-kernel safe
+//   form), Γ = chunk-local inclusive cumsum (fp32), g_last = Γ_last / ln2,
+//   Aqk = scale · Σ q_i k_j e^{Γi-Γj} (j <= i, bf16), Akk = β_i Σ k_i k_j e^{Γi-Γj} (j < i, fp32, kept on chip),
+//   Tinv = (I + Akk)^-1 (fp32, rounded once to bf16), w = Tinv·bf16(β k e^Γ), u = Tinv·bf16(β v),
+//   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
+//
+// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), with the tuned forms kTunedNorm,
+// kTunedInverse and kTunedTensorInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value
+// head) items, each prefetching its next item's rows into L2 while it computes the current one. 103.25 KiB of dynamic
+// shared memory per CTA, so two fit on an SM. Phases (every arrow is a __syncthreads):
+//   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
+//   1b   per-column anchor factors 2^{Γ2[n_J]}, 2^{Γ2[L-1]-Γ2[n_J]}, 2^{Γ2[n_I]-Γ2[n_J]} (n_J = 16 J)
+//   2a   elementwise, warp = full rows: l2norm, a = 2^{Γ2-Γ2[n]}, b = 2^{Γ2[n]-Γ2}; qg, kg -> global;
+//        q·a, k·a, k·b, β·v -> smem (bf16, in place); β·k·e^Γ and k·b (rows < 48) kept in registers
+//   2b   off-diagonal column operands k·b·2^{Γ2[n_I]-Γ2[n_J]} -> smem (over Γ2)
+//   3    mma.sync: 10 lower 16x16 blocks of Aqk and Akk; Aqk staged bf16 -> global; Akk -> fp32 smem
+//        (kTunedTensorInverse: the blocks below the diagonal as hi/lo bf16 tiles instead)
+//   4    inverse: fp32 column substitution on the 4 diagonal blocks, then 3 block-forward-substitution stages
+//        (kTunedInverse: 2 levels of recursive doubling instead; kTunedTensorInverse: their products as bf16x3 MMAs)
+//   5    mma.sync: w, u = Tinv · (RHS), staged bf16 -> global
+//
+// Sub-chunk anchoring (KDA_SPEC §3.7): Γ_i - Γ_j = (Γ_i - Γ_n) + (Γ_n - Γ_j) with n the first row of the *query*
+// sub-chunk I. Row factor a_i = e^{Γi-Γn} in [e^-75, 1]; column factor e^{Γn-Γj}:
+//   off-diagonal (I > J): b_j · e^{Γ_{n_I}-Γ_{n_J}} = e^{Γ_{n_I}-Γ_j} <= 1 (any gate is safe);
+//   diagonal (I = J):     b_j = e^{Γ_{n_J}-Γ_j} in [1, e^75] (needs |g| <= 5: safe gate).
+// The diagonal uses the unshifted first-row anchor: all factors are normal fp32/bf16 numbers for g in [-5, 0]
+// (e^-75 ≈ 2.7e-33 > 1.2e-38, e^75 ≈ 3.7e32 < 3.4e38). FLA's "first row - 15 nats" anchor differs only by a
+// constant factor e^{±15} on the two operands, i.e. only in bf16 rounding.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kda/ptx.cuh"
+#include "kda/kda_params.h"
+#include "kda/launch_once.cuh"
+
+namespace cula::sm90 {
+namespace {
+
+using namespace ptx;
+
+constexpr int kThreads = 256;
+constexpr int kD = 128;  // K = V
+constexpr float kRcpLn2 = 1.4426950216293335f;  // fp32(1 / ln 2), FLA's RCP_LN2
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---- shared memory map (bytes) ----
+// Phase 0-3 tiles (bf16 [64][128], 256-byte rows, swz256):
+constexpr uint32_t kOffQ = 0;        // q -> q·a (Aqk row operand)
+constexpr uint32_t kOffK = 16384;    // k -> k·a (Akk row operand)
+constexpr uint32_t kOffV = 32768;    // v -> bf16(β v) (u right-hand side)
+constexpr uint32_t kOffX = 49152;    // [phase 1: cumsum totals] -> k·b (diagonal column operand) -> bf16(β k e^Γ)
+constexpr uint32_t kOffG = 65536;    // fp32 Γ2 [64][128] -> 6 off-diagonal column tiles + Aqk staging -> w/u staging
+constexpr uint32_t kOffF = 98304;    // fp32 [4][128]  2^{Γ2[16J]}
+constexpr uint32_t kOffE = 100352;   // fp32 [4][128]  2^{Γ2[L-1] - Γ2[16J]}
+constexpr uint32_t kOffD = 102400;   // fp32 [6][128]  2^{Γ2[16I] - Γ2[16J]}, I > J (pair_index order)
+constexpr uint32_t kOffBeta = 105472;  // fp32 [64]
+constexpr uint32_t kSmemBytes = 105728;
+// Aliases, valid after phase 3:
+constexpr uint32_t kOffA = 0;        // fp32 [64][kAStride]: Akk, overwritten in place by Tinv
+constexpr int kAStride = 68;
+constexpr uint32_t kOffP = 17408;    // fp32 [3][16][16]: block substitution temporaries
+constexpr uint32_t kOffT = 20480;    // bf16 [64][64] (swz128): Tinv, the A operand of phase 5
+constexpr uint32_t kOffKoff = kOffG;           // bf16 6 x [16][128] (swz256)
+constexpr uint32_t kOffAqk = kOffG + 24576;    // bf16 [64][64] (swz128)
+constexpr uint32_t kOffTot = kOffX;            // fp32 [8][128]: cumsum segment totals
+static_assert(kOffT + 8192 <= kOffV, "Tinv staging overlaps the u right-hand side");
+static_assert(kOffAqk + 8192 == kOffF, "Aqk staging must end where Γ2 ends");
+
+// Index of the off-diagonal block (I, J), I > J, in the 6-tile arrays:
+// (1,0) 0, (2,0) 1, (3,0) 2, (2,1) 3, (3,1) 4, (3,2) 5.
+__host__ __device__ constexpr int pair_index(int I, int J) { return J == 0 ? I - 1 : (J == 1 ? I + 1 : 5); }
+
+// Byte offset of the 4 bf16 at (row r, columns 4*lane .. 4*lane+3) of a swz256 tile.
+__device__ __forceinline__ uint32_t quad_off(int r, int lane) {
+  return swz256(r, lane >> 1) + ((lane & 1) << 3);
+}
+
+// The work item a persistent CTA takes next (its rows go to L2 while this item computes), in two registers (the
+// per-item code runs at the 128-register cap): its first token, and (value head << 7) | valid rows (0: none).
+struct NextItem {
+  int t0 = 0;
+  int hv_rows = 0;
+};
+
+// Item `item` of the persistent order (value head fastest: the heads of one GVA group share their q/k rows).
+__device__ __forceinline__ NextItem locate_item(const KdaIntraParams& p, int item) {
+  NextItem next;
+  const int HV = p.num_value_heads;
+  if (item >= p.num_chunks * HV) return next;
+  const int ci = item / HV;
+  const int seq = p.chunk_indices[2 * ci];
+  if (seq < 0) return next;
+  next.t0 = p.cu_seqlens[seq] + p.chunk_indices[2 * ci + 1] * 64;
+  next.hv_rows = ((item - ci * HV) << 7) | max(0, min(64, p.cu_seqlens[seq + 1] - next.t0));
+  return next;
+}
+
+// The next item's q, k, v and g rows into L2, a 128-byte line per prefetch (thread = tensor tid / 64, row tid % 64;
+// per-lane addresses, so plain prefetches: the bulk form takes a uniform address and would loop over the lanes).
+__device__ __forceinline__ void prefetch_item_l2(const KdaIntraParams& p, const NextItem& next, int tid) {
+  const int row = tid & 63;
+  const int tensor = tid >> 6;  // 0 q, 1 k, 2 v, 3 g
+  if (row >= (next.hv_rows & 127)) return;
+  const int hv = next.hv_rows >> 7;
+  const int heads = tensor < 2 ? p.num_heads : p.num_value_heads;
+  const int head = tensor < 2 ? hv / (p.num_value_heads / p.num_heads) : hv;
+  const void* base = tensor == 0 ? p.q : (tensor == 1 ? p.k : (tensor == 2 ? p.v : p.g));
+  const int bytes = (tensor == 3 && p.g_type == ScalarType::kFloat32) ? 512 : 256;
+  const int64_t row_index = (static_cast<int64_t>(next.t0) + row) * heads + head;
+  const uint8_t* src = static_cast<const uint8_t*>(base) + row_index * bytes;
+  prefetch_l2(src);
+  prefetch_l2(src + 128);
+  if (bytes == 512) {
+    prefetch_l2(src + 256);
+    prefetch_l2(src + 384);
+  }
+}
+
+// 1 / sqrt(sum + 1e-6) of the 8 rows r = warp + 8 pp (pp = 0..7) of a tile, from each lane's partial sum part[pp]
+// over its 4 columns: a transposed reduction (lane bits 4, 3, 2 split the rows between lane halves, quarters and
+// eighths: 4 + 2 + 1 shuffles, then 2 for the last 4 lanes' columns), one rsqrt per lane, and 8 broadcasts, instead
+// of a 5-shuffle butterfly per row (40 shuffles and 8 rsqrt).
+__device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, float (&r)[8]) {
+  const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
+  float t4[4], t2[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // keep rows 4*b4 + i
+    const float keep = b4 ? part[i + 4] : part[i];
+    t4[i] = keep + __shfl_xor_sync(0xffffffffu, b4 ? part[i] : part[i + 4], 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // keep rows 4*b4 + 2*b3 + i
+    const float keep = b3 ? t4[i + 2] : t4[i];
+    t2[i] = keep + __shfl_xor_sync(0xffffffffu, b3 ? t4[i] : t4[i + 2], 8);
+  }
+  float t1 = (b2 ? t2[1] : t2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? t2[0] : t2[1], 4);  // row 4*b4 + 2*b3 + b2
+  t1 += __shfl_xor_sync(0xffffffffu, t1, 2);
+  t1 += __shfl_xor_sync(0xffffffffu, t1, 1);
+  const float mine = rsqrtf(t1 + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
+#pragma unroll
+  for (int pp = 0; pp < 8; ++pp) r[pp] = __shfl_sync(0xffffffffu, mine, ((pp >> 2) << 4) | (((pp >> 1) & 1) << 3) | ((pp & 1) << 2));
+}
+
+// sum over m in [m_begin, m_end) of row[m] * tile[m * stride + 0 .. kN-1] (kN = 2 or 4 consecutive fp32 columns; the
+// bounds are per thread, the loop unrolled over kM rows).
+template <int kN, int kM>
+__device__ __forceinline__ void row_times_tile(const float* row, const float* tile, int stride, int m_begin,
+                                               int m_end, float (&acc)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int m = 0; m < kM; ++m) {
+    if (m >= m_begin && m < m_end) {
+      const float rv = row[m];
+      float t[kN];
+      if constexpr (kN == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(tile + m * stride);
+        t[0] = v.x, t[1] = v.y, t[2] = v.z, t[3] = v.w;
+      } else {
+        const float2 v = *reinterpret_cast<const float2*>(tile + m * stride);
+        t[0] = v.x, t[1] = v.y;
+      }
+#pragma unroll
+      for (int i = 0; i < kN; ++i) acc[i] = fmaf(rv, t[i], acc[i]);
+    }
+  }
+}
+
+// Phase 4b by recursive doubling (kTunedInverse), after 4a left the diagonal blocks' inverses T_II in sA (fp32, zeros
+// above their diagonals) and sT (bf16); sA's blocks below the diagonal still hold Akk. Every off-diagonal block
+// T_IJ goes to sA (fp32) and sT (bf16), in 4 barrier stages:
+//   level 1 (pairs (1,0) and (3,2)):  X = A_BA T_AA;  T_BA = -T_BB X             (16 x 16, X in sP)
+//   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y      (32 x 32, Y in the free Γ2 region)
+// with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1. The same products as the block forward
+// substitution, grouped so that all 8 warps work in every stage; the upper blocks of sA (stale data) are never read.
+__device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
+  float* sA = reinterpret_cast<float*>(smem + kOffA);
+  float* sX = reinterpret_cast<float*>(smem + kOffP);  // [2][16][16]
+  float* sY = reinterpret_cast<float*>(smem + kOffG);  // [32][32] (Γ2 and its successors are consumed)
+  {  // level 1: thread = (pair, row r, 2 columns)
+    const int pr = tid >> 7, r = (tid >> 3) & 15, c = 2 * (tid & 7);
+    const int A = 2 * pr, B = A + 1;
+    float x[2];  // X = A_BA T_AA
+    row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * A, sA + 16 * A * kAStride + 16 * A + c, kAStride, 0, 16, x);
+    *reinterpret_cast<float2*>(sX + (16 * pr + r) * 16 + c) = make_float2(x[0], x[1]);
+    __syncthreads();
+    float t[2];  // T_BA = -T_BB X
+    row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * B, sX + 16 * pr * 16 + c, 16, 0, 16, t);
+    const int R = 16 * B + r, Cc = 16 * A + c;
+    *reinterpret_cast<float2*>(sA + R * kAStride + Cc) = make_float2(-t[0], -t[1]);
+    *reinterpret_cast<uint32_t*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) = pack_bf16x2(-t[0], -t[1]);
+  }
+  __syncthreads();
+  {  // level 2: thread = (row r of 32, 4 columns)
+    const int r = tid >> 3, c = 4 * (tid & 7);
+    // Y = A_hl T_lo: T_lo's block (0, 1) is zero, so columns of block 1 take rows m >= 16 only
+    float y[4];
+    row_times_tile<4, 32>(sA + (32 + r) * kAStride, sA + c, kAStride, c < 16 ? 0 : 16, 32, y);
+    *reinterpret_cast<float4*>(sY + r * 32 + c) = make_float4(y[0], y[1], y[2], y[3]);
+    __syncthreads();
+    // T_hl = -T_hi Y: T_hi's block (2, 3) is zero, so rows of block 2 take m < 16 only
+    float t[4];
+    row_times_tile<4, 32>(sA + (32 + r) * kAStride + 32, sY + c, 32, 0, r < 16 ? 16 : 32, t);
+    const float4 neg = make_float4(-t[0], -t[1], -t[2], -t[3]);
+    const int R = 32 + r;
+    *reinterpret_cast<float4*>(sA + R * kAStride + c) = neg;
+    *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, c >> 3) + (c & 7) * 2) =
+        make_uint2(pack_bf16x2(neg.x, neg.y), pack_bf16x2(neg.z, neg.w));
+  }
+  __syncthreads();
+}
+
+// ---- Phase 4b on the tensor cores (kTunedTensorInverse): the products of inverse_by_doubling as bf16x3 MMAs.
+// Every fp32 operand is kept as two bf16 tiles x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), and a k16 step adds
+// lo·hi' + hi·lo' + hi·hi' with fp32 accumulation: operands good to ~2^-17 and the dropped lo·lo' ~2^-18 of the
+// product, far below Tinv's one bf16 rounding (2^-9), in other summation orders than the FMA form (so other low
+// bits). Tiles (bf16 [rows][64], swz128, in the free Γ2 region; Tinv's hi part is sT itself):
+constexpr uint32_t kOffAkkHi = kOffG;          // Akk's blocks below the diagonal (written after (F))
+constexpr uint32_t kOffAkkLo = kOffG + 8192;
+constexpr uint32_t kOffTLo = kOffG + 16384;    // Tinv's lo part
+constexpr uint32_t kOffXYHi = kOffG + 24576;   // [32][64]: X of level 1, then Y of level 2 (over the Aqk staging,
+constexpr uint32_t kOffXYLo = kOffG + 28672;   // consumed before (G))
+static_assert(kOffXYLo + 4096 == kOffF, "the split tiles must end where Γ2 ends");
+
+// The bf16x3 parts of two fp32 values (row, columns col, col + 1) into a hi and a lo swz128 tile.
+__device__ __forceinline__ void store_split_pair(uint8_t* smem, uint32_t off_hi, uint32_t off_lo, int row, int col,
+                                                 float v0, float v1) {
+  const uint32_t hi = pack_bf16x2(v0, v1);
+  const uint32_t lo = pack_bf16x2(v0 - bf16_lo(hi), v1 - bf16_hi(hi));
+  const uint32_t o = swz128(row, col >> 3) + (col & 7) * 2;
+  *reinterpret_cast<uint32_t*>(smem + off_hi + o) = hi;
+  *reinterpret_cast<uint32_t*>(smem + off_lo + o) = lo;
+}
+
+// D += A[ar .. ar+15][ac .. ac+15] · B[br .. br+15][bc .. bc+7] in 3 bf16 MMAs, A and B each a hi/lo pair of swz128
+// tiles (A row-major [m][k], B row-major [k][n]; byte offsets from the shared base sbase).
+__device__ __forceinline__ void mma_split_step(float (&d)[4], uint32_t sbase, uint32_t a_hi, uint32_t a_lo, int ar,
+                                               int ac, uint32_t b_hi, uint32_t b_lo, int br, int bc, int lane) {
+  const int lrow = (lane & 7) + (((lane >> 3) & 1) << 3);
+  const uint32_t aoff = swz128(ar + lrow, (ac >> 3) + (lane >> 4));
+  const uint32_t boff = swz128(br + lrow, bc >> 3);
+  uint32_t ah[4], al[4], bh[2], bl[2];
+  ldsm_x4(ah, sbase + a_hi + aoff);
+  ldsm_x4(al, sbase + a_lo + aoff);
+  ldsm_x2_trans(bh, sbase + b_hi + boff);
+  ldsm_x2_trans(bl, sbase + b_lo + boff);
+  mma_bf16_16816(d, al, bh[0], bh[1]);
+  mma_bf16_16816(d, ah, bl[0], bl[1]);
+  mma_bf16_16816(d, ah, bh[0], bh[1]);
+}
+
+// inverse_by_doubling's 4 barrier stages, each product a grid of m16n8 tiles over the warps (g = lane >> 2,
+// t = lane & 3 index the accumulator):
+//   level 1 (warps 0-3 = pair x 8-column half):  X = A_BA T_AA;  T_BA = -T_BB X            (16 x 16)
+//   level 2 (warps 0-7 = 16-row half x 8-column quarter):  Y = A_hl T_lo;  T_hl = -T_hi Y   (32 x 32)
+// k16 steps that would read a block of sT above the diagonal (never written) are skipped: those blocks of Tinv are 0.
+__device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int warp, int lane) {
+  const uint32_t sbase = smem_addr(smem);
+  const int g = lane >> 2, t = lane & 3;
+  const int pr = (warp >> 1) & 1, n1 = 8 * (warp & 1);  // level 1: pair (A, B) = (2 pr, 2 pr + 1), columns n1 ..
+  const int A = 2 * pr, B = A + 1;
+  if (warp < 4) {
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_split_step(x, sbase, kOffAkkHi, kOffAkkLo, 16 * B, 16 * A, kOffT, kOffTLo, 16 * A, 16 * A + n1, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffXYHi, kOffXYLo, 16 * pr + g + 8 * hh, n1 + 2 * t, x[2 * hh], x[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+  if (warp < 4) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_split_step(d, sbase, kOffT, kOffTLo, 16 * B, 16 * B, kOffXYHi, kOffXYLo, 16 * pr, n1, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffT, kOffTLo, 16 * B + g + 8 * hh, 16 * A + n1 + 2 * t, -d[2 * hh], -d[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+  const int mt = warp >> 2, n2 = 8 * (warp & 3);  // level 2: rows 16 mt .., columns n2 .. of the 32 x 32 products
+  {
+    float y[4] = {0.f, 0.f, 0.f, 0.f};
+    if (n2 < 16) mma_split_step(y, sbase, kOffAkkHi, kOffAkkLo, 32 + 16 * mt, 0, kOffT, kOffTLo, 0, n2, lane);
+    mma_split_step(y, sbase, kOffAkkHi, kOffAkkLo, 32 + 16 * mt, 16, kOffT, kOffTLo, 16, n2, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffXYHi, kOffXYLo, 16 * mt + g + 8 * hh, n2 + 2 * t, y[2 * hh], y[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+  {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_split_step(d, sbase, kOffT, kOffTLo, 32 + 16 * mt, 32, kOffXYHi, kOffXYLo, 0, n2, lane);
+    if (mt == 1) mma_split_step(d, sbase, kOffT, kOffTLo, 48, 48, kOffXYHi, kOffXYLo, 16, n2, lane);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      store_split_pair(smem, kOffT, kOffTLo, 32 + 16 * mt + g + 8 * hh, n2 + 2 * t, -d[2 * hh], -d[2 * hh + 1]);
+    }
+  }
+  __syncthreads();
+}
+
+// kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse |
+// kTunedTensorInverse is the default.
+constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
+constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
+constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as bf16x3 tensor-core MMAs
+// Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
+// each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
+// The intra kernel's time without a phase bounds what rewriting that phase could gain.
+constexpr int kAblateGate = 16;      // phase 1: no gate activation (the raw g is summed)
+constexpr int kAblateNormExp = 32;   // phase 2a: no L2 norms and no row factors (a = b = 1)
+constexpr int kAblateProducts = 64;  // phase 3: no Aqk/Akk MMAs
+constexpr int kAblateInverse = 128;  // phase 4: no inverse (sT keeps what it held)
+constexpr int kAblateSolve = 256;    // phase 5: no w/u MMAs
+// The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
+// item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
+// have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
+template <bool kPrefetchNext, int kTuned = 0>
+__device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
+                                           const int item) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int HV = p.num_value_heads;
+  const int H = p.num_heads;
+  const int h = hv / (HV / H);
+
+  const int seq = p.chunk_indices[2 * ci];
+  const int cic = p.chunk_indices[2 * ci + 1];
+  if (seq < 0) return;  // padding row (static chunk_indices)
+  const int bos = p.cu_seqlens[seq];
+  const int eos = p.cu_seqlens[seq + 1];
+  const int t0 = bos + cic * 64;
+  const int L = min(64, eos - t0);
+  if (L <= 0) return;
+
+  const uint32_t sbase = smem_addr(smem);
+  float* sG = reinterpret_cast<float*>(smem + kOffG);
+  float* sF = reinterpret_cast<float*>(smem + kOffF);
+  float* sE = reinterpret_cast<float*>(smem + kOffE);
+  float* sD = reinterpret_cast<float*>(smem + kOffD);
+  float* sBeta = reinterpret_cast<float*>(smem + kOffBeta);
+  float* sTot = reinterpret_cast<float*>(smem + kOffTot);
+
+  // ------------------------------------------------------------------------------------------------------
+  // Phase 0: q, k, v tiles by cp.async (rows >= L zero-filled, never read).
+  {
+    const __nv_bfloat16* gq = static_cast<const __nv_bfloat16*>(p.q);
+    const __nv_bfloat16* gk = static_cast<const __nv_bfloat16*>(p.k);
+    const __nv_bfloat16* gv = static_cast<const __nv_bfloat16*>(p.v);
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int idx = tid + kThreads * it;
+      const int row = idx >> 4;
+      const int ch = idx & 15;
+      const bool valid = row < L;
+      const int64_t tok = static_cast<int64_t>(t0 + (valid ? row : 0));
+      const int bytes = valid ? 16 : 0;
+      const uint32_t dst = swz256(row, ch);
+      cp_async_16(sbase + kOffQ + dst, gq + (tok * H + h) * kD + ch * 8, bytes);
+      cp_async_16(sbase + kOffK + dst, gk + (tok * H + h) * kD + ch * 8, bytes);
+      cp_async_16(sbase + kOffV + dst, gv + (tok * HV + hv) * kD + ch * 8, bytes);
+    }
+    cp_async_commit();
+  }
+
+  // ------------------------------------------------------------------------------------------------------
+  // Phase 1: beta; gate activation and chunk-local cumsum (thread = column, half of the rows).
+  if (tid >= 128 && tid < 192) {
+    const int r = tid - 128;
+    float b = 0.f;
+    if (r < L) {
+      const int64_t bi = static_cast<int64_t>(t0 + r) * HV + hv;
+      if (p.beta_type == ScalarType::kBFloat16) {
+        b = bf16_bits(__ldg(static_cast<const unsigned short*>(p.beta) + bi));
+      } else {
+        b = __ldg(static_cast<const float*>(p.beta) + bi);
+      }
+      if (p.beta_sigmoid) {
+        b = 1.f / (1.f + expf(-b));
+        if (p.allow_neg_eigval) b *= 2.f;
+      }
+    }
+    sBeta[r] = b;
+  }
+  {
+    // Warp w = rows 8w .. 8w+7 (a segment), lane = columns 4*lane .. 4*lane+3: vector loads, an in-register
+    // scan over the segment, then the sum of the preceding segments' totals (exchanged through smem).
+    const int c0 = 4 * lane;
+    const int rbase = 8 * warp;
+    float gv[8][4];
+    const int64_t gstride = static_cast<int64_t>(HV) * kD;
+    const int64_t g0 = (static_cast<int64_t>(t0 + rbase) * HV + hv) * kD + c0;
+    if (p.g_type == ScalarType::kBFloat16) {
+      const unsigned short* gp = static_cast<const unsigned short*>(p.g) + g0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        uint2 raw = make_uint2(0u, 0u);  // rows >= L: g = 0 (Γ constant past the end)
+        if (rbase + j < L) raw = __ldg(reinterpret_cast<const uint2*>(gp + j * gstride));
+        gv[j][0] = bf16_lo(raw.x);
+        gv[j][1] = bf16_hi(raw.x);
+        gv[j][2] = bf16_lo(raw.y);
+        gv[j][3] = bf16_hi(raw.y);
+      }
+    } else {
+      const float* gp = static_cast<const float*>(p.g) + g0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float4 raw = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (rbase + j < L) raw = __ldg(reinterpret_cast<const float4*>(gp + j * gstride));
+        gv[j][0] = raw.x;
+        gv[j][1] = raw.y;
+        gv[j][2] = raw.z;
+        gv[j][3] = raw.w;
+      }
+    }
+    if (p.gate_in_kernel && (kTuned & kAblateGate) == 0) {
+      // g = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) = lb / (1 + 2^{(g + bias) * (-exp(A_log) log2 e)})
+      float bias[4] = {0.f, 0.f, 0.f, 0.f};
+      if (p.dt_bias != nullptr) {
+        const float4 b4 = __ldg(reinterpret_cast<const float4*>(p.dt_bias + hv * kD + c0));
+        bias[0] = b4.x;
+        bias[1] = b4.y;
+        bias[2] = b4.z;
+        bias[3] = b4.w;
+      }
+      const float mult = p.A_log != nullptr ? expf(__ldg(p.A_log + hv)) : 1.f;
+      const float m2 = -mult * kLog2e;
+      const float lb = p.lower_bound;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (rbase + j < L) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) gv[j][i] = lb * rcp_approx(1.f + ex2_ftz((gv[j][i] + bias[i]) * m2));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 1; j < 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) gv[j][i] += gv[j - 1][i];
+    *reinterpret_cast<float4*>(sTot + warp * kD + c0) = make_float4(gv[7][0], gv[7][1], gv[7][2], gv[7][3]);
+    __syncthreads();  // (A)
+    float off[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int sgi = 0; sgi < warp; ++sgi) {
+      const float4 t = *reinterpret_cast<const float4*>(sTot + sgi * kD + c0);
+      off[0] += t.x;
+      off[1] += t.y;
+      off[2] += t.z;
+      off[3] += t.w;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      // FLA: cumsum in natural units, then * RCP_LN2.
+      *reinterpret_cast<float4*>(sG + (rbase + j) * kD + c0) =
+          make_float4((gv[j][0] + off[0]) * kRcpLn2, (gv[j][1] + off[1]) * kRcpLn2, (gv[j][2] + off[2]) * kRcpLn2,
+                      (gv[j][3] + off[3]) * kRcpLn2);
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();  // (B): Γ2, beta, q/k/v tiles visible
+  NextItem next;
+  if constexpr (kPrefetchNext) {
+    if (p.persistent_prefetch > 0) next = locate_item(p, item + p.persistent_prefetch * static_cast<int>(gridDim.x));
+  }
+
+  // Phase 1b: per-column anchor factors (2^x kept subnormal-accurate: they may be tiny).
+  {
+    const int c = tid & 127;
+    const float G0 = sG[0 * kD + c], G1 = sG[16 * kD + c], G2 = sG[32 * kD + c], G3 = sG[48 * kD + c];
+    if (tid < 128) {
+      const float GL = sG[(L - 1) * kD + c];
+      p.g_last[(static_cast<int64_t>(ci) * HV + hv) * kD + c] = GL;  // Γ_last / ln 2
+      sF[0 * kD + c] = ex2_full(G0);
+      sF[1 * kD + c] = ex2_full(G1);
+      sF[2 * kD + c] = ex2_full(G2);
+      sF[3 * kD + c] = ex2_full(G3);
+      sE[0 * kD + c] = ex2_full(GL - G0);
+      sE[1 * kD + c] = ex2_full(GL - G1);
+      sE[2 * kD + c] = ex2_full(GL - G2);
+      sE[3 * kD + c] = ex2_full(GL - G3);
+    } else {
+      sD[pair_index(1, 0) * kD + c] = ex2_full(G1 - G0);
+      sD[pair_index(2, 0) * kD + c] = ex2_full(G2 - G0);
+      sD[pair_index(3, 0) * kD + c] = ex2_full(G3 - G0);
+      sD[pair_index(2, 1) * kD + c] = ex2_full(G2 - G1);
+      sD[pair_index(3, 1) * kD + c] = ex2_full(G3 - G1);
+      sD[pair_index(3, 2) * kD + c] = ex2_full(G3 - G2);
+    }
+  }
+  __syncthreads();  // (C)
+  if constexpr (kPrefetchNext) prefetch_item_l2(p, next, tid);
+
+  // ------------------------------------------------------------------------------------------------------
+  // Phase 2a: elementwise. Warp w owns rows w + 8*pp (pp = 0..7, two rows per sub-chunk); lane owns columns
+  // 4*lane .. 4*lane+3. Each element is read and rewritten by its owner only (in-place tiles are safe).
+  uint32_t wrhs[8][2];  // bf16(β k e^Γ), stored to smem after phase 3
+  float kb[6][4];       // k·b for rows < 48 (key sub-chunks 0..2), for the off-diagonal column operands
+  {
+    const int gcol = 4 * lane;
+    const uint32_t off0 = quad_off(warp, lane);
+    __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg);
+    __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
+    // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
+    [[maybe_unused]] float rq8[8], rk8[8];
+    if constexpr ((kTuned & kTunedNorm) != 0) {
+      if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
+        float sq8[8], sk8[8];
+#pragma unroll
+        for (int pp = 0; pp < 8; ++pp) {
+          const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off0 + pp * 2048);
+          const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off0 + pp * 2048);
+          const float q0 = bf16_lo(qraw.x), q1 = bf16_hi(qraw.x), q2 = bf16_lo(qraw.y), q3 = bf16_hi(qraw.y);
+          const float k0 = bf16_lo(kraw.x), k1 = bf16_hi(kraw.x), k2 = bf16_lo(kraw.y), k3 = bf16_hi(kraw.y);
+          sq8[pp] = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3;
+          sk8[pp] = k0 * k0 + k1 * k1 + k2 * k2 + k3 * k3;
+        }
+        row_rsqrt8(sq8, lane, rq8);
+        row_rsqrt8(sk8, lane, rk8);
+      }
+    }
+#pragma unroll
+    for (int pp = 0; pp < 8; ++pp) {
+      const int J = pp >> 1;
+      const int r = warp + 8 * pp;
+      const uint32_t off = off0 + pp * 2048;  // quad_off(r, lane): r & 7 == warp & 7 for every pp
+      const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off);
+      const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off);
+      const uint2 vraw = *reinterpret_cast<const uint2*>(smem + kOffV + off);
+      const float4 G = *reinterpret_cast<const float4*>(sG + r * kD + gcol);
+      const float4 Gn = *reinterpret_cast<const float4*>(sG + (16 * J) * kD + gcol);
+      const float4 F = *reinterpret_cast<const float4*>(sF + J * kD + gcol);
+      const float4 E = *reinterpret_cast<const float4*>(sE + J * kD + gcol);
+      const float beta = sBeta[r];
+      float q[4] = {bf16_lo(qraw.x), bf16_hi(qraw.x), bf16_lo(qraw.y), bf16_hi(qraw.y)};
+      float k[4] = {bf16_lo(kraw.x), bf16_hi(kraw.x), bf16_lo(kraw.y), bf16_hi(kraw.y)};
+      const float v[4] = {bf16_lo(vraw.x), bf16_hi(vraw.x), bf16_lo(vraw.y), bf16_hi(vraw.y)};
+      if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
+        float rq, rk;
+        if constexpr ((kTuned & kTunedNorm) != 0) {
+          rq = rq8[pp];
+          rk = rk8[pp];
+        } else {
+          float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3];
+          float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) {
+            sq += __shfl_xor_sync(0xffffffffu, sq, o);
+            sk += __shfl_xor_sync(0xffffffffu, sk, o);
+          }
+          rq = rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
+          rk = rsqrtf(sk + 1e-6f);
+        }
+        // FLA stores the normalised q, k in bf16.
+        const uint32_t q01 = pack_bf16x2(q[0] * rq, q[1] * rq), q23 = pack_bf16x2(q[2] * rq, q[3] * rq);
+        const uint32_t k01 = pack_bf16x2(k[0] * rk, k[1] * rk), k23 = pack_bf16x2(k[2] * rk, k[3] * rk);
+        q[0] = bf16_lo(q01);
+        q[1] = bf16_hi(q01);
+        q[2] = bf16_lo(q23);
+        q[3] = bf16_hi(q23);
+        k[0] = bf16_lo(k01);
+        k[1] = bf16_hi(k01);
+        k[2] = bf16_lo(k23);
+        k[3] = bf16_hi(k23);
+      }
+      const float g[4] = {G.x, G.y, G.z, G.w};
+      const float gn[4] = {Gn.x, Gn.y, Gn.z, Gn.w};
+      const float f[4] = {F.x, F.y, F.z, F.w};
+      const float ef[4] = {E.x, E.y, E.z, E.w};
+      float a[4], b[4], e[4], kf[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr ((kTuned & kAblateNormExp) != 0) {
+          a[i] = b[i] = 1.f + 0.f * (g[i] - gn[i]);
+        } else {
+          a[i] = ex2_ftz(g[i] - gn[i]);  // e^{Γ - Γn}   in [e^-75, 1]
+          b[i] = ex2_ftz(gn[i] - g[i]);  // e^{Γn - Γ}   in [1, e^75]
+        }
+        e[i] = f[i] * a[i];            // e^{Γ}
+        kf[i] = ef[i] * b[i];          // e^{Γlast - Γ}
+      }
+      if (r < L) {
+        const int64_t o = (static_cast<int64_t>(t0 + r) * HV + hv) * kD + gcol;
+        *reinterpret_cast<uint2*>(gqg + o) =
+            make_uint2(pack_bf16x2(q[0] * e[0], q[1] * e[1]), pack_bf16x2(q[2] * e[2], q[3] * e[3]));
+        *reinterpret_cast<uint2*>(gkg + o) =
+            make_uint2(pack_bf16x2(k[0] * kf[0], k[1] * kf[1]), pack_bf16x2(k[2] * kf[2], k[3] * kf[3]));
+      }
+      *reinterpret_cast<uint2*>(smem + kOffQ + off) =
+          make_uint2(pack_bf16x2(q[0] * a[0], q[1] * a[1]), pack_bf16x2(q[2] * a[2], q[3] * a[3]));
+      *reinterpret_cast<uint2*>(smem + kOffK + off) =
+          make_uint2(pack_bf16x2(k[0] * a[0], k[1] * a[1]), pack_bf16x2(k[2] * a[2], k[3] * a[3]));
+      *reinterpret_cast<uint2*>(smem + kOffX + off) =
+          make_uint2(pack_bf16x2(k[0] * b[0], k[1] * b[1]), pack_bf16x2(k[2] * b[2], k[3] * b[3]));
+      *reinterpret_cast<uint2*>(smem + kOffV + off) =
+          make_uint2(pack_bf16x2(beta * v[0], beta * v[1]), pack_bf16x2(beta * v[2], beta * v[3]));
+      wrhs[pp][0] = pack_bf16x2(beta * k[0] * e[0], beta * k[1] * e[1]);
+      wrhs[pp][1] = pack_bf16x2(beta * k[2] * e[2], beta * k[3] * e[3]);
+      if (pp < 6) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) kb[pp][i] = k[i] * b[i];
+      }
+    }
+  }
+  __syncthreads();  // (D): Γ2 no longer needed
+
+  // Phase 2b: off-diagonal column operands bf16(k_j e^{Γ_{n_I} - Γ_j}) for key sub-chunk J < I, tile rows 0..15.
+  {
+    const int gcol = 4 * lane;
+#pragma unroll
+    for (int pp = 0; pp < 6; ++pp) {
+      const int J = pp >> 1;
+      const int rl = warp + 8 * (pp & 1);  // row inside the 16-row tile (same parity class as r = 16J + rl)
+      const uint32_t off = quad_off(rl, lane);
+#pragma unroll
+      for (int I = J + 1; I < 4; ++I) {
+        const int pi = pair_index(I, J);
+        const float4 Dv = *reinterpret_cast<const float4*>(sD + pi * kD + gcol);
+        *reinterpret_cast<uint2*>(smem + kOffKoff + pi * 4096 + off) =
+            make_uint2(pack_bf16x2(kb[pp][0] * Dv.x, kb[pp][1] * Dv.y), pack_bf16x2(kb[pp][2] * Dv.z, kb[pp][3] * Dv.w));
+      }
+    }
+  }
+  __syncthreads();  // (E)
+
+  // ------------------------------------------------------------------------------------------------------
+  // Phase 3: Aqk and Akk, 10 lower 16x16 blocks (I >= J) over K = 128 (8 k-steps of 16).
+  // Warp -> (I, J0, nJ): w0 (3,{0,1}) w1 (2,{0,1}) w2 (3,2) w3 (3,3) w4 (2,2) w5 (1,0) w6 (1,1) w7 (0,0).
+  const int g8 = lane >> 2;  // mma groupID
+  const int t4 = lane & 3;   // mma threadID_in_group
+  {
+    const int I = (0x01123323u >> (4 * warp)) & 0xF;
+    const int J0 = (0x01023200u >> (4 * warp)) & 0xF;
+    const int nJ = (0x11111122u >> (4 * warp)) & 0xF;
+    // A (row operand) rows 16I + (lane&7) + 8*((lane>>3)&1), k-chunk 2s + (lane>>4): matrices a0..a3.
+    const int arow = 16 * I + (lane & 7) + (((lane >> 3) & 1) << 3);
+    const int achk = lane >> 4;
+    // B (column operand, stored [n][k]) rows (lane&7) + 8*(lane>>4), k-chunk 2s + ((lane>>3)&1):
+    // registers = n-tile 0 {b0, b1}, n-tile 1 {b0, b1}.
+    const int brow = (lane & 7) + ((lane >> 4) << 3);
+    const int bchk = (lane >> 3) & 1;
+    const float scale = p.scale;
+    float akk[2][2][4];  // masked, β-scaled Akk of each block, stored to smem after (F)
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      if (jj < nJ) {  // the key blocks of a warp one after the other: 16 live accumulators, not 32
+        const int J = J0 + jj;
+        const uint32_t bbase = (J == I) ? sbase + kOffX + static_cast<uint32_t>(16 * I * 256)
+                                        : sbase + kOffKoff + static_cast<uint32_t>(pair_index(I, J) * 4096);
+        float accQ[2][4], accK[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            accQ[nt][e] = 0.f;
+            accK[nt][e] = 0.f;
+          }
+#pragma unroll
+        for (int s = 0; s < ((kTuned & kAblateProducts) != 0 ? 0 : 8); ++s) {
+          uint32_t aq[4], ak[4], bb[4];
+          ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
+          ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
+          ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
+          mma_bf16_16816(accQ[0], aq, bb[0], bb[1]);
+          mma_bf16_16816(accQ[1], aq, bb[2], bb[3]);
+          mma_bf16_16816(accK[0], ak, bb[0], bb[1]);
+          mma_bf16_16816(accK[1], ak, bb[2], bb[3]);
+        }
+        // Epilogue: Aqk -> bf16 staging (scale folded, j <= i, rows < L); Akk masked (j < i, rows < L), * β_i.
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = 16 * I + g8 + 8 * hh;
+          const bool ok = i < L;
+          const float bi = sBeta[i];
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const int j = 16 * J + 8 * nt + 2 * t4;
+            const float q0 = (ok && j <= i) ? scale * accQ[nt][2 * hh] : 0.f;
+            const float q1 = (ok && j + 1 <= i) ? scale * accQ[nt][2 * hh + 1] : 0.f;
+            *reinterpret_cast<uint32_t*>(smem + kOffAqk + swz128(i, j >> 3) + (j & 7) * 2) = pack_bf16x2(q0, q1);
+            akk[jj][nt][2 * hh] = (ok && j < i) ? bi * accK[nt][2 * hh] : 0.f;
+            akk[jj][nt][2 * hh + 1] = (ok && j + 1 < i) ? bi * accK[nt][2 * hh + 1] : 0.f;
+          }
+        }
+      }
+    }
+    __syncthreads();  // (F): all operand tiles consumed
+
+    float* sA = reinterpret_cast<float*>(smem + kOffA);
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      if (jj < nJ) {
+        const int J = J0 + jj;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = 16 * I + g8 + 8 * hh;
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const int j = 16 * J + 8 * nt + 2 * t4;
+            if ((kTuned & kTunedTensorInverse) != 0 && J < I) {  // (the diagonal blocks stay fp32, for 4a)
+              store_split_pair(smem, kOffAkkHi, kOffAkkLo, i, j, akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
+            } else {
+              *reinterpret_cast<float2*>(sA + i * kAStride + j) =
+                  make_float2(akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+  // w right-hand side -> the k·b tile (free now).
+#pragma unroll
+  for (int pp = 0; pp < 8; ++pp) {
+    const int r = warp + 8 * pp;
+    *reinterpret_cast<uint2*>(smem + kOffX + quad_off(r, lane)) = make_uint2(wrhs[pp][0], wrhs[pp][1]);
+  }
+  // Aqk -> global, rows < L, the blocks on and below the diagonal only (the recurrence zero-fills the others).
+  {
+    __nv_bfloat16* gA = static_cast<__nv_bfloat16*>(p.Aqk);
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      const int idx = tid + kThreads * it;
+      const int row = idx >> 3;
+      const int ch = idx & 7;
+      if (row < L) {
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if ((ch >> 1) <= (row >> 4)) val = *reinterpret_cast<const uint4*>(smem + kOffAqk + swz128(row, ch));
+        *reinterpret_cast<uint4*>(gA + (static_cast<int64_t>(t0 + row) * HV + hv) * 64 + ch * 8) = val;
+      }
+    }
+  }
+  __syncthreads();  // (G): Akk complete in sA (kTunedTensorInverse: its lower blocks in the hi/lo tiles)
+
+  // ------------------------------------------------------------------------------------------------------
+  // Phase 4: Tinv = (I + Akk)^-1 in fp32, in place in sA; its bf16 copy goes to sT (kTunedTensorInverse: sT and its
+  // lo tile are Tinv, sA holds only the diagonal blocks' Akk).
+  float* sA = reinterpret_cast<float*>(smem + kOffA);
+  float* sP = reinterpret_cast<float*>(smem + kOffP);
+  // 4a: diagonal blocks. Lane (block blk, column c) solves (I + A_bb) x = e_c by forward substitution.
+  if (warp < 2 && (kTuned & kAblateInverse) == 0) {
+    const int blk = 2 * warp + (lane >> 4);
+    const int c = lane & 15;
+    float* Ab = sA + (16 * blk) * kAStride + 16 * blk;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < r; ++m) s = fmaf(Ab[r * kAStride + m], x[m], s);
+      x[r] = (r == c) ? 1.f : ((r < c) ? 0.f : -s);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      if constexpr ((kTuned & kTunedTensorInverse) == 0) Ab[r * kAStride + c] = x[r];
+      const int R = 16 * blk + r;
+      const int Cc = 16 * blk + c;
+      const uint32_t w = pack_bf16x2(x[r], 0.f);
+      *reinterpret_cast<unsigned short*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
+          static_cast<unsigned short>(w & 0xffffu);
+      if constexpr ((kTuned & kTunedTensorInverse) != 0) {  // T_II's lo part (its fp32 copy is not read again)
+        const uint32_t lo = pack_bf16x2(x[r] - bf16_lo(w), 0.f);
+        *reinterpret_cast<unsigned short*>(smem + kOffTLo + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
+            static_cast<unsigned short>(lo & 0xffffu);
+      }
+    }
+  }
+  __syncthreads();  // (H)
+  if constexpr ((kTuned & kAblateInverse) != 0) {
+  } else if constexpr ((kTuned & kTunedTensorInverse) != 0) {
+    inverse_by_doubling_tensor(smem, warp, lane);
+  } else if constexpr ((kTuned & kTunedInverse) != 0) {
+    inverse_by_doubling(smem, tid);
+  } else {
+  // 4b: block forward substitution, row block I = 1..3:
+  //   P_IJ = Σ_{M=J}^{I-1} A_IM Tinv_MJ;  Tinv_IJ = -Tinv_II P_IJ   (J < I; thread = (J, row r, 4 columns))
+  {
+    const int J = tid >> 6;
+    const int r = (tid >> 2) & 15;
+    const int cg = tid & 3;
+#pragma unroll 1
+    for (int I = 1; I < 4; ++I) {
+      const bool act = J < I;
+      if (act) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        const float* arow = sA + (16 * I + r) * kAStride;
+#pragma unroll 1
+        for (int M = J; M < I; ++M) {
+#pragma unroll
+          for (int m = 0; m < 16; ++m) {
+            const int kk = 16 * M + m;
+            const float av = arow[kk];
+            const float4 tv = *reinterpret_cast<const float4*>(sA + kk * kAStride + 16 * J + 4 * cg);
+            acc.x = fmaf(av, tv.x, acc.x);
+            acc.y = fmaf(av, tv.y, acc.y);
+            acc.z = fmaf(av, tv.z, acc.z);
+            acc.w = fmaf(av, tv.w, acc.w);
+          }
+        }
+        *reinterpret_cast<float4*>(sP + (J * 16 + r) * 16 + 4 * cg) = acc;
+      }
+      __syncthreads();
+      if (act) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        const float* trow = sA + (16 * I + r) * kAStride + 16 * I;  // Tinv_II row r (zero above the diagonal)
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {
+          const float tt = trow[m];
+          const float4 pv = *reinterpret_cast<const float4*>(sP + (J * 16 + m) * 16 + 4 * cg);
+          acc.x = fmaf(tt, pv.x, acc.x);
+          acc.y = fmaf(tt, pv.y, acc.y);
+          acc.z = fmaf(tt, pv.z, acc.z);
+          acc.w = fmaf(tt, pv.w, acc.w);
+        }
+        acc = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+        const int R = 16 * I + r;
+        const int Cc = 16 * J + 4 * cg;
+        *reinterpret_cast<float4*>(sA + R * kAStride + Cc) = acc;
+        *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
+            make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
+      }
+      __syncthreads();
+    }
+  }
+  }
+
+  // ------------------------------------------------------------------------------------------------------
+  // Phase 5: w = Tinv · wrhs, u = Tinv · urhs. Warp -> (tensor w >> 2, 32 output columns 32*(w & 3)..).
+  // Row block I uses k-blocks 0..I only (Tinv is lower triangular).
+  {
+    const int tsel = warp >> 2;
+    const int cs = warp & 3;
+    const uint32_t rbase = sbase + (tsel ? kOffV : kOffX);
+    uint8_t* stage = smem + kOffG + tsel * 16384;
+    const int lrow = (lane & 7) + (((lane >> 3) & 1) << 3);
+    const int lchk = lane >> 4;
+#pragma unroll
+    for (int I = 0; I < 4; ++I) {
+      float acc[4][4];
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+      for (int kb2 = 0; kb2 <= ((kTuned & kAblateSolve) != 0 ? -1 : I); ++kb2) {
+        uint32_t a[4];
+        ldsm_x4(a, sbase + kOffT + swz128(16 * I + lrow, 2 * kb2 + lchk));
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          // .trans over the [token][feature] tile: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15),
+          // (k 8-15, n 8-15) = n-tile 2*h2 {b0, b1}, n-tile 2*h2+1 {b0, b1}.
+          uint32_t b[4];
+          ldsm_x4_trans(b, rbase + swz256(16 * kb2 + lrow, 4 * cs + 2 * h2 + lchk));
+          mma_bf16_16816(acc[2 * h2], a, b[0], b[1]);
+          mma_bf16_16816(acc[2 * h2 + 1], a, b[2], b[3]);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = 32 * cs + 8 * nt + 2 * t4;
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = 16 * I + g8 + 8 * hh;
+          *reinterpret_cast<uint32_t*>(stage + swz256(row, col >> 3) + (col & 7) * 2) =
+              pack_bf16x2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  {
+    __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w);
+    __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u);
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int idx = tid + kThreads * it;
+      const int tsel = idx >> 10;
+      const int row = (idx >> 4) & 63;
+      const int ch = idx & 15;
+      if (row < L) {
+        const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffG + tsel * 16384 + swz256(row, ch));
+        __nv_bfloat16* dst = tsel ? gu : gw;
+        *reinterpret_cast<uint4*>(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD + ch * 8) = val;
+      }
+    }
+  }
+}
+
+// One CTA per (chunk, value head). kTuned: the tuned forms it enables (kTunedNorm, kTunedInverse,
+// kTunedTensorInverse; summation orders differ, so the bits may). kTunedNorm | kTunedInverse was the default from
+// the seventh session, with kTunedTensorInverse since the tenth (the H200 checked and timed each, 2026-11-30); the
+// default's instance is in kda_intra_tensor.cu.
+// Each CTA releases the recurrence's programmatic launch as it starts, so the recurrence grid launches once the last
+// intra CTA has started; its CTAs take the SMs the intra kernel frees and wait there (griddepcontrol.wait) for the
+// whole intra grid to finish before they read anything.
+template <int kTuned>
+__global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  grid_launch_dependents();
+  intra_item<false, kTuned>(p, smem, blockIdx.x, blockIdx.y, 0);
+}
+
+template <int kTuned>
+cudaError_t launch_one_cta_per_item(const KdaIntraParams& params, cudaStream_t stream) {
+  const cudaError_t err = allow_dynamic_smem<kda_intra_kernel<kTuned>>(static_cast<int>(kSmemBytes));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
+  kda_intra_kernel<kTuned><<<grid, kThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace cula::sm90
