@@ -57,7 +57,7 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
   }
 #ifdef CULA_SM90_ABLATION  // (timing-only forms: 11 plus kAblate* bits of kda_intra_item.cuh)
   const bool ablation = tuned == 27 || tuned == 43 || tuned == 75 || tuned == 139 || tuned == 267 || tuned == 523 ||
-                        tuned == 1035 || tuned == 1547;
+                        tuned == 1035 || tuned == 1547 || tuned == 2059;
 #else
   const bool ablation = false;
 #endif

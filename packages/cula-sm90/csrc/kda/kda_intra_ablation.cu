@@ -16,6 +16,7 @@ cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, c
     case kBase | kAblateSolve: return launch_one_cta_per_item<kBase | kAblateSolve>(params, stream);
     case kBase | kAblateLoads: return launch_one_cta_per_item<kBase | kAblateLoads>(params, stream);
     case kBase | kAblateStores: return launch_one_cta_per_item<kBase | kAblateStores>(params, stream);
+    case kBase | kAblateStoresWU: return launch_one_cta_per_item<kBase | kAblateStoresWU>(params, stream);
     case kBase | kAblateLoads | kAblateStores:
       return launch_one_cta_per_item<kBase | kAblateLoads | kAblateStores>(params, stream);
     default: return cudaErrorInvalidValue;

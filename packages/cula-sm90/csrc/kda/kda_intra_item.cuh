@@ -321,6 +321,7 @@ constexpr int kAblateInverse = 128;  // phase 4: no inverse (sT keeps what it he
 constexpr int kAblateSolve = 256;    // phase 5: no w/u MMAs
 constexpr int kAblateLoads = 512;    // no input read from global memory (cp.async zero-fills the tiles; g, beta = 0)
 constexpr int kAblateStores = 1024;  // no workspace value reaches global memory (the values are still computed)
+constexpr int kAblateStoresWU = 2048;  // as kAblateStores, for phase 5's w and u only
 // Whether a form reads its inputs / writes its workspace: always, except in the kAblateLoads / kAblateStores forms,
 // where the condition is one that never holds at run time (p.num_tokens < 0), so the compiler keeps the address and
 // value arithmetic around each access and drops only the memory traffic.
@@ -331,6 +332,10 @@ __device__ __forceinline__ bool reads_inputs(const KdaIntraParams& p) {
 template <int kTuned>
 __device__ __forceinline__ bool writes_workspace(const KdaIntraParams& p) {
   return (kTuned & kAblateStores) == 0 || p.num_tokens < 0;
+}
+template <int kTuned>
+__device__ __forceinline__ bool writes_w_u(const KdaIntraParams& p) {
+  return ((kTuned & kAblateStoresWU) == 0 && writes_workspace<kTuned>(p)) || p.num_tokens < 0;
 }
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
@@ -896,7 +901,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const int tsel = idx >> 10;
       const int row = (idx >> 4) & 63;
       const int ch = idx & 15;
-      if (row < L && writes_workspace<kTuned>(p)) {
+      if (row < L && writes_w_u<kTuned>(p)) {
         const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffG + tsel * 16384 + swz256(row, ch));
         __nv_bfloat16* dst = tsel ? gu : gw;
         *reinterpret_cast<uint4*>(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD + ch * 8) = val;

@@ -63,8 +63,9 @@ _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bi
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 11 | 16, "ablate:norm-exp": 11 | 32, "ablate:products": 11 | 64,
                 "ablate:inverse": 11 | 128, "ablate:solve": 11 | 256,
-                # ... and without its global loads (inputs zero-filled), its workspace stores, or both
-                "ablate:loads": 11 | 512, "ablate:stores": 11 | 1024, "ablate:io": 11 | 512 | 1024}
+                # ... and without its global loads (inputs zero-filled), its workspace stores, both, or w/u's stores
+                "ablate:loads": 11 | 512, "ablate:stores": 11 | 1024, "ablate:io": 11 | 512 | 1024,
+                "ablate:stores-wu": 11 | 2048}
 # "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
 # flight while one computes (same bits; the mma.sync kernels keep two). Off: on the H200 (2026-11-30) the recurrence
 # was 1-2% faster on fixed batches, 2% slower on varlen, and no faster end to end.
