@@ -311,12 +311,6 @@ __device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int wa
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
 constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as bf16x3 tensor-core MMAs
-constexpr int kTunedBulkStore = 4;  // w and u leave by bulk (TMA) copies, a 256-byte row each, from padded staging rows
-// The padded w/u staging of kTunedBulkStore: [2 tensors][64 rows][kStageRow bytes] over Γ2 and the dead sF (a bulk
-// copy takes contiguous rows; the 16-byte pad keeps the fragment stores free of bank conflicts).
-constexpr uint32_t kStageRow = 272;
-constexpr uint32_t kStageTensor = 64 * kStageRow;
-static_assert(kOffG + 2 * kStageTensor <= kOffE, "the padded w/u staging may cover Γ2 and sF only");
 // Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
 // each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
 // The intra kernel's time without a phase bounds what rewriting that phase could gain.
@@ -861,8 +855,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const int tsel = warp >> 2;
     const int cs = warp & 3;
     const uint32_t rbase = sbase + (tsel ? kOffV : kOffX);
-    constexpr bool kBulk = (kTuned & kTunedBulkStore) != 0;
-    uint8_t* stage = smem + kOffG + tsel * (kBulk ? kStageTensor : 16384);
+    uint8_t* stage = smem + kOffG + tsel * 16384;
     const int lrow = (lane & 7) + (((lane >> 3) & 1) << 3);
     const int lchk = lane >> 4;
 #pragma unroll
@@ -892,27 +885,11 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int row = 16 * I + g8 + 8 * hh;
-          const uint32_t at = kBulk ? row * kStageRow + col * 2 : swz256(row, col >> 3) + (col & 7) * 2;
-          *reinterpret_cast<uint32_t*>(stage + at) = pack_bf16x2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
+          *reinterpret_cast<uint32_t*>(stage + swz256(row, col >> 3) + (col & 7) * 2) =
+              pack_bf16x2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
         }
       }
     }
-  }
-  if constexpr ((kTuned & kTunedBulkStore) != 0) {
-    fence_proxy_async_smem();  // this thread's staging writes, visible to the bulk copies
-    __syncthreads();
-    if (tid < 128) {  // thread = (tensor tid / 64, row tid % 64)
-      const int tsel = tid >> 6;
-      const int row = tid & 63;
-      if (row < L && writes_w_u<kTuned>(p)) {
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(tsel ? p.u : p.w);
-        bulk_store_s2g(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD,
-                       sbase + kOffG + tsel * kStageTensor + row * kStageRow, kD * 2);
-      }
-      bulk_commit();
-      bulk_wait_read0();  // (the CTA's shared memory is released when it exits)
-    }
-    return;
   }
   __syncthreads();
   {
