@@ -311,10 +311,6 @@ __device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int wa
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
 constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as bf16x3 tensor-core MMAs
-// w and u leave by TMA tensor stores (four 64 x 64 boxes per item, one thread) from staging tiles in the 128-byte
-// swizzle layout, instead of 8 x (16-byte shared load + 16-byte global store) per thread; a partial chunk (whose box
-// would reach into the next sequence's rows) keeps the vector stores. Needs the descriptors (kda_intra_tma.cu).
-constexpr int kTunedTmaStore = 4;
 // Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
 // each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
 // The intra kernel's time without a phase bounds what rewriting that phase could gain.
@@ -346,7 +342,7 @@ __device__ __forceinline__ bool writes_w_u(const KdaIntraParams& p) {
 // have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
 template <bool kPrefetchNext, int kTuned = 0>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
-                                           const int item, const TmaDescriptor* store_maps = nullptr) {
+                                           const int item) {
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -859,7 +855,6 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const int tsel = warp >> 2;
     const int cs = warp & 3;
     const uint32_t rbase = sbase + (tsel ? kOffV : kOffX);
-    constexpr bool kTma = (kTuned & kTunedTmaStore) != 0;
     uint8_t* stage = smem + kOffG + tsel * 16384;
     const int lrow = (lane & 7) + (((lane >> 3) & 1) << 3);
     const int lchk = lane >> 4;
@@ -890,51 +885,11 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int row = 16 * I + g8 + 8 * hh;
-          if constexpr (kTma) {  // [2 feature halves][64 rows][128 B], chunk c of a row at (c ^ row) & 7 (the box)
-            *reinterpret_cast<uint32_t*>(stage + (col >> 6) * 8192 + row * 128 + ((((col >> 3) ^ row) & 7) << 4) +
-                                         (col & 7) * 2) = pack_bf16x2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
-          } else {
-            *reinterpret_cast<uint32_t*>(stage + swz256(row, col >> 3) + (col & 7) * 2) =
-                pack_bf16x2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
-          }
+          *reinterpret_cast<uint32_t*>(stage + swz256(row, col >> 3) + (col & 7) * 2) =
+              pack_bf16x2(acc[nt][2 * hh], acc[nt][2 * hh + 1]);
         }
       }
     }
-  }
-  if constexpr ((kTuned & kTunedTmaStore) != 0) {
-    fence_proxy_async_smem();  // this thread's staging writes, visible to the TMA (async proxy)
-    __syncthreads();
-    if (L == 64) {
-      if (tid == 0 && writes_w_u<kTuned>(p)) {
-#pragma unroll
-        for (int tsel = 0; tsel < 2; ++tsel) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            tma_store_3d(store_maps + tsel, sbase + kOffG + tsel * 16384 + half * 8192, 64 * half, hv, t0);
-          }
-        }
-        bulk_commit();
-        bulk_wait_read0();  // (the CTA's shared memory is released when it exits)
-      }
-      return;
-    }
-    // a partial chunk: vector stores of its rows < L from the box-layout staging tiles
-    __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w);
-    __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u);
-#pragma unroll
-    for (int it = 0; it < 8; ++it) {
-      const int idx = tid + kThreads * it;
-      const int tsel = idx >> 10;
-      const int row = (idx >> 4) & 63;
-      const int ch = idx & 15;
-      if (row < L && writes_w_u<kTuned>(p)) {
-        const uint32_t at = kOffG + tsel * 16384 + (ch >> 3) * 8192 + row * 128 + (((ch ^ row) & 7) << 4);
-        __nv_bfloat16* dst = tsel ? gu : gw;
-        *reinterpret_cast<uint4*>(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD + ch * 8) =
-            *reinterpret_cast<const uint4*>(smem + at);
-      }
-    }
-    return;
   }
   __syncthreads();
   {

@@ -62,16 +62,6 @@ struct KdaIntraParams {
   float* g_last;          // fp32 [NT, HV, K]    Γ_last / ln 2 (log2 units): the chunk's total decay exponent
 };
 
-// The opaque 128-byte TMA descriptor of one global tensor (a CUtensorMap, encoded on the host). The intra form that
-// stores w and u by TMA (kTunedTmaStore) takes theirs, w's then u's, as a second kernel parameter: [Ttot, HV, 128]
-// bf16 as a 3-D tensor, boxes of 64 features x 1 head x 64 tokens, 128-byte swizzle.
-struct alignas(64) TmaDescriptor {
-  unsigned char bytes[128];
-};
-struct TmaDescriptorPair {
-  TmaDescriptor map[2];
-};
-
 // Kernel 2 ("recurrence"): one CTA per (sequence, value head, V block); walks the sequence's chunks in order.
 // CTAs are numbered V block fastest, then value head, then sequence slot; slot s runs sequence seq_order[s] (or s),
 // so with seq_order longest first the longest chains start in the first wave and the short ones fill in behind.

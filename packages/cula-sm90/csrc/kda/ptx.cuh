@@ -110,18 +110,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // Shared memory written through the generic proxy (st.shared, cp.async) made visible to wgmma's (async proxy) reads.
-// TMA tensor store of one box from shared memory (laid out as the tensor map's box, its swizzle included) to the
-// global tensor the map describes, at coordinates (c0, c1, c2), innermost first; in this thread's bulk group. The
-// map must live in kernel parameter, constant or global memory. commit closes the group; wait_read blocks until every
-// committed group has read its shared source (which may then be reused or released; the global writes complete with
-// the grid).
-__device__ __forceinline__ void tma_store_3d(const void* map, uint32_t src, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(map),
-               "r"(src), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

@@ -58,7 +58,7 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # warp that made it (equal); benchmarks/results/kda_profile_h200.md.)
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_intra_item.cuh)
-                "tensor": 11, "tma": 15,  # "tma": "tensor" with w and u stored by TMA tensor stores (same bits)
+                "tensor": 11,
                 # timing-only: "tensor" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 11 | 16, "ablate:norm-exp": 11 | 32, "ablate:products": 11 | 64,
