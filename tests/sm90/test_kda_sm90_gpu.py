@@ -31,9 +31,7 @@ def _run(kda, args, **knobs) -> tuple:
     the rest of that region is whatever the allocator left there."""
     o, ht, ws = kda.run_kernels(args, **knobs)
     if "Aqk" in ws:
-        cu = args.cu_seqlens_host if args.cu_seqlens is not None else [b * args.T for b in range(args.B + 1)]
-        cu = [int(x) for x in cu]
-        local = torch.cat([torch.arange(end - start) for start, end in itertools.pairwise(cu)]) % 64
+        local = torch.cat([torch.arange(n) for n in _lengths(args)]) % 64  # each token's row in its chunk
         written = (torch.arange(64) // 16)[None, :] <= (local // 16)[:, None]  # [Ttot, 64]
         ws["Aqk"] = torch.where(written[:, None, :].to(ws["Aqk"].device), ws["Aqk"], 0)
     return o, ht, ws

@@ -1,6 +1,7 @@
 // Timing-only forms of the intra kernel: the default tuned kernel without one phase's arithmetic, or without its
-// global loads and/or stores (the kAblate* bits of kda_intra_item.cuh). Built only when CMake's CULA_SM90_ABLATION is ON (tools/h200_setup.sh with
-// CULA_SM90_ABLATION=1), for measurements on the H200; never in a wheel. Their outputs are garbage by design.
+// global loads and/or stores (the kAblate* bits of kda_intra_item.cuh). Built only when CMake's CULA_SM90_ABLATION is
+// ON (tools/h200_setup.sh with CULA_SM90_ABLATION=1), for measurements on the H200; never in a wheel. Their outputs
+// are garbage by design.
 // A translation unit of its own: instantiating more forms beside the default ones changes their code.
 #include "kda/kda_intra_item.cuh"
 

@@ -335,7 +335,7 @@ __device__ __forceinline__ bool writes_workspace(const KdaIntraParams& p) {
 }
 template <int kTuned>
 __device__ __forceinline__ bool writes_w_u(const KdaIntraParams& p) {
-  return ((kTuned & kAblateStoresWU) == 0 && writes_workspace<kTuned>(p)) || p.num_tokens < 0;
+  return (kTuned & (kAblateStores | kAblateStoresWU)) == 0 || p.num_tokens < 0;
 }
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs

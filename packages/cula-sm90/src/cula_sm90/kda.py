@@ -279,7 +279,7 @@ class _Launch:
             cu, indices, offsets = _fixed_indices(args.B, args.T, device)
             num_chunks = args.B * -(-args.T // CHUNK)
             regions, nbytes = workspace_layout(self.total, args.HV, num_chunks)
-            self.fixed = (cu, indices, offsets, num_chunks, regions, nbytes, tuple(r.offset for r in regions))
+            self.fixed = (cu, indices, offsets, num_chunks, regions, nbytes)
         # the intra launch's arguments that the signature fixes, after the index pointers and before the workspace's
         self.intra_shape = (self.H, self.HV, self.scale, self.lower_bound, *self.gate_flags)
         self.intra_tail = (*self.persistent, self.tuned)
@@ -292,11 +292,10 @@ class _Launch:
         ``cu_seqlens``). Returns o, the final state (or None), the workspace buffer and its regions."""
         # Host order: only what the intra kernel needs comes before its launch; o and the final state are allocated
         # while it runs (at small T the host time before the first launch is GPU idle).
-        # (written for host time: this runs before the first launch, GPU idle at small T; ~11 us on a 2-core CPU)
         ext, device, HV, total = self.ext, self.device, self.HV, self.total
         fixed = self.fixed
         if fixed is not None:
-            cu, chunk_indices, chunk_offsets, num_chunks, regions, nbytes, offsets = fixed
+            cu, chunk_indices, chunk_offsets, num_chunks, regions, nbytes = fixed
             order = None  # (equal lengths: slot order)
         else:
             cu = cu_seqlens
@@ -304,7 +303,6 @@ class _Launch:
             chunk_indices, chunk_offsets, order = _varlen_launch(ext, cu, cu_host, total)
             num_chunks = chunk_indices.shape[0]
             regions, nbytes = workspace_layout(total, HV, num_chunks)
-            offsets = tuple(region.offset for region in regions)
         inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr())
         if (inputs[0] | inputs[1] | inputs[2] | inputs[3] | inputs[4]) & 15:  # (rare) data off a 16-byte boundary
             q, k, v, g, beta = _aligned(q), _aligned(k), _aligned(v), _aligned(g), _aligned(beta)
@@ -316,8 +314,7 @@ class _Launch:
         # one allocation for the six workspace tensors (each only a pointer to the kernels), not six
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         base = buffer.data_ptr()
-        workspace = (base + offsets[0], base + offsets[1], base + offsets[2], base + offsets[3], base + offsets[4],
-                     base + offsets[5])
+        workspace = tuple(base + region.offset for region in regions)  # qg, kg, w, u, Aqk, g_last
         index = self.index
         stream = _current_stream(index)
         with _device_guard(index):
