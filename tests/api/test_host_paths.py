@@ -393,15 +393,15 @@ def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatc
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|tensor (or run_kernels(intra_tuned=...)) asks for the intra
-    kernel's tuned forms as the bit set 0|1|2|3|11, "tensor" when unset; asked for, they do not combine with
+    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|tensor|bands (or run_kernels(intra_tuned=...)) asks for the intra
+    kernel's tuned forms as the bit set 0|1|2|3|11|15, "tensor" when unset; asked for, they do not combine with
     persistent CTAs, and unset they give way to them; bad values are ValueErrors naming the variable or argument,
     before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.intra[28:31] == (0, 0, 11)
-    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("ablate:products", 75),
+    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("bands", 15), ("ablate:products", 75),
                         ("ablate:solve", 267), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)

@@ -61,8 +61,8 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
 #else
   const bool ablation = false;
 #endif
-  if (((tuned < 0 || tuned > 3) && tuned != 11 && !ablation) || (tuned != 0 && persistent_ctas > 0)) {
-    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2, 3 or 11, and 0 with persistent CTAs; "
+  if (((tuned < 0 || tuned > 3) && tuned != 11 && tuned != 15 && !ablation) || (tuned != 0 && persistent_ctas > 0)) {
+    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2, 3, 11 or 15, and 0 with persistent CTAs; "
                                 "got " + std::to_string(tuned));
   }
   if (persistent_prefetch < 0 || persistent_prefetch > 2) {

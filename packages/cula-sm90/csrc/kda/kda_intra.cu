@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const
 }  // namespace
 
 cudaError_t launch_kda_intra_tensor(const KdaIntraParams& params, cudaStream_t stream);
+cudaError_t launch_kda_intra_bands(const KdaIntraParams& params, cudaStream_t stream);
 #ifdef CULA_SM90_ABLATION
 cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 #endif
@@ -28,7 +29,7 @@ cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, c
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
 #ifdef CULA_SM90_ABLATION
-  if (tuned > (kTunedNorm | kTunedInverse | kTunedTensorInverse)) {
+  if (tuned >= kAblateGate) {  // (the kAblate* bits)
     return launch_kda_intra_ablation(params, tuned, stream);
   }
 #endif
@@ -52,6 +53,7 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream
     case kTunedInverse: return launch_one_cta_per_item<kTunedInverse>(params, stream);
     case kTunedNorm | kTunedInverse: return launch_one_cta_per_item<kTunedNorm | kTunedInverse>(params, stream);
     case kTunedNorm | kTunedInverse | kTunedTensorInverse: return launch_kda_intra_tensor(params, stream);
+    case kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands: return launch_kda_intra_bands(params, stream);
     default: return cudaErrorInvalidValue;
   }
 }

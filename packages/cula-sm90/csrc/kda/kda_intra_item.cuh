@@ -260,12 +260,14 @@ __device__ __forceinline__ void mma_split_step(float (&d)[4], uint32_t sbase, ui
 //   level 1 (warps 0-3 = pair x 8-column half):  X = A_BA T_AA;  T_BA = -T_BB X            (16 x 16)
 //   level 2 (warps 0-7 = 16-row half x 8-column quarter):  Y = A_hl T_lo;  T_hl = -T_hi Y   (32 x 32)
 // k16 steps that would read a block of sT above the diagonal (never written) are skipped: those blocks of Tinv are 0.
-__device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int warp, int lane) {
+// Only the row blocks below `bands` are computed (the others feed no computed row).
+template <bool kBands>
+__device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int warp, int lane, int bands) {
   const uint32_t sbase = smem_addr(smem);
   const int g = lane >> 2, t = lane & 3;
   const int pr = (warp >> 1) & 1, n1 = 8 * (warp & 1);  // level 1: pair (A, B) = (2 pr, 2 pr + 1), columns n1 ..
   const int A = 2 * pr, B = A + 1;
-  if (warp < 4) {
+  if (warp < 4 && (!kBands || B < bands)) {
     float x[4] = {0.f, 0.f, 0.f, 0.f};
     mma_split_step(x, sbase, kOffAkkHi, kOffAkkLo, 16 * B, 16 * A, kOffT, kOffTLo, 16 * A, 16 * A + n1, lane);
 #pragma unroll
@@ -274,7 +276,7 @@ __device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int wa
     }
   }
   __syncthreads();
-  if (warp < 4) {
+  if (warp < 4 && (!kBands || B < bands)) {
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     mma_split_step(d, sbase, kOffT, kOffTLo, 16 * B, 16 * B, kOffXYHi, kOffXYLo, 16 * pr, n1, lane);
 #pragma unroll
@@ -284,7 +286,7 @@ __device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int wa
   }
   __syncthreads();
   const int mt = warp >> 2, n2 = 8 * (warp & 3);  // level 2: rows 16 mt .., columns n2 .. of the 32 x 32 products
-  {
+  if (!kBands || 2 + mt < bands) {
     float y[4] = {0.f, 0.f, 0.f, 0.f};
     if (n2 < 16) mma_split_step(y, sbase, kOffAkkHi, kOffAkkLo, 32 + 16 * mt, 0, kOffT, kOffTLo, 0, n2, lane);
     mma_split_step(y, sbase, kOffAkkHi, kOffAkkLo, 32 + 16 * mt, 16, kOffT, kOffTLo, 16, n2, lane);
@@ -294,7 +296,7 @@ __device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int wa
     }
   }
   __syncthreads();
-  {
+  if (!kBands || 2 + mt < bands) {
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     mma_split_step(d, sbase, kOffT, kOffTLo, 32 + 16 * mt, 32, kOffXYHi, kOffXYLo, 0, n2, lane);
     if (mt == 1) mma_split_step(d, sbase, kOffT, kOffTLo, 48, 48, kOffXYHi, kOffXYLo, 16, n2, lane);
@@ -311,6 +313,23 @@ __device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int wa
 constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
 constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
 constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as bf16x3 tensor-core MMAs
+// kTunedBands: only the 16-row bands holding valid rows are loaded and computed, so a sequence's last, partial chunk
+// does a quarter to three quarters of the work. Each valid row's arithmetic is unchanged (the bands after the last
+// valid row feed no valid row: every product is lower triangular), so the same bits. Also b = 2^-(Γ2 - Γ2n) from a's
+// difference (the negation folds into the exp; IEEE subtraction is sign-symmetric: the same bits). On the H200 the
+// band tests cost full chunks 1.6-2%; a second copy of the item code for full chunks cost 1-12% more (twice the code
+// per kernel); tests around the products only (not phases 0-2a) saved half as much on partial chunks and still cost
+// full ones 0.8% (benchmarks/results/kda_profile_h200.md, twelfth session). So it is opt-in ("bands").
+constexpr int kTunedBands = 4;
+// Whether 16-row band `band` is computed: always, except past the last valid row's band with kTunedBands.
+template <int kTuned>
+__device__ __forceinline__ bool band_live(int band, int bands) {
+  if constexpr ((kTuned & kTunedBands) != 0) {
+    return band < bands;
+  } else {
+    return true;
+  }
+}
 // Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
 // each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
 // The intra kernel's time without a phase bounds what rewriting that phase could gain.
@@ -358,6 +377,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   const int t0 = bos + cic * 64;
   const int L = min(64, eos - t0);
   if (L <= 0) return;
+  const int bands = (L + 15) >> 4;  // 16-row bands holding a valid row (computed alone with kTunedBands)
 
   const uint32_t sbase = smem_addr(smem);
   float* sG = reinterpret_cast<float*>(smem + kOffG);
@@ -375,6 +395,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const __nv_bfloat16* gv = static_cast<const __nv_bfloat16*>(p.v);
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
+      if (!band_live<kTuned>(it, bands)) break;  // (iteration it copies band it: rows 16 it .. 16 it + 15)
       const int idx = tid + kThreads * it;
       const int row = idx >> 4;
       const int ch = idx & 15;
@@ -533,6 +554,10 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         float sq8[8], sk8[8];
 #pragma unroll
         for (int pp = 0; pp < 8; ++pp) {
+          if (!band_live<kTuned>(pp >> 1, bands)) {  // (rows never read again)
+            sq8[pp] = sk8[pp] = 1.f;
+            continue;
+          }
           const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off0 + pp * 2048);
           const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off0 + pp * 2048);
           const float q0 = bf16_lo(qraw.x), q1 = bf16_hi(qraw.x), q2 = bf16_lo(qraw.y), q3 = bf16_hi(qraw.y);
@@ -547,6 +572,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
     for (int pp = 0; pp < 8; ++pp) {
       const int J = pp >> 1;
+      if (!band_live<kTuned>(J, bands)) break;  // (wrhs and kb of these rows are never read)
       const int r = warp + 8 * pp;
       const uint32_t off = off0 + pp * 2048;  // quad_off(r, lane): r & 7 == warp & 7 for every pp
       const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off);
@@ -599,7 +625,11 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
           a[i] = b[i] = 1.f + 0.f * (g[i] - gn[i]);
         } else {
           a[i] = ex2_ftz(g[i] - gn[i]);  // e^{Γ - Γn}   in [e^-75, 1]
-          b[i] = ex2_ftz(gn[i] - g[i]);  // e^{Γn - Γ}   in [1, e^75]
+          if constexpr ((kTuned & kTunedBands) != 0) {
+            b[i] = ex2_ftz(-(g[i] - gn[i]));  // e^{Γn - Γ}   in [1, e^75]
+          } else {
+            b[i] = ex2_ftz(gn[i] - g[i]);
+          }
         }
         e[i] = f[i] * a[i];            // e^{Γ}
         kf[i] = ef[i] * b[i];          // e^{Γlast - Γ}
@@ -639,6 +669,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const uint32_t off = quad_off(rl, lane);
 #pragma unroll
       for (int I = J + 1; I < 4; ++I) {
+        if (!band_live<kTuned>(I, bands)) break;
         const int pi = pair_index(I, J);
         const float4 Dv = *reinterpret_cast<const float4*>(sD + pi * kD + gcol);
         *reinterpret_cast<uint2*>(smem + kOffKoff + pi * 4096 + off) =
@@ -668,7 +699,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     float akk[2][2][4];  // masked, β-scaled Akk of each block, stored to smem after (F)
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
-      if (jj < nJ) {  // the key blocks of a warp one after the other: 16 live accumulators, not 32
+      // (the key blocks of a warp one after the other: 16 live accumulators, not 32)
+      if (jj < nJ && band_live<kTuned>(I, bands)) {
         const int J = J0 + jj;
         const uint32_t bbase = (J == I) ? sbase + kOffX + static_cast<uint32_t>(16 * I * 256)
                                         : sbase + kOffKoff + static_cast<uint32_t>(pair_index(I, J) * 4096);
@@ -714,7 +746,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     float* sA = reinterpret_cast<float*>(smem + kOffA);
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
-      if (jj < nJ) {
+      if (jj < nJ && band_live<kTuned>(I, bands)) {
         const int J = J0 + jj;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -736,6 +768,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   // w right-hand side -> the k·b tile (free now).
 #pragma unroll
   for (int pp = 0; pp < 8; ++pp) {
+    if (!band_live<kTuned>(pp >> 1, bands)) break;
     const int r = warp + 8 * pp;
     *reinterpret_cast<uint2*>(smem + kOffX + quad_off(r, lane)) = make_uint2(wrhs[pp][0], wrhs[pp][1]);
   }
@@ -761,8 +794,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   float* sA = reinterpret_cast<float*>(smem + kOffA);
   float* sP = reinterpret_cast<float*>(smem + kOffP);
   // 4a: diagonal blocks. Lane (block blk, column c) solves (I + A_bb) x = e_c by forward substitution.
-  if (warp < 2 && (kTuned & kAblateInverse) == 0) {
-    const int blk = 2 * warp + (lane >> 4);
+  if (warp < 2 && band_live<kTuned>(2 * warp, bands) && (kTuned & kAblateInverse) == 0) {
+    const int blk = 2 * warp + (lane >> 4);  // (a block >= bands: its lanes solve what no computed row reads)
     const int c = lane & 15;
     float* Ab = sA + (16 * blk) * kAStride + 16 * blk;
     float x[16];
@@ -792,7 +825,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   __syncthreads();  // (H)
   if constexpr ((kTuned & kAblateInverse) != 0) {
   } else if constexpr ((kTuned & kTunedTensorInverse) != 0) {
-    inverse_by_doubling_tensor(smem, warp, lane);
+    inverse_by_doubling_tensor<(kTuned & kTunedBands) != 0>(smem, warp, lane, bands);
   } else if constexpr ((kTuned & kTunedInverse) != 0) {
     inverse_by_doubling(smem, tid);
   } else {
@@ -860,6 +893,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const int lchk = lane >> 4;
 #pragma unroll
     for (int I = 0; I < 4; ++I) {
+      if (!band_live<kTuned>(I, bands)) break;
       float acc[4][4];
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)

@@ -48,17 +48,20 @@ ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
 ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # The intra kernel's tuned forms: "norm" the L2 norms' row sums by one transposed reduction per tensor and warp (34
 # shuffles instead of 80), "inverse" the off-diagonal inverse by recursive doubling (4 barrier stages instead of 6,
-# all warps busy), "all" both (6% faster than "0" on the H200, 2026-11-30), "tensor" (the default since the tenth
-# session) "all" with the doubling's products as bf16x3 tensor-core MMAs (each fp32 operand kept as two bf16 parts:
-# about fp32 accuracy, other low bits; on the H200 the intra kernel 10% faster than "all", o and final-state errors
-# against fp64 equal to "all"'s within 0.6% on 32 cases); "0" the first verified kernel. Summation orders differ, so
-# the bits may. Not with CULA_SM90_INTRA_PERSISTENT. (Forms tried on the H200 and removed, each bit-identical to "all"
-# and no faster: items located without index loads, g copied first, value heads fastest, two items per CTA whose load
-# phases alternate, and the last with the first (1.6-5.9% slower); each diagonal block inverted inside phase 3 by the
-# warp that made it (equal); benchmarks/results/kda_profile_h200.md.)
+# all warps busy), "all" both (6% faster than "0" on the H200, 2026-11-30), "tensor" (the default in the tenth and
+# eleventh sessions) "all" with the doubling's products as bf16x3 tensor-core MMAs (each fp32 operand kept as two bf16
+# parts: about fp32 accuracy, other low bits; on the H200 the intra kernel 10% faster than "all", o and final-state
+# errors against fp64 equal to "all"'s within 0.6% on 32 cases; the default); "bands" "tensor" computing only the
+# 16-row bands that hold valid rows (the same bits as "tensor"; on the H200 a sequence's partial last chunk cost less,
+# the intra kernel 6.5% faster on 20 uniform sequences of T4096, but full chunks 1.6-2% slower); "0"
+# the first verified kernel. Summation orders differ between the others, so the bits may. Not with
+# CULA_SM90_INTRA_PERSISTENT. (Forms tried on the H200 and removed, each bit-identical to "all" and no faster: items
+# located without index loads, g copied first, value heads fastest, two items per CTA whose load phases alternate,
+# and the last with the first (1.6-5.9% slower); each diagonal block inverted inside phase 3 by the warp that made it
+# (equal); benchmarks/results/kda_profile_h200.md.)
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_intra_item.cuh)
-                "tensor": 11,
+                "tensor": 11, "bands": 15,
                 # timing-only: "tensor" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 11 | 16, "ablate:norm-exp": 11 | 32, "ablate:products": 11 | 64,
@@ -202,9 +205,9 @@ def _recurrence_wgmma() -> bool:
 
 
 def _intra_tuned(persistent: bool) -> int:
-    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all" or "tensor". Unset: "tensor"
-    (the tuned forms, 16% faster than "0" on the H200), or "0" when the intra kernel runs persistent CTAs, which have
-    none."""
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all", "tensor" or "bands". Unset:
+    "tensor" (the tuned forms, 16% faster than "0" on the H200), or "0" when the intra kernel runs persistent CTAs,
+    which have none."""
     return env_choice(ENV_INTRA_TUNED, "0" if persistent else "tensor", _TUNED_FORMS)
 
 
@@ -390,8 +393,8 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
     stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
-    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all", "tensor";
-    one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
+    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all", "tensor",
+    "bands"; one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
