@@ -35,7 +35,7 @@ FLOP_PER_CHUNK_HEAD = 10.89e6  # KDA_SPEC §8, K = V = 128, C = 64
 K = V = 128
 # recorded in the header: "default" when unset (cula_sm90/kda.py)
 SM90_KNOBS = ("CULA_SM90_INTRA_TUNED", "CULA_SM90_RECURRENCE_WGMMA", "CULA_SM90_RECURRENCE_STAGES",
-              "CULA_SM90_INTRA_PERSISTENT", "CULA_SM90_PDL", "CULA_SM90_RECURRENCE_PERSISTENT")
+              "CULA_SM90_INTRA_PERSISTENT", "CULA_SM90_PDL")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,4 @@ def fake_sm90(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(kda.ENV_RECURRENCE_WGMMA, raising=False)
     monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES, raising=False)
     monkeypatch.delenv(kda.ENV_INTRA_TUNED, raising=False)
-    monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH, raising=False)
-    monkeypatch.delenv(kda.ENV_RECURRENCE_PERSISTENT, raising=False)
     return kda, fake

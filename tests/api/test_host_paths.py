@@ -179,7 +179,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 23
+    assert len(r) == 22
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
     if case.cu is None:  # equal lengths: slot order
         assert r[8] == 0 and fake.order is None
@@ -192,9 +192,8 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
     # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA) with 2 pipeline stages, launched as a programmatic
-    # dependent of the intra kernel (no CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), one CTA per work
-    # item (no CULA_SM90_RECURRENCE_PERSISTENT), the stream
-    assert r[18] is True and r[19] == 2 and r[20] is True and r[21] == 0 and r[22] == 777
+    # dependent of the intra kernel (no CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), the stream
+    assert r[18] is True and r[19] == 2 and r[20] is True and r[21] == 777
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -389,34 +388,6 @@ def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatc
     fake.intra = ()
     monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "yes")
     with pytest.raises(ValueError, match=f"{kda.ENV_PROGRAMMATIC_LAUNCH}='yes'"):
-        kda.kda_prefill(args)
-    assert fake.intra == ()  # refused before any launch
-
-
-def test_sm90_recurrence_persistent_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_RECURRENCE_PERSISTENT=1 runs the warpgroup-MMA recurrence (2 stages) on one persistent CTA per SM
-    when it has more work items than SMs and at most 64 per CTA, else one CTA per item (0 CTAs passed); "0" (the
-    default) never; another value is a ValueError naming the variable, before any launch."""
-    kda, fake = fake_sm90
-    args = _varlen_228_args(fake)  # 3 sequences x 2 value heads x 2 V blocks of 64 = 12 work items
-    kda.kda_prefill(args)
-    assert fake.recurrence[21] == 0
-    monkeypatch.setenv(kda.ENV_RECURRENCE_PERSISTENT, "1")
-    for sms, ctas in ((132, 0), (12, 0), (11, 11), (1, 1)):
-        monkeypatch.setattr(kda, "sm_count", lambda device, sms=sms: sms)
-        kda.run_kernels(args, block_v=64)
-        assert fake.recurrence[21] == ctas, sms
-    monkeypatch.setattr(kda, "sm_count", lambda device: 11)
-    kda.run_kernels(args, block_v=64, recurrence_stages=3)
-    assert fake.recurrence[21] == 0  # 3 stages: one CTA per item
-    kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
-    assert fake.recurrence[21] == 0  # mma.sync: one CTA per item
-    monkeypatch.setenv(kda.ENV_RECURRENCE_PERSISTENT, "0")
-    kda.run_kernels(args, block_v=64)
-    assert fake.recurrence[21] == 0
-    fake.intra = ()
-    monkeypatch.setenv(kda.ENV_RECURRENCE_PERSISTENT, "yes")
-    with pytest.raises(ValueError, match=f"{kda.ENV_RECURRENCE_PERSISTENT}='yes'"):
         kda.kda_prefill(args)
     assert fake.intra == ()  # refused before any launch
 

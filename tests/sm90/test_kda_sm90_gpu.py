@@ -222,32 +222,6 @@ def test_bands_form_gives_the_tensor_forms_bits(case: KdaCase, monkeypatch: pyte
     _assert_same_bits(_run(kda, args, intra_tuned="tensor"), ref, (case.name, "tensor after NaN inputs"))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_persistent_recurrence_gives_the_same_bits(case: KdaCase, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The persistent recurrence (CULA_SM90_RECURRENCE_PERSISTENT=1: CTAs walking the work items, each copying the
-    next item's initial state and first chunk while the current item's last chunk computes) gives the one-CTA-per-item
-    kernel's o and final state bit for bit at both V blocks, with 1, 3 and 7 CTAs (the SM count stubbed, so that
-    CTAs take up to 64 items: zero-length sequences, bf16 and V-first states, no state among the cases), outputs
-    poisoned first."""
-    kda = _sm90(monkeypatch)
-    args = validate_kda_prefill(**make_inputs(case, "cuda", seed=17))
-    pairs, real_sm_count = len(_lengths(args)) * args.HV, kda.sm_count
-    runs = 0
-    for block_v in (64, 128):
-        monkeypatch.delenv(kda.ENV_RECURRENCE_PERSISTENT, raising=False)
-        monkeypatch.setattr(kda, "sm_count", real_sm_count)
-        ref = _run(kda, args, block_v=block_v)
-        monkeypatch.setenv(kda.ENV_RECURRENCE_PERSISTENT, "1")
-        for sms in (1, 3, 7):
-            if not sms < pairs * (128 // block_v) <= 64 * sms:
-                continue  # (the shim keeps one CTA per item there)
-            monkeypatch.setattr(kda, "sm_count", lambda device, sms=sms: sms)
-            poison_allocator(8 * case.B * case.T * case.HV * 128 * 2)
-            _assert_same_bits(_run(kda, args, block_v=block_v), ref, (case.name, block_v, sms))
-            runs += 1
-    assert runs > 0
-
-
 def _lengths(args) -> list[int]:
     """Each sequence's length, from validated kda_prefill arguments."""
     if args.cu_seqlens is None:

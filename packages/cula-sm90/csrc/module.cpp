@@ -86,7 +86,7 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
                    std::uintptr_t g_last, std::uintptr_t cu_seqlens, std::uintptr_t chunk_offsets,
                    std::uintptr_t seq_order, std::uintptr_t initial_state, int state_type, std::uintptr_t final_state, std::uintptr_t o,
                    int num_seqs, int num_value_heads, float scale, bool state_v_first, int block_v, bool wgmma,
-                   int stages, bool programmatic_launch, int persistent_ctas, std::uintptr_t stream) {
+                   int stages, bool programmatic_launch, std::uintptr_t stream) {
   if (block_v != 0 && block_v != 32 && block_v != 64 && block_v != 128) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 0, 32, 64 or 128, got " +
                                 std::to_string(block_v));
@@ -98,13 +98,9 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
     throw std::invalid_argument("cula_sm90.kda_recurrence: stages must be 2, or 3 with wgmma, got " +
                                 std::to_string(stages) + (wgmma ? "" : " without wgmma"));
   }
-  if (persistent_ctas < 0 || (persistent_ctas > 0 && (!wgmma || stages != 2))) {
-    throw std::invalid_argument("cula_sm90.kda_recurrence: persistent_ctas must be 0, or > 0 with wgmma and 2 stages; "
-                                "got " + std::to_string(persistent_ctas));
-  }
   const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state,
                                           state_type, final_state, o, num_seqs, num_value_heads, scale,
-                                          state_v_first, block_v, wgmma, stages, programmatic_launch, persistent_ctas};
+                                          state_v_first, block_v, wgmma, stages, programmatic_launch};
   int code;
   {
     py::gil_scoped_release release;

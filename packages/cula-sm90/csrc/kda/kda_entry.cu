@@ -6,7 +6,7 @@
 namespace cula::sm90 {
 cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream);
 cudaError_t launch_kda_recurrence_wgmma_bv(const KdaRecurrenceParams& params, int block_v, int stages,
-                                           int persistent_ctas, cudaStream_t stream);
+                                           cudaStream_t stream);
 }  // namespace cula::sm90
 
 namespace cula_sm90 {
@@ -81,7 +81,7 @@ int kda_recurrence(const KdaRecurrenceArgs& a, std::uintptr_t stream) {
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   if (a.wgmma) {
     return static_cast<int>(
-        cula::sm90::launch_kda_recurrence_wgmma_bv(p, a.block_v == 0 ? 64 : a.block_v, a.stages, a.persistent_ctas, s));
+        cula::sm90::launch_kda_recurrence_wgmma_bv(p, a.block_v == 0 ? 64 : a.block_v, a.stages, s));
   }
   if (a.block_v == 0) {
     return static_cast<int>(cula::sm90::launch_kda_recurrence(p, s));

@@ -30,7 +30,6 @@ struct KdaRecurrenceArgs {
   bool wgmma;   // the products on warpgroup MMAs (block_v 0 = 64, or 128)
   int stages;   // shared-memory pipeline stages: 2, or 3 (wgmma only)
   bool programmatic_launch;  // launch as a programmatic dependent of the intra kernel (kda_params.h)
-  int persistent_ctas;  // > 0: the persistent form (wgmma, 2 stages) on that many CTAs; 0: one CTA per work item
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);

@@ -261,81 +261,19 @@ __device__ __forceinline__ int stage_index(int c) {
   return kStages == 2 ? (c & 1) : c % kStages;
 }
 
-// ---- The persistent form (kPersistent): gridDim.x CTAs walk the (sequence slot, value head, V block) work items
-// in launch order with stride gridDim.x. While a pair's last chunk computes, the next pair's initial state and first
-// chunk are copied into shared memory, so an SM does not idle between pairs (launch, index loads, the state's and the
-// first chunk's latency). Shared memory past the one-CTA-per-pair map (RecurrenceConfig::kSmemBytes):
-//   the next pair's initial state, staged as its [128][128] head slice (only this CTA's V columns / rows copied; same
-//   layout and dtype as in global memory, so load_state reads it as it reads h0), then the indices of the CTA's work
-//   items (read once at the start; the host launches this form only when a CTA has at most kMaxItems).
-constexpr int kStagedStateBytes = kHeadDim * kHeadDim * 4;
-constexpr int kMaxItems = 64;
-
-template <int kBV, bool kWgmma, int kStages>
-struct PersistentMap {
-  using C = RecurrenceConfig<kBV, kWgmma, kStages>;
-  static constexpr int kOffState = C::kSmemBytes;
-  static constexpr int kOffItems = kOffState + kStagedStateBytes;  // PairIndex [kMaxItems]
-  static constexpr int kSmemBytes = kOffItems + kMaxItems * 16;
-  static_assert(kStages == 2, "the persistent form is built with 2 stages");
-  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an SM90 CTA may have");
-};
-
-// A work item's pair: its sequence n, first token, length and first chunk's index (from the launch-order index bid).
-struct alignas(16) PairIndex {
-  int n, bos, len, chunk0;
-};
-
-template <int kVBlocks>
-__device__ __forceinline__ PairIndex locate_pair(const KdaRecurrenceParams& p, int bid) {
-  const int slot = bid / kVBlocks / p.num_value_heads;
-  const int n = p.seq_order != nullptr ? p.seq_order[slot] : slot;
-  const int bos = p.cu_seqlens[n];
-  const int eos = p.cu_seqlens[n + 1];
-  return PairIndex{n, bos, eos > bos ? eos - bos : 0, p.chunk_offsets[n]};
-}
-
-// Issue (and commit, as one cp.async group) the copies of work item bid's initial state (this CTA's part of its head
-// slice) and first chunk (into `stage`).
-template <int kBV, bool kWgmma>
-__device__ __forceinline__ void load_pair_start(const KdaRecurrenceParams& p, uint32_t staged_state, uint32_t stage,
-                                                int bid, const PairIndex& pair, int tid) {
-  using C = RecurrenceConfig<kBV, kWgmma>;
-  const int hv = (bid / C::kVBlocks) % p.num_value_heads;
-  const int v0 = (bid % C::kVBlocks) * kBV;
-  if (p.initial_state != nullptr) {
-    const int es = p.state_type == ScalarType::kFloat32 ? 4 : 2;
-    const int64_t head = (static_cast<int64_t>(pair.n) * p.num_value_heads + hv) * kHeadDim * kHeadDim;
-    const uint8_t* src = static_cast<const uint8_t*>(p.initial_state) + head * es;
-    // V first: rows v0 .. v0 + kBV - 1 whole; K first: columns v0 .. v0 + kBV - 1 of every row. Row pitch 128 * es.
-    const int row_chunks = (p.state_v_first ? kHeadDim : kBV) * es / 16;
-    const int rows = p.state_v_first ? kBV : kHeadDim;
-    const int first = p.state_v_first ? v0 * kHeadDim * es : v0 * es;  // byte offset of the first copied byte
-    for (int i = tid; i < rows * row_chunks; i += C::kThreads) {
-      const int r = i / row_chunks;
-      const int off = first + r * kHeadDim * es + (i - r * row_chunks) * 16;
-      cp_async_16(staged_state + off, src + off, true);
-    }
-  }
-  if (pair.len > 0) {
-    load_chunk<kBV, kWgmma>(p, stage, pair.bos, pair.len < kChunk ? pair.len : kChunk, pair.chunk0, hv, v0, tid);
-  }
-  cp_async_commit();
-}
-
 // ------------------------------------------------------------------------------------------------------------------
 // The kernel
 // ------------------------------------------------------------------------------------------------------------------
 
-// One work item (blockIdx-style index bid): a pair's V block over the whole sequence. kPersistent: the CTA's item
-// number `item` of `items` (their indices in shared memory); its initial state and first chunk were copied by the
-// previous item (load_pair_start: chunk 0 into stage `parity`), and it copies the next item's while its last chunk
-// computes; returns the stage parity of the next item's chunk 0.
-template <int kBV, bool kWgmma, int kStages, bool kPersistent>
-__device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p, uint8_t* smem, int bid_in,
-                                                    int parity, int item, int items) {
+template <int kBV, bool kWgmma, int kStages = 2>
+__global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThreads, 1)
+    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
   using C = RecurrenceConfig<kBV, kWgmma, kStages>;
-  using M = PersistentMap<kBV, kWgmma, 2>;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  // Launched programmatically after the intra kernel (KdaRecurrenceParams::programmatic_launch): nothing global is
+  // read before the grid this one depends on has finished and its writes are visible.
+  ptx::grid_dependency_wait();
+
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -352,21 +290,20 @@ __device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p
   const int nhi = (lane >> 3) & 1;
 
   const int HV = p.num_value_heads;
-  int bid = bid_in;
+  int bid = static_cast<int>(blockIdx.x);
   const int vb = bid % C::kVBlocks;
   bid /= C::kVBlocks;
   const int hv = bid % HV;
   const int slot = bid / HV;
-  if (slot >= p.num_seqs) return parity;
-  const PairIndex* table = reinterpret_cast<const PairIndex*>(smem + M::kOffItems);  // (kPersistent)
-  const int n = kPersistent ? table[item].n : (p.seq_order != nullptr ? p.seq_order[slot] : slot);
+  if (slot >= p.num_seqs) return;
+  const int n = p.seq_order != nullptr ? p.seq_order[slot] : slot;
   const int v0 = vb * kBV;
 
-  const int64_t bos = kPersistent ? table[item].bos : p.cu_seqlens[n];
-  const int64_t eos = kPersistent ? table[item].bos + table[item].len : p.cu_seqlens[n + 1];
+  const int64_t bos = p.cu_seqlens[n];
+  const int64_t eos = p.cu_seqlens[n + 1];
   const int64_t len = eos > bos ? eos - bos : 0;
   const int num_chunks = static_cast<int>((len + kChunk - 1) / kChunk);
-  const int64_t chunk0 = kPersistent ? table[item].chunk0 : p.chunk_offsets[n];
+  const int64_t chunk0 = p.chunk_offsets[n];
 
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t gamma_w = smem_base + C::kOffGamma + warp * C::kTileG;
@@ -379,10 +316,7 @@ __device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p
   // Prefetch chunk 0 (and with 3 stages chunk 1) while the initial state is read. With 3 stages every load slot
   // commits one cp.async group, empty past the last chunk, so that "all but the newest group landed" always means
   // "this chunk landed".
-  if constexpr (kPersistent) {
-    cp_async_wait_all();  // this item's initial state (and chunk 0) landed ...
-    __syncthreads();      // ... for every thread
-  } else if (num_chunks > 0) {
+  if (num_chunks > 0) {
     load_chunk<kBV, kWgmma>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
     cp_async_commit();
   }
@@ -399,7 +333,6 @@ __device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p
   const int vr = v0 + warp * 16 + g;
   const int64_t state_base = (static_cast<int64_t>(n) * HV + hv) * kHeadDim * kHeadDim;
   float S[16][4];
-  const void* staged = smem + M::kOffState;  // (kPersistent) this head's staged slice, read with h0's indexing
   if (p.initial_state == nullptr) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -407,12 +340,9 @@ __device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p
       for (int e = 0; e < 4; ++e) S[j][e] = 0.f;
     }
   } else if (p.state_type == ScalarType::kFloat32) {
-    load_state(S, kPersistent ? static_cast<const float*>(staged) : static_cast<const float*>(p.initial_state) + state_base,
-               p.state_v_first, vr, t4);
+    load_state(S, static_cast<const float*>(p.initial_state) + state_base, p.state_v_first, vr, t4);
   } else {
-    load_state(S, kPersistent ? static_cast<const __nv_bfloat16*>(staged)
-                              : static_cast<const __nv_bfloat16*>(p.initial_state) + state_base,
-               p.state_v_first, vr, t4);
+    load_state(S, static_cast<const __nv_bfloat16*>(p.initial_state) + state_base, p.state_v_first, vr, t4);
   }
 
   // ---- Per-lane smem offsets (bytes, relative to a tile base).
@@ -434,8 +364,7 @@ __device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p
   for (int c = 0; c < num_chunks; ++c) {
     // (c & 1 spelled out for 2 stages although stage_index gives the same: through the helper ptxas schedules the
     // BV = 32 mma.sync kernel differently, and its SASS is the one that ran on the H200)
-    const uint32_t stage = smem_base + (kStages == 2 ? ((kPersistent ? c + parity : c) & 1) : stage_index<kStages>(c)) *
-                                           C::kStageBytes;
+    const uint32_t stage = smem_base + (kStages == 2 ? (c & 1) : stage_index<kStages>(c)) * C::kStageBytes;
     const int64_t tok0 = bos + static_cast<int64_t>(c) * kChunk;
     const int64_t rem = len - static_cast<int64_t>(c) * kChunk;
     const int L = static_cast<int>(rem < kChunk ? rem : kChunk);
@@ -452,16 +381,9 @@ __device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p
     if constexpr (kStages == 2) {
       if (c + 1 < num_chunks) {
         const int64_t rem1 = rem - kChunk;
-        load_chunk<kBV, kWgmma>(p, smem_base + ((kPersistent ? c + 1 + parity : c + 1) & 1) * C::kStageBytes,
-                                tok0 + kChunk, static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + c + 1, hv, v0,
-                                tid);
+        load_chunk<kBV, kWgmma>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
+                        static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + c + 1, hv, v0, tid);
         cp_async_commit();
-      } else if constexpr (kPersistent) {  // the last chunk: the next item's start goes into the other stage
-        if (item + 1 < items) {
-          load_pair_start<kBV, kWgmma>(p, smem_base + M::kOffState,
-                                       smem_base + ((num_chunks + parity) & 1) * C::kStageBytes,
-                                       bid_in + static_cast<int>(gridDim.x), table[item + 1], tid);
-        }
       }
     } else {
       if (c + 2 < num_chunks) {
@@ -639,76 +561,6 @@ __device__ __forceinline__ int recurrence_work_item(const KdaRecurrenceParams& p
       }
     }
   }
-  if constexpr (kPersistent) {
-    if (num_chunks == 0 && item + 1 < items) {  // (no last chunk issued the next item's start)
-      __syncthreads();  // every thread has read the staged state
-      load_pair_start<kBV, kWgmma>(p, smem_base + M::kOffState, smem_base + (parity & 1) * C::kStageBytes,
-                                   bid_in + static_cast<int>(gridDim.x), table[item + 1], tid);
-    }
-    return (num_chunks + parity) & 1;
-  } else {
-    return parity;
-  }
-}
-
-template <int kBV, bool kWgmma, int kStages = 2>
-__global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThreads, 1)
-    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  // Launched programmatically after the intra kernel (KdaRecurrenceParams::programmatic_launch): nothing global is
-  // read before the grid this one depends on has finished and its writes are visible.
-  ptx::grid_dependency_wait();
-  recurrence_work_item<kBV, kWgmma, kStages, false>(p, smem, static_cast<int>(blockIdx.x), 0, 0, 0);
-}
-
-// The persistent form on warpgroup MMAs with 2 stages (PersistentMap): gridDim.x CTAs, each with at most kMaxItems
-// work items (the launcher checks).
-template <int kBV>
-__global__ void __launch_bounds__(RecurrenceConfig<kBV, true, 2>::kThreads, 1)
-    kda_recurrence_persistent_kernel(const __grid_constant__ KdaRecurrenceParams p) {
-  using C = RecurrenceConfig<kBV, true, 2>;
-  using M = PersistentMap<kBV, true, 2>;
-  static_assert(C::kThreads >= kMaxItems, "one thread per work item's indices");
-  extern __shared__ __align__(1024) uint8_t smem[];
-  ptx::grid_dependency_wait();
-  const int tid = static_cast<int>(threadIdx.x);
-  const int stride = static_cast<int>(gridDim.x);
-  const int first = static_cast<int>(blockIdx.x);
-  const int items = (p.num_seqs * p.num_value_heads * C::kVBlocks - first + stride - 1) / stride;
-  PairIndex* table = reinterpret_cast<PairIndex*>(smem + M::kOffItems);
-  if (tid < items) table[tid] = locate_pair<C::kVBlocks>(p, first + tid * stride);
-  __syncthreads();
-  const uint32_t base = smem_addr(smem);
-  if (items > 0) load_pair_start<kBV, true>(p, base + M::kOffState, base, first, table[0], tid);
-  int parity = 0;
-  for (int item = 0; item < items; ++item) {
-    parity = recurrence_work_item<kBV, true, 2, true>(p, smem, first + item * stride, parity, item, items);
-  }
-}
-
-// ctas persistent CTAs (1 .. SMs); every CTA gets at most kMaxItems work items, else cudaErrorInvalidValue.
-template <int kBV>
-cudaError_t launch_recurrence_persistent(const KdaRecurrenceParams& p, int ctas, cudaStream_t stream) {
-  using M = PersistentMap<kBV, true, 2>;
-  const int64_t works = static_cast<int64_t>(p.num_seqs) * p.num_value_heads * (kHeadDim / kBV);
-  if (works <= 0) return cudaSuccess;
-  if (ctas <= 0 || works > 0x7fffffff || (works + ctas - 1) / ctas > kMaxItems) return cudaErrorInvalidValue;
-  const auto kernel = kda_recurrence_persistent_kernel<kBV>;
-  const cudaError_t err = allow_dynamic_smem<kda_recurrence_persistent_kernel<kBV>>(M::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ctas < works ? ctas : works));
-  config.blockDim = dim3(RecurrenceConfig<kBV, true, 2>::kThreads);
-  config.dynamicSmemBytes = M::kSmemBytes;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = p.programmatic_launch ? 1 : 0;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  const cudaError_t launch = cudaLaunchKernelEx(&config, kernel, p);
-  const cudaError_t last = cudaGetLastError();
-  return launch != cudaSuccess ? launch : last;
 }
 
 template <int kBV, bool kWgmma = false, int kStages = 2>
@@ -751,19 +603,10 @@ cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams& params, int bloc
   }
 }
 
-// The same on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only, with 2 or 3 pipeline stages;
-// persistent_ctas > 0: the persistent form (2 stages) on that many CTAs.
+// The same on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only, with 2 or 3 pipeline stages.
 cudaError_t launch_kda_recurrence_wgmma_bv(const KdaRecurrenceParams& params, int block_v, int stages,
-                                           int persistent_ctas, cudaStream_t stream) {
+                                           cudaStream_t stream) {
   using recurrence_detail::launch_recurrence_bv;
-  if (persistent_ctas > 0) {  // (2 stages)
-    if (stages != 2) return cudaErrorInvalidValue;
-    switch (block_v) {
-      case 64: return recurrence_detail::launch_recurrence_persistent<64>(params, persistent_ctas, stream);
-      case 128: return recurrence_detail::launch_recurrence_persistent<128>(params, persistent_ctas, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
   if (stages == 3) {
     switch (block_v) {
       case 64: return launch_recurrence_bv<64, true, 3>(params, stream);

@@ -80,12 +80,6 @@ ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
 # either way. On the H200 (2026-11-30, benchmarks/results/kda_pdl_h200.md) "1" was 5-6% faster at B1 T512, 1-4%
 # at the other one-wave configs, and 0-2% slower on varlen batches of 20 sequences (many waves).
 ENV_PROGRAMMATIC_LAUNCH = "CULA_SM90_PDL"
-# "1" runs the warpgroup-MMA recurrence (2 stages) as one persistent CTA per SM walking the (sequence, value head, V
-# block) work items when there are more of them than SMs (at most 64 per CTA): each CTA copies its next item's initial
-# state and first chunk into shared memory while the current item's last chunk computes, so an SM does not idle
-# between items. Same bits. "0" (the default): one CTA per work item.
-ENV_RECURRENCE_PERSISTENT = "CULA_SM90_RECURRENCE_PERSISTENT"
-_RECURRENCE_MAX_ITEMS = 64  # work items per persistent recurrence CTA (csrc/kda/kda_recurrence.cu, kMaxItems)
 _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary (the kernels need 16)
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
@@ -229,15 +223,6 @@ def _programmatic_launch(recurrence_ctas: int, device: torch.device) -> bool:
     return recurrence_ctas <= sm_count(device) if choice is None else choice
 
 
-def _recurrence_persistent_ctas(work_items: int, wgmma: bool, stages: int, device: torch.device) -> int:
-    """``CULA_SM90_RECURRENCE_PERSISTENT``: the persistent recurrence's CTA count (one per SM) when asked for ("1")
-    and it applies (warpgroup MMAs, 2 stages, more ``work_items`` than SMs, at most 64 per CTA), else 0."""
-    if not env_choice(ENV_RECURRENCE_PERSISTENT, "0", {"0": False, "1": True}) or not wgmma or stages != 2:
-        return 0
-    sms = sm_count(device)
-    return sms if sms < work_items <= _RECURRENCE_MAX_ITEMS * sms else 0
-
-
 def _current_stream(index: int) -> int:
     """The current torch stream of CUDA device ``index``, as the integer ``cudaStream_t`` the extension takes."""
     if _raw_current_stream is not None:
@@ -278,8 +263,6 @@ class _Launch:
         self.wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
         self.stages = stages if self.wgmma else 2
         self.programmatic = _programmatic_launch(args.N * args.HV * (HEAD_DIM // block_v), device)
-        self.recurrence_ctas = _recurrence_persistent_ctas(args.N * args.HV * (HEAD_DIM // block_v), self.wgmma,
-                                                           self.stages, device)
         self.block_v, self.persistent, self.tuned = block_v, persistent, tuned
         self.B, self.T, self.H, self.HV, self.N = args.B, args.T, args.H, args.HV, args.N
         self.total = args.B * args.T
@@ -352,8 +335,7 @@ class _Launch:
             ext.kda_recurrence(
                 qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(order),
                 _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
-                self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, self.recurrence_ctas,
-                stream,
+                self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, stream,
             )
         return o, final_state, buffer, regions
 
