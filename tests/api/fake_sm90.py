@@ -48,6 +48,11 @@ class FakeExtension:
         ctypes.memmove(out, base, 4 * size)
         return indices.shape[0], (offsets.data_ptr() - base) // 4, (order.data_ptr() - base) // 4, size
 
+    def varlen_idle_bands(self, cu: int, n: int, chunk: int) -> int:
+        bounds = read_values(cu, ctypes.c_int32, n + 1)
+        return sum((chunk - (b - a) % chunk) // 16 for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+                   if (b - a) % chunk)
+
     def kda_intra(self, *a) -> int:
         self.intra = a
         self.launches += 1

@@ -22,7 +22,7 @@ from cula_runtime.kda_args import KdaPrefillArgs, validate_kda_prefill
 from cula_runtime.kda_tuning import recurrence_block_v
 from tests.api.fake_sm90 import shim
 from tests.gpu_backends import use_backend
-from tests.kda_cases import CASES, make_inputs
+from tests.kda_cases import CASES, KdaCase, make_inputs
 
 B, T, H, HV, K, V = 2, 70, 2, 4, 32, 16
 
@@ -173,8 +173,10 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
     # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, the tuned forms with the tensor-core
-    # inverse (the default), the stream
-    assert a[28:32] == (0, 0, 11, 777)
+    # inverse, computing only the bands holding tokens when the partial last chunks leave enough bands idle (the
+    # default: "auto"), the stream
+    idle = sum((64 - (b - a) % 64) // 16 for a, b in zip(cu[:-1], cu[1:], strict=True) if (b - a) % 64)
+    assert a[28:32] == (0, 0, 15 if 5 * idle >= num_chunks else 11, 777)
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
@@ -392,16 +394,44 @@ def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatc
     assert fake.intra == ()  # refused before any launch
 
 
+def test_sm90_intra_auto_form_follows_the_idle_bands(fake_sm90) -> None:
+    """"auto" (the default intra form) runs "bands" (15) when the partial last chunks leave at least one idle 16-row
+    band per 5 chunks, else "tensor" (11): decided per call from the lengths (a plan's calls may differ), and once
+    for a fixed-length batch."""
+    kda, fake = fake_sm90
+    kwargs = make_inputs(next(c for c in CASES if c.name == "varlen-0-100-100-228"), "cpu", seed=7)
+    fake.o_bytes, fake.state_bytes = 228 * 2 * 128 * 2, 3 * 2 * 128 * 128 * 4
+    calls = (([0, 100, 100, 228], 15), ([0, 49, 164, 228], 11), ([0, 52, 164, 228], 15), ([0, 177, 228, 228], 11))
+    plan = None
+    for bounds, bits in calls:
+        kwargs["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+        args = validate_kda_prefill(**kwargs)
+        kda.kda_prefill(args)
+        assert fake.intra[30] == bits, bounds
+        plan = plan or kda.plan_kda_prefill(args)  # the first call's plan, for every call below
+    for bounds, bits in calls:
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        plan(*(kwargs.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")), cu,
+             cu.clone())
+        assert fake.intra[30] == bits, ("plan", bounds)
+    for T, bits in ((1000, 11), (80, 15), (128, 11)):  # idle bands per sequence: 1 of 16 chunks, 3 of 2, none
+        case = KdaCase(name=f"B2-T{T}", B=2, T=T, H=2, HV=2)
+        fake.o_bytes, fake.state_bytes = 2 * T * 2 * 128 * 2, 2 * 2 * 128 * 128 * 4
+        kda.kda_prefill(validate_kda_prefill(**make_inputs(case, "cpu", seed=3)))
+        assert fake.intra[30] == bits, T
+
+
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
     """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|tensor|bands (or run_kernels(intra_tuned=...)) asks for the intra
-    kernel's tuned forms as the bit set 0|1|2|3|11|15, "tensor" when unset; asked for, they do not combine with
-    persistent CTAs, and unset they give way to them; bad values are ValueErrors naming the variable or argument,
-    before any launch."""
+    kernel's tuned forms as the bit set 0|1|2|3|11|15, "auto" (the default) for 11 or 15 by the call's idle bands;
+    asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are ValueErrors
+    naming the variable or argument, before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
-    assert fake.intra[28:31] == (0, 0, 11)
-    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("bands", 15), ("ablate:products", 75),
+    assert fake.intra[28:31] == (0, 0, 15)  # lengths 100, 0, 128: 1 idle band over 4 chunks
+    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("bands", 15), ("auto", 15),
+                        ("ablate:products", 75),
                         ("ablate:solve", 267), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)

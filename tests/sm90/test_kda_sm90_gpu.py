@@ -289,10 +289,13 @@ def test_varlen_launch_values_equal_the_runtime_builds(monkeypatch: pytest.Monke
         assert torch.equal(out[:2 * nt].view(nt, 2), indices)
         assert torch.equal(out[offsets_at:offsets_at + n + 1], offsets) and torch.equal(out[order_at:size], order)
         assert bool((out[size:] == -7).all())  # nothing written past the layout
+        tails = lens % 64  # the "auto" intra form's count: 16-row bands without a token in the partial last chunks
+        assert ext.varlen_idle_bands(host.data_ptr(), n, 64) == int(((64 - tails) // 16 * (tails > 0)).sum())
     bad = torch.tensor([0, 5, 3], dtype=torch.int32)
     out = torch.empty(64, dtype=torch.int32)
     with pytest.raises(ValueError, match="decreasing boundaries"):
         ext.varlen_launch_values(bad.data_ptr(), 2, 64, out.data_ptr(), 64)
+    assert ext.varlen_idle_bands(bad.data_ptr(), 2, 64) == -1
     good = torch.tensor([0, 640], dtype=torch.int32)
     with pytest.raises(ValueError, match="too small"):
         ext.varlen_launch_values(good.data_ptr(), 1, 64, out.data_ptr(), 8)

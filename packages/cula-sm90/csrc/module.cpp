@@ -147,6 +147,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("capacity"),
         "Chunk indices, chunk offsets and the longest-first order of a packed batch, from host boundaries cu[0..n] "
         "into the host int32 buffer out, on the host (no CUDA). Returns (NT, offsets_at, order_at, size).");
+  m.def(
+      "varlen_idle_bands",
+      [](std::uintptr_t cu, std::int64_t n, int chunk) {
+        if (cu == 0 || n < 1 || chunk <= 0) {
+          throw std::invalid_argument("cula_sm90.varlen_idle_bands: needs a host pointer, n >= 1 and chunk > 0");
+        }
+        return cula_sm90::varlen_idle_bands(reinterpret_cast<const std::int32_t*>(cu), n, chunk);
+      },
+      py::arg("cu"), py::arg("n"), py::arg("chunk"),
+      "The 16-row bands without a token in the sequences' partial last chunks, from host boundaries cu[0..n] "
+      "(-1 for decreasing ones).");
   m.def("kda_recurrence", &kda_recurrence,
         "KDA state recurrence + output kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
 }

@@ -54,4 +54,15 @@ VarlenLaunchLayout varlen_launch_values(const std::int32_t* cu, std::int64_t n, 
   return {num_chunks, offsets_at, order_at, size};
 }
 
+std::int64_t varlen_idle_bands(const std::int32_t* cu, std::int64_t n, int chunk) {
+  std::int64_t idle = 0;
+  for (std::int64_t s = 0; s < n; ++s) {
+    const std::int64_t len = static_cast<std::int64_t>(cu[s + 1]) - cu[s];
+    if (len < 0) return -1;
+    const std::int64_t tail = len % chunk;
+    if (tail != 0) idle += (chunk - tail) / 16;
+  }
+  return idle;
+}
+
 }  // namespace cula_sm90

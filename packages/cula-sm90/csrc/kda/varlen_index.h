@@ -25,4 +25,8 @@ std::int64_t varlen_launch_capacity(std::int64_t n, std::int64_t total, int chun
 VarlenLaunchLayout varlen_launch_values(const std::int32_t* cu, std::int64_t n, int chunk, std::int32_t* out,
                                         std::int64_t capacity);
 
+// The 16-row bands of the sequences' partial last chunks that hold no token: sum over sequences whose length is not a
+// multiple of chunk of (chunk - len % chunk) / 16 (what the "bands" intra form skips). -1 for decreasing boundaries.
+std::int64_t varlen_idle_bands(const std::int32_t* cu, std::int64_t n, int chunk);
+
 }  // namespace cula_sm90

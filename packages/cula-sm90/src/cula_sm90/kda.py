@@ -51,9 +51,10 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # all warps busy), "all" both (6% faster than "0" on the H200, 2026-11-30), "tensor" (the default in the tenth and
 # eleventh sessions) "all" with the doubling's products as bf16x3 tensor-core MMAs (each fp32 operand kept as two bf16
 # parts: about fp32 accuracy, other low bits; on the H200 the intra kernel 10% faster than "all", o and final-state
-# errors against fp64 equal to "all"'s within 0.6% on 32 cases; the default); "bands" "tensor" computing only the
-# 16-row bands that hold valid rows (the same bits as "tensor"; on the H200 a sequence's partial last chunk cost less,
-# the intra kernel 6.5% faster on 20 uniform sequences of T4096, but full chunks 1.6-2% slower); "0"
+# errors against fp64 equal to "all"'s within 0.6% on 32 cases); "bands" "tensor" computing only the 16-row bands that
+# hold valid rows (the same bits as "tensor"; on the H200 a sequence's partial last chunk cost less, the intra kernel
+# 6.5% faster on 20 uniform sequences of T4096, but full chunks 1.6-2% slower); "auto" (the default) "bands" for a
+# call whose partial last chunks leave many bands idle (_bands_pay), else "tensor": the same bits either way; "0"
 # the first verified kernel. Summation orders differ between the others, so the bits may. Not with
 # CULA_SM90_INTRA_PERSISTENT. (Forms tried on the H200 and removed, each bit-identical to "all" and no faster: items
 # located without index loads, g copied first, value heads fastest, two items per CTA whose load phases alternate,
@@ -61,7 +62,7 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # (equal); benchmarks/results/kda_profile_h200.md.)
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_intra_item.cuh)
-                "tensor": 11, "bands": 15,
+                "tensor": 11, "bands": 15, "auto": -1,  # (-1: 11 or 15 per call, _bands_pay)
                 # timing-only: "tensor" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 11 | 16, "ablate:norm-exp": 11 | 32, "ablate:products": 11 | 64,
@@ -133,14 +134,15 @@ def _fixed_indices(B: int, T: int, device: torch.device) -> tuple[torch.Tensor, 
 
 
 def _varlen_launch(ext: Any, cu: torch.Tensor, host: torch.Tensor, total: int,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chunk_indices [NT, 2], chunk_offsets [N + 1], launch order [N]) of a packed batch on ``cu``'s device: the
-    values of :func:`cula_runtime.index.prepare_varlen_launch`, built by the extension in C++ from ``host`` (the
-    checked host copy of ``cu``, int32) into one host buffer and moved in one copy. Cached per ``cu`` version. On the
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(chunk_indices [NT, 2], chunk_offsets [N + 1], launch order [N], idle bands) of a packed batch on ``cu``'s
+    device: the values of :func:`cula_runtime.index.prepare_varlen_launch`, built by the extension in C++ from
+    ``host`` (the checked host copy of ``cu``, int32) into one host buffer and moved in one copy, and the 16-row bands
+    without a token in the sequences' partial last chunks (for :func:`_bands_pay`). Cached per ``cu`` version. On the
     H200's host the Python build of a fresh ``cu_seqlens`` took ~38 us (varlen T4096, 10 sequences), all of it before
     the first launch. (Every varlen call has that copy: the validator's, or the one a call plan's caller checked.)"""
 
-    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         n = host.numel() - 1
         capacity = ext.varlen_launch_capacity(n, total, CHUNK)
         values = torch.empty(capacity, dtype=torch.int32)
@@ -148,7 +150,7 @@ def _varlen_launch(ext: Any, cu: torch.Tensor, host: torch.Tensor, total: int,
                                                                           values.data_ptr(), capacity)
         on_device = values.narrow(0, 0, size).to(cu.device, non_blocking=True)  # (itself for a CPU cu)
         return (on_device.narrow(0, 0, 2 * num_chunks).view(num_chunks, 2), on_device.narrow(0, offsets_at, n + 1),
-                on_device.narrow(0, order_at, n))
+                on_device.narrow(0, order_at, n), ext.varlen_idle_bands(host.data_ptr(), n, CHUNK))
 
     return cached_on_version("sm90_varlen_launch", cu, CHUNK, build)
 
@@ -205,10 +207,18 @@ def _recurrence_wgmma() -> bool:
 
 
 def _intra_tuned(persistent: bool) -> int:
-    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all", "tensor" or "bands". Unset:
-    "tensor" (the tuned forms, 16% faster than "0" on the H200), or "0" when the intra kernel runs persistent CTAs,
-    which have none."""
-    return env_choice(ENV_INTRA_TUNED, "0" if persistent else "tensor", _TUNED_FORMS)
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all", "tensor", "bands", or "auto"
+    (-1: "tensor" or "bands" per call). Unset: "auto" (the tuned forms, 16% faster than "0" on the H200), or "0" when
+    the intra kernel runs persistent CTAs, which have none."""
+    return env_choice(ENV_INTRA_TUNED, "0" if persistent else "auto", _TUNED_FORMS)
+
+
+def _bands_pay(num_chunks: int, idle_bands: int) -> bool:
+    """Whether the "bands" intra form beats "tensor" on a call of ``num_chunks`` chunks whose partial last chunks hold
+    ``idle_bands`` 16-row bands without a token. On the H200 (twelfth session, intra kernel at HV 64) a skipped band
+    saved ~6 ns of GPU time and the band tests cost every chunk ~2% (~1.1 ns): "bands" wins from ~0.18 idle bands per
+    chunk (20 sequences of T4096: 0.75, 6.5% faster; of T8192: 0.29, 1%; 10 of T16384: 0.04, 1.3% slower)."""
+    return 5 * idle_bands >= num_chunks
 
 
 def _recurrence_stages() -> int:
@@ -286,6 +296,11 @@ class _Launch:
         # the intra launch's arguments that the signature fixes, after the index pointers and before the workspace's
         self.intra_shape = (self.H, self.HV, self.scale, self.lower_bound, *self.gate_flags)
         self.intra_tail = (*self.persistent, self.tuned)
+        if tuned == -1:  # "auto": fixed by the signature for a fixed-length batch, per call (cached) for varlen
+            self.intra_tails = ((*self.persistent, 11), (*self.persistent, 15))
+            tail = args.T % CHUNK
+            idle = args.B * ((CHUNK - tail) // 16) if tail else 0
+            self.intra_tail = self.intra_tails[_bands_pay(args.B * -(-args.T // CHUNK), idle)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
@@ -296,16 +311,18 @@ class _Launch:
         # Host order: only what the intra kernel needs comes before its launch; o and the final state are allocated
         # while it runs (at small T the host time before the first launch is GPU idle).
         ext, device, HV, total = self.ext, self.device, self.HV, self.total
-        fixed = self.fixed
+        fixed, intra_tail = self.fixed, self.intra_tail
         if fixed is not None:
             cu, chunk_indices, chunk_offsets, num_chunks, regions, nbytes = fixed
             order = None  # (equal lengths: slot order)
         else:
             cu = cu_seqlens
             # built from the checked host copy and moved in one copy (no launch, no synchronisation); cached
-            chunk_indices, chunk_offsets, order = _varlen_launch(ext, cu, cu_host, total)
+            chunk_indices, chunk_offsets, order, idle_bands = _varlen_launch(ext, cu, cu_host, total)
             num_chunks = chunk_indices.shape[0]
             regions, nbytes = workspace_layout(total, HV, num_chunks)
+            if self.tuned == -1:  # (the same bits either way)
+                intra_tail = self.intra_tails[_bands_pay(num_chunks, idle_bands)]
         inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr())
         if (inputs[0] | inputs[1] | inputs[2] | inputs[3] | inputs[4]) & 15:  # (rare) data off a 16-byte boundary
             q, k, v, g, beta = _aligned(q), _aligned(k), _aligned(v), _aligned(g), _aligned(beta)
@@ -323,7 +340,7 @@ class _Launch:
         with _device_guard(index):
             ext.kda_intra(
                 *inputs, _ptr(A_log), _ptr(dt_bias), *self.type_codes, cu.data_ptr(), chunk_indices.data_ptr(),
-                chunk_offsets.data_ptr(), total, num_chunks, *self.intra_shape, *workspace, *self.intra_tail, stream,
+                chunk_offsets.data_ptr(), total, num_chunks, *self.intra_shape, *workspace, *intra_tail, stream,
             )
             qg, kg, w, u, Aqk, g_last = workspace
             o = torch.empty(self.B, self.T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -394,7 +411,7 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
     stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
     ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all", "tensor",
-    "bands"; one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
+    "bands", "auto"; one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
                                    or not 0 <= intra_ctas <= _INT32_MAX):
