@@ -1,5 +1,6 @@
-// The default intra kernel's form that computes only the 16-row bands holding valid rows (kTunedBands on top of
-// kTunedNorm | kTunedInverse | kTunedTensorInverse): the same bits, less work in each sequence's partial last chunk.
+// The tensor-core-inverse intra kernel's form that computes only the 16-row bands holding valid rows (kTunedBands on
+// top of kTunedNorm | kTunedInverse | kTunedTensorInverse): the same bits, less work in each sequence's partial last
+// chunk. The shim's default ("auto") runs it for calls with many such chunks.
 // A translation unit of its own: instantiating more forms beside the default ones changes their code.
 #include "kda/kda_intra_item.cuh"
 

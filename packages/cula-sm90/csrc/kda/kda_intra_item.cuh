@@ -319,7 +319,8 @@ constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as 
 // difference (the negation folds into the exp; IEEE subtraction is sign-symmetric: the same bits). On the H200 the
 // band tests cost full chunks 1.6-2%; a second copy of the item code for full chunks cost 1-12% more (twice the code
 // per kernel); tests around the products only (not phases 0-2a) saved half as much on partial chunks and still cost
-// full ones 0.8% (benchmarks/results/kda_profile_h200.md, twelfth session). So it is opt-in ("bands").
+// full ones 0.8% (benchmarks/results/kda_profile_h200.md, twelfth session). So the shim runs it per call only where
+// partial chunks leave many bands idle (its default "auto"; "bands" forces it).
 constexpr int kTunedBands = 4;
 // Whether 16-row band `band` is computed: always, except past the last valid row's band with kTunedBands.
 template <int kTuned>
