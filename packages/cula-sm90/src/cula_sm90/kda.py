@@ -296,11 +296,12 @@ class _Launch:
         # the intra launch's arguments that the signature fixes, after the index pointers and before the workspace's
         self.intra_shape = (self.H, self.HV, self.scale, self.lower_bound, *self.gate_flags)
         self.intra_tail = (*self.persistent, self.tuned)
-        if tuned == -1:  # "auto": fixed by the signature for a fixed-length batch, per call (cached) for varlen
-            self.intra_tails = ((*self.persistent, 11), (*self.persistent, 15))
-            tail = args.T % CHUNK
-            idle = args.B * ((CHUNK - tail) // 16) if tail else 0
-            self.intra_tail = self.intra_tails[_bands_pay(args.B * -(-args.T // CHUNK), idle)]
+        if tuned == _TUNED_FORMS["auto"]:  # "tensor" or "bands": per call (cached) for varlen, here for fixed lengths
+            self.intra_tails = tuple((*self.persistent, _TUNED_FORMS[form]) for form in ("tensor", "bands"))
+            if self.fixed is not None:  # (the extension's count of idle bands, on the batch's host boundaries)
+                host = torch.arange(args.B + 1, dtype=torch.int32) * args.T
+                idle = self.ext.varlen_idle_bands(host.data_ptr(), args.B, CHUNK)
+                self.intra_tail = self.intra_tails[_bands_pay(self.fixed[3], idle)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
@@ -321,7 +322,7 @@ class _Launch:
             chunk_indices, chunk_offsets, order, idle_bands = _varlen_launch(ext, cu, cu_host, total)
             num_chunks = chunk_indices.shape[0]
             regions, nbytes = workspace_layout(total, HV, num_chunks)
-            if self.tuned == -1:  # (the same bits either way)
+            if self.tuned == _TUNED_FORMS["auto"]:  # (the same bits either way)
                 intra_tail = self.intra_tails[_bands_pay(num_chunks, idle_bands)]
         inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr())
         if (inputs[0] | inputs[1] | inputs[2] | inputs[3] | inputs[4]) & 15:  # (rare) data off a 16-byte boundary
