@@ -194,25 +194,27 @@ def contenders(extra: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> dict:
     from cula.kda import kda_prefill
 
     runs = {}
-    try:
-        from fla.ops.kda import chunk_kda
+    if "fla" not in skip:  # (not imported when skipped)
+        try:
+            from fla.ops.kda import chunk_kda
 
-        def fla(kw):
-            call = dict(kw)
-            if "cu_seqlens" in call:
-                call["cu_seqlens"] = call["cu_seqlens"].long()
-            return chunk_kda(**call)
+            def fla(kw):
+                call = dict(kw)
+                if "cu_seqlens" in call:
+                    call["cu_seqlens"] = call["cu_seqlens"].long()
+                return chunk_kda(**call)
 
-        runs["fla"] = fla
-    except ImportError as error:
-        print(f"FLA not importable ({error}); FLA columns stay empty")
+            runs["fla"] = fla
+        except ImportError as error:
+            print(f"FLA not importable ({error}); FLA columns stay empty")
     for backend in ("sm90", "cutedsl"):
-        runs[f"cula-{backend}"] = _cula_run(kda_prefill, backend, {})
+        if f"cula-{backend}" not in skip:
+            runs[f"cula-{backend}"] = _cula_run(kda_prefill, backend, {})
     for spec in extra:  # "backend:NAME=value[,NAME=value]": the backend with those knobs, side by side
         backend, _, knobs = spec.partition(":")
         env = dict(item.split("=", 1) for item in knobs.split(",") if item)
         runs[f"cula-{backend}[{knobs}]"] = _cula_run(kda_prefill, backend, env)
-    return {name: run for name, run in runs.items() if name not in skip}
+    return runs
 
 
 def _cula_run(kda_prefill, backend: str, env: dict):
