@@ -488,6 +488,62 @@ def test_sm90_verify_asks_the_cached_capability(monkeypatch: pytest.MonkeyPatch)
     assert kda.verify_kda_prefill(args) == (False, "built for sm_90a only; this GPU is sm_100")
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["launched", "recurrence-fails"])
+def test_sm90_workspace_is_a_raw_block_returned_after_both_launches(fail: bool, fake_sm90, monkeypatch) -> None:
+    """kda_prefill's workspace comes from the caching allocator's raw interface on the call's stream, the kernels get
+    its address plus each region's offset, and the block goes back once both kernels are queued (also when a launch
+    raises); run_kernels keeps a tensor (its views are returned)."""
+    kda, fake = fake_sm90
+    case = SHIM_CASES["varlen-vfirst"]
+    args = validate_kda_prefill(**make_inputs(case, "cpu", seed=3))
+    fake.o_bytes = args.B * args.T * args.HV * 128 * 2
+    fake.state_bytes = args.N * args.HV * 128 * 128 * 4
+    blocks, events, launched = {}, [], []
+    intra, recurrence = fake.kda_intra, fake.kda_recurrence
+
+    def counted_intra(*a) -> int:
+        launched.append("intra")
+        return intra(*a)
+
+    def counted_recurrence(*a) -> int:
+        launched.append("recurrence")
+        if fail:
+            raise RuntimeError("cula_sm90.kda_recurrence: CUDA error 1")
+        return recurrence(*a)
+
+    def raw_alloc(nbytes: int, stream: int) -> int:
+        block = ctypes.create_string_buffer(nbytes + 256)
+        base = ctypes.addressof(block) + (-ctypes.addressof(block) % 256)  # (the allocator's blocks are aligned)
+        blocks[base] = block
+        events.append(("alloc", nbytes, stream, len(launched)))
+        return base
+
+    def raw_delete(ptr: int) -> None:
+        events.append(("delete", ptr, len(launched)))
+
+    monkeypatch.setattr(fake, "kda_intra", counted_intra)
+    monkeypatch.setattr(fake, "kda_recurrence", counted_recurrence)
+    monkeypatch.setattr(kda, "_uses_raw_workspace", lambda device: True)
+    monkeypatch.setattr(kda, "_raw_alloc", raw_alloc)
+    monkeypatch.setattr(kda, "_raw_delete", raw_delete)
+    if fail:
+        with pytest.raises(RuntimeError, match="kda_recurrence"):
+            kda.kda_prefill(args)
+    else:
+        o, ht = kda.kda_prefill(args)
+        assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
+    (base,) = blocks
+    num_chunks = fake.intra[13]
+    regions, nbytes = kda.workspace_layout(args.B * args.T, args.HV, num_chunks)
+    assert events == [("alloc", nbytes, 777, 0), ("delete", base, 2)]
+    assert fake.intra[22:28] == tuple(base + region.offset for region in regions)
+    if not fail:
+        assert fake.recurrence[:6] == fake.intra[22:28]
+        events.clear()
+        kda.run_kernels(args)  # (its workspace views need a tensor: no raw block)
+        assert events == []
+
+
 def test_sm90_stream_and_device_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     kda = shim()
     monkeypatch.setattr(kda, "_raw_current_stream", None)
@@ -495,10 +551,15 @@ def test_sm90_stream_and_device_helpers(monkeypatch: pytest.MonkeyPatch) -> None
     assert kda._current_stream(2) == 1002  # without torch's raw query: torch.cuda.current_stream
     monkeypatch.setattr(kda, "_raw_current_stream", lambda index: 2000 + index)
     assert kda._current_stream(2) == 2002
+    monkeypatch.setattr(kda, "_raw_current_device", None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert kda._device_guard(0) is kda._SAME_DEVICE
+    assert kda._device_guard(0) is kda._SAME_DEVICE  # without torch's raw query: torch.cuda.current_device
     guard = kda._device_guard(1)
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    monkeypatch.setattr(kda, "_raw_current_device", lambda: 1)
+    assert kda._device_guard(1) is kda._SAME_DEVICE
+    guard = kda._device_guard(0)
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 0
 
 
 # ---- on the GPU
@@ -529,3 +590,29 @@ def test_sm90_on_a_side_stream_gives_the_same_bits(monkeypatch: pytest.MonkeyPat
         o, ht = kda_prefill(**kwargs)
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+
+
+@pytest.mark.gpu
+def test_sm90_workspace_blocks_follow_stream_order_and_go_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw workspace block of a call goes back to the caching allocator once both kernels are queued: calls on
+    two streams (one held busy) and back-to-back calls of one shape on one stream give each call's own bits, and
+    repeated calls leave no memory allocated."""
+    use_backend("sm90", monkeypatch)
+    assert shim()._uses_raw_workspace(torch.device("cuda"))  # (this torch has the raw interface: the path is run)
+    case = next(c for c in CASES if c.name == "varlen-0-1-64-65-200")
+    kw_a, kw_b = make_inputs(case, "cuda", seed=21), make_inputs(case, "cuda", seed=22)
+    ref_a, ref_b = kda_prefill(**kw_a), kda_prefill(**kw_b)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(20_000_000)  # the side stream's call waits while the main stream's run
+        out_side = [kda_prefill(**kw_a), kda_prefill(**kw_b)]
+    out_main = [kda_prefill(**kw_b), kda_prefill(**kw_a), kda_prefill(**kw_b)]
+    main.wait_stream(side)
+    for (o, ht), (o_ref, ht_ref) in zip(out_side + out_main, [ref_a, ref_b, ref_b, ref_a, ref_b], strict=True):
+        assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+    del out_side, out_main, o, ht
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before

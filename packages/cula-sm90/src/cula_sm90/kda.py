@@ -85,6 +85,13 @@ _WORKSPACE_ALIGN = 256  # bytes; each workspace region starts on such a boundary
 _fixed_index_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # The current stream as an integer, without building a torch.cuda.Stream (what torch's own generated code calls).
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The current device's index without torch.cuda.current_device()'s lazy-initialisation checks (the call's tensors
+# are on a CUDA device, so CUDA is initialised): ~0.6 us instead of ~2.7 on the H200's host (cProfile).
+_raw_current_device = getattr(torch._C, "_cuda_getDevice", None)
+# The caching allocator's raw block interface (what torch.cuda.caching_allocator_alloc calls): a call's workspace
+# as an address, without a tensor: ~1 us instead of torch.empty's ~3.4 on the H200's host, before the first launch.
+_raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+_raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
 _SAME_DEVICE = contextlib.nullcontext()
 
 
@@ -188,6 +195,13 @@ def workspace_layout(total: int, HV: int, num_chunks: int) -> tuple[tuple[Worksp
     return tuple(regions), offset
 
 
+@functools.lru_cache(maxsize=256)
+def _workspace(total: int, HV: int, num_chunks: int) -> tuple[tuple[WorkspaceRegion, ...], tuple[int, ...], int]:
+    """:func:`workspace_layout`'s regions, their byte offsets (a call adds its buffer's address to each) and size."""
+    regions, nbytes = workspace_layout(total, HV, num_chunks)
+    return regions, tuple(region.offset for region in regions), nbytes
+
+
 # CULA_SM90_INTRA_PERSISTENT value -> (persistent CTAs per SM, how many items ahead each CTA prefetches into L2)
 _PERSISTENT_MODES = {"0": (0, 0), "1": (2, 1), "2": (2, 2), "noprefetch": (2, 0)}
 
@@ -240,10 +254,17 @@ def _current_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+def _uses_raw_workspace(device: torch.device) -> bool:
+    """Whether a call's workspace on ``device`` is a raw caching-allocator block (CUDA, and a torch that has the raw
+    interface) rather than a tensor."""
+    return _raw_alloc is not None and device.type == "cuda"
+
+
 def _device_guard(index: int) -> contextlib.AbstractContextManager:
     """Make ``index`` the current CUDA device for the launches; a no-op context when it already is (the usual case;
     entering ``torch.cuda.device`` costs two device exchanges per call)."""
-    return _SAME_DEVICE if torch.cuda.current_device() == index else torch.cuda.device(index)
+    current = _raw_current_device() if _raw_current_device is not None else torch.cuda.current_device()
+    return _SAME_DEVICE if current == index else torch.cuda.device(index)
 
 
 class _Launch:
@@ -277,11 +298,14 @@ class _Launch:
         self.B, self.T, self.H, self.HV, self.N = args.B, args.T, args.H, args.HV, args.N
         self.total = args.B * args.T
         self.device, self.index = device, device.index
+        self.raw_workspace = _uses_raw_workspace(device)
         self.scale = args.scale
         self.lower_bound = args.lower_bound if args.lower_bound is not None else -5.0
         self.gate_flags = (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                            args.allow_neg_eigval)
         self.type_codes = (_DTYPE_CODES[args.g.dtype], _DTYPE_CODES[args.beta.dtype])
+        # whether the gate's parameters need an fp32 copy (the signature fixes their dtypes)
+        self.gate_params_fp32 = all(x is None or x.dtype == torch.float32 for x in (args.A_log, args.dt_bias))
         h0 = args.initial_state
         self.state_code = 0 if h0 is None else _DTYPE_CODES[h0.dtype]
         self.state_shape = args.state_shape if args.output_final_state else None
@@ -291,8 +315,10 @@ class _Launch:
         if args.cu_seqlens is None and self.total:
             cu, indices, offsets = _fixed_indices(args.B, args.T, device)
             num_chunks = args.B * -(-args.T // CHUNK)
-            regions, nbytes = workspace_layout(self.total, args.HV, num_chunks)
-            self.fixed = (cu, indices, offsets, num_chunks, regions, nbytes)
+            # (the index tensors' addresses: the cache entry's tensors stay alive through self.fixed_indices)
+            self.fixed_indices = (cu, indices, offsets)
+            self.fixed = ((cu.data_ptr(), indices.data_ptr(), offsets.data_ptr()), None, num_chunks,
+                          *_workspace(self.total, args.HV, num_chunks))
         # the intra launch's arguments that the signature fixes, after the index pointers and before the workspace's
         self.intra_shape = (self.H, self.HV, self.scale, self.lower_bound, *self.gate_flags)
         self.intra_tail = (*self.persistent, self.tuned)
@@ -301,61 +327,83 @@ class _Launch:
             if self.fixed is not None:  # (the extension's count of idle bands, on the batch's host boundaries)
                 host = torch.arange(args.B + 1, dtype=torch.int32) * args.T
                 idle = self.ext.varlen_idle_bands(host.data_ptr(), args.B, CHUNK)
-                self.intra_tail = self.intra_tails[_bands_pay(self.fixed[3], idle)]
+                self.intra_tail = self.intra_tails[_bands_pay(self.fixed[2], idle)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-                 cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None,
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple[WorkspaceRegion, ...]]:
+                 cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None, keep_workspace: bool = False,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[WorkspaceRegion, ...]]:
         """Launch on contiguous tensors of the signature it was built for (``cu_host``: the checked host copy of
-        ``cu_seqlens``). Returns o, the final state (or None), the workspace buffer and its regions."""
+        ``cu_seqlens``). Returns o, the final state (or None), the workspace buffer (None unless ``keep_workspace``)
+        and its regions.
+
+        Without ``keep_workspace`` the workspace is a raw block of torch's caching allocator on the current stream,
+        returned to it once both kernels are queued: the same stream-ordered reuse as a tensor that goes out of scope
+        after the launches (a later allocation on this stream runs after them; CUDA-graph capture gives it the
+        graph's pool, as for any allocation on the capturing stream)."""
         # Host order: only what the intra kernel needs comes before its launch; o and the final state are allocated
         # while it runs (at small T the host time before the first launch is GPU idle).
         ext, device, HV, total = self.ext, self.device, self.HV, self.total
         fixed, intra_tail = self.fixed, self.intra_tail
         if fixed is not None:
-            cu, chunk_indices, chunk_offsets, num_chunks, regions, nbytes = fixed
-            order = None  # (equal lengths: slot order)
+            # (cu_seqlens, chunk indices, chunk offsets) addresses; no launch order (equal lengths: slot order)
+            index_ptrs, order, num_chunks, regions, region_offsets, nbytes = fixed
         else:
-            cu = cu_seqlens
             # built from the checked host copy and moved in one copy (no launch, no synchronisation); cached
-            chunk_indices, chunk_offsets, order, idle_bands = _varlen_launch(ext, cu, cu_host, total)
+            chunk_indices, chunk_offsets, order, idle_bands = _varlen_launch(ext, cu_seqlens, cu_host, total)
+            index_ptrs = (cu_seqlens.data_ptr(), chunk_indices.data_ptr(), chunk_offsets.data_ptr())
             num_chunks = chunk_indices.shape[0]
-            regions, nbytes = workspace_layout(total, HV, num_chunks)
+            regions, region_offsets, nbytes = _workspace(total, HV, num_chunks)
             if self.tuned == _TUNED_FORMS["auto"]:  # (the same bits either way)
                 intra_tail = self.intra_tails[_bands_pay(num_chunks, idle_bands)]
-        inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr())
-        if (inputs[0] | inputs[1] | inputs[2] | inputs[3] | inputs[4]) & 15:  # (rare) data off a 16-byte boundary
+        inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _ptr(A_log), _ptr(dt_bias))
+        if (inputs[0] | inputs[1] | inputs[2] | inputs[3] | inputs[4] | inputs[5] | inputs[6]) & 15 or (
+                not self.gate_params_fp32):  # (rare) data off a 16-byte boundary, or gate parameters not in fp32
             q, k, v, g, beta = _aligned(q), _aligned(k), _aligned(v), _aligned(g), _aligned(beta)
-            inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr())
-        if A_log is not None:
-            A_log = _aligned(_fp32(A_log))
-        if dt_bias is not None:
-            dt_bias = _aligned(_fp32(dt_bias))
-        # one allocation for the six workspace tensors (each only a pointer to the kernels), not six
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        base = buffer.data_ptr()
-        workspace = tuple(base + region.offset for region in regions)  # qg, kg, w, u, Aqk, g_last
+            A_log, dt_bias = _aligned(_fp32(A_log)), _aligned(_fp32(dt_bias))
+            inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _ptr(A_log),
+                      _ptr(dt_bias))
         index = self.index
         stream = _current_stream(index)
         with _device_guard(index):
-            ext.kda_intra(
-                *inputs, _ptr(A_log), _ptr(dt_bias), *self.type_codes, cu.data_ptr(), chunk_indices.data_ptr(),
-                chunk_offsets.data_ptr(), total, num_chunks, *self.intra_shape, *workspace, *intra_tail, stream,
-            )
-            qg, kg, w, u, Aqk, g_last = workspace
-            o = torch.empty(self.B, self.T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
-            state_shape = self.state_shape
-            final_state = None if state_shape is None else torch.empty(state_shape, dtype=torch.float32,
-                                                                       device=device)
-            if not self.longest_first:
-                order = None
-            ext.kda_recurrence(
-                qg, kg, w, u, Aqk, g_last, cu.data_ptr(), chunk_offsets.data_ptr(), _ptr(order),
-                _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
-                self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, stream,
-            )
+            # one allocation for the six workspace tensors (each only a pointer to the kernels), not six
+            if keep_workspace or not self.raw_workspace:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                base, raw = buffer.data_ptr(), 0
+            else:  # (on the current device, which the guard made the tensors' one)
+                buffer, base = None, _raw_alloc(nbytes, stream)
+                raw = base
+            try:
+                o, final_state = self._launch(ext, inputs, index_ptrs, num_chunks, intra_tail, order, h0,
+                                              tuple(map(base.__add__, region_offsets)), stream)
+            finally:
+                if raw:
+                    _raw_delete(raw)
         return o, final_state, buffer, regions
+
+    def _launch(self, ext: Any, inputs: tuple[int, ...], index_ptrs: tuple[int, int, int], num_chunks: int,
+                intra_tail: tuple[int, int, int], order: torch.Tensor | None, h0: torch.Tensor | None,
+                workspace: tuple[int, ...], stream: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Both launches on ``stream`` (the call's device current), with the workspace at the addresses
+        ``workspace`` (qg, kg, w, u, Aqk, g_last). Returns o and the final state (or None)."""
+        device, HV, total = self.device, self.HV, self.total
+        ext.kda_intra(
+            *inputs, *self.type_codes, *index_ptrs, total, num_chunks, *self.intra_shape, *workspace, *intra_tail,
+            stream,
+        )
+        qg, kg, w, u, Aqk, g_last = workspace
+        o = torch.empty(self.B, self.T, HV, HEAD_DIM, dtype=torch.bfloat16, device=device)
+        state_shape = self.state_shape
+        final_state = None if state_shape is None else torch.empty(state_shape, dtype=torch.float32,
+                                                                   device=device)
+        if not self.longest_first:
+            order = None
+        ext.kda_recurrence(
+            qg, kg, w, u, Aqk, g_last, index_ptrs[0], index_ptrs[2], _ptr(order),
+            _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
+            self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, stream,
+        )
+        return o, final_state
 
 
 def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -432,6 +480,7 @@ def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intr
     if args.B * args.T == 0:
         return *empty_prefill_result(args), {}
     o, final_state, buffer, regions = launch(args.q, args.k, args.v, args.g, args.beta, args.initial_state,
-                                             args.A_log, args.dt_bias, args.cu_seqlens, args.cu_seqlens_host)
+                                             args.A_log, args.dt_bias, args.cu_seqlens, args.cu_seqlens_host,
+                                             keep_workspace=True)
     views = {r.name: buffer[r.offset:r.offset + r.nbytes].view(r.dtype).view(r.shape) for r in regions}
     return o, final_state, views
