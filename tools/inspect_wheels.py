@@ -431,6 +431,25 @@ def refusal(**bad):
         return [type(error).__name__, str(error)]
     return None
 
+def shim_forms():
+    # the shim's intra form names -> codes (cula_sm90/kda.py's _TUNED_FORMS, read from its source: the module imports
+    # torch), without "auto" (-1: a per-call choice) and the timing-only "ablate:" forms (never in a wheel)
+    import ast, pathlib
+    tree = ast.parse(pathlib.Path(cula_sm90.__file__).with_name("kda.py").read_text())
+    def value(node):  # int literals joined by | (and a leading -)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+            return value(node.left) | value(node.right)
+        raise ValueError(ast.dump(node))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_TUNED_FORMS"]:
+            forms = {key.value: value(v) for key, v in zip(node.value.keys, node.value.values)}
+            return {name: code for name, code in forms.items() if code >= 0 and not name.startswith("ablate:")}
+    return {}
+
 def varlen(bounds):
     # the host-side varlen index build (C++, no CUDA), into an array buffer
     import array
@@ -443,6 +462,8 @@ def varlen(bounds):
 print(json.dumps({
     "refusals": {"tuned": refusal(tuned=7), "persistent_ctas": refusal(persistent_ctas=-1)},
     "varlen": varlen([0, 100, 100, 228, 240]),
+    "forms": {name: [code, extension.intra_form_built(code)] for name, code in shim_forms().items()},
+    "unbuilt_form_7": extension.intra_form_built(7),
     "shim_version": cula_sm90.__version__,
     "version": extension.version(),
     "archs": extension.compiled_archs(),
@@ -460,8 +481,8 @@ _VARLEN_EXPECTED = [5, 12, 20, 24, [0, 0, 0, 1, 2, 0, 2, 1, 3, 0, 0, 0, 0, 2, 2,
 
 def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
     """Unpack the wheel and load its extension in ``python`` (needs no GPU): version, archs, refusals of bad
-    kda_intra arguments (ValueError before any launch), the host-side varlen index build on one batch, no torch
-    import."""
+    kda_intra arguments (ValueError before any launch), every intra form the shim names built in the extension, the
+    host-side varlen index build on one batch, no torch import."""
     with tempfile.TemporaryDirectory() as scratch:
         with zipfile.ZipFile(path) as archive:
             archive.extractall(scratch)
@@ -483,6 +504,12 @@ def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
     if report["varlen"] != _VARLEN_EXPECTED:
         problems.append(f"varlen_launch_values of cu = [0, 100, 100, 228, 240] gave {report['varlen']}, expected "
                         f"{_VARLEN_EXPECTED}")
+    # every intra form the shim names has a kernel in the extension (the extension's one list, beside its launcher)
+    if len(report["forms"]) < 6 or report["unbuilt_form_7"]:
+        problems.append(f"intra forms: the shim names {report['forms']} (expected at least 6), form 7 built: "
+                        f"{report['unbuilt_form_7']} (expected False)")
+    problems += [f"the shim's intra form {name!r} (code {code}) has no kernel in the extension"
+                 for name, (code, built) in report["forms"].items() if not built]
     for argument, refused in report["refusals"].items():  # bad kda_intra arguments: ValueErrors before any launch
         if refused is None or refused[0] != "ValueError" or f"{argument} must be" not in refused[1]:
             problems.append(f"kda_intra with a bad {argument} gave {refused}, expected a ValueError naming it")
@@ -533,7 +560,8 @@ def inspect_folder(
                     if tag.startswith(f"{here}-"):
                         problems += load_check_sm90(path)
                         notes.append(f"loaded in {sys.executable} (no GPU needed): version, archs, kda_intra "
-                                     "argument refusals, the varlen index build, no torch import")
+                                     "argument refusals, the shim's intra forms built, the varlen index build, "
+                                     "no torch import")
                     else:
                         notes.append(f"not loaded: built for {tag.split('-')[0]}, this interpreter is {here}")
                 reports.append(WheelReport(path, problems, notes))

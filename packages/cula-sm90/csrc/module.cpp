@@ -55,15 +55,11 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
                                 std::to_string(persistent_ctas));
   }
-#ifdef CULA_SM90_ABLATION  // (timing-only forms: 11 plus kAblate* bits of kda_intra_item.cuh)
-  const bool ablation = tuned == 27 || tuned == 43 || tuned == 75 || tuned == 139 || tuned == 267 || tuned == 523 ||
-                        tuned == 1035 || tuned == 1547 || tuned == 2059;
-#else
-  const bool ablation = false;
-#endif
-  if (((tuned < 0 || tuned > 3) && tuned != 11 && tuned != 15 && !ablation) || (tuned != 0 && persistent_ctas > 0)) {
-    throw std::invalid_argument("cula_sm90.kda_intra: tuned must be 0, 1, 2, 3, 11 or 15, and 0 with persistent CTAs; "
-                                "got " + std::to_string(tuned));
+  // (the valid forms are listed once, beside the launcher's switch; an ablation build adds its timing-only ones)
+  if (!cula_sm90::kda_intra_form_built(tuned) || (tuned != 0 && persistent_ctas > 0)) {
+    throw std::invalid_argument(std::string("cula_sm90.kda_intra: tuned must be ") +
+                                cula_sm90::kda_intra_forms_text() + ", and 0 with persistent CTAs; got " +
+                                std::to_string(tuned));
   }
   if (persistent_prefetch < 0 || persistent_prefetch > 2) {
     throw std::invalid_argument("cula_sm90.kda_intra: persistent_prefetch must be 0, 1 or 2, got " +
@@ -141,6 +137,9 @@ PYBIND11_MODULE(_C, m) {
         "(0: the legacy default stream). Returns the CUDA error code (0); raises RuntimeError naming the "
         "kernel when the launch fails, ValueError for a bad pointer or size.");
   m.def("kda_intra", &kda_intra, "KDA chunk-parallel kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
+  m.def("intra_form_built", &cula_sm90::kda_intra_form_built, py::arg("tuned"),
+        "Whether kda_intra has a kernel for the tuned form code `tuned` (one CTA per item); the codes of "
+        "cula_sm90.kda._TUNED_FORMS must all be built.");
   m.def("varlen_launch_capacity", &cula_sm90::varlen_launch_capacity, py::arg("n"), py::arg("total"),
         py::arg("chunk"), "int32 slots varlen_launch_values needs at most for n sequences over total tokens.");
   m.def("varlen_launch_values", &varlen_launch_values, py::arg("cu"), py::arg("n"), py::arg("chunk"), py::arg("out"),

@@ -58,6 +58,10 @@ int kda_intra(const KdaIntraArgs& a, std::uintptr_t stream) {
   return static_cast<int>(cula::sm90::launch_kda_intra(p, a.tuned, reinterpret_cast<cudaStream_t>(stream)));
 }
 
+bool kda_intra_form_built(int tuned) { return cula::sm90::kda_intra_form_built(tuned); }
+
+const char* kda_intra_forms_text() { return cula::sm90::kda_intra_forms_text(); }
+
 int kda_recurrence(const KdaRecurrenceArgs& a, std::uintptr_t stream) {
   cula::sm90::KdaRecurrenceParams p{};
   p.qg = as_ptr<const void>(a.qg);

@@ -33,6 +33,10 @@ struct KdaRecurrenceArgs {
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);
+// Whether the extension has an intra kernel for the tuned form `tuned` (one CTA per item), and the valid forms as
+// text; the one list is beside the launcher's switch (kda_intra.cu).
+bool kda_intra_form_built(int tuned);
+const char* kda_intra_forms_text();
 int kda_recurrence(const KdaRecurrenceArgs& args, std::uintptr_t stream);
 
 }  // namespace cula_sm90

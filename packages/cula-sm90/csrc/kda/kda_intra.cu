@@ -26,6 +26,25 @@ cudaError_t launch_kda_intra_bands(const KdaIntraParams& params, cudaStream_t st
 cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 #endif
 
+// The forms the switch below launches (keep the two together).
+constexpr int kIntraForms[] = {0, kTunedNorm, kTunedInverse, kTunedNorm | kTunedInverse,
+                               kTunedNorm | kTunedInverse | kTunedTensorInverse,
+                               kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands};
+static_assert(kIntraForms[4] == 11 && kIntraForms[5] == 15, "kda_intra_forms_text names the codes");
+
+bool kda_intra_form_built(int tuned) {
+  for (const int form : kIntraForms) {
+    if (form == tuned) return true;
+  }
+#ifdef CULA_SM90_ABLATION
+  return kda_intra_ablation_built(tuned);
+#else
+  return false;
+#endif
+}
+
+const char* kda_intra_forms_text() { return "0, 1, 2, 3, 11 or 15"; }
+
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
 #ifdef CULA_SM90_ABLATION

@@ -7,8 +7,21 @@
 
 namespace cula::sm90 {
 
+constexpr int kBase = kTunedNorm | kTunedInverse | kTunedTensorInverse;  // the default form
+// The forms the switch below launches (keep the two together).
+constexpr int kAblationForms[] = {kBase | kAblateGate, kBase | kAblateNormExp, kBase | kAblateProducts,
+                                  kBase | kAblateInverse, kBase | kAblateSolve, kBase | kAblateLoads,
+                                  kBase | kAblateStores, kBase | kAblateStoresWU,
+                                  kBase | kAblateLoads | kAblateStores};
+
+bool kda_intra_ablation_built(int tuned) {
+  for (const int form : kAblationForms) {
+    if (form == tuned) return true;
+  }
+  return false;
+}
+
 cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
-  constexpr int kBase = kTunedNorm | kTunedInverse | kTunedTensorInverse;  // the default form
   switch (tuned) {
     case kBase | kAblateGate: return launch_one_cta_per_item<kBase | kAblateGate>(params, stream);
     case kBase | kAblateNormExp: return launch_one_cta_per_item<kBase | kAblateNormExp>(params, stream);

@@ -94,6 +94,13 @@ struct KdaRecurrenceParams {
 // cores, 15 = 11 computing only the 16-row bands that hold tokens (the shim's default "auto" picks 11 or 15 per call);
 // 0 the first verified kernel); the persistent kernel (persistent_ctas > 0) has one form only.
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream);
+// Whether launch_kda_intra has a one-CTA-per-item kernel for `tuned` (the one list of valid forms: the extension's
+// argument check and the Python shim's form names are tested against it), and that list as text for messages.
+bool kda_intra_form_built(int tuned);
+const char* kda_intra_forms_text();
+#ifdef CULA_SM90_ABLATION
+bool kda_intra_ablation_built(int tuned);  // the timing-only forms of kda_intra_ablation.cu
+#endif
 cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, cudaStream_t stream);
 
 }  // namespace cula::sm90

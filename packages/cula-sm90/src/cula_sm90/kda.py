@@ -61,7 +61,10 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # and the last with the first (1.6-5.9% slower); each diagonal block inverted inside phase 3 by the warp that made it
 # (equal); benchmarks/results/kda_profile_h200.md.)
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
-_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,  # -> the kernel's bit set (csrc/kda/kda_intra_item.cuh)
+# Form name -> the kernel's bit set (csrc/kda/kda_intra_item.cuh). The extension lists the codes it builds once, beside
+# its launcher (csrc/kda/kda_intra.cu, `intra_form_built`); the wheel check (tools/inspect_wheels.py) tests that every
+# code named here but "auto" and the "ablate:" ones is built.
+_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,
                 "tensor": 11, "bands": 15, "auto": -1,  # (-1: 11 or 15 per call, _bands_pay)
                 # timing-only: "tensor" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
