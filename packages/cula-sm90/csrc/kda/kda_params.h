@@ -22,6 +22,11 @@ namespace cula::sm90 {
 constexpr int kChunk = 64;
 constexpr int kHeadDim = 128;  // K = V = 128
 
+// Aqk's [64][64] bf16 tile per chunk holds only its 16 x 16 blocks on and below the diagonal: the intra kernel writes
+// 16-byte chunk `ch` (8 columns) of row `row` iff this holds (its store spells the test out, see there), and the
+// recurrence reads exactly those (zero-filling the others in shared memory).
+__host__ __device__ constexpr bool aqk_chunk_written(int row, int ch) { return (ch >> 1) <= (row >> 4); }
+
 enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1 };
 
 // Kernel 1 ("intra"): one CTA per (chunk, value head), or persistent CTAs over them; no dependency between chunks.

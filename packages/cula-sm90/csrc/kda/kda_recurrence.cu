@@ -212,7 +212,7 @@ __device__ __forceinline__ void copy_tile(const uint32_t (&dst)[kTensors], const
 #pragma unroll
   for (int i = 0; i < kChunk / kRowsPerPass; ++i) {
     const int row = r0 + i * kRowsPerPass;
-    const bool valid = row < L && (!kLowerBlocks || (ch >> 1) <= (row >> 4));
+    const bool valid = row < L && (!kLowerBlocks || aqk_chunk_written(row, ch));
     const int64_t src = (valid ? static_cast<int64_t>(row) * row_stride : 0) + ch * 8;
     uint32_t off;
     if constexpr (kSw128) {
