@@ -22,6 +22,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const
 
 cudaError_t launch_kda_intra_tensor(const KdaIntraParams& params, cudaStream_t stream);
 cudaError_t launch_kda_intra_bands(const KdaIntraParams& params, cudaStream_t stream);
+cudaError_t launch_kda_intra_regs(const KdaIntraParams& params, cudaStream_t stream);
 #ifdef CULA_SM90_ABLATION
 cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 #endif
@@ -29,8 +30,10 @@ cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, c
 // The forms the switch below launches (keep the two together).
 constexpr int kIntraForms[] = {0, kTunedNorm, kTunedInverse, kTunedNorm | kTunedInverse,
                                kTunedNorm | kTunedInverse | kTunedTensorInverse,
-                               kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands};
-static_assert(kIntraForms[4] == 11 && kIntraForms[5] == 15, "kda_intra_forms_text names the codes");
+                               kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands,
+                               kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedGammaRegs};
+static_assert(kIntraForms[4] == 11 && kIntraForms[5] == 15 && kIntraForms[6] == 4107,
+              "kda_intra_forms_text names the codes");
 
 bool kda_intra_form_built(int tuned) {
   for (const int form : kIntraForms) {
@@ -43,7 +46,7 @@ bool kda_intra_form_built(int tuned) {
 #endif
 }
 
-const char* kda_intra_forms_text() { return "0, 1, 2, 3, 11 or 15"; }
+const char* kda_intra_forms_text() { return "0, 1, 2, 3, 11, 15 or 4107"; }
 
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream) {
   if (params.num_chunks <= 0 || params.num_value_heads <= 0) return cudaSuccess;
@@ -73,6 +76,8 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream
     case kTunedNorm | kTunedInverse: return launch_one_cta_per_item<kTunedNorm | kTunedInverse>(params, stream);
     case kTunedNorm | kTunedInverse | kTunedTensorInverse: return launch_kda_intra_tensor(params, stream);
     case kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands: return launch_kda_intra_bands(params, stream);
+    case kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedGammaRegs:
+      return launch_kda_intra_regs(params, stream);
     default: return cudaErrorInvalidValue;
   }
 }
