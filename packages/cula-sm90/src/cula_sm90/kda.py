@@ -202,13 +202,6 @@ def workspace_layout(total: int, HV: int, num_chunks: int) -> tuple[tuple[Worksp
     return tuple(regions), offset
 
 
-@functools.lru_cache(maxsize=256)
-def _workspace(total: int, HV: int, num_chunks: int) -> tuple[tuple[WorkspaceRegion, ...], tuple[int, ...], int]:
-    """:func:`workspace_layout`'s regions, their byte offsets (a call adds its buffer's address to each) and size."""
-    regions, nbytes = workspace_layout(total, HV, num_chunks)
-    return regions, tuple(region.offset for region in regions), nbytes
-
-
 # CULA_SM90_INTRA_PERSISTENT value -> (persistent CTAs per SM, how many items ahead each CTA prefetches into L2)
 _PERSISTENT_MODES = {"0": (0, 0), "1": (2, 1), "2": (2, 2), "noprefetch": (2, 0)}
 
@@ -324,8 +317,8 @@ class _Launch:
             num_chunks = args.B * -(-args.T // CHUNK)
             # (the index tensors' addresses: the cache entry's tensors stay alive through self.fixed_indices)
             self.fixed_indices = (cu, indices, offsets)
-            self.fixed = ((cu.data_ptr(), indices.data_ptr(), offsets.data_ptr()), None, num_chunks,
-                          *_workspace(self.total, args.HV, num_chunks))
+            self.fixed = ((cu.data_ptr(), indices.data_ptr(), offsets.data_ptr()), num_chunks,
+                          *workspace_layout(self.total, args.HV, num_chunks))
         # the intra launch's arguments that the signature fixes, after the index pointers and before the workspace's
         self.intra_shape = (self.H, self.HV, self.scale, self.lower_bound, *self.gate_flags)
         self.intra_tail = (*self.persistent, self.tuned)
@@ -334,7 +327,7 @@ class _Launch:
             if self.fixed is not None:  # (the extension's count of idle bands, on the batch's host boundaries)
                 host = torch.arange(args.B + 1, dtype=torch.int32) * args.T
                 idle = self.ext.varlen_idle_bands(host.data_ptr(), args.B, CHUNK)
-                self.intra_tail = self.intra_tails[_bands_pay(self.fixed[2], idle)]
+                self.intra_tail = self.intra_tails[_bands_pay(num_chunks, idle)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
@@ -353,14 +346,15 @@ class _Launch:
         ext, device, HV, total = self.ext, self.device, self.HV, self.total
         fixed, intra_tail = self.fixed, self.intra_tail
         if fixed is not None:
-            # (cu_seqlens, chunk indices, chunk offsets) addresses; no launch order (equal lengths: slot order)
-            index_ptrs, order, num_chunks, regions, region_offsets, nbytes = fixed
+            # (cu_seqlens, chunk indices, chunk offsets) addresses
+            index_ptrs, num_chunks, regions, nbytes = fixed
+            order = None  # (equal lengths: slot order)
         else:
             # built from the checked host copy and moved in one copy (no launch, no synchronisation); cached
             chunk_indices, chunk_offsets, order, idle_bands = _varlen_launch(ext, cu_seqlens, cu_host, total)
             index_ptrs = (cu_seqlens.data_ptr(), chunk_indices.data_ptr(), chunk_offsets.data_ptr())
             num_chunks = chunk_indices.shape[0]
-            regions, region_offsets, nbytes = _workspace(total, HV, num_chunks)
+            regions, nbytes = workspace_layout(total, HV, num_chunks)
             if self.tuned == _TUNED_FORMS["auto"]:  # (the same bits either way)
                 intra_tail = self.intra_tails[_bands_pay(num_chunks, idle_bands)]
         inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _ptr(A_log), _ptr(dt_bias))
@@ -382,7 +376,7 @@ class _Launch:
                 raw = base
             try:
                 o, final_state = self._launch(ext, inputs, index_ptrs, num_chunks, intra_tail, order, h0,
-                                              tuple(map(base.__add__, region_offsets)), stream)
+                                              tuple(base + region.offset for region in regions), stream)
             finally:
                 if raw:
                     _raw_delete(raw)
