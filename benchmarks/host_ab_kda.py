@@ -8,17 +8,16 @@ compiled extension can be the same: only Python changed), so that machine drift 
 
 - eager ms: the median of ``--reps`` CUDA-event timings of one call, the GPU idle before each (the benchmark's
   measure: the host time to the first launch counts);
-- host us: the median host wall time of one call while the GPU sleeps (``torch.cuda._sleep`` enqueued before each
-  batch of 100 calls), i.e. the Python path with no launch waiting for the GPU.
+- host us: the median host wall time of one call over 300 calls while the GPU sleeps (``host_overhead_kda.host_us``:
+  the Python path with no launch waiting for the GPU), and whether the sleep outlasted them.
 
-Prints one line per config: ``AB <TAG> <config> eager_ms <x> host_us <y>``. Never imports FLA.
+Prints one line per config: ``AB <TAG> <config> eager_ms <x> host_us <y> gpu_busy <bool>``. Never imports FLA.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,24 +34,19 @@ def main() -> None:
 
     import torch
     from bench_kda_prefill import event_times_ms, make_inputs, median, named_configs
+    from host_overhead_kda import GpuSleep, host_us
 
     from cula.kda import kda_prefill
 
+    sleep = GpuSleep()
     for cfg in named_configs(opts.configs):
         kwargs = make_inputs(cfg)
         for _ in range(30):
             kda_prefill(**kwargs)
         torch.cuda.synchronize()
         eager = median(event_times_ms(lambda kw=kwargs: kda_prefill(**kw), opts.reps))
-        host = []
-        for _ in range(3):
-            torch.cuda._sleep(100_000_000)  # (~0.05 s: outlasts the 100 calls' launches)
-            for _ in range(100):
-                start = time.perf_counter()
-                kda_prefill(**kwargs)
-                host.append(time.perf_counter() - start)
-            torch.cuda.synchronize()
-        print(f"AB {opts.tag} {cfg.name} eager_ms {eager:.4f} host_us {median(host) * 1e6:.1f}", flush=True)
+        host, _, busy = host_us(lambda kw=kwargs: kda_prefill(**kw), 300, sleep, sleep_ms=100.0)
+        print(f"AB {opts.tag} {cfg.name} eager_ms {eager:.4f} host_us {host:.1f} gpu_busy {busy}", flush=True)
 
 
 if __name__ == "__main__":
