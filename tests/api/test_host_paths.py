@@ -422,16 +422,15 @@ def test_sm90_intra_auto_form_follows_the_idle_bands(fake_sm90) -> None:
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|tensor|bands|regs (or run_kernels(intra_tuned=...)) asks for the
-    intra kernel's tuned forms as the bit set 0|1|2|3|11|15|4107, "auto" (the default) for 11 or 15 by the call's idle
-    bands; asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are
-    ValueErrors naming the variable or argument, before any launch."""
+    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|tensor|bands (or run_kernels(intra_tuned=...)) asks for the intra
+    kernel's tuned forms as the bit set 0|1|2|3|11|15, "auto" (the default) for 11 or 15 by the call's idle bands;
+    asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are ValueErrors
+    naming the variable or argument, before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.intra[28:31] == (0, 0, 15)  # lengths 100, 0, 128: 1 idle band over 4 chunks
     for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("bands", 15), ("auto", 15),
-                        ("regs", 4107),
                         ("ablate:products", 75),
                         ("ablate:solve", 267), ("0", 0)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)

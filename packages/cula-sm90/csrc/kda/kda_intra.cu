@@ -24,7 +24,6 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_persistent_kernel(const
 
 cudaError_t launch_kda_intra_tensor(const KdaIntraParams& params, cudaStream_t stream);
 cudaError_t launch_kda_intra_bands(const KdaIntraParams& params, cudaStream_t stream);
-cudaError_t launch_kda_intra_regs(const KdaIntraParams& params, cudaStream_t stream);
 #ifdef CULA_SM90_ABLATION
 cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 #endif
@@ -32,8 +31,7 @@ cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, c
 // The forms the switch below launches (keep the two together).
 constexpr int kIntraForms[] = {0, kTunedNorm, kTunedInverse, kTunedNorm | kTunedInverse,
                                kTunedNorm | kTunedInverse | kTunedTensorInverse,
-                               kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands,
-                               kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedGammaRegs};
+                               kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands};
 
 bool kda_intra_form_built(int tuned) {
   for (const int form : kIntraForms) {
@@ -87,8 +85,6 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream
     case kTunedNorm | kTunedInverse: return launch_one_cta_per_item<kTunedNorm | kTunedInverse>(params, stream);
     case kTunedNorm | kTunedInverse | kTunedTensorInverse: return launch_kda_intra_tensor(params, stream);
     case kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedBands: return launch_kda_intra_bands(params, stream);
-    case kTunedNorm | kTunedInverse | kTunedTensorInverse | kTunedGammaRegs:
-      return launch_kda_intra_regs(params, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -71,10 +71,6 @@ constexpr uint32_t kOffAqk = kOffG + 24576;    // bf16 [64][64] (swz128)
 constexpr uint32_t kOffTot = kOffX;            // fp32 [8][128]: cumsum segment totals
 static_assert(kOffT + 8192 <= kOffV, "Tinv staging overlaps the u right-hand side");
 static_assert(kOffAqk + 8192 == kOffF, "Aqk staging must end where Γ2 ends");
-// kTunedGammaRegs: fp32 [5][128], Γ2's rows 0, 16, 32, 48 and L - 1 (phases 1 -> 2a), over the Aqk staging (written
-// in phase 3) and clear of the off-diagonal column tiles (written in phase 2a by that form).
-constexpr uint32_t kOffAnchor = kOffAqk;
-static_assert(kOffAnchor >= kOffKoff + 6 * 4096 && kOffAnchor + 5 * 512 <= kOffF, "anchor rows overlap a live tile");
 
 // Index of the off-diagonal block (I, J), I > J, in the 6-tile arrays:
 // (1,0) 0, (2,0) 1, (3,0) 2, (2,1) 3, (3,1) 4, (3,2) 5.
@@ -326,12 +322,6 @@ constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as 
 // full ones 0.8% (benchmarks/results/kda_profile_h200.md, twelfth session). So the shim runs it per call only where
 // partial chunks leave many bands idle (its default "auto"; "bands" forces it).
 constexpr int kTunedBands = 4;
-// kTunedGammaRegs: each thread keeps the Γ2 values phase 1 computed (rows 8 warp .. +7, columns 4 lane .. +3) in
-// registers for phase 2a, which then takes the same rows (instead of rows warp + 8 pp): the fp32 Γ2 tile is not
-// written to and read back from shared memory (only the anchor rows 0, 16, 32, 48 and L - 1, kOffAnchor), and phase
-// 2a writes the off-diagonal column operands itself (their tiles are free: no Γ2 there), so phase 2b and its barrier
-// go. The same arithmetic on every value: the same bits. (Not yet run on a GPU: thirteenth session, opt-in "regs".)
-constexpr int kTunedGammaRegs = 4096;
 // Whether 16-row band `band` is computed: always, except past the last valid row's band with kTunedBands.
 template <int kTuned>
 __device__ __forceinline__ bool band_live(int band, int bands) {
@@ -397,9 +387,6 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   float* sD = reinterpret_cast<float*>(smem + kOffD);
   float* sBeta = reinterpret_cast<float*>(smem + kOffBeta);
   float* sTot = reinterpret_cast<float*>(smem + kOffTot);
-  constexpr bool kGammaRegs = (kTuned & kTunedGammaRegs) != 0;
-  [[maybe_unused]] float* sAnchor = reinterpret_cast<float*>(smem + kOffAnchor);
-  [[maybe_unused]] float gam[8][4];  // kGammaRegs: this thread's Γ2 (rows 8 warp + j, columns 4 lane + i), 1 -> 2a
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 0: q, k, v tiles by cp.async (rows >= L zero-filled, never read).
@@ -512,18 +499,9 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // FLA: cumsum in natural units, then * RCP_LN2.
-      if constexpr (kGammaRegs) {
-        // (__fmul_rn: never contracted into an FMA with phase 2a's Γ2 - Γ2n, as the value in shared memory was not)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) gam[j][i] = __fmul_rn(gv[j][i] + off[i], kRcpLn2);
-        const float4 row = make_float4(gam[j][0], gam[j][1], gam[j][2], gam[j][3]);
-        if (j == 0 && (warp & 1) == 0) *reinterpret_cast<float4*>(sAnchor + (warp >> 1) * kD + c0) = row;
-        if (rbase + j == L - 1) *reinterpret_cast<float4*>(sAnchor + 4 * kD + c0) = row;
-      } else {
-        *reinterpret_cast<float4*>(sG + (rbase + j) * kD + c0) =
-            make_float4((gv[j][0] + off[0]) * kRcpLn2, (gv[j][1] + off[1]) * kRcpLn2, (gv[j][2] + off[2]) * kRcpLn2,
-                        (gv[j][3] + off[3]) * kRcpLn2);
-      }
+      *reinterpret_cast<float4*>(sG + (rbase + j) * kD + c0) =
+          make_float4((gv[j][0] + off[0]) * kRcpLn2, (gv[j][1] + off[1]) * kRcpLn2, (gv[j][2] + off[2]) * kRcpLn2,
+                      (gv[j][3] + off[3]) * kRcpLn2);
     }
   }
   cp_async_wait_all();
@@ -536,13 +514,9 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   // Phase 1b: per-column anchor factors (2^x kept subnormal-accurate: they may be tiny).
   {
     const int c = tid & 127;
-    // (kGammaRegs: the anchor rows 0, 16, 32, 48 are its rows 0..3, L - 1 its row 4)
-    const float* sAnchorRows = kGammaRegs ? sAnchor : sG;
-    const int stride16 = kGammaRegs ? kD : 16 * kD;
-    const float G0 = sAnchorRows[0 * stride16 + c], G1 = sAnchorRows[1 * stride16 + c];
-    const float G2 = sAnchorRows[2 * stride16 + c], G3 = sAnchorRows[3 * stride16 + c];
+    const float G0 = sG[0 * kD + c], G1 = sG[16 * kD + c], G2 = sG[32 * kD + c], G3 = sG[48 * kD + c];
     if (tid < 128) {
-      const float GL = kGammaRegs ? sAnchor[4 * kD + c] : sG[(L - 1) * kD + c];
+      const float GL = sG[(L - 1) * kD + c];
       if (writes_workspace<kTuned>(p)) p.g_last[(static_cast<int64_t>(ci) * HV + hv) * kD + c] = GL;  // Γ_last / ln 2
       sF[0 * kD + c] = ex2_full(G0);
       sF[1 * kD + c] = ex2_full(G1);
@@ -565,21 +539,13 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   if constexpr (kPrefetchNext) prefetch_item_l2(p, next, tid);
 
   // ------------------------------------------------------------------------------------------------------
-  // Phase 2a: elementwise. Warp w owns rows w + 8*pp (pp = 0..7, two rows per sub-chunk; kGammaRegs: rows 8w + pp,
-  // all in sub-chunk w / 2); lane owns columns 4*lane .. 4*lane+3. Each element is read and rewritten by its owner
-  // only (in-place tiles are safe).
+  // Phase 2a: elementwise. Warp w owns rows w + 8*pp (pp = 0..7, two rows per sub-chunk); lane owns columns
+  // 4*lane .. 4*lane+3. Each element is read and rewritten by its owner only (in-place tiles are safe).
   uint32_t wrhs[8][2];  // bf16(β k e^Γ), stored to smem after phase 3
-  [[maybe_unused]] float kb[6][4];  // k·b for rows < 48 (key sub-chunks 0..2), for the off-diagonal column operands
-  // This warp's row pp of phase 2a, its 16-row band, and the byte offset of its 4 columns in a swz256 tile.
-  const auto row_of = [warp](int pp) { return kGammaRegs ? 8 * warp + pp : warp + 8 * pp; };
-  const auto band_of = [warp](int pp) { return kGammaRegs ? warp >> 1 : pp >> 1; };
+  float kb[6][4];       // k·b for rows < 48 (key sub-chunks 0..2), for the off-diagonal column operands
   {
     const int gcol = 4 * lane;
     const uint32_t off0 = quad_off(warp, lane);
-    // (rows warp + 8 pp share warp's swizzle phase: one base plus pp rows; rows 8 warp + pp do not)
-    const auto off_of = [off0, warp, lane](int pp) {
-      return kGammaRegs ? quad_off(8 * warp + pp, lane) : off0 + pp * 2048;
-    };
     __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg);
     __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
     // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
@@ -589,12 +555,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         float sq8[8], sk8[8];
 #pragma unroll
         for (int pp = 0; pp < 8; ++pp) {
-          if (!band_live<kTuned>(band_of(pp), bands)) {  // (rows never read again)
+          if (!band_live<kTuned>(pp >> 1, bands)) {  // (rows never read again)
             sq8[pp] = sk8[pp] = 1.f;
             continue;
           }
-          const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off_of(pp));
-          const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off_of(pp));
+          const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off0 + pp * 2048);
+          const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off0 + pp * 2048);
           const float q0 = bf16_lo(qraw.x), q1 = bf16_hi(qraw.x), q2 = bf16_lo(qraw.y), q3 = bf16_hi(qraw.y);
           const float k0 = bf16_lo(kraw.x), k1 = bf16_hi(kraw.x), k2 = bf16_lo(kraw.y), k3 = bf16_hi(kraw.y);
           sq8[pp] = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3;
@@ -604,33 +570,19 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         row_rsqrt8(sk8, lane, rk8);
       }
     }
-    // kGammaRegs: the warp's one sub-chunk's anchor rows and off-diagonal factors, read once (the loop's tile stores
-    // would keep the compiler from hoisting them: they might alias)
-    [[maybe_unused]] float4 Gn_w, F_w, E_w, D_w[3];
-    if constexpr (kGammaRegs) {
-      const int J = warp >> 1;
-      Gn_w = *reinterpret_cast<const float4*>(sAnchor + J * kD + gcol);
-      F_w = *reinterpret_cast<const float4*>(sF + J * kD + gcol);
-      E_w = *reinterpret_cast<const float4*>(sE + J * kD + gcol);
-#pragma unroll
-      for (int I = 1; I < 4; ++I) {
-        D_w[I - 1] = I > J ? *reinterpret_cast<const float4*>(sD + pair_index(I, J) * kD + gcol) : make_float4(0, 0, 0, 0);
-      }
-    }
 #pragma unroll
     for (int pp = 0; pp < 8; ++pp) {
-      const int J = band_of(pp);
+      const int J = pp >> 1;
       if (!band_live<kTuned>(J, bands)) break;  // (wrhs and kb of these rows are never read)
-      const int r = row_of(pp);
-      const uint32_t off = off_of(pp);
+      const int r = warp + 8 * pp;
+      const uint32_t off = off0 + pp * 2048;  // quad_off(r, lane): r & 7 == warp & 7 for every pp
       const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off);
       const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off);
       const uint2 vraw = *reinterpret_cast<const uint2*>(smem + kOffV + off);
-      const float4 G = kGammaRegs ? make_float4(gam[pp][0], gam[pp][1], gam[pp][2], gam[pp][3])
-                                  : *reinterpret_cast<const float4*>(sG + r * kD + gcol);
-      const float4 Gn = kGammaRegs ? Gn_w : *reinterpret_cast<const float4*>(sG + (16 * J) * kD + gcol);
-      const float4 F = kGammaRegs ? F_w : *reinterpret_cast<const float4*>(sF + J * kD + gcol);
-      const float4 E = kGammaRegs ? E_w : *reinterpret_cast<const float4*>(sE + J * kD + gcol);
+      const float4 G = *reinterpret_cast<const float4*>(sG + r * kD + gcol);
+      const float4 Gn = *reinterpret_cast<const float4*>(sG + (16 * J) * kD + gcol);
+      const float4 F = *reinterpret_cast<const float4*>(sF + J * kD + gcol);
+      const float4 E = *reinterpret_cast<const float4*>(sE + J * kD + gcol);
       const float beta = sBeta[r];
       float q[4] = {bf16_lo(qraw.x), bf16_hi(qraw.x), bf16_lo(qraw.y), bf16_hi(qraw.y)};
       float k[4] = {bf16_lo(kraw.x), bf16_hi(kraw.x), bf16_lo(kraw.y), bf16_hi(kraw.y)};
@@ -700,28 +652,15 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
           make_uint2(pack_bf16x2(beta * v[0], beta * v[1]), pack_bf16x2(beta * v[2], beta * v[3]));
       wrhs[pp][0] = pack_bf16x2(beta * k[0] * e[0], beta * k[1] * e[1]);
       wrhs[pp][1] = pack_bf16x2(beta * k[2] * e[2], beta * k[3] * e[3]);
-      if constexpr (kGammaRegs) {  // this row's off-diagonal column operands (phase 2b's, below), at once
-        const uint32_t offl = quad_off(r - 16 * J, lane);  // (its row in the 16-row tiles)
-#pragma unroll
-        for (int I = 1; I < 4; ++I) {
-          if (I <= J) continue;
-          if (!band_live<kTuned>(I, bands)) break;
-          const int pi = pair_index(I, J);
-          const float4 Dv = D_w[I - 1];
-          *reinterpret_cast<uint2*>(smem + kOffKoff + pi * 4096 + offl) =
-              make_uint2(pack_bf16x2(k[0] * b[0] * Dv.x, k[1] * b[1] * Dv.y),
-                         pack_bf16x2(k[2] * b[2] * Dv.z, k[3] * b[3] * Dv.w));
-        }
-      } else if (pp < 6) {
+      if (pp < 6) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) kb[pp][i] = k[i] * b[i];
       }
     }
   }
-  __syncthreads();  // (D): Γ2 no longer needed (kGammaRegs: the off-diagonal operands written too)
+  __syncthreads();  // (D): Γ2 no longer needed
 
   // Phase 2b: off-diagonal column operands bf16(k_j e^{Γ_{n_I} - Γ_j}) for key sub-chunk J < I, tile rows 0..15.
-  if constexpr (!kGammaRegs) {
   {
     const int gcol = 4 * lane;
 #pragma unroll
@@ -740,7 +679,6 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     }
   }
   __syncthreads();  // (E)
-  }
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 3: Aqk and Akk, 10 lower 16x16 blocks (I >= J) over K = 128 (8 k-steps of 16).
@@ -831,8 +769,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   // w right-hand side -> the k·b tile (free now).
 #pragma unroll
   for (int pp = 0; pp < 8; ++pp) {
-    if (!band_live<kTuned>(band_of(pp), bands)) break;
-    const int r = row_of(pp);
+    if (!band_live<kTuned>(pp >> 1, bands)) break;
+    const int r = warp + 8 * pp;
     *reinterpret_cast<uint2*>(smem + kOffX + quad_off(r, lane)) = make_uint2(wrhs[pp][0], wrhs[pp][1]);
   }
   // Aqk -> global, rows < L, the blocks on and below the diagonal only (the recurrence zero-fills the others).

@@ -96,9 +96,8 @@ struct KdaRecurrenceParams {
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).
 // tuned: the one-CTA-per-item kernel's tuned forms as a bit set (kda_intra_item.cuh: 1 = the L2 norms by a transposed
 // reduction, 2 = the inverse by recursive doubling, 3 = both, 11 = both with the doubling's products on the tensor
-// cores, 15 = 11 computing only the 16-row bands that hold tokens (the shim's default "auto" picks 11 or 15 per call),
-// 4107 = 11 with Γ2 kept in registers (opt-in, not yet run on a GPU); 0 the first verified kernel); the persistent
-// kernel (persistent_ctas > 0) has one form only.
+// cores, 15 = 11 computing only the 16-row bands that hold tokens (the shim's default "auto" picks 11 or 15 per call);
+// 0 the first verified kernel); the persistent kernel (persistent_ctas > 0) has one form only.
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 // Whether launch_kda_intra has a one-CTA-per-item kernel for `tuned` (the one list of valid forms: the extension's
 // argument check and the Python shim's form names are tested against it), and that list as text for messages.

@@ -54,10 +54,7 @@ ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
 # errors against fp64 equal to "all"'s within 0.6% on 32 cases); "bands" "tensor" computing only the 16-row bands that
 # hold valid rows (the same bits as "tensor"; on the H200 a sequence's partial last chunk cost less, the intra kernel
 # 6.5% faster on 20 uniform sequences of T4096, but full chunks 1.6-2% slower); "auto" (the default) "bands" for a
-# call whose partial last chunks leave many bands idle (_bands_pay), else "tensor": the same bits either way; "regs"
-# "tensor" with each thread's Γ2 values kept in registers from the gate's cumsum to the elementwise phase (no fp32 Γ2
-# tile in shared memory, the off-diagonal operands written by the elementwise phase itself, one barrier fewer; meant
-# to give "tensor"'s bits; opt-in, written in the thirteenth session and not yet run on a GPU); "0"
+# call whose partial last chunks leave many bands idle (_bands_pay), else "tensor": the same bits either way; "0"
 # the first verified kernel. Summation orders differ between the others, so the bits may. Not with
 # CULA_SM90_INTRA_PERSISTENT. (Forms tried on the H200 and removed, each bit-identical to "all" and no faster: items
 # located without index loads, g copied first, value heads fastest, two items per CTA whose load phases alternate,
@@ -69,7 +66,6 @@ ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 # code named here but "auto" and the "ablate:" ones is built.
 _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,
                 "tensor": 11, "bands": 15, "auto": -1,  # (-1: 11 or 15 per call, _bands_pay)
-                "regs": 11 | 4096,  # "tensor" with Γ2 kept in registers (kTunedGammaRegs; not yet run on a GPU)
                 # timing-only: "tensor" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 11 | 16, "ablate:norm-exp": 11 | 32, "ablate:products": 11 | 64,
