@@ -58,6 +58,7 @@ using ptx::ld_shared_u4;
 using ptx::ldsm_x4;
 using ptx::ldsm_x4_trans;
 using ptx::smem_addr;
+using ptx::st_global_u4;
 using ptx::st_shared_f4;
 using ptx::stsm_x4_trans;
 using ptx::fence_proxy_async_smem;
@@ -537,7 +538,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
       const uint4 val = ld_shared_u4(stage + C::kOffU + s * kU16Rows + off_u);
       if (row < L) {
         const int64_t dst = ((tok0 + row) * HV64 + hv) * kHeadDim + v0 + (2 * warp + lhi) * 8;
-        *reinterpret_cast<uint4*>(out + dst) = val;
+        st_global_u4(out + dst, val);
       }
     }
   }

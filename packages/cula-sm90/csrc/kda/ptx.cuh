@@ -212,6 +212,12 @@ __device__ __forceinline__ void st_shared_f4(uint32_t addr, float4 v) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
                : "memory");
 }
+// One 16-byte global store (ptr 16-byte aligned). Spelled out: through a uint4 pointer into bf16 data nvcc sometimes
+// emits four 4-byte stores (it did for three of the recurrence's four o rows per chunk, and for all four at BV 64).
+__device__ __forceinline__ void st_global_u4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
 __device__ __forceinline__ uint4 ld_shared_u4(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
