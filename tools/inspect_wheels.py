@@ -14,7 +14,8 @@ For ``cula-sm90`` (when present; ``--require-sm90`` makes it required):
   * exactly one extension, ``cula_sm90/_C.cpython-3XX-*.so`` for that same CPython, plus the shim files;
   * the extension needs only the C/C++ runtime libraries (no libtorch, libpython or libcudart);
   * its device code is sm_90a machine code only (``cuobjdump --list-elf`` / ``--list-ptx``, from the
-    ``nvidia-cuda-cuobjdump`` wheel or PATH);
+    ``nvidia-cuda-cuobjdump`` wheel or PATH), no kernel uses local memory (``-res-usage``), and each KDA kernel
+    has the 16-byte global stores its source writes (``-sass``, WIDE_STORES);
   * it loads in this interpreter without importing torch and reports the wheel's version and ["sm_90a"].
 All wheels must have one version. Exit status 1 when any check fails; the report says which.
 
@@ -106,6 +107,32 @@ class DeviceCode:
     elf_archs: tuple[str, ...]
     ptx_archs: tuple[str, ...]
     local_memory: tuple[str, ...] = ()
+    narrow_stores: tuple[str, ...] = ()  # kernels with fewer 16-byte global stores than their source writes
+
+
+# The 16-byte global stores (SASS STG.E.128) each KDA kernel's source writes per work item, by a substring of the
+# kernel's mangled name: the recurrence's four o rows per chunk; the intra kernel's w/u rows (8) and Aqk rows (2).
+# nvcc may split a 16-byte store into four 4-byte ones where it cannot prove the alignment (it did for the
+# recurrence's o rows before ptx::st_global_u4: 10-18% of that kernel's time on the H200), so the wheel check counts
+# them in the machine code.
+WIDE_STORES = {"kda_recurrence_kernel": 4, "kda_intra_kernel": 10, "kda_intra_persistent_kernel": 10}
+
+
+def narrow_store_kernels(sass: str) -> tuple[str, ...]:
+    """The kernels of a ``cuobjdump -sass`` listing that have fewer STG.E.128 than WIDE_STORES expects of them."""
+    counts: dict[str, int] = {}
+    name = None
+    for line in sass.splitlines():
+        header = re.match(r"\s*Function : (\S+)", line)
+        if header:
+            name = header.group(1)
+            counts[name] = 0
+        elif name is not None and re.search(r"\bSTG\.E\.128\b", line):
+            counts[name] += 1
+    return tuple(
+        name for name, count in counts.items()
+        if any(key in name and count < least for key, least in WIDE_STORES.items())
+    )
 
 
 @dataclass
@@ -321,7 +348,8 @@ def find_cuobjdump() -> str | None:
 
 
 def cuobjdump_lister(cuobjdump: str) -> DeviceCodeLister:
-    """A DeviceCodeLister that runs ``cuobjdump --list-elf``, ``--list-ptx`` and ``-res-usage`` on the extension."""
+    """A DeviceCodeLister that runs ``cuobjdump --list-elf``, ``--list-ptx``, ``-res-usage`` and ``-sass`` on the
+    extension."""
 
     def archs(option: str, path: Path) -> tuple[str, ...]:
         result = subprocess.run([cuobjdump, option, str(path)], capture_output=True, text=True)
@@ -339,8 +367,9 @@ def cuobjdump_lister(cuobjdump: str) -> DeviceCodeLister:
         return tuple(name for name, stack, local in found if int(stack) or int(local))
 
     def list_device_code(path: Path) -> DeviceCode:
+        sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True).stdout
         return DeviceCode(elf_archs=archs("--list-elf", path), ptx_archs=archs("--list-ptx", path),
-                          local_memory=local_memory(path))
+                          local_memory=local_memory(path), narrow_stores=narrow_store_kernels(sass))
 
     return list_device_code
 
@@ -370,6 +399,9 @@ def check_extension_binary(data: bytes, name: str, list_device_code: DeviceCodeL
         problems.append(f"{name} holds PTX for {sorted(set(code.ptx_archs))}; expected {SM90_ARCH} machine code only")
     if code.local_memory:
         problems.append(f"{name}: kernels use local memory (register spills or a stack): {list(code.local_memory)}")
+    if code.narrow_stores:
+        problems.append(f"{name}: kernels with fewer 16-byte global stores (STG.E.128) than their source writes "
+                        f"(nvcc split them; see WIDE_STORES): {list(code.narrow_stores)}")
     return problems
 
 

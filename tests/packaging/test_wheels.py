@@ -415,6 +415,40 @@ def test_cuobjdump_listing_is_parsed(tmp_path: Path) -> None:
     assert code == inspect_wheels.DeviceCode(elf_archs=("sm_90a", "sm_80"), ptx_archs=())
 
 
+def test_sass_store_widths_find_narrowed_kernels(tmp_path: Path) -> None:
+    """A KDA kernel with fewer 16-byte global stores than its source writes (nvcc split them into 4-byte ones) is
+    named, the others are not, kernels outside WIDE_STORES are never named, and the check reports it."""
+    sass = (
+        "\tcode for sm_90a\n\t\tFunction : _ZN4cula4sm9017recurrence_detail21kda_recurrence_kernelILi64EEEv\n"
+        + "        /*0100*/                   STG.E.128 desc[UR4][R2.64], R4 ;\n" * 4
+        + "\t\tFunction : _ZN4cula4sm9017recurrence_detail21kda_recurrence_kernelILi128EEEv\n"
+        + "        /*0100*/               @P0 STG.E.128 desc[UR4][R2.64], R4 ;\n"
+        + "        /*0110*/                   STG.E desc[UR4][R2.64+0x4], R5 ;\n" * 3
+        + "\t\tFunction : _ZN4cula4sm9012_GLOBAL__N_116kda_intra_kernelILi11EEEvNS0_14KdaIntraParamsE\n"
+        + "        /*0100*/                   STG.E.128 desc[UR4][R2.64], R4 ;\n" * 10
+        + "\t\tFunction : probe_kernel\n        /*0100*/                   STG.E desc[UR4][R2.64], R4 ;\n"
+    )
+    assert inspect_wheels.narrow_store_kernels(sass) == (
+        "_ZN4cula4sm9017recurrence_detail21kda_recurrence_kernelILi128EEEv",)
+    assert inspect_wheels.narrow_store_kernels(sass.replace("@P0 STG.E.128", "STG.E")) == (
+        "_ZN4cula4sm9017recurrence_detail21kda_recurrence_kernelILi128EEEv",)
+    fake = tmp_path / "cuobjdump"
+    (tmp_path / "sass.txt").write_text(sass)
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "  --list-elf) echo 'ELF file    1: _C.cpython-311-x86_64-linux-gnu.1.sm_90a.cubin' ;;\n"
+        f"  -sass) cat '{tmp_path / 'sass.txt'}' ;;\n"
+        "esac\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    lister = inspect_wheels.cuobjdump_lister(str(fake))
+    assert lister(tmp_path / "x.so").narrow_stores == (
+        "_ZN4cula4sm9017recurrence_detail21kda_recurrence_kernelILi128EEEv",)
+    problems = inspect_wheels.check_extension_binary(make_elf([]), "cula_sm90/_C.so", lister)
+    assert any("16-byte global stores" in p and "ILi128" in p and "ILi64" not in p for p in problems)
+
+
 def test_cuobjdump_resource_usage_finds_spilling_kernels(tmp_path: Path) -> None:
     """A kernel with local memory (spills) or a stack is named; the others are not, and the check reports it."""
     fake = tmp_path / "cuobjdump"
