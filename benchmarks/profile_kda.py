@@ -61,6 +61,17 @@ def runner(backend: str) -> Callable:
     return lambda args, block_v: kda_prefill_cutedsl(args, block_v=block_v)
 
 
+def stage_means(prof: torch.profiler.profile, stages: tuple[str, ...], reps: int) -> dict[str, float]:
+    """Mean GPU microseconds per call (``reps`` calls profiled) of each stage, its kernels matched by name
+    (case-insensitive), and of every other kernel under "other"."""
+    times: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            stage = next((s for s in stages if s in event.name.lower()), "other")
+            times[stage] += event.device_time / reps
+    return times
+
+
 def stage_times(run: Callable, args, block_v: int, reps: int, stages: tuple[str, ...]) -> dict[str, float]:
     """Mean GPU microseconds per call of each stage (matched by kernel name, case-insensitive) and of the rest."""
     for _ in range(3):
@@ -70,12 +81,7 @@ def stage_times(run: Callable, args, block_v: int, reps: int, stages: tuple[str,
         for _ in range(reps):
             run(args, block_v)
         torch.cuda.synchronize()
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            stage = next((s for s in stages if s in event.name.lower()), "other")
-            times[stage] += event.device_time / reps
-    return times
+    return stage_means(prof, stages, reps)
 
 
 def main() -> None:

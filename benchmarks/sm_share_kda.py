@@ -24,13 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from bench_kda_prefill import make_inputs, named_configs  # noqa: E402
+from profile_kda import STAGES, stage_means  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = "varlen T4096 20xuniform,varlen T8192 20xuniform,varlen T16384 20xuniform,fixed B1 T16384"
@@ -79,14 +79,7 @@ def kernel_times(run, hog: Hog, hogged: int, hog_ms: float, reps: int) -> tuple[
             torch.cuda.synchronize()
             if hogged and start.elapsed_time(call_end) > start.elapsed_time(hog_end):
                 late += 1
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name.lower()
-            stage = "intra" if "intra" in name else "recurrence" if "recurrence" in name else None
-            if stage:
-                times[stage] += event.device_time / reps
-    return times, late
+    return stage_means(prof, STAGES["sm90"], reps), late  # (the hog's own time lands under "other")
 
 
 def main() -> None:
@@ -115,12 +108,11 @@ def main() -> None:
         for _ in range(3):
             run()
         torch.cuda.synchronize()
+        # the call's time on all SMs sets each hog's time: 3x the call's time on the SMs left, plus 1 ms
+        t, _ = kernel_times(run, hog, 0, 0.0, 3)
+        base_ms = (t["intra"] + t["recurrence"]) / 1e3
         measured = {}
-        base_ms = None
         for free in frees:
-            if base_ms is None:  # (the first count's total sets the hog's time for all: ample at 1/3 of the SMs)
-                t, _ = kernel_times(run, hog, 0, 0.0, 3)
-                base_ms = (t["intra"] + t["recurrence"]) / 1e3
             hog_ms = 1.0 + 3.0 * base_ms * sms / free
             t, late = kernel_times(run, hog, sms - free, hog_ms, opts.reps)
             measured[free] = (t["intra"], t["recurrence"])
