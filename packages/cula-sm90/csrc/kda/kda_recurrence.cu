@@ -262,151 +262,13 @@ __device__ __forceinline__ int stage_index(int c) {
   return kStages == 2 ? (c & 1) : c % kStages;
 }
 
-#ifndef CULA_REC_PF
-#define CULA_REC_PF 1
-#endif
-#ifndef CULA_REC_ST
-#define CULA_REC_ST 1
-#endif
-#ifndef CULA_REC_LD
-#define CULA_REC_LD 1
-#endif
-#ifndef CULA_REC_PF_ROWS
-#define CULA_REC_PF_ROWS 1
-#endif
-// Fifteenth session's experiment (measured on the H200, not kept: kda_profile_h200.md, fifteenth section): the state
-// slices staged through shared memory (CULA_REC_LD: h0 in by 16-byte cp.async; CULA_REC_ST: the final state out by
-// 16-byte stores) and an L2 prefetch of the next wave's CTA start (CULA_REC_PF, its chunk rows with CULA_REC_PF_ROWS).
-
-// A CTA's state slice staged in shared memory (the initial state on its way in, the final state on its way out): the
-// slice's rows as in global memory ([K, V]: 128 rows k of kBV columns v; V-first: kBV rows v of 128 columns k), each
-// padded by 16 bytes, so that the fragment accesses (lanes g over 8 columns v, lanes t4 over rows k two apart) fall in
-// distinct banks. In global memory the rows are kHeadDim elements apart.
-template <int kBV, typename T>
-struct StateStaging {
-  bool v_first;
-  __device__ int cols() const { return v_first ? kHeadDim : kBV; }
-  __device__ int pitch() const { return cols() + static_cast<int>(16 / sizeof(T)); }  // elements
-  // element index of state entry (k, v0 + vl) in the staging
-  __device__ int at(int k, int vl) const { return v_first ? vl * pitch() + k : k * pitch() + vl; }
-  // element offset of the slice's first entry from the head's state in global memory
-  __device__ int64_t global_base(int v0) const { return v_first ? static_cast<int64_t>(v0) * kHeadDim : v0; }
-  // bytes, the larger layout's ([K, V]: 128 padded rows; V-first has kBV <= 128)
-  static constexpr int kBytes = kHeadDim * (kBV + 16 / static_cast<int>(sizeof(T))) * static_cast<int>(sizeof(T));
-};
-
-// Issue the 16-byte cp.async copies of a state slice (head state `h`, elements of type T) into its staging at `dst`.
-template <int kBV, int kThreads, typename T>
-__device__ __forceinline__ void stage_state_in(uint32_t dst, const T* h, StateStaging<kBV, T> st, int v0, int tid) {
-  constexpr int kPerChunk = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
-  const int chunks_per_row = st.cols() / kPerChunk;
-  const int shift = chunks_per_row == 32 ? 5 : chunks_per_row == 16 ? 4 : chunks_per_row == 8 ? 3 : 2;
-  const T* src = h + st.global_base(v0);
-  const int pitch_bytes = st.pitch() * static_cast<int>(sizeof(T));
-  constexpr int kChunks = kHeadDim * kBV / kPerChunk;  // rows * cols / kPerChunk, either layout
-  static_assert(kChunks % kThreads == 0, "state copy split");
-#pragma unroll 4
-  for (int i = tid; i < kChunks; i += kThreads) {
-    const int r = i >> shift;
-    const int c = i & (chunks_per_row - 1);
-    cp_async_16(dst + r * pitch_bytes + c * 16, src + static_cast<int64_t>(r) * kHeadDim + c * kPerChunk, true);
-  }
-}
-
-// This lane's fragment of S^T (as load_state) from a landed staging at `src`.
-template <int kBV, typename T>
-__device__ __forceinline__ void read_staged_state(float (&S)[16][4], const T* src, StateStaging<kBV, T> st, int vl,
-                                                  int t4) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int k = 8 * j + 2 * t4;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      S[j][2 * h] = state_value(src[st.at(k, vl + 8 * h)]);
-      S[j][2 * h + 1] = state_value(src[st.at(k + 1, vl + 8 * h)]);
-    }
-  }
-}
-
-// The final state: this lane's fragment into the fp32 staging at `stg` (all threads), a barrier, then the slice's
-// rows out of it in 16-byte coalesced stores to the head's final state `ht`.
-template <int kBV, int kThreads>
-__device__ __forceinline__ void store_state_staged(float* stg, float* ht, const float (&S)[16][4],
-                                                   StateStaging<kBV, float> st, int v0, int vl, int t4, int tid) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int k = 8 * j + 2 * t4;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      stg[st.at(k, vl + 8 * h)] = S[j][2 * h];
-      stg[st.at(k + 1, vl + 8 * h)] = S[j][2 * h + 1];
-    }
-  }
-  __syncthreads();
-  const int chunks_per_row = st.cols() / 4;
-  const int shift = chunks_per_row == 32 ? 5 : chunks_per_row == 16 ? 4 : 3;
-  float* dst = ht + st.global_base(v0);
-  const int pitch = st.pitch();
-  constexpr int kChunks = kHeadDim * kBV / 4;
-  static_assert(kChunks % kThreads == 0, "state store split");
-#pragma unroll 4
-  for (int i = tid; i < kChunks; i += kThreads) {
-    const int r = i >> shift;
-    const int c = i & (chunks_per_row - 1);
-    const float4 x = *reinterpret_cast<const float4*>(stg + r * pitch + c * 4);
-    st_global_u4(dst + static_cast<int64_t>(r) * kHeadDim + c * 4,
-                 make_uint4(__float_as_uint(x.x), __float_as_uint(x.y), __float_as_uint(x.z), __float_as_uint(x.w)));
-  }
-}
-
-// L2 prefetch of what CTA `next` reads first: its initial-state slice and its first chunk's rows (one warp's lanes;
-// a hint, nothing waits on it). With one CTA per SM, the CTA that starts when this one's wave ends is about
-// blockIdx.x + (resident CTAs); its start would otherwise load these bytes while every SM of a wave of equal
-// sequences loads its own at the same moment.
-template <int kBV>
-__device__ __forceinline__ void prefetch_cta_start(const KdaRecurrenceParams& p, int next, int lane) {
-  constexpr int kVBlocks = kHeadDim / kBV;
-  const int HV = p.num_value_heads;
-  const int vb = next % kVBlocks;
-  const int rest = next / kVBlocks;
-  const int hv = rest % HV;
-  const int slot = rest / HV;
-  if (slot >= p.num_seqs) return;
-  const int n = p.seq_order != nullptr ? p.seq_order[slot] : slot;
-  const int64_t bos = p.cu_seqlens[n];
-  const int64_t eos = p.cu_seqlens[n + 1];
-  const int L = static_cast<int>(eos - bos < kChunk ? (eos > bos ? eos - bos : 0) : kChunk);
-  const int v0 = vb * kBV;
-  const int64_t HV64 = HV;
-  if (p.initial_state != nullptr) {
-    const int es = p.state_type == ScalarType::kFloat32 ? 4 : 2;
-    const char* h = static_cast<const char*>(p.initial_state) + (static_cast<int64_t>(n) * HV + hv) * kHeadDim * kHeadDim * es;
-    if (p.state_v_first || kBV == kHeadDim) {  // one contiguous run
-      if (lane == 0) {
-        ptx::prefetch_l2_bulk(h + (p.state_v_first ? static_cast<int64_t>(v0) * kHeadDim : 0) * es, kBV * kHeadDim * es);
-      }
-    } else {
-      for (int r = lane; r < kHeadDim; r += 32) ptx::prefetch_l2_bulk(h + (static_cast<int64_t>(r) * kHeadDim + v0) * es, kBV * es);
-    }
-  }
-  for (int r = lane; r < (CULA_REC_PF_ROWS ? L : 0); r += 32) {
-    const int64_t row = ((bos + r) * HV64 + hv) * kHeadDim;
-    ptx::prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.w) + row, kHeadDim * 2);
-    ptx::prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.qg) + row, kHeadDim * 2);
-    ptx::prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.kg) + row, kHeadDim * 2);
-    ptx::prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.u) + row + v0, kBV * 2);
-    ptx::prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.Aqk) + ((bos + r) * HV64 + hv) * kChunk, kChunk * 2);
-  }
-  if (CULA_REC_PF_ROWS && lane == 0 && L > 0) ptx::prefetch_l2_bulk(p.g_last + (static_cast<int64_t>(p.chunk_offsets[n]) * HV + hv) * kHeadDim, kHeadDim * 4);
-}
-
 // ------------------------------------------------------------------------------------------------------------------
 // The kernel
 // ------------------------------------------------------------------------------------------------------------------
 
 template <int kBV, bool kWgmma, int kStages = 2>
 __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThreads, 1)
-    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p, int resident_ctas) {
+    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
   using C = RecurrenceConfig<kBV, kWgmma, kStages>;
   extern __shared__ __align__(1024) uint8_t smem[];
   // Launched programmatically after the intra kernel (KdaRecurrenceParams::programmatic_launch): nothing global is
@@ -478,37 +340,10 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
 #pragma unroll
       for (int e = 0; e < 4; ++e) S[j][e] = 0.f;
     }
-  } else if (CULA_REC_LD) {
-    // staged through the stage chunk kStages - 1 will use (free until the first chunk step issues its loads): 16-byte
-    // coalesced copies, landed with chunk 0's (the same cp.async group), then read as fragments
-    const uint32_t h0_stage = smem_base + (kStages - 1) * C::kStageBytes;
-    const int vl = warp * 16 + g;
-    if (p.state_type == ScalarType::kFloat32) {
-      const StateStaging<kBV, float> st{p.state_v_first};
-      static_assert(StateStaging<kBV, float>::kBytes <= C::kStageBytes, "the state staging fits one stage");
-      stage_state_in<kBV, C::kThreads>(h0_stage, static_cast<const float*>(p.initial_state) + state_base, st, v0, tid);
-      cp_async_commit();
-      cp_async_wait_all();
-      __syncthreads();
-      read_staged_state(S, reinterpret_cast<const float*>(smem + (kStages - 1) * C::kStageBytes), st, vl, t4);
-    } else {
-      const StateStaging<kBV, __nv_bfloat16> st{p.state_v_first};
-      stage_state_in<kBV, C::kThreads>(h0_stage, static_cast<const __nv_bfloat16*>(p.initial_state) + state_base,
-                                       st, v0, tid);
-      cp_async_commit();
-      cp_async_wait_all();
-      __syncthreads();
-      read_staged_state(S, reinterpret_cast<const __nv_bfloat16*>(smem + (kStages - 1) * C::kStageBytes), st, vl, t4);
-    }
   } else if (p.state_type == ScalarType::kFloat32) {
     load_state(S, static_cast<const float*>(p.initial_state) + state_base, p.state_v_first, vr, t4);
   } else {
     load_state(S, static_cast<const __nv_bfloat16*>(p.initial_state) + state_base, p.state_v_first, vr, t4);
-  }
-
-  if (CULA_REC_PF && warp == C::kWarps - 1 && resident_ctas > 0) {
-    const int next = static_cast<int>(blockIdx.x) + resident_ctas;
-    if (next < static_cast<int>(gridDim.x)) prefetch_cta_start<kBV>(p, next, lane);
   }
 
   // ---- Per-lane smem offsets (bytes, relative to a tile base).
@@ -709,14 +544,7 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   }
 
   // ---- final state (fp32, same layout as the initial state)
-  if (CULA_REC_ST && p.final_state != nullptr) {
-    // staged in the stage after the last chunk's (no chunk step reads or fills it any more)
-    const int fin_stage = stage_index<kStages>(num_chunks);
-    static_assert(StateStaging<kBV, float>::kBytes <= C::kStageBytes, "the state staging fits one stage");
-    store_state_staged<kBV, C::kThreads>(reinterpret_cast<float*>(smem + fin_stage * C::kStageBytes),
-                                         p.final_state + state_base, S, StateStaging<kBV, float>{p.state_v_first},
-                                         v0, warp * 16 + g, t4, tid);
-  } else if (p.final_state != nullptr) {
+  if (p.final_state != nullptr) {
     float* ht = p.final_state + state_base;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -757,12 +585,7 @@ cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stre
   attribute.val.programmaticStreamSerializationAllowed = p.programmatic_launch ? 1 : 0;
   config.attrs = &attribute;
   config.numAttrs = 1;
-  // One CTA per SM (the shared memory of two does not fit), so the SM count is the CTAs resident at once.
-  static_assert(2 * C::kSmemBytes > 227 * 1024, "resident CTAs = SMs assumes one CTA per SM");
-  int device = 0;
-  int sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) sms = 0;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, p, sms);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, p);
   const cudaError_t last = cudaGetLastError();  // (clears the launch's error state either way)
   return err != cudaSuccess ? err : last;
 }

@@ -20,11 +20,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int s
 __device__ __forceinline__ void prefetch_l2(const void* src) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(__cvta_generic_to_global(src)));
 }
-// Prefetch `bytes` (a multiple of 16) from a 16-byte aligned global address into L2 with one bulk request (a hint).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(__cvta_generic_to_global(src)), "r"(bytes)
-               : "memory");
-}
 // Programmatic dependent launch (PTX griddepcontrol, sm_90). launch_dependents: this CTA no longer holds back the
 // launch of the grid that depends on this one (it launches once every CTA has said so or exited). wait: block until
 // the grids this one depends on have completed and their memory is visible (a no-op without such a dependency).
