@@ -5,7 +5,8 @@
 # csrc/kda/ptx.cuh); they are copied over those files, the extension rebuilt (tools/h200_setup.sh, incremental), the
 # outputs hashed (tools/hash_sm90_outputs.py, with 2 and 3 recurrence stages: bit-identity across builds) and the
 # stages profiled (benchmarks/profile_kda.py, CULA_SM90_PDL=0, BV 64 and 128) on PROFILE_CONFIGS. Results:
-# $OUT/hashes.txt and $OUT/profile_recurrence.txt, each block headed "=== variant NAME".
+# $OUT/hashes.txt and $OUT/profile_recurrence.txt, each block headed "=== variant NAME". PROFILE_BLOCK_V (default
+# "64,128") picks the V blocks profiled; HASH=0 skips the hashes (timing-only variants, whose outputs are garbage).
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 CONFIGS=${PROFILE_CONFIGS:-varlen T4096 20xuniform,varlen T8192 20xuniform,varlen T16384 20xuniform,fixed B1 T16384,fixed B2 T16384}
@@ -14,9 +15,11 @@ for v in $1; do
   cp ".devcarry/variants/${v}_ptx.cuh" packages/cula-sm90/csrc/kda/ptx.cuh
   source tools/h200_setup.sh > "$OUT/setup_$v.log" 2>&1
   echo "=== variant $v $(date -u +%T)" | tee -a "$OUT/profile_recurrence.txt" "$OUT/hashes.txt"
-  python3 tools/hash_sm90_outputs.py "$v" --forms tensor 2>&1 | grep HASH | tee -a "$OUT/hashes.txt"
-  CULA_SM90_RECURRENCE_STAGES=3 python3 tools/hash_sm90_outputs.py "$v-stages3" --forms tensor 2>&1 | grep HASH \
-    | tee -a "$OUT/hashes.txt"
-  CULA_SM90_PDL=0 python3 benchmarks/profile_kda.py --backend sm90 --block-v 64,128 --reps 10 --configs "$CONFIGS" \
-    2>&1 | grep -v -i warn | tee -a "$OUT/profile_recurrence.txt"
+  if [ "${HASH:-1}" != 0 ]; then
+    python3 tools/hash_sm90_outputs.py "$v" --forms tensor 2>&1 | grep HASH | tee -a "$OUT/hashes.txt"
+    CULA_SM90_RECURRENCE_STAGES=3 python3 tools/hash_sm90_outputs.py "$v-stages3" --forms tensor 2>&1 | grep HASH \
+      | tee -a "$OUT/hashes.txt"
+  fi
+  CULA_SM90_PDL=0 python3 benchmarks/profile_kda.py --backend sm90 --block-v "${PROFILE_BLOCK_V:-64,128}" --reps 10 \
+    --configs "$CONFIGS" 2>&1 | grep -v -i warn | tee -a "$OUT/profile_recurrence.txt"
 done
