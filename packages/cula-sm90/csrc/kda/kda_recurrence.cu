@@ -33,6 +33,7 @@
 //   w, qg, kg [64][128] bf16 (256 B rows, 16 chunks), u [64][kBV] bf16, Aqk [64][64] bf16, g_last [128] fp32.
 // After the chunk's u has been consumed, each warp reuses its own u columns as the staging tile of its o columns.
 #include <cstdint>
+#include <cstdlib>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -564,8 +565,333 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   }
 }
 
+
+// ------------------------------------------------------------------------------------------------------------------
+// EXPERIMENT (fifteenth session, a .devcarry variant): the streamed recurrence. One CTA per SM walks the work items
+// (sequence slot, value head, V block) blockIdx.x, + gridDim.x, ...; the next item's initial state is copied into a
+// padded shared staging by TMA bulk copies while the current item computes, and at the switch each thread swaps its
+// state fragment with the staging's entries (the final state in, the next h0 out), after which the staging is
+// bulk-stored as the finished item's final state while the next item computes. Warpgroup MMAs, 2 stages, fp32 or no
+// initial state, [K, V] layout only.
+// ------------------------------------------------------------------------------------------------------------------
+namespace streamed {
+// v3: the next h0 by cp.async into a padded staging, issued at the current item's first chunk step; the final state
+// stored from the registers at the switch.
+
+struct Item {
+  int64_t bos;
+  int n, hv, v0, len, num_chunks, chunk0;
+  bool valid;
+};
+
+template <int kBV>
+__device__ __forceinline__ Item locate(const KdaRecurrenceParams& p, int item, int num_items) {
+  Item it{};
+  it.valid = item < num_items;
+  if (!it.valid) return it;
+  constexpr int kVBlocks = kHeadDim / kBV;
+  const int HV = p.num_value_heads;
+  const int vb = item % kVBlocks;
+  const int rest = item / kVBlocks;
+  it.hv = rest % HV;
+  const int slot = rest / HV;
+  it.n = p.seq_order != nullptr ? p.seq_order[slot] : slot;
+  it.bos = p.cu_seqlens[it.n];
+  const int64_t eos = p.cu_seqlens[it.n + 1];
+  it.len = static_cast<int>(eos > it.bos ? eos - it.bos : 0);
+  it.num_chunks = (it.len + kChunk - 1) / kChunk;
+  it.chunk0 = p.chunk_offsets[it.n];
+  it.v0 = vb * kBV;
+  return it;
+}
+
+__device__ __forceinline__ int64_t state_base(const Item& it, int HV) {
+  return (static_cast<int64_t>(it.n) * HV + it.hv) * kHeadDim * kHeadDim;
+}
+
+template <int kBV>
+struct StreamedConfig {
+  using C = RecurrenceConfig<kBV, true, 2>;
+  static constexpr int kPitch = kBV + 4;  // floats per staging row (16 bytes of padding: conflict-free fragments)
+  static constexpr int kOffStaging = C::kSmemBytes;
+  static constexpr int kSmemBytes = kOffStaging + kHeadDim * kPitch * 4;
+  static_assert(kOffStaging % 16 == 0, "staging alignment");
+  static_assert(kSmemBytes <= 227 * 1024, "more shared memory than an SM90 CTA may have");
+};
+
+template <int kBV>
+__global__ void __launch_bounds__(RecurrenceConfig<kBV, true, 2>::kThreads, 1)
+    kda_recurrence_streamed_kernel(const __grid_constant__ KdaRecurrenceParams p, int num_items) {
+  using C = RecurrenceConfig<kBV, true, 2>;
+  using SC = StreamedConfig<kBV>;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  ptx::grid_dependency_wait();
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int t4 = lane & 3;
+  const int lrow = lane & 15;
+  const int lhi = lane >> 4;
+
+  int cur_idx = static_cast<int>(blockIdx.x);
+  if (cur_idx >= num_items) return;
+  const int G = static_cast<int>(gridDim.x);
+  const int HV = p.num_value_heads;
+  const int64_t HV64 = HV;
+
+  const uint32_t smem_base = smem_addr(smem);
+  const uint32_t gamma_w = smem_base + C::kOffGamma + warp * C::kTileG;
+  const uint32_t staging = smem_base + SC::kOffStaging;
+  float* const stg = reinterpret_cast<float*>(smem + SC::kOffStaging);
+  if ((smem_base & 1023u) != 0) __trap();
+
+  const bool has_h0 = p.initial_state != nullptr;
+  const bool has_final = p.final_state != nullptr;
+  const float* h0 = static_cast<const float*>(p.initial_state);
+
+  Item cur = locate<kBV>(p, cur_idx, num_items);
+  float S[16][4];
+  if (!has_h0) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[j][e] = 0.f;
+    }
+  } else {
+    load_state(S, h0 + state_base(cur, HV), false, cur.v0 + warp * 16 + g, t4);
+  }
+  // the next item's h0 into the staging: 16-byte cp.async copies by every thread (kBV / 4 per row, 16 per thread),
+  // committed with the group of the chunk loads issued beside them
+  auto issue_h0 = [&](const Item& it) {
+    const float* src = h0 + state_base(it, HV) + it.v0;
+    constexpr int kChunksPerRow = kBV / 4;
+#pragma unroll 4
+    for (int i = tid; i < kHeadDim * kChunksPerRow; i += C::kThreads) {
+      const int r = i / kChunksPerRow;
+      const int ch = i % kChunksPerRow;
+      cp_async_16(staging + (r * SC::kPitch + ch * 4) * 4, src + static_cast<int64_t>(r) * kHeadDim + ch * 4, true);
+    }
+  };
+  Item nxt = locate<kBV>(p, cur_idx + G, num_items);
+
+  const uint32_t off_u = static_cast<uint32_t>(lrow * (C::kChunksU * 16) +
+                                               swizzle_chunk<C::kChunksU>(lrow, 2 * warp + lhi) * 16);
+  constexpr uint32_t kU16Rows = 16 * C::kChunksU * 16;
+  const float scale = p.scale;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.o);
+
+  int gc = 0;  // chunks this CTA has computed: chunk gc is in stage gc & 1
+  bool first_issued = false;
+  bool h0_issued = false;
+  while (true) {
+    if (!first_issued && cur.num_chunks > 0) {
+      load_chunk<kBV, true>(p, smem_base + (gc & 1) * C::kStageBytes, cur.bos, cur.len < kChunk ? cur.len : kChunk,
+                            cur.chunk0, cur.hv, cur.v0, tid);
+      cp_async_commit();
+    }
+    first_issued = false;
+    for (int c = 0; c < cur.num_chunks; ++c, ++gc) {
+      const uint32_t stage = smem_base + (gc & 1) * C::kStageBytes;
+      const int64_t tok0 = cur.bos + static_cast<int64_t>(c) * kChunk;
+      const int rem = cur.len - c * kChunk;
+      const int L = rem < kChunk ? rem : kChunk;
+      cp_async_wait_all();
+      fence_proxy_async_smem();
+      __syncthreads();
+      if (c + 1 < cur.num_chunks) {
+        const int rem1 = rem - kChunk;
+        load_chunk<kBV, true>(p, smem_base + ((gc + 1) & 1) * C::kStageBytes, tok0 + kChunk,
+                              rem1 < kChunk ? rem1 : kChunk, cur.chunk0 + c + 1, cur.hv, cur.v0, tid);
+      } else if (nxt.valid && nxt.num_chunks > 0) {  // the next item's first chunk
+        load_chunk<kBV, true>(p, smem_base + ((gc + 1) & 1) * C::kStageBytes, nxt.bos,
+                              nxt.len < kChunk ? nxt.len : kChunk, nxt.chunk0, nxt.hv, nxt.v0, tid);
+        first_issued = true;
+      }
+      if (c == 0 && has_h0 && nxt.valid) {  // (the staging's last readers passed this step's barrier)
+        issue_h0(nxt);
+        h0_issued = true;
+      }
+      cp_async_commit();
+
+      {
+        const float4 gl = ld_shared_f4(stage + C::kOffG + lane * 16);
+        st_shared_f4(gamma_w + lane * 16, make_float4(exp2f(gl.x), exp2f(gl.y), exp2f(gl.z), exp2f(gl.w)));
+      }
+      float accV[8][4], accO[8][4];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          accV[nt][e] = 0.f;
+          accO[nt][e] = 0.f;
+        }
+      }
+      {
+        uint32_t a[8][4];
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) state_a_fragment(S, ks, a[ks]);
+        wgmma_fence_operands(accV);
+        wgmma_fence_operands(accO);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks) {
+          const uint32_t k_off = static_cast<uint32_t>((ks >> 2) * 8192 + (ks & 3) * 32);
+          wgmma_m64n64k16_bf16_rs(accV, a[ks], wgmma_desc_k_sw128(stage + C::kOffW + k_off));
+          wgmma_m64n64k16_bf16_rs(accO, a[ks], wgmma_desc_k_sw128(stage + C::kOffQ + k_off));
+        }
+        wgmma_commit();
+        wgmma_wait0();
+        wgmma_fence_operands(accV);
+        wgmma_fence_operands(accO);
+      }
+      uint32_t vA[4][4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t uu[4];
+        ldsm_x4_trans(uu, stage + C::kOffU + s * kU16Rows + off_u);
+        vA[s][0] = pack_bf16(bf16_lo(uu[0]) - accV[2 * s][0], bf16_hi(uu[0]) - accV[2 * s][1]);
+        vA[s][1] = pack_bf16(bf16_lo(uu[2]) - accV[2 * s][2], bf16_hi(uu[2]) - accV[2 * s][3]);
+        vA[s][2] = pack_bf16(bf16_lo(uu[1]) - accV[2 * s + 1][0], bf16_hi(uu[1]) - accV[2 * s + 1][1]);
+        vA[s][3] = pack_bf16(bf16_lo(uu[3]) - accV[2 * s + 1][2], bf16_hi(uu[3]) - accV[2 * s + 1][3]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) accO[nt][e] *= scale;
+      }
+      __syncwarp();
+      decay_state(S, gamma_w, t4);
+      wgmma_fence_operands(accO);
+      wgmma_fence_operands(S);
+      wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        wgmma_m64n64k16_bf16_rs(accO, vA[s], wgmma_desc_k_sw128(stage + C::kOffA + s * 32));
+        wgmma_m64n128k16_bf16_rs_mn(S, vA[s], wgmma_desc_mn_sw128(stage + C::kOffKG + s * 2048));
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      wgmma_fence_operands(accO);
+      wgmma_fence_operands(S);
+
+      __syncwarp();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t r[4] = {pack_bf16(accO[2 * s][0], accO[2 * s][1]),
+                               pack_bf16(accO[2 * s + 1][0], accO[2 * s + 1][1]),
+                               pack_bf16(accO[2 * s][2], accO[2 * s][3]),
+                               pack_bf16(accO[2 * s + 1][2], accO[2 * s + 1][3])};
+        stsm_x4_trans(stage + C::kOffU + s * kU16Rows + off_u, r);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const int row = 16 * s + lrow;
+        const uint4 val = ld_shared_u4(stage + C::kOffU + s * kU16Rows + off_u);
+        if (row < L) {
+          const int64_t dst = ((tok0 + row) * HV64 + cur.hv) * kHeadDim + cur.v0 + (2 * warp + lhi) * 8;
+          st_global_u4(out + dst, val);
+        }
+      }
+    }
+    if (!nxt.valid) break;
+
+    // ---- the switch: this item's final state out of the registers, S <- the next item's h0 from the staging
+    if (has_h0 && !h0_issued) {  // (this item had no chunk step to issue it in)
+      __syncthreads();  // the staging's last readers are done
+      issue_h0(nxt);
+      cp_async_commit();
+    }
+    h0_issued = false;
+    cp_async_wait_all();
+    __syncthreads();  // everyone's copies of the staging have landed
+    {
+      const int vl = warp * 16 + g;
+      float* ht = has_final ? p.final_state + state_base(cur, HV) : nullptr;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int k = 8 * j + 2 * t4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int v = vl + 8 * h;
+          if (has_final) {
+            ht[static_cast<int64_t>(k) * kHeadDim + cur.v0 + v] = S[j][2 * h];
+            ht[static_cast<int64_t>(k + 1) * kHeadDim + cur.v0 + v] = S[j][2 * h + 1];
+          }
+          S[j][2 * h] = has_h0 ? stg[k * SC::kPitch + v] : 0.f;
+          S[j][2 * h + 1] = has_h0 ? stg[(k + 1) * SC::kPitch + v] : 0.f;
+        }
+      }
+    }
+    const Item nn = locate<kBV>(p, cur_idx + 2 * G, num_items);
+    cur = nxt;
+    nxt = nn;
+    cur_idx += G;
+  }
+
+  // the last item's final state, from the registers
+  if (has_final) {
+    float* ht = p.final_state + state_base(cur, HV);
+    const int vr = cur.v0 + warp * 16 + g;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int k = 8 * j + 2 * t4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int v = vr + 8 * h;
+        ht[static_cast<int64_t>(k) * kHeadDim + v] = S[j][2 * h];
+        ht[static_cast<int64_t>(k + 1) * kHeadDim + v] = S[j][2 * h + 1];
+      }
+    }
+  }
+}
+
+template <int kBV>
+cudaError_t launch_streamed(const KdaRecurrenceParams& p, cudaStream_t stream) {
+  using SC = StreamedConfig<kBV>;
+  const int64_t items = static_cast<int64_t>(p.num_seqs) * p.num_value_heads * (kHeadDim / kBV);
+  if (items <= 0) return cudaSuccess;
+  if (items > 0x7fffffff) return cudaErrorInvalidValue;
+  int device = 0;
+  int sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int grid = static_cast<int>(items < sms ? items : sms);
+  const auto kernel = kda_recurrence_streamed_kernel<kBV>;
+  const cudaError_t e0 = allow_dynamic_smem<kda_recurrence_streamed_kernel<kBV>>(SC::kSmemBytes);
+  if (e0 != cudaSuccess) return e0;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(RecurrenceConfig<kBV, true, 2>::kThreads);
+  config.dynamicSmemBytes = SC::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = p.programmatic_launch ? 1 : 0;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, p, static_cast<int>(items));
+  const cudaError_t last = cudaGetLastError();
+  return err != cudaSuccess ? err : last;
+}
+
+inline bool wanted(const KdaRecurrenceParams& p) {
+  static const bool on = [] {
+    const char* v = getenv("CULA_SM90_RECURRENCE_STREAM");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on && !p.state_v_first && (p.initial_state == nullptr || p.state_type == ScalarType::kFloat32);
+}
+
+}  // namespace streamed
+
 template <int kBV, bool kWgmma = false, int kStages = 2>
 cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stream) {
+  if constexpr (kWgmma && kStages == 2) {
+    if (streamed::wanted(p)) return streamed::launch_streamed<kBV>(p, stream);
+  }
   using C = RecurrenceConfig<kBV, kWgmma, kStages>;
   const int64_t blocks = static_cast<int64_t>(p.num_seqs) * p.num_value_heads * C::kVBlocks;
   if (blocks <= 0) return cudaSuccess;
