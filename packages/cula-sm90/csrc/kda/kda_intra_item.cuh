@@ -953,7 +953,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 // default's instance is in kda_intra_tensor.cu.
 // Each CTA releases the recurrence's programmatic launch as it starts, so the recurrence grid launches once the last
 // intra CTA has started; its CTAs take the SMs the intra kernel frees and wait there (griddepcontrol.wait) for the
-// whole intra grid to finish before they read anything.
+// whole intra grid to finish before they read its output (the index arrays and initial states they read first).
 template <int kTuned>
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];

@@ -89,7 +89,8 @@ struct KdaRecurrenceParams {
   float scale;
   bool state_v_first;
   // Launch as a programmatic dependent of the kernel before it on the stream (the intra kernel): the grid launches
-  // while the intra kernel's last CTAs run, and its CTAs wait at their start for it to finish (griddepcontrol).
+  // while the intra kernel's last CTAs run, and its CTAs read the index arrays and the initial state, then wait for
+  // it to finish (griddepcontrol) before they read the workspace.
   bool programmatic_launch;
 };
 
