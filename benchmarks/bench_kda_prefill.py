@@ -14,6 +14,7 @@ and the goal of the native-kernel issue: cula's time <= 0.8 x FlashKDA's, judged
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -158,22 +159,27 @@ def time_ms(fn, reps: int, warmup: int = 5) -> float:
     return median(event_times_ms(fn, reps))
 
 
-def interleaved_ms(fns: dict, reps: int, rounds: int, warmup: int = 5) -> dict[str, float]:
+def interleaved_ms(fns: dict, reps: int, rounds: int, warmup: int = 5, knobs: dict | None = None,
+                   ) -> dict[str, float]:
     """Median of ``reps`` CUDA-event timings per contender of ``fns`` (name -> zero-argument callable), taken in
     ``rounds`` rounds that each time every contender in turn (the order rotated by one per round), after ``warmup``
     calls each. The H200's clocks drift by 5-10% over seconds (the same config measured 0.54 ms in a process's first
     timings and 0.48 ms a minute later, 2026-11-30); interleaving puts that drift on every contender alike instead of
-    on whichever was timed during a slow spell, which matters for the ratios of the table."""
+    on whichever was timed during a slow spell, which matters for the ratios of the table. ``knobs``: name -> the
+    contender's environment as a context manager factory (:class:`_Contender`), entered around each of its batches."""
     names = list(fns)
+    knobs = knobs or {}
     for name in names:
-        for _ in range(warmup):
-            fns[name]()
+        with knobs.get(name, contextlib.nullcontext)():
+            for _ in range(warmup):
+                fns[name]()
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in names}
     per_round = -(-reps // rounds)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name] += event_times_ms(fns[name], per_round)
+            with knobs.get(name, contextlib.nullcontext)():
+                samples[name] += event_times_ms(fns[name], per_round)
     return {name: median(values) for name, values in samples.items()}
 
 
@@ -198,11 +204,8 @@ def contenders(extra: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> dict:
         try:
             from fla.ops.kda import chunk_kda
 
-            def fla(kw):
-                call = dict(kw)
-                if "cu_seqlens" in call:
-                    call["cu_seqlens"] = call["cu_seqlens"].long()
-                return chunk_kda(**call)
+            def fla(kw):  # (kw's cu_seqlens already int64: fla_inputs)
+                return chunk_kda(**kw)
 
             runs["fla"] = fla
         except ImportError as error:
@@ -217,14 +220,24 @@ def contenders(extra: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> dict:
     return runs
 
 
-def _cula_run(kda_prefill, backend: str, env: dict):
-    """A contender: ``kda_prefill`` forced onto ``backend`` with the environment knobs ``env`` set during the call."""
+class _Contender:
+    """A timed call, ``contender(kwargs)``, and the environment it runs in: ``with contender.knobs():`` sets its knobs
+    (``CULA_BACKEND`` and any others) and restores them on exit. The benchmark sets them around each batch of calls,
+    not inside each timed call: a user does not change ``os.environ`` per call, and setting and restoring two
+    variables costs the host several microseconds before the first launch (``os.environ`` writes call ``putenv``)."""
 
-    def run(kw):
-        saved = {name: os.environ.get(name) for name in ("CULA_BACKEND", *env)}
-        os.environ.update({"CULA_BACKEND": backend, **env})
+    def __init__(self, fn, env: dict[str, str]) -> None:
+        self.fn, self.env = fn, env
+
+    def __call__(self, kw):
+        return self.fn(kw)
+
+    @contextlib.contextmanager
+    def knobs(self):
+        saved = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
         try:
-            return kda_prefill(**kw)
+            yield
         finally:
             for name, value in saved.items():
                 if value is None:
@@ -232,7 +245,24 @@ def _cula_run(kda_prefill, backend: str, env: dict):
                 else:
                     os.environ[name] = value
 
-    return run
+
+def _cula_run(kda_prefill, backend: str, env: dict) -> _Contender:
+    """A contender: ``kda_prefill`` forced onto ``backend`` with the environment knobs ``env`` (set around its
+    batches of calls: :class:`_Contender`)."""
+    return _Contender(lambda kw: kda_prefill(**kw), {"CULA_BACKEND": backend, **env})
+
+
+def fla_inputs(kwargs: dict) -> dict:
+    """``kwargs`` (:func:`make_inputs`) as FLA's ``chunk_kda`` takes them: ``cu_seqlens`` int64."""
+    if "cu_seqlens" not in kwargs:
+        return kwargs
+    return {**kwargs, "cu_seqlens": kwargs["cu_seqlens"].long()}
+
+
+def _knobs(fn) -> contextlib.AbstractContextManager:
+    """The environment ``fn`` runs in (a :class:`_Contender`'s knobs; nothing to set for other callables)."""
+    knobs = getattr(fn, "knobs", None)
+    return knobs() if knobs is not None else contextlib.nullcontext()
 
 
 def host_loop_ms() -> float:
@@ -307,18 +337,22 @@ def main() -> None:
         times: dict[str, float | str] = {}
         ready = {}
         for name, fn in runs.items():  # first calls (compilation, autotuning) apart from the timings
+            # (FLA takes int64 boundaries: converted here once, not inside its timings)
+            kw = fla_inputs(kwargs) if name == "fla" else kwargs
             try:
                 start = time.perf_counter()
-                fn(kwargs)
+                with _knobs(fn):
+                    fn(kw)
                 torch.cuda.synchronize()
                 times[name + " first-call s"] = time.perf_counter() - start
-                ready[name] = lambda fn=fn, kw=kwargs: fn(kw)
+                ready[name] = lambda fn=fn, kw=kw: fn(kw)
             except (NotImplementedError, RuntimeError) as error:
                 times[name] = f"n/a ({str(error)[:60]})"
         if not warmed:
             warm_up_gpu(args.warm_up_s)
             warmed = True
-        times.update(interleaved_ms(ready, args.reps, args.rounds))
+        times.update(interleaved_ms(ready, args.reps, args.rounds,
+                                    knobs={name: runs[name].knobs for name in ready if hasattr(runs[name], "knobs")}))
         rows.append((cfg, times))
         print(cfg.name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()}, flush=True)
     write_table(rows, args.out)
