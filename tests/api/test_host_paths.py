@@ -181,7 +181,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 22
+    assert len(r) == 23
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
     if case.cu is None:  # equal lengths: slot order
         assert r[8] == 0 and fake.order is None
@@ -194,8 +194,9 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
     # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA) with 2 pipeline stages, launched as a programmatic
-    # dependent of the intra kernel (no CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), the stream
-    assert r[18] is True and r[19] == 2 and r[20] is True and r[21] == 777
+    # dependent of the intra kernel (no CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), the token
+    # count (the workspace's and o's rows), the stream
+    assert r[18] is True and r[19] == 2 and r[20] is True and r[21] == total and r[22] == 777
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:

@@ -82,7 +82,10 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
                    std::uintptr_t g_last, std::uintptr_t cu_seqlens, std::uintptr_t chunk_offsets,
                    std::uintptr_t seq_order, std::uintptr_t initial_state, int state_type, std::uintptr_t final_state, std::uintptr_t o,
                    int num_seqs, int num_value_heads, float scale, bool state_v_first, int block_v, bool wgmma,
-                   int stages, bool programmatic_launch, std::uintptr_t stream) {
+                   int stages, bool programmatic_launch, int num_tokens, std::uintptr_t stream) {
+  if (num_tokens < 0) {
+    throw std::invalid_argument("cula_sm90.kda_recurrence: num_tokens must be >= 0, got " + std::to_string(num_tokens));
+  }
   if (block_v != 0 && block_v != 32 && block_v != 64 && block_v != 128) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 0, 32, 64 or 128, got " +
                                 std::to_string(block_v));
@@ -96,7 +99,7 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
   }
   const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state,
                                           state_type, final_state, o, num_seqs, num_value_heads, scale,
-                                          state_v_first, block_v, wgmma, stages, programmatic_launch};
+                                          state_v_first, block_v, wgmma, stages, programmatic_launch, num_tokens};
   int code;
   {
     py::gil_scoped_release release;

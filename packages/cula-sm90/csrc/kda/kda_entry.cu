@@ -77,6 +77,7 @@ int kda_recurrence(const KdaRecurrenceArgs& a, std::uintptr_t stream) {
   p.state_type = scalar_type(a.state_type);
   p.final_state = as_ptr<float>(a.final_state);
   p.o = as_ptr<void>(a.o);
+  p.num_tokens = a.num_tokens;
   p.num_seqs = a.num_seqs;
   p.num_value_heads = a.num_value_heads;
   p.scale = a.scale;

@@ -30,6 +30,7 @@ struct KdaRecurrenceArgs {
   bool wgmma;   // the products on warpgroup MMAs (block_v 0 = 64, or 128)
   int stages;   // shared-memory pipeline stages: 2, or 3 (wgmma only)
   bool programmatic_launch;  // launch as a programmatic dependent of the intra kernel (kda_params.h)
+  int num_tokens;            // Ttot (kda_params.h)
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);

@@ -92,6 +92,9 @@ struct KdaRecurrenceParams {
   // while the intra kernel's last CTAs run, and its CTAs read the index arrays and the initial state, then wait for
   // it to finish (griddepcontrol) before they read the workspace.
   bool programmatic_launch;
+  // Ttot: the workspace's and o's token rows (for TMA descriptors of the workspace; last, so that the other members
+  // keep their offsets: inserted before num_seqs it changed the warpgroup-MMA kernels' register allocation)
+  int num_tokens;
 };
 
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).

@@ -398,7 +398,7 @@ class _Launch:
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, index_ptrs[0], index_ptrs[2], _ptr(order),
             _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
-            self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, stream,
+            self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, total, stream,
         )
         return o, final_state
 
