@@ -97,17 +97,6 @@ struct KdaRecurrenceParams {
   int num_tokens;
 };
 
-// The opaque 128-byte TMA descriptor of one global tensor (a CUtensorMap, encoded on the host), and the recurrence's
-// descriptors of its chunk operands when it loads them by TMA (CULA_SM90_RECURRENCE_TMA=1): w, qg, kg and u each
-// [Ttot, HV, 128] bf16, Aqk [Ttot, HV, 64] bf16, as 3-D tensors, boxes of 64 features x 1 value head x 64 tokens,
-// 128-byte swizzle (its tiles' layout).
-struct alignas(64) TmaDescriptor {
-  unsigned char bytes[128];
-};
-struct RecurrenceTmaMaps {
-  TmaDescriptor w, qg, kg, u, aqk;
-};
-
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).
 // tuned: the one-CTA-per-item kernel's tuned forms as a bit set (kda_intra_item.cuh: 1 = the L2 norms by a transposed
 // reduction, 2 = the inverse by recursive doubling, 3 = both, 11 = both with the doubling's products on the tensor

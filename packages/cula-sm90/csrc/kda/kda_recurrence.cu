@@ -32,23 +32,7 @@
 // that the 8 rows of one ldmatrix 8x8 matrix hit 8 distinct 16-byte bank groups):
 //   w, qg, kg [64][128] bf16 (256 B rows, 16 chunks), u [64][kBV] bf16, Aqk [64][64] bf16, g_last [128] fp32.
 // After the chunk's u has been consumed, each warp reuses its own u columns as the staging tile of its o columns.
-//
-// kTma (warpgroup-MMA kernels, CULA_SM90_RECURRENCE_TMA=1 read by the launcher; an experiment until the H200 times
-// it): every chunk operand arrives by copies one thread issues, completing a per-stage mbarrier: w, qg, kg and u by
-// TMA tensor copies (boxes of 64 features x 64 tokens, the 128-byte-swizzle tiles; at kBV = 128 u's tile becomes two
-// 128-byte-row halves like w's, and the o staging in it follows), Aqk by one, g_last by a 512-byte bulk copy; no
-// thread issues a cp.async. TMA copies whole rows, so rows past a sequence's end hold the next tokens' values (zeros
-// past Ttot): v_new's columns >= L are zeroed in registers and kg's rows >= L in shared memory, which gives the
-// zero-filled rows' products exactly (v_new there is +0 either way) and keeps another sequence's non-finite values
-// out of this one; Aqk's blocks above the diagonal, which the intra kernel never writes, are zeroed in shared memory
-// (the cp.async form zero-fills them). Aqk's and u's rows >= L only reach o's rows >= L, which are not stored, and
-// v_new's masked columns.
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-
-#include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -77,13 +61,7 @@ using ptx::smem_addr;
 using ptx::st_global_u4;
 using ptx::st_shared_f4;
 using ptx::stsm_x4_trans;
-using ptx::fence_mbarrier_init;
 using ptx::fence_proxy_async_smem;
-using ptx::mbarrier_arrive_expect_tx;
-using ptx::mbarrier_init;
-using ptx::mbarrier_wait_parity;
-using ptx::tma_load_3d;
-using ptx::bulk_load;
 using ptx::wgmma_commit;
 using ptx::wgmma_desc_k_sw128;
 using ptx::wgmma_desc_mn_sw128;
@@ -278,30 +256,6 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
   }
 }
 
-// One chunk's operands by TMA and bulk copies (warpgroup-MMA kernels with kTma), all issued by thread 0 after arming
-// the stage's mbarrier `bar` with their bytes: w, qg, kg (two 64-feature halves each), u (kBV / 64 halves of its
-// columns v0..), Aqk, and the chunk's g_last row. Whole rows, zeros past Ttot.
-template <int kBV>
-__device__ __forceinline__ void load_chunk_tma(const KdaRecurrenceParams& p, const RecurrenceTmaMaps& maps,
-                                               uint32_t bar, uint32_t stage, int64_t tok0, int64_t gchunk, int hv,
-                                               int v0, int tid) {
-  using C = RecurrenceConfig<kBV, true>;
-  if (tid == 0) {
-    mbarrier_arrive_expect_tx(bar, 3 * C::kTileK + C::kTileU + C::kTileA + C::kTileG);
-    const int t = static_cast<int>(tok0);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      tma_load_3d(stage + C::kOffW + h * 8192, &maps.w, bar, 64 * h, hv, t);
-      tma_load_3d(stage + C::kOffQ + h * 8192, &maps.qg, bar, 64 * h, hv, t);
-      tma_load_3d(stage + C::kOffKG + h * 8192, &maps.kg, bar, 64 * h, hv, t);
-    }
-#pragma unroll
-    for (int h = 0; h < kBV / 64; ++h) tma_load_3d(stage + C::kOffU + h * 8192, &maps.u, bar, v0 + 64 * h, hv, t);
-    tma_load_3d(stage + C::kOffA, &maps.aqk, bar, 0, hv, t);
-    bulk_load(stage + C::kOffG, p.g_last + (gchunk * p.num_value_heads + hv) * kHeadDim, C::kTileG, bar);
-  }
-}
-
 // The pipeline stage of chunk c (c >= 0).
 template <int kStages>
 __device__ __forceinline__ int stage_index(int c) {
@@ -312,12 +266,10 @@ __device__ __forceinline__ int stage_index(int c) {
 // The kernel
 // ------------------------------------------------------------------------------------------------------------------
 
-// kTma: w, qg and kg by TMA (`maps`, unused otherwise), with one mbarrier per stage after the config's shared memory.
-template <int kBV, bool kWgmma, int kStages = 2, bool kTma = false>
+template <int kBV, bool kWgmma, int kStages = 2>
 __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThreads, 1)
-    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p, const __grid_constant__ RecurrenceTmaMaps maps) {
+    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
   using C = RecurrenceConfig<kBV, kWgmma, kStages>;
-  static_assert(!kTma || kWgmma, "TMA loads only in the warpgroup-MMA kernels");
   extern __shared__ __align__(1024) uint8_t smem[];
 
   const int tid = threadIdx.x;
@@ -382,37 +334,18 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   // once that grid has finished and its writes are visible. (Without a programmatic launch the wait returns at once.)
   ptx::grid_dependency_wait();
 
-  // kTma: stage s's mbarrier at bars + 8 s, one arrival (thread 0's expect_tx) per use; initialised before any copy.
-  [[maybe_unused]] const uint32_t bars = smem_base + C::kSmemBytes;
-  if constexpr (kTma) {
-    if (tid == 0) {
-#pragma unroll
-      for (int st = 0; st < kStages; ++st) mbarrier_init(bars + 8 * st, 1);
-      fence_mbarrier_init();
-    }
-    __syncthreads();
-  }
-
   // Prefetch chunk 0 (and with 3 stages chunk 1) while the initial state's loads are in flight. With 3 stages every load slot
   // commits one cp.async group, empty past the last chunk, so that "all but the newest group landed" always means
   // "this chunk landed".
   if (num_chunks > 0) {
-    if constexpr (kTma) {
-      load_chunk_tma<kBV>(p, maps, bars, smem_base, bos, chunk0, hv, v0, tid);
-    } else {
-      load_chunk<kBV, kWgmma>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
-    }
+    load_chunk<kBV, kWgmma>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
     cp_async_commit();
   }
   if constexpr (kStages == 3) {
     if (num_chunks > 1) {
       const int64_t rem1 = len - kChunk;
-      if constexpr (kTma) {
-        load_chunk_tma<kBV>(p, maps, bars + 8, smem_base + C::kStageBytes, bos + kChunk, chunk0 + 1, hv, v0, tid);
-      } else {
-        load_chunk<kBV, kWgmma>(p, smem_base + C::kStageBytes, bos + kChunk,
-                                static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + 1, hv, v0, tid);
-      }
+      load_chunk<kBV, kWgmma>(p, smem_base + C::kStageBytes, bos + kChunk,
+                              static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + 1, hv, v0, tid);
     }
     cp_async_commit();
   }
@@ -425,14 +358,9 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   // Aqk rows are 128 B.
   auto off_an = [&](int c) -> uint32_t { return static_cast<uint32_t>(nrow * 128 + ((((c << 1) | nhi) ^ xk) << 4)); };
   // u / o staging: row = 16*i + lrow, logical chunk 2*warp + lhi (this warp's 16 V columns).
-  // (kTma at kBV = 128: u's tile is two halves of [64 rows][128 B], logical chunk cc in half cc / 8 at (cc % 8) ^
-  // (row & 7), the TMA boxes' layout; at kBV = 64 the tile already is one such half)
-  constexpr bool kUHalves = kTma && kBV == 128;
-  const uint32_t off_u =
-      kUHalves ? static_cast<uint32_t>(((2 * warp + lhi) >> 3) * 8192 + lrow * 128 +
-                                       ((((2 * warp + lhi) & 7) ^ (lrow & 7)) << 4))
-               : static_cast<uint32_t>(lrow * (C::kChunksU * 16) + swizzle_chunk<C::kChunksU>(lrow, 2 * warp + lhi) * 16);
-  constexpr uint32_t kU16Rows = kUHalves ? 16 * 128 : 16 * C::kChunksU * 16;  // bytes of 16 u rows
+  const uint32_t off_u = static_cast<uint32_t>(lrow * (C::kChunksU * 16) +
+                                               swizzle_chunk<C::kChunksU>(lrow, 2 * warp + lhi) * 16);
+  constexpr uint32_t kU16Rows = 16 * C::kChunksU * 16;  // bytes of 16 u rows
 
   const float scale = p.scale;
   const int64_t HV64 = HV;
@@ -447,35 +375,10 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
     const int L = static_cast<int>(rem < kChunk ? rem : kChunk);
 
     // this thread's copies of chunk c have landed (with 3 stages chunk c + 1's may still be in flight)
-    if constexpr (kTma) {  // (kTma: the stage's copies, by its mbarrier below)
-    } else if constexpr (kStages == 3) {
+    if constexpr (kStages == 3) {
       cp_async_wait_group<1>();
     } else {
       cp_async_wait_all();
-    }
-    if constexpr (kTma) {  // the stage's copies (its use number c / kStages gives the phase); then Aqk's blocks above
-                           // the diagonal zeroed, and kg's rows past the sequence's end (2 x 128 bytes each: the
-                           // swizzle is in-row)
-      const int st = kStages == 2 ? (c & 1) : c % kStages;
-      mbarrier_wait_parity(bars + 8 * st, static_cast<uint32_t>((kStages == 2 ? (c >> 1) : c / kStages) & 1));
-      // 192 16-byte pieces: rows 0-15 chunks 2-7, rows 16-31 chunks 4-7, rows 32-47 chunks 6-7 (logical chunks)
-      for (int i = tid; i < 192; i += C::kThreads) {
-        const int band = i < 96 ? 0 : (i < 160 ? 1 : 2);
-        const int per_row = 6 - 2 * band;
-        const int j = i - (band == 0 ? 0 : (band == 1 ? 96 : 160));
-        const int row = 16 * band + j / per_row;
-        const int chunk = 2 * (band + 1) + j % per_row;
-        st_shared_f4(stage + C::kOffA + row * 128 + ((chunk ^ (row & 7)) << 4), make_float4(0.f, 0.f, 0.f, 0.f));
-      }
-      if (L < kChunk) {
-        const int pieces_per_half = (kChunk - L) * 8;
-        for (int i = tid; i < 2 * pieces_per_half; i += C::kThreads) {
-          const int h = i / pieces_per_half;
-          const int r = i - h * pieces_per_half;
-          st_shared_f4(stage + C::kOffKG + h * 8192 + (L + (r >> 3)) * 128 + (r & 7) * 16,
-                       make_float4(0.f, 0.f, 0.f, 0.f));
-        }
-      }
     }
     if constexpr (kWgmma) fence_proxy_async_smem();  // ... and are visible to the warpgroup MMAs' reads
     __syncthreads();      // everyone's copies are visible; everyone is done with chunk c-1's stage
@@ -483,26 +386,15 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
     if constexpr (kStages == 2) {
       if (c + 1 < num_chunks) {
         const int64_t rem1 = rem - kChunk;
-        if constexpr (kTma) {
-          load_chunk_tma<kBV>(p, maps, bars + 8 * ((c + 1) & 1), smem_base + ((c + 1) & 1) * C::kStageBytes,
-                              tok0 + kChunk, chunk0 + c + 1, hv, v0, tid);
-        } else {
-          load_chunk<kBV, kWgmma>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
-                          static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + c + 1, hv, v0, tid);
-        }
+        load_chunk<kBV, kWgmma>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
+                        static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + c + 1, hv, v0, tid);
         cp_async_commit();
       }
     } else {
       if (c + 2 < num_chunks) {
         const int64_t rem2 = rem - 2 * kChunk;
-        if constexpr (kTma) {
-          load_chunk_tma<kBV>(p, maps, bars + 8 * stage_index<kStages>(c + 2),
-                              smem_base + stage_index<kStages>(c + 2) * C::kStageBytes, tok0 + 2 * kChunk,
-                              chunk0 + c + 2, hv, v0, tid);
-        } else {
-          load_chunk<kBV, kWgmma>(p, smem_base + stage_index<kStages>(c + 2) * C::kStageBytes, tok0 + 2 * kChunk,
-                                  static_cast<int>(rem2 < kChunk ? rem2 : kChunk), chunk0 + c + 2, hv, v0, tid);
-        }
+        load_chunk<kBV, kWgmma>(p, smem_base + stage_index<kStages>(c + 2) * C::kStageBytes, tok0 + 2 * kChunk,
+                                static_cast<int>(rem2 < kChunk ? rem2 : kChunk), chunk0 + c + 2, hv, v0, tid);
       }
       cp_async_commit();
     }
@@ -578,18 +470,6 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
       vA[s][1] = pack_bf16(bf16_lo(uu[2]) - accV[2 * s][2], bf16_hi(uu[2]) - accV[2 * s][3]);
       vA[s][2] = pack_bf16(bf16_lo(uu[1]) - accV[2 * s + 1][0], bf16_hi(uu[1]) - accV[2 * s + 1][1]);
       vA[s][3] = pack_bf16(bf16_lo(uu[3]) - accV[2 * s + 1][2], bf16_hi(uu[3]) - accV[2 * s + 1][3]);
-    }
-    if constexpr (kTma) {  // columns (tokens) >= L: +0, as from the zero-filled u and w rows of the cp.async loads
-      if (L < kChunk) {
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int tk = 16 * s + 8 * (r >> 1) + 2 * t4;  // the low half's token; the high half's is tk + 1
-            vA[s][r] = tk >= L ? 0u : (tk + 1 >= L ? (vA[s][r] & 0xffffu) : vA[s][r]);
-          }
-        }
-      }
     }
 
     // ---- o^T = scale * accO + v_new^T_bf . Aqk^T. Aqk is lower triangular: token tile pair m needs key steps s <= m.
@@ -688,97 +568,30 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   }
 }
 
-// CULA_SM90_RECURRENCE_TMA=1: the warpgroup-MMA kernels load w, qg and kg by TMA (kTma). Read once per process.
-bool recurrence_tma_requested() {
-  static const bool requested = [] {
-    const char* value = std::getenv("CULA_SM90_RECURRENCE_TMA");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-  }();
-  return requested;
-}
-
-// cuTensorMapEncodeTiled from the driver, looked up once (the extension links the runtime only).
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      ptr = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
-// The descriptor of one [Ttot, HV, width] bf16 workspace tensor (width 128: w, qg, kg, u; 64: Aqk): boxes of 64
-// features x 1 value head x 64 tokens, the 128-byte swizzle (the kernels' tiles), zeros past Ttot.
-bool encode_workspace_map(TmaDescriptor& out, const void* base, int num_tokens, int num_value_heads,
-                          int width = kHeadDim) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
-  if (encode == nullptr || num_tokens <= 0) return false;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(width), static_cast<cuuint64_t>(num_value_heads),
-                              static_cast<cuuint64_t>(num_tokens)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(width) * 2,
-                                 static_cast<cuuint64_t>(num_value_heads) * width * 2};
-  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(kChunk)};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  CUtensorMap map;
-  const CUresult res = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-                              element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  static_assert(sizeof(map) == sizeof(out.bytes), "a CUtensorMap is 128 bytes");
-  std::memcpy(out.bytes, &map, sizeof(map));
-  return res == CUDA_SUCCESS;
-}
-
-template <int kBV, bool kWgmma = false, int kStages = 2, bool kTma = false>
-cudaError_t launch_recurrence_kernel(const KdaRecurrenceParams& p, const RecurrenceTmaMaps& maps, int64_t blocks,
-                                     cudaStream_t stream) {
-  using C = RecurrenceConfig<kBV, kWgmma, kStages>;
-  constexpr int kSmem = C::kSmemBytes + (kTma ? 64 : 0);  // (kTma: the stages' mbarriers)
-  static_assert(kSmem <= 227 * 1024, "more shared memory than an SM90 CTA may have");
-  const auto kernel = kda_recurrence_kernel<kBV, kWgmma, kStages, kTma>;
-  if (kSmem > 48 * 1024) {
-    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV, kWgmma, kStages, kTma>>(kSmem);
-    if (err != cudaSuccess) return err;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(C::kThreads);
-  config.dynamicSmemBytes = kSmem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = p.programmatic_launch ? 1 : 0;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, p, maps);
-  const cudaError_t last = cudaGetLastError();  // (clears the launch's error state either way)
-  return err != cudaSuccess ? err : last;
-}
-
 template <int kBV, bool kWgmma = false, int kStages = 2>
 cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stream) {
   using C = RecurrenceConfig<kBV, kWgmma, kStages>;
   const int64_t blocks = static_cast<int64_t>(p.num_seqs) * p.num_value_heads * C::kVBlocks;
   if (blocks <= 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  RecurrenceTmaMaps maps{};
-  if constexpr (kWgmma) {
-    if (recurrence_tma_requested()) {
-      if (!encode_workspace_map(maps.w, p.w, p.num_tokens, p.num_value_heads) ||
-          !encode_workspace_map(maps.qg, p.qg, p.num_tokens, p.num_value_heads) ||
-          !encode_workspace_map(maps.kg, p.kg, p.num_tokens, p.num_value_heads) ||
-          !encode_workspace_map(maps.u, p.u, p.num_tokens, p.num_value_heads) ||
-          !encode_workspace_map(maps.aqk, p.Aqk, p.num_tokens, p.num_value_heads, kChunk)) {
-        return cudaErrorInvalidValue;
-      }
-      return launch_recurrence_kernel<kBV, kWgmma, kStages, true>(p, maps, blocks, stream);
-    }
+  const auto kernel = kda_recurrence_kernel<kBV, kWgmma, kStages>;
+  if (C::kSmemBytes > 48 * 1024) {
+    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV, kWgmma, kStages>>(C::kSmemBytes);
+    if (err != cudaSuccess) return err;
   }
-  return launch_recurrence_kernel<kBV, kWgmma, kStages>(p, maps, blocks, stream);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(C::kThreads);
+  config.dynamicSmemBytes = C::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = p.programmatic_launch ? 1 : 0;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, p);
+  const cudaError_t last = cudaGetLastError();  // (clears the launch's error state either way)
+  return err != cudaSuccess ? err : last;
 }
 
 }  // namespace recurrence_detail
