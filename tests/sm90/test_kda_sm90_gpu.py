@@ -301,6 +301,27 @@ def test_varlen_launch_values_equal_the_runtime_builds(monkeypatch: pytest.Monke
         ext.varlen_launch_values(good.data_ptr(), 1, 64, out.data_ptr(), 8)
 
 
+def test_recurrence_entry_rejects_bad_scalars_before_any_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extension's recurrence entry checks its scalars before it launches (null pointers everywhere: a launch would
+    fault): a negative token count, a V block other than 0/32/64/128, warpgroup MMAs at 32, 3 stages without them."""
+    ext = _sm90(monkeypatch).load_extension()
+
+    def call(num_tokens: int = 64, block_v: int = 64, wgmma: bool = True, stages: int = 2) -> int:
+        # (qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, h0, state code, final state, o, N, HV,
+        # scale, state_v_first, block_v, wgmma, stages, programmatic launch, num_tokens, stream)
+        return ext.kda_recurrence(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1.0, False, block_v, wgmma, stages,
+                                  False, num_tokens, 0)
+
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
+        call(num_tokens=-1)
+    with pytest.raises(ValueError, match="block_v must be 0, 32, 64 or 128, got 48"):
+        call(block_v=48)
+    with pytest.raises(ValueError, match="wgmma needs block_v"):
+        call(block_v=32)
+    with pytest.raises(ValueError, match="stages must be 2, or 3 with wgmma"):
+        call(block_v=32, wgmma=False, stages=3)
+
+
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     _sm90(monkeypatch)
     monkeypatch.delenv("CULA_BACKEND")  # the natural choice, not a forced one
