@@ -334,9 +334,9 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   // once that grid has finished and its writes are visible. (Without a programmatic launch the wait returns at once.)
   ptx::grid_dependency_wait();
 
-  // Prefetch chunk 0 (and with 3 stages chunk 1) while the initial state's loads are in flight. With 3 stages every load slot
-  // commits one cp.async group, empty past the last chunk, so that "all but the newest group landed" always means
-  // "this chunk landed".
+  // Prefetch chunk 0 (and with 3 stages chunk 1) while the initial state's loads are in flight. With 3 stages every
+  // load slot commits one cp.async group, empty past the last chunk, so that "all but the newest group landed" always
+  // means "this chunk landed".
   if (num_chunks > 0) {
     load_chunk<kBV, kWgmma>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
     cp_async_commit();
