@@ -259,12 +259,6 @@ def fla_inputs(kwargs: dict) -> dict:
     return {**kwargs, "cu_seqlens": kwargs["cu_seqlens"].long()}
 
 
-def _knobs(fn) -> contextlib.AbstractContextManager:
-    """The environment ``fn`` runs in (a :class:`_Contender`'s knobs; nothing to set for other callables)."""
-    knobs = getattr(fn, "knobs", None)
-    return knobs() if knobs is not None else contextlib.nullcontext()
-
-
 def host_loop_ms() -> float:
     """Best of 5 timings of ``sum(range(10**6))``: how fast this machine's host runs Python."""
     best = math.inf
@@ -328,6 +322,8 @@ def main() -> None:
     if args.cutedsl_intra:
         os.environ["CULA_CUTE_INTRA"] = args.cutedsl_intra
     runs = contenders(tuple(args.extra), tuple(x for x in args.skip.split(",") if x))
+    # each contender's environment (cula's knobs), entered around its first call and each batch of its timings
+    knobs = {name: fn.knobs for name, fn in runs.items() if isinstance(fn, _Contender)}
     rows = []
     warmed = False
     for cfg in configs():
@@ -341,7 +337,7 @@ def main() -> None:
             kw = fla_inputs(kwargs) if name == "fla" else kwargs
             try:
                 start = time.perf_counter()
-                with _knobs(fn):
+                with knobs.get(name, contextlib.nullcontext)():
                     fn(kw)
                 torch.cuda.synchronize()
                 times[name + " first-call s"] = time.perf_counter() - start
@@ -351,8 +347,7 @@ def main() -> None:
         if not warmed:
             warm_up_gpu(args.warm_up_s)
             warmed = True
-        times.update(interleaved_ms(ready, args.reps, args.rounds,
-                                    knobs={name: runs[name].knobs for name in ready if hasattr(runs[name], "knobs")}))
+        times.update(interleaved_ms(ready, args.reps, args.rounds, knobs=knobs))
         rows.append((cfg, times))
         print(cfg.name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in times.items()}, flush=True)
     write_table(rows, args.out)
