@@ -412,23 +412,18 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
 
   // ------------------------------------------------------------------------------------------------------
-  // Phase 1: beta; gate activation and chunk-local cumsum (thread = column, half of the rows).
-  if (tid >= 128 && tid < 192) {
-    const int r = tid - 128;
-    float b = 0.f;
-    if (r < L && reads_inputs<kTuned>(p)) {
-      const int64_t bi = static_cast<int64_t>(t0 + r) * HV + hv;
-      if (p.beta_type == ScalarType::kBFloat16) {
-        b = bf16_bits(__ldg(static_cast<const unsigned short*>(p.beta) + bi));
-      } else {
-        b = __ldg(static_cast<const float*>(p.beta) + bi);
-      }
-      if (p.beta_sigmoid) {
-        b = 1.f / (1.f + expf(-b));
-        if (p.allow_neg_eigval) b *= 2.f;
-      }
+  // Phase 1: beta (row tid - 128 in warps 4-5); gate activation and chunk-local cumsum (thread = column, half of the
+  // rows). Beta's load is issued here and used only after the g rows' loads are issued (its sigmoid before (A)), so
+  // warps 4-5 wait for one load latency, not two in a row.
+  const bool beta_thread = tid >= 128 && tid < 192;
+  uint32_t beta_raw = 0u;  // (the loaded bits: bf16 in the low half, or fp32)
+  if (beta_thread && tid - 128 < L && reads_inputs<kTuned>(p)) {
+    const int64_t bi = static_cast<int64_t>(t0 + tid - 128) * HV + hv;
+    if (p.beta_type == ScalarType::kBFloat16) {
+      beta_raw = __ldg(static_cast<const unsigned short*>(p.beta) + bi);
+    } else {
+      beta_raw = __float_as_uint(__ldg(static_cast<const float*>(p.beta) + bi));
     }
-    sBeta[r] = b;
   }
   {
     // Warp w = rows 8w .. 8w+7 (a segment), lane = columns 4*lane .. 4*lane+3: vector loads, an in-register
@@ -487,6 +482,15 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int i = 0; i < 4; ++i) gv[j][i] += gv[j - 1][i];
     *reinterpret_cast<float4*>(sTot + warp * kD + c0) = make_float4(gv[7][0], gv[7][1], gv[7][2], gv[7][3]);
+    if (beta_thread) {
+      float b = p.beta_type == ScalarType::kBFloat16 ? bf16_bits(static_cast<unsigned short>(beta_raw))
+                                                    : __uint_as_float(beta_raw);
+      if (p.beta_sigmoid && tid - 128 < L && reads_inputs<kTuned>(p)) {
+        b = 1.f / (1.f + expf(-b));
+        if (p.allow_neg_eigval) b *= 2.f;
+      }
+      sBeta[tid - 128] = b;
+    }
     __syncthreads();  // (A)
     float off[4] = {0.f, 0.f, 0.f, 0.f};
     for (int sgi = 0; sgi < warp; ++sgi) {
