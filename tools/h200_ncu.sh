@@ -5,9 +5,11 @@
 # fused-prepare-prefetch-8warps, and lean-unrolled): throughput, occupancy, warp stall reasons (also per source line,
 # from SourceCounters) and memory traffic of every kernel of the call, as text in $OUT/ncu_<backend>[_<variant>].txt.
 # NCU_SM90_KNOBS="CULA_SM90_INTRA_PERSISTENT=1 CULA_SM90_RECURRENCE_WGMMA=0" also profiles sm90 with those settings
-# ($OUT/ncu_sm90_knobs.txt). NCU_INTRA_SOURCE=1 first profiles only the sm90 intra kernel for where its warps stall:
-# every stall reason (--print-details all, $OUT/ncu_sm90_intra_stalls.txt) and per SASS instruction
-# (--page source --csv, $OUT/ncu_sm90_intra_source.csv); with NCU_INTRA=" " and no NCU_SM90_KNOBS, nothing else.
+# ($OUT/ncu_sm90_knobs.txt). NCU_SOURCE_KERNEL=intra|recurrence (NCU_INTRA_SOURCE=1: intra) instead first profiles
+# only that sm90 kernel for where its warps stall: every stall reason (--print-details all,
+# $OUT/ncu_sm90_<kernel>_stalls.txt) and per SASS instruction (--page source --csv, $OUT/ncu_sm90_<kernel>_source.csv;
+# `python tools/ncu_segments.py FILE.csv` sums it per barrier-delimited segment); with NCU_INTRA=" " and no
+# NCU_SM90_KNOBS, nothing else.
 # Clocks are left alone (--clock-control none), as the device notes ask.
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
@@ -20,15 +22,18 @@ run() {  # backend, output file, then the environment's CULA_CUTE_INTRA
     python3 tools/ncu_kda.py --backend "$1" --config "$config" > "$2" 2>&1
   echo "ncu $1 ${CULA_CUTE_INTRA:-} ($config): exit $? | $(grep -c '^  [A-Za-z_].*(' "$2") kernel reports"
 }
-if [[ ${NCU_INTRA_SOURCE:-0} == 1 ]]; then
-  intra=(--clock-control none --profile-from-start off -k regex:kda_intra --section WarpStateStats
-         --section SourceCounters)
-  timeout 200 ncu "${intra[@]}" --print-details all python3 tools/ncu_kda.py --backend sm90 --config "$config" \
-    > "$OUT/ncu_sm90_intra_stalls.txt" 2>&1
-  echo "ncu sm90 intra stalls ($config): exit $?"
-  timeout 200 ncu "${intra[@]}" --page source --csv --print-source sass python3 tools/ncu_kda.py --backend sm90 \
-    --config "$config" > "$OUT/ncu_sm90_intra_source.csv" 2>&1
-  echo "ncu sm90 intra per-instruction ($config): exit $? | $(wc -l < "$OUT/ncu_sm90_intra_source.csv") lines"
+source_kernel=${NCU_SOURCE_KERNEL:-}
+[[ ${NCU_INTRA_SOURCE:-0} == 1 ]] && source_kernel=intra
+if [[ -n $source_kernel ]]; then
+  opts=(--clock-control none --profile-from-start off -k "regex:kda_$source_kernel" --section WarpStateStats
+        --section SourceCounters)
+  stem="$OUT/ncu_sm90_$source_kernel"
+  timeout 200 ncu "${opts[@]}" --print-details all python3 tools/ncu_kda.py --backend sm90 --config "$config" \
+    > "${stem}_stalls.txt" 2>&1
+  echo "ncu sm90 $source_kernel stalls ($config): exit $?"
+  timeout 200 ncu "${opts[@]}" --page source --csv --print-source sass python3 tools/ncu_kda.py --backend sm90 \
+    --config "$config" > "${stem}_source.csv" 2>&1
+  echo "ncu sm90 $source_kernel per-instruction ($config): exit $? | $(wc -l < "${stem}_source.csv") lines"
 else
   run sm90 "$OUT/ncu_sm90.txt"
 fi
