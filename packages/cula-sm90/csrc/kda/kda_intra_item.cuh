@@ -697,38 +697,28 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   __syncthreads();  // (E)
 
   // ------------------------------------------------------------------------------------------------------
-  // Phase 3: Aqk and Akk, 10 lower 16x16 blocks (I >= J) over K = 128 (8 k-steps of 16). Each warp computes both
-  // products of one block, w0 (3,0) w1 (2,0) w2 (3,2) w3 (3,3) w4 (2,2) w5 (1,0) w6 (1,1) w7 (0,0), and warps 4-7
-  // one product of blocks (3,1) and (2,1): w4 Akk (2,1), w5 Aqk (3,1), w6 Akk (3,1), w7 Aqk (2,1). So no warp runs
-  // more than 48 of the 320 MMAs (64 when w0 and w1 took both blocks of their row, as the persistent kernel still
-  // does); every product's k order as before.
+  // Phase 3: Aqk and Akk, 10 lower 16x16 blocks (I >= J) over K = 128 (8 k-steps of 16).
+  // Warp -> (I, J0, nJ): w0 (3,{0,1}) w1 (2,{0,1}) w2 (3,2) w3 (3,3) w4 (2,2) w5 (1,0) w6 (1,1) w7 (0,0).
   const int g8 = lane >> 2;  // mma groupID
   const int t4 = lane & 3;   // mma threadID_in_group
   {
-    // per warp: (block row, block column, products: 1 Aqk, 2 Akk, 3 both) of its first and second piece
-    const int I1 = (0x01123323u >> (4 * warp)) & 0xF;
-    const int J1 = (0x01023200u >> (4 * warp)) & 0xF;
-    // (the persistent kernel, at its register cap, keeps w0 and w1 on both blocks of their row: no spill)
-    const int I2 = (0x23320000u >> (4 * warp)) & 0xF;
-    const int J2 = ((kPrefetchNext ? 0x00000011u : 0x11110000u) >> (4 * warp)) & 0xF;
-    const int kinds2 = (0x12120000u >> (4 * warp)) & 0xF;
+    const int I = (0x01123323u >> (4 * warp)) & 0xF;
+    const int J0 = (0x01023200u >> (4 * warp)) & 0xF;
+    const int nJ = (0x11111122u >> (4 * warp)) & 0xF;
     // A (row operand) rows 16I + (lane&7) + 8*((lane>>3)&1), k-chunk 2s + (lane>>4): matrices a0..a3.
-    const int arow0 = (lane & 7) + (((lane >> 3) & 1) << 3);
+    const int arow = 16 * I + (lane & 7) + (((lane >> 3) & 1) << 3);
     const int achk = lane >> 4;
     // B (column operand, stored [n][k]) rows (lane&7) + 8*(lane>>4), k-chunk 2s + ((lane>>3)&1):
     // registers = n-tile 0 {b0, b1}, n-tile 1 {b0, b1}.
     const int brow = (lane & 7) + ((lane >> 4) << 3);
     const int bchk = (lane >> 3) & 1;
     const float scale = p.scale;
-    float akk[2][2][4];  // masked, β-scaled Akk of each piece, stored to smem after (F)
+    float akk[2][2][4];  // masked, β-scaled Akk of each block, stored to smem after (F)
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
-      const int I = (kPrefetchNext || jj == 0) ? I1 : I2;
-      const int kinds = jj == 0 ? 3 : (kPrefetchNext ? (warp < 2 ? 3 : 0) : kinds2);
-      // (the pieces of a warp one after the other: 16 live accumulators, not 32)
-      if (kinds != 0 && band_live<kTuned>(I, bands)) {
-        const int J = jj == 0 ? J1 : J2;
-        const int arow = 16 * I + arow0;
+      // (the key blocks of a warp one after the other: 16 live accumulators, not 32)
+      if (jj < nJ && band_live<kTuned>(I, bands)) {
+        const int J = J0 + jj;
         const uint32_t bbase = (J == I) ? sbase + kOffX + static_cast<uint32_t>(16 * I * 256)
                                         : sbase + kOffKoff + static_cast<uint32_t>(pair_index(I, J) * 4096);
         float accQ[2][4], accK[2][4];
@@ -739,39 +729,16 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
             accQ[nt][e] = 0.f;
             accK[nt][e] = 0.f;
           }
-        constexpr int kSteps = (kTuned & kAblateProducts) != 0 ? 0 : 8;
-        if (kinds == 3) {
 #pragma unroll
-          for (int s = 0; s < kSteps; ++s) {
-            uint32_t aq[4], ak[4], bb[4];
-            ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
-            ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
-            ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
-            mma_bf16_16816(accQ[0], aq, bb[0], bb[1]);
-            mma_bf16_16816(accQ[1], aq, bb[2], bb[3]);
-            mma_bf16_16816(accK[0], ak, bb[0], bb[1]);
-            mma_bf16_16816(accK[1], ak, bb[2], bb[3]);
-          }
-        } else if constexpr (!kPrefetchNext) {  // one product (the persistent kernel has none)
-          if (kinds == 1) {  // Aqk alone
-#pragma unroll
-            for (int s = 0; s < kSteps; ++s) {
-              uint32_t aq[4], bb[4];
-              ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
-              ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
-              mma_bf16_16816(accQ[0], aq, bb[0], bb[1]);
-              mma_bf16_16816(accQ[1], aq, bb[2], bb[3]);
-            }
-          } else {  // Akk alone
-#pragma unroll
-            for (int s = 0; s < kSteps; ++s) {
-              uint32_t ak[4], bb[4];
-              ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
-              ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
-              mma_bf16_16816(accK[0], ak, bb[0], bb[1]);
-              mma_bf16_16816(accK[1], ak, bb[2], bb[3]);
-            }
-          }
+        for (int s = 0; s < ((kTuned & kAblateProducts) != 0 ? 0 : 8); ++s) {
+          uint32_t aq[4], ak[4], bb[4];
+          ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
+          ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
+          ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
+          mma_bf16_16816(accQ[0], aq, bb[0], bb[1]);
+          mma_bf16_16816(accQ[1], aq, bb[2], bb[3]);
+          mma_bf16_16816(accK[0], ak, bb[0], bb[1]);
+          mma_bf16_16816(accK[1], ak, bb[2], bb[3]);
         }
         // Epilogue: Aqk -> bf16 staging (scale folded, j <= i, rows < L); Akk masked (j < i, rows < L), * β_i.
 #pragma unroll
@@ -782,15 +749,11 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             const int j = 16 * J + 8 * nt + 2 * t4;
-            if (kinds & 1) {
-              const float q0 = (ok && j <= i) ? scale * accQ[nt][2 * hh] : 0.f;
-              const float q1 = (ok && j + 1 <= i) ? scale * accQ[nt][2 * hh + 1] : 0.f;
-              *reinterpret_cast<uint32_t*>(smem + kOffAqk + swz128(i, j >> 3) + (j & 7) * 2) = pack_bf16x2(q0, q1);
-            }
-            if (kinds & 2) {
-              akk[jj][nt][2 * hh] = (ok && j < i) ? bi * accK[nt][2 * hh] : 0.f;
-              akk[jj][nt][2 * hh + 1] = (ok && j + 1 < i) ? bi * accK[nt][2 * hh + 1] : 0.f;
-            }
+            const float q0 = (ok && j <= i) ? scale * accQ[nt][2 * hh] : 0.f;
+            const float q1 = (ok && j + 1 <= i) ? scale * accQ[nt][2 * hh + 1] : 0.f;
+            *reinterpret_cast<uint32_t*>(smem + kOffAqk + swz128(i, j >> 3) + (j & 7) * 2) = pack_bf16x2(q0, q1);
+            akk[jj][nt][2 * hh] = (ok && j < i) ? bi * accK[nt][2 * hh] : 0.f;
+            akk[jj][nt][2 * hh + 1] = (ok && j + 1 < i) ? bi * accK[nt][2 * hh + 1] : 0.f;
           }
         }
       }
@@ -800,10 +763,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     float* sA = reinterpret_cast<float*>(smem + kOffA);
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
-      const int I = (kPrefetchNext || jj == 0) ? I1 : I2;
-      const bool has_akk = jj == 0 || (kPrefetchNext ? warp < 2 : (kinds2 & 2) != 0);
-      if (has_akk && band_live<kTuned>(I, bands)) {
-        const int J = jj == 0 ? J1 : J2;
+      if (jj < nJ && band_live<kTuned>(I, bands)) {
+        const int J = J0 + jj;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = 16 * I + g8 + 8 * hh;
