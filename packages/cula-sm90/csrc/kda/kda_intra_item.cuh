@@ -225,7 +225,7 @@ constexpr uint32_t kOffAkkHi = kOffG;          // Akk's blocks below the diagona
 constexpr uint32_t kOffAkkLo = kOffG + 8192;
 constexpr uint32_t kOffTLo = kOffG + 16384;    // Tinv's lo part
 constexpr uint32_t kOffXYHi = kOffG + 24576;   // [32][64]: X of level 1, then Y of level 2 (over the Aqk staging,
-constexpr uint32_t kOffXYLo = kOffG + 28672;   // consumed before (H))
+constexpr uint32_t kOffXYLo = kOffG + 28672;   // consumed before (G))
 static_assert(kOffXYLo + 4096 == kOffF, "the split tiles must end where Γ2 ends");
 
 // The bf16x3 parts of two fp32 values (row, columns col, col + 1) into a hi and a lo swz128 tile.
@@ -370,17 +370,6 @@ __device__ __forceinline__ float activated_beta(const KdaIntraParams& p, uint32_
     if (p.allow_neg_eigval) b *= 2.f;
   }
   return b;
-}
-// Phase 3's end: this warp's rows of bf16(β k e^Γ) (phase 2a's wrhs registers) into the k·b tile, the w right-hand side.
-template <int kTuned>
-__device__ __forceinline__ void store_w_rhs(uint8_t* smem, const uint32_t (&wrhs)[8][2], int warp, int lane,
-                                            int bands) {
-#pragma unroll
-  for (int pp = 0; pp < 8; ++pp) {
-    if (!band_live<kTuned>(pp >> 1, bands)) break;
-    const int r = warp + 8 * pp;
-    *reinterpret_cast<uint2*>(smem + kOffX + quad_off(r, lane)) = make_uint2(wrhs[pp][0], wrhs[pp][1]);
-  }
 }
 // The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
 // item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
@@ -793,27 +782,30 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  // w right-hand side -> the k·b tile (free now): warps 0-1 here, warps 2-7 after (G), while warps 0-1 run 4a.
-  if (warp < 2) store_w_rhs<kTuned>(smem, wrhs, warp, lane, bands);
-  __syncthreads();  // (G): Akk complete in sA (kTunedTensorInverse: its lower blocks in the hi/lo tiles)
-  if (warp >= 2) {
-    store_w_rhs<kTuned>(smem, wrhs, warp, lane, bands);
-    // Aqk -> global, rows < L, the blocks on and below the diagonal only (the recurrence zero-fills the others), by
-    // the 192 threads of warps 2-7. (ch >> 1) <= (row >> 4) is aqk_chunk_written (kda_params.h), spelled out:
-    // calling it gave the same bits but a different instruction schedule, 0.3% slower at B1 T16384 on the H200
-    // (thirteenth session). The staging is read before (H), ahead of the doubling's tiles over it.
+  // w right-hand side -> the k·b tile (free now).
+#pragma unroll
+  for (int pp = 0; pp < 8; ++pp) {
+    if (!band_live<kTuned>(pp >> 1, bands)) break;
+    const int r = warp + 8 * pp;
+    *reinterpret_cast<uint2*>(smem + kOffX + quad_off(r, lane)) = make_uint2(wrhs[pp][0], wrhs[pp][1]);
+  }
+  // Aqk -> global, rows < L, the blocks on and below the diagonal only (the recurrence zero-fills the others).
+  // (ch >> 1) <= (row >> 4) is aqk_chunk_written (kda_params.h), spelled out: calling it gave the same bits but a
+  // different instruction schedule, 0.3% slower at B1 T16384 on the H200 (thirteenth session).
+  {
     __nv_bfloat16* gA = static_cast<__nv_bfloat16*>(p.Aqk);
 #pragma unroll
-    for (int it = 0; it < 3; ++it) {
-      const int idx = tid - 64 + 192 * it;
+    for (int it = 0; it < 2; ++it) {
+      const int idx = tid + kThreads * it;
       const int row = idx >> 3;
       const int ch = idx & 7;
-      if (idx < 512 && row < L && (ch >> 1) <= (row >> 4) && writes_workspace<kTuned>(p)) {
+      if (row < L && (ch >> 1) <= (row >> 4) && writes_workspace<kTuned>(p)) {
         const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffAqk + swz128(row, ch));
         *reinterpret_cast<uint4*>(gA + (static_cast<int64_t>(t0 + row) * HV + hv) * 64 + ch * 8) = val;
       }
     }
   }
+  __syncthreads();  // (G): Akk complete in sA (kTunedTensorInverse: its lower blocks in the hi/lo tiles)
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 4: Tinv = (I + Akk)^-1 in fp32, in place in sA; its bf16 copy goes to sT (kTunedTensorInverse: sT and its
