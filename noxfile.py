@@ -50,7 +50,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """pytest on the CPU: GPU tests (marked gpu) skip without a CUDA GPU. Extra arguments go to pytest."""
-    install_torch_cpu(session, "pytest", "numpy")
+    install_torch_cpu(session, "pytest", "pytest-xdist", "numpy")
     # One pip call, so the local cula-runtime satisfies cula's cula-runtime==<version> pin. The [cute] extra brings
     # CuTeDSL, so the compile tests build every shipped CuTeDSL kernel for sm_90a, sm_100a and sm_103a here.
     session.install("-e", f"{PURE_PACKAGES[0]}[cute]", "-e", PURE_PACKAGES[1], *CPU_CONSTRAINTS)
@@ -58,7 +58,10 @@ def tests(session: nox.Session) -> None:
     # drive it through a stand-in extension. Only here: on a GPU machine the built package (with its extension) must
     # come first on the path, which pytest's own `pythonpath` setting would not allow (it prepends).
     shim = str(Path(SM90_PACKAGE, "src").resolve())
-    session.run("pytest", "-q", *session.posargs, env={"PYTHONPATH": shim})
+    # pytest-xdist workers, one per core up to 4 (CULA_TEST_WORKERS overrides; "-n 0" in the arguments runs serially):
+    # most of the time is CuTeDSL compiles, which do not always use both of CI's cores.
+    workers = os.environ.get("CULA_TEST_WORKERS") or str(min(os.cpu_count() or 1, 4))
+    session.run("pytest", "-q", "-n", workers, *session.posargs, env={"PYTHONPATH": shim})
 
 
 @nox.session(python=PYTHON)
