@@ -946,20 +946,18 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
   __syncthreads();
   {
-    // Thread = (row tid / 16 of each 16-row band, 16-byte chunk tid % 16): iterations 0-3 store w's bands, 4-7 u's,
-    // from one global offset and one staging offset stepped per band (the same addresses as idx = tid + 256 it).
-    const int row0 = tid >> 4;
-    const int ch = tid & 15;
-    const int64_t off0 = (static_cast<int64_t>(t0 + row0) * HV + hv) * kD + ch * 8;
-    const int64_t band_step = static_cast<int64_t>(16) * HV * kD;
-    const uint32_t soff0 = swz256(row0, ch);  // (row0 + 16 j) & 7 == row0 & 7: band j is 4096 bytes further
+    __nv_bfloat16* gw = static_cast<__nv_bfloat16*>(p.w);
+    __nv_bfloat16* gu = static_cast<__nv_bfloat16*>(p.u);
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
-      const int j = it & 3;
-      if (row0 + 16 * j < L && writes_w_u<kTuned>(p)) {
-        const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffG + (it >> 2) * 16384 + soff0 + 4096 * j);
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(it < 4 ? p.w : p.u);
-        *reinterpret_cast<uint4*>(dst + off0 + j * band_step) = val;
+      const int idx = tid + kThreads * it;
+      const int tsel = idx >> 10;
+      const int row = (idx >> 4) & 63;
+      const int ch = idx & 15;
+      if (row < L && writes_w_u<kTuned>(p)) {
+        const uint4 val = *reinterpret_cast<const uint4*>(smem + kOffG + tsel * 16384 + swz256(row, ch));
+        __nv_bfloat16* dst = tsel ? gu : gw;
+        *reinterpret_cast<uint4*>(dst + (static_cast<int64_t>(t0 + row) * HV + hv) * kD + ch * 8) = val;
       }
     }
   }
