@@ -357,9 +357,10 @@ template <int kTuned>
 __device__ __forceinline__ bool writes_w_u(const KdaIntraParams& p) {
   return (kTuned & (kAblateStores | kAblateStoresWU)) == 0 || p.num_tokens < 0;
 }
-// Beta of one row, at element index bi of p.beta: its bits as loaded (bf16 in the low half, or fp32), then the value
-// the kernel uses (sigmoid when p.beta_sigmoid, doubled with p.allow_neg_eigval; 0 for a row without a token).
-__device__ __forceinline__ uint32_t load_beta_bits(const KdaIntraParams& p, int64_t bi) {
+// Beta of token `token` and value head hv (of HV): its bits as loaded (bf16 in the low half, or fp32), then the value the
+// kernel uses (sigmoid when p.beta_sigmoid, doubled with p.allow_neg_eigval; 0 for a row without a token).
+__device__ __forceinline__ uint32_t load_beta_bits(const KdaIntraParams& p, int token, int HV, int hv) {
+  const int64_t bi = static_cast<int64_t>(token) * HV + hv;
   if (p.beta_type == ScalarType::kBFloat16) return __ldg(static_cast<const unsigned short*>(p.beta) + bi);
   return __float_as_uint(__ldg(static_cast<const float*>(p.beta) + bi));
 }
@@ -430,18 +431,16 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   // rows). Beta's load is issued here and used only after the g rows' loads are issued (its sigmoid just before (A)),
   // so warps 4-5 wait for one load latency before (A), not two in a row: the intra kernel 3.5-4.6% faster on long
   // inputs (H200, seventeenth session). The persistent kernel, at its register cap, uses it at once (no spill).
+  // (beta_row() is evaluated where it is used: kept as a value, it stays live through the gate code below)
   const bool beta_thread = tid >= 128 && tid < 192;
+  const auto beta_row = [&] { return tid - 128 < L && reads_inputs<kTuned>(p); };  // this thread's row has a token
   uint32_t beta_bits = 0u;
   if constexpr (kPrefetchNext) {
     if (beta_thread) {
-      float b = 0.f;
-      if (tid - 128 < L && reads_inputs<kTuned>(p)) {
-        b = activated_beta(p, load_beta_bits(p, static_cast<int64_t>(t0 + tid - 128) * HV + hv), true);
-      }
-      sBeta[tid - 128] = b;
+      sBeta[tid - 128] = beta_row() ? activated_beta(p, load_beta_bits(p, t0 + tid - 128, HV, hv), true) : 0.f;
     }
-  } else if (beta_thread && tid - 128 < L && reads_inputs<kTuned>(p)) {
-    beta_bits = load_beta_bits(p, static_cast<int64_t>(t0 + tid - 128) * HV + hv);
+  } else if (beta_thread && beta_row()) {
+    beta_bits = load_beta_bits(p, t0 + tid - 128, HV, hv);
   }
   {
     // Warp w = rows 8w .. 8w+7 (a segment), lane = columns 4*lane .. 4*lane+3: vector loads, an in-register
@@ -501,7 +500,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       for (int i = 0; i < 4; ++i) gv[j][i] += gv[j - 1][i];
     *reinterpret_cast<float4*>(sTot + warp * kD + c0) = make_float4(gv[7][0], gv[7][1], gv[7][2], gv[7][3]);
     if constexpr (!kPrefetchNext) {
-      if (beta_thread) sBeta[tid - 128] = activated_beta(p, beta_bits, tid - 128 < L && reads_inputs<kTuned>(p));
+      if (beta_thread) sBeta[tid - 128] = activated_beta(p, beta_bits, beta_row());
     }
     __syncthreads();  // (A)
     float off[4] = {0.f, 0.f, 0.f, 0.f};
