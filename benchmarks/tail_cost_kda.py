@@ -47,23 +47,22 @@ def main() -> None:
         raise SystemExit("--tails: the first must be 0 (the batch without partial chunks)")
     full_items = opts.seqs * opts.full_chunks * HEADS
     tail_items = opts.seqs * HEADS
-    lines = [
-        "| form | tail tokens | intra us | recurrence us | tail item / full item |",
-        "|---|---|---|---|---|",
-    ]
-    for form in opts.forms.split(","):
-        base = None
-        for tail in tails:
-            n = 64 * opts.full_chunks + tail
-            cfg = Config(f"{opts.seqs}x{n}", 1, opts.seqs * n, HEADS, HEADS, (n,) * opts.seqs)
-            args = validate_kda_prefill(**make_inputs(cfg))
+    forms = opts.forms.split(",")
+    rows: dict[str, list[str]] = {form: [] for form in forms}
+    base: dict[str, float] = {}  # each form's intra time without partial chunks (the first tail, 0)
+    for tail in tails:  # (each batch's inputs made once, for every form)
+        n = 64 * opts.full_chunks + tail
+        cfg = Config(f"{opts.seqs}x{n}", 1, opts.seqs * n, HEADS, HEADS, (n,) * opts.seqs)
+        args = validate_kda_prefill(**make_inputs(cfg))
+        for form in forms:
             t = stage_times(lambda a, bv, form=form: run_kernels(a, block_v=bv, intra_tuned=form), args, 128,
                             opts.reps, ("intra", "recurrence"))
-            if base is None:
-                base = t["intra"]
-            ratio = (t["intra"] - base) / tail_items / (base / full_items) if tail else 0.0
-            lines.append(f"| {form} | {tail} | {t['intra']:.1f} | {t['recurrence']:.1f} | {ratio:.2f} |")
-            print(lines[-1], flush=True)
+            base.setdefault(form, t["intra"])
+            ratio = (t["intra"] - base[form]) / tail_items / (base[form] / full_items) if tail else 0.0
+            rows[form].append(f"| {form} | {tail} | {t['intra']:.1f} | {t['recurrence']:.1f} | {ratio:.2f} |")
+            print(rows[form][-1], flush=True)
+    lines = ["| form | tail tokens | intra us | recurrence us | tail item / full item |", "|---|---|---|---|---|"]
+    lines += [row for form in forms for row in rows[form]]
     header = [
         "# sm90 intra kernel: the cost of a partial last chunk",
         "",
