@@ -339,6 +339,8 @@ class KdaIntra:
                                   wu_mma, sQt, sKt, sKb, sVb, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, batch, head,
                                   hv, start, valid, tidx)
         elif valid > 0:
+            # β's load goes out first, ahead of the gate's (or the anchors') loads; it is used only after them
+            beta_raw = self.load_beta(mBeta, batch, hv, start, valid, tidx)
             rGam = None
             if const_expr(c.gate is not None):  # Γ of this thread's fill elements, kept in registers
                 rGam = cute.make_rmem_tensor(cute.make_layout((self.passes, self.vec), stride=(self.vec, 1)), Float32)
@@ -348,7 +350,7 @@ class KdaIntra:
                 self.gate_prologue(mG, mDtBias, mALog, mGLast, sStaging, sGa, rGam, lower_bound, batch, hv, chunk,
                                    start, valid, tidx)
             self.load_anchors(mG, mBeta, sGa, sBeta, sAqk, batch, hv, start, valid, tidx,
-                              anchors=c.gate is None)
+                              anchors=c.gate is None, beta_raw=beta_raw)
             cute.arch.sync_threads()
             self.fill(mQ, mK, mV, mG, mQg, mKg, sGa, sBeta, sQt, sKt, sKb, sVb, sKh, batch, head, hv, start, valid,
                       tidx, operands=True, rhs=not c.lean_smem, rGam=rGam)
@@ -515,14 +517,28 @@ class KdaIntra:
         return tiles + 2 * fp32_tile + SUB * C * 4 + small
 
     @cute.jit
+    def load_beta(self, mBeta: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32,
+                  tidx: Int32) -> Float32:
+        """This thread's β input as loaded (fp32; 0 for ``tidx >= valid``), not yet activated: thread ``t < C``
+        holds token ``t`` of the chunk. Issued before the chunk's other loads, so that its latency overlaps theirs
+        (the thread that activated β right after loading it held up every warp at the next barrier)."""
+        beta = Float32(0.0)
+        if tidx < valid:
+            beta = mBeta[b, start + tidx, hv].to(Float32)
+        return beta
+
+    @cute.jit
     def load_anchors(self, mG: cute.Tensor, mBeta: cute.Tensor, sGa: cute.Tensor, sBeta: cute.Tensor,
                      sAqk: cute.Tensor, b: Int32, hv: Int32, start: Int32, valid: Int32, tidx: Int32,
-                     anchors: cutlass.Constexpr = True):
+                     anchors: cutlass.Constexpr = True, beta_raw: Float32 | None = None):
         """``sGa[I] = Γ[16 I]`` (0 for a sub-chunk past the end), ``sGa[4] = Γ_last`` (``anchors``; else the gate
         prologue wrote them), ``sBeta = β`` (0 past the end; activated here with an in-kernel gate), and zeros in
-        the blocks of ``sAqk`` above the diagonal."""
+        the blocks of ``sAqk`` above the diagonal. ``beta_raw``: :meth:`load_beta`'s value, loaded earlier by the
+        caller; None loads it here."""
         C, K = self.config.chunk_size, self.config.head_dim
         gate = self.config.gate
+        if const_expr(beta_raw is None):
+            beta_raw = self.load_beta(mBeta, b, hv, start, valid, tidx)
         entries = (NUM_SUB + 1) * K
         for i in cutlass.range_constexpr((entries + self.num_threads - 1) // self.num_threads if anchors else 0):
             idx = tidx + i * self.num_threads
@@ -535,13 +551,10 @@ class KdaIntra:
                     val = mG[b, start + row, hv, col]
                 sGa[a, col] = val
         if tidx < C:
-            beta = Float32(0.0)
-            if tidx < valid:
-                if const_expr(gate is None):
-                    beta = mBeta[b, start + tidx, hv]
-                else:
-                    beta = activate_beta(mBeta[b, start + tidx, hv].to(Float32), gate.beta_sigmoid,
-                                         gate.allow_neg_eigval)
+            beta = beta_raw
+            if const_expr(gate is not None):
+                if tidx < valid:
+                    beta = activate_beta(beta_raw, gate.beta_sigmoid, gate.allow_neg_eigval)
             sBeta[tidx] = beta
         for i in cutlass.range_constexpr(C * C // self.num_threads):
             idx = tidx + i * self.num_threads
