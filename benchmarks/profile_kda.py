@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_kda_prefill import make_inputs, named_configs  # noqa: E402
 
-from cula_runtime.cute.kda.intra import VARIANTS  # noqa: E402  (CPU-safe: imports no CuTeDSL)
+from cula_runtime.cute.kda.intra import VARIANTS  # noqa: E402  (imports CuTeDSL: run where it is installed)
 
 K = V = 128
 PICK = ("fixed B1 T16384", "fixed B2 T16384", "fixed B1 T512", "varlen T16384 10xskewed", "B1 H16 T32768")
