@@ -1,4 +1,4 @@
-"""cuLA's developer and CI sessions: ``nox -s lint tests wheel_inspect`` is what CI (.ci/run) runs.
+"""cuLA's developer and CI sessions: ``nox -s lint tests cute_compile_oldest wheel_inspect`` is what CI (.ci/run) runs.
 
 Sessions that install torch take the CPU build through constraints/cpu.txt, never a CUDA build.
 """
@@ -15,7 +15,7 @@ import nox
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["lint", "tests", "wheel_inspect"]
+nox.options.sessions = ["lint", "tests", "cute_compile_oldest", "wheel_inspect"]
 
 ROOT = Path(__file__).resolve().parent
 PYTHON = "3.11"
@@ -25,6 +25,10 @@ SM90_PACKAGE = "packages/cula-sm90"
 DIST = "dist"
 RUFF = "ruff==0.17.6"
 CUOBJDUMP = "nvidia-cuda-cuobjdump>=13.2,<14"
+# The compile tests' disassembler (cula_runtime.cute.machine_code); CuTeDSL 4.6 brought it, 4.8 does not.
+NVDISASM = "nvidia-cuda-nvdisasm>=13,<14"
+# The oldest CuTeDSL cula-runtime admits; `tests` compiles against the newest (what a plain install resolves to).
+OLDEST_CUTEDSL = "nvidia-cutlass-dsl==4.6.2"
 
 
 def install_torch_cpu(session: nox.Session, *others: str) -> None:
@@ -50,10 +54,11 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """pytest on the CPU: GPU tests (marked gpu) skip without a CUDA GPU. Extra arguments go to pytest."""
-    install_torch_cpu(session, "pytest", "pytest-xdist", "numpy")
-    # One pip call, so the local cula-runtime satisfies cula's cula-runtime==<version> pin. The [cute] extra brings
-    # CuTeDSL, so the compile tests build every shipped CuTeDSL kernel for sm_90a, sm_100a and sm_103a here.
-    session.install("-e", f"{PURE_PACKAGES[0]}[cute]", "-e", PURE_PACKAGES[1], *CPU_CONSTRAINTS)
+    install_torch_cpu(session, "pytest", "pytest-xdist", "numpy", NVDISASM)
+    # One pip call, so the local cula-runtime satisfies cula's cula-runtime==<version> pin. cula-runtime's own
+    # dependencies bring CuTeDSL (the newest its range admits), so the compile tests build every shipped CuTeDSL
+    # kernel for sm_90a, sm_100a and sm_103a here.
+    session.install("-e", PURE_PACKAGES[0], "-e", PURE_PACKAGES[1], *CPU_CONSTRAINTS)
     # The cula-sm90 shim from source (pure Python; no sm90 is installed here): its marshalling and call-plan tests
     # drive it through a stand-in extension. Only here: on a GPU machine the built package (with its extension) must
     # come first on the path, which pytest's own `pythonpath` setting would not allow (it prepends).
@@ -67,9 +72,19 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def cute_compile(session: nox.Session) -> None:
     """Only the CuTeDSL compile tests: every shipped kernel for sm_90a, sm_100a and sm_103a, SASS checked (CPU)."""
-    install_torch_cpu(session, "pytest", "numpy")
-    session.install("-e", f"{PURE_PACKAGES[0]}[cute]", "-e", PURE_PACKAGES[1], *CPU_CONSTRAINTS)
+    install_torch_cpu(session, "pytest", "numpy", NVDISASM)
+    session.install("-e", PURE_PACKAGES[0], "-e", PURE_PACKAGES[1], *CPU_CONSTRAINTS)
     session.run("pytest", "-q", "-m", "compile", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def cute_compile_oldest(session: nox.Session) -> None:
+    """The compile tests marked ``dsl_floor`` (one configuration per CuTeDSL kernel family, for sm_90a, sm_100a and
+    sm_103a, with the same machine-code checks) against the oldest CuTeDSL cula-runtime admits; CI runs it."""
+    install_torch_cpu(session, "pytest", "numpy", NVDISASM)
+    session.install("-e", PURE_PACKAGES[0], "-e", PURE_PACKAGES[1], OLDEST_CUTEDSL, *CPU_CONSTRAINTS)
+    session.run("python", "-c", "import importlib.metadata as m; print('CuTeDSL', m.version('nvidia-cutlass-dsl'))")
+    session.run("pytest", "-q", "-m", "compile and dsl_floor", *session.posargs)
 
 
 def build_wheels(session: nox.Session) -> bool:
@@ -97,6 +112,10 @@ def wheel_inspect(session: nox.Session) -> None:
     with_sm90 = build_wheels(session)
     session.install("packaging", *([CUOBJDUMP] if with_sm90 else []))
     session.run("python", "tools/inspect_wheels.py", DIST, *(["--require-sm90"] if with_sm90 else []))
+    # `pip install cula` as a user runs it (the pure wheels with their dependencies, no extra): CuTeDSL must come.
+    pure = [str(path) for name in ("cula_runtime", "cula") for path in sorted(Path(DIST).glob(f"{name}-*.whl"))]
+    install_torch_cpu(session, *pure)
+    session.run("python", "tools/check_install.py")
 
 
 @nox.session(python=PYTHON)

@@ -1,15 +1,14 @@
-"""Microbenchmark of the KDA intra primitive alone (Aqk/Akk, inverse, W/U): cuLA's CuTeDSL kernel against FLA's
-Triton ``chunk_kda_fwd_intra``. A microbenchmark: end-to-end numbers are bench_kda_prefill.py's.
-
-Also times, in the same process, the one-launch kernel's variants (``wide``, ``lean``, ``lean-unrolled``) and the
-three modular steps alone (scores, solve_tril with runtime and unrolled loops, recompute_w_u): which phase costs
-what, and what the shared-memory plan buys.
+"""Microbenchmark of the KDA intra kernel alone (the chunk cumsum of the gate, Aqk/Akk, the inverse, W/U): cuLA's
+CuTeDSL kernel against FLA's Triton ``chunk_kda_fwd_intra``. A microbenchmark: end-to-end numbers are
+bench_kda_prefill.py's.
 
     python benchmarks/bench_kda_intra.py [--out benchmarks/results/kda_intra_h200.md] [--reps 50]
 
-Inputs are what the primitive receives inside a prefill: L2-normalised bf16 q/k, bf16 v, the chunk-local cumulative
-safe gate in log2 units (fp32) and activated fp32 beta; H = HV = 64, K = V = 128. Also compares the outputs
-(rel. L2 between the two implementations) so a fast wrong kernel cannot hide.
+Inputs are what FLA's primitive receives inside a prefill: L2-normalised bf16 q/k, bf16 v, the chunk-local
+cumulative safe gate in log2 units (fp32) and activated fp32 beta; H = HV = 64, K = V = 128. cuLA's kernel
+(``chunk_kda_fwd_intra_from_raw``) takes the per-step log-gate instead (no activation in the kernel, ``"none"``
+form) and does the chunk cumsum itself, which FLA's time leaves out; no L2 norm or β activation in either. Also
+compares the outputs (rel. L2 between the two implementations) so a fast wrong kernel cannot hide.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ def inputs(B: int, T: int) -> dict:
     k = torch.nn.functional.normalize(randn(B, T, H, K), dim=-1).bfloat16()
     g = -5.0 * torch.sigmoid(randn(B, T, HV, K))
     gk = (g.view(B, T // 64, 64, HV, K).cumsum(2).view(B, T, HV, K) * RCP_LN2).contiguous()
-    return dict(q=q, k=k, v=randn(B, T, HV, V).bfloat16(), gk=gk, beta=torch.sigmoid(randn(B, T, HV)),
+    return dict(q=q, k=k, v=randn(B, T, HV, V).bfloat16(), g=g, gk=gk, beta=torch.sigmoid(randn(B, T, HV)),
                 scale=K**-0.5)
 
 
@@ -55,14 +54,11 @@ def main() -> None:
     args = parser.parse_args()
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra as fla_intra
 
-    from cula_runtime.cute.kda.intra import chunk_kda_fwd_intra as cute_intra
-    from cula_runtime.cute.kda.intra import chunk_kda_fwd_scores, chunk_kda_recompute_w_u, chunk_kda_solve_tril
+    from cula_runtime.cute.kda.intra import chunk_kda_fwd_intra_from_raw as cute_intra
 
-    lines = ["# KDA intra primitive on the H200 (microbenchmark): CuTeDSL vs FLA Triton", "", *environment(), "",
+    lines = ["# KDA intra kernel on the H200 (microbenchmark): CuTeDSL vs FLA Triton", "", *environment(), "",
              "| B | T | FLA ms | cula-cutedsl ms | FLA/cula | max rel. L2 (w, u, kg, Aqk) between the two |",
              "|---|---|---|---|---|---|"]
-    phases = ["| B | T | wide ms | lean ms | lean-unrolled ms | scores ms | solve_tril ms | solve_tril unrolled ms | "
-              "recompute_w_u ms |", "|---" * 9 + "|"]
     for B, T in SIZES:
         x = inputs(B, T)
 
@@ -70,7 +66,7 @@ def main() -> None:
             return fla_intra(x["q"], x["k"], x["v"], gk=x["gk"], beta=x["beta"], scale=x["scale"], safe_gate=True)
 
         def run_cute(x=x):
-            return cute_intra(x["q"], x["k"], x["v"], x["gk"], x["beta"], x["scale"])
+            return cute_intra(x["q"], x["k"], x["v"], x["g"], x["beta"], x["scale"])
 
         w_f, u_f, _, kg_f, aqk_f, _ = run_fla()
         w_c, u_c, _, kg_c, aqk_c, _ = run_cute()
@@ -80,21 +76,6 @@ def main() -> None:
         t_fla, t_cute = time_ms(run_fla, args.reps), time_ms(run_cute, args.reps)
         lines.append(f"| {B} | {T} | {t_fla:.3f} | {t_cute:.3f} | {t_fla / t_cute:.2f} | {diff:.2e} |")
         print(lines[-1], flush=True)
-
-        Aqk, Akk = chunk_kda_fwd_scores(x["q"], x["k"], x["gk"], x["beta"], x["scale"])
-        Akk_inv = chunk_kda_solve_tril(Akk)
-        steps = [
-            *(lambda x=x, v=v: cute_intra(x["q"], x["k"], x["v"], x["gk"], x["beta"], x["scale"], variant=v)
-              for v in ("wide", "lean", "lean-unrolled")),
-            lambda x=x: chunk_kda_fwd_scores(x["q"], x["k"], x["gk"], x["beta"], x["scale"]),
-            lambda Akk=Akk: chunk_kda_solve_tril(Akk),
-            lambda Akk=Akk: chunk_kda_solve_tril(Akk, unrolled=True),
-            lambda x=x, Akk_inv=Akk_inv: chunk_kda_recompute_w_u(x["k"], x["v"], x["gk"], x["beta"], Akk_inv),
-        ]
-        times = [time_ms(step, args.reps) for step in steps]
-        phases.append(f"| {B} | {T} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
-        print(phases[-1], flush=True)
-    lines += ["", "CuTeDSL intra variants and the modular steps alone (ms, same process):", "", *phases]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -35,8 +35,7 @@ PEAK_BYTES = 4.3e12
 FLOP_PER_CHUNK_HEAD = 10.89e6  # KDA_SPEC §8, K = V = 128, C = 64
 K = V = 128
 # recorded in the header: "default" when unset (cula_sm90/kda.py)
-SM90_KNOBS = ("CULA_SM90_INTRA_TUNED", "CULA_SM90_RECURRENCE_WGMMA", "CULA_SM90_RECURRENCE_STAGES",
-              "CULA_SM90_INTRA_PERSISTENT", "CULA_SM90_PDL")
+SM90_KNOBS = ("CULA_SM90_INTRA_TUNED", "CULA_SM90_PDL")
 
 
 @dataclass(frozen=True)
@@ -284,7 +283,13 @@ def environment() -> list[str]:
         fla_version = fla.__version__
     except ImportError:
         fla_version = "absent"
-    from cula_runtime.cute.kda.intra import DEFAULT_VARIANT
+    import importlib.metadata
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
 
     return [
         f"- GPU / driver: {smi}",
@@ -294,15 +299,15 @@ def environment() -> list[str]:
         f"- host CPU speed: {host_loop_ms():.1f} ms for a Python sum over 10^6 ints (small-T times are mostly host "
         "time, FLA's above all: lent machines' hosts differ by up to 2x, which moves the ratios)",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- cula knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', f'default ({DEFAULT_VARIANT})')}, "
-        f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}; sm90: "
+        f"- CuTeDSL: nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')} "
+        f"(libs: {', '.join(d for d in ('cu12', 'cu13') if version('nvidia-cutlass-dsl-libs-' + d) != 'absent')}), "
+        f"apache-tvm-ffi {version('apache-tvm-ffi')}",
+        f"- cula knobs: CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}; sm90: "
         + ", ".join(f"{name}={os.environ.get(name, 'default')}" for name in SM90_KNOBS),
     ]
 
 
 def main() -> None:
-    from cula_runtime.cute.kda.intra import VARIANTS
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/kda_prefill_h200.md")
     parser.add_argument("--reps", type=int, default=100, help="CUDA-event timings per contender and config")
@@ -310,17 +315,13 @@ def main() -> None:
                         help="interleaved rounds the timings are split over (see interleaved_ms)")
     parser.add_argument("--warm-up-s", type=float, default=3.0, help="seconds of GPU load before the first config")
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
-    parser.add_argument("--cutedsl-intra", default=None, choices=tuple(VARIANTS),
-                        help="variant of the CuTeDSL intra kernel (sets CULA_CUTE_INTRA)")
     parser.add_argument("--extra", action="append", default=[],
                         help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '
-                             'cutedsl:CULA_CUTE_INTRA=lean-unrolled (repeatable; timed in the same process)')
+                             'sm90:CULA_SM90_INTRA_TUNED=tensor (repeatable; timed in the same process)')
     parser.add_argument("--skip", default="",
                         help='comma-separated contenders left out: "fla", "cula-sm90", "cula-cutedsl" (quick A/B runs '
                              'of --extra variants; the table then lacks those columns)')
     args = parser.parse_args()
-    if args.cutedsl_intra:
-        os.environ["CULA_CUTE_INTRA"] = args.cutedsl_intra
     runs = contenders(tuple(args.extra), tuple(x for x in args.skip.split(",") if x))
     # each contender's environment (cula's knobs), entered around its first call and each batch of its timings
     knobs = {name: fn.knobs for name, fn in runs.items() if isinstance(fn, _Contender)}

@@ -1,12 +1,11 @@
 """Host (Python) cost of one call of the cutedsl backend, on a CPU: no GPU, nothing compiled.
 
-    python benchmarks/host_cpu_kda.py [--calls 3000] [--variants lean-unrolled,fused-prepare-prefetch-8warps]
-        [--profile CONFIG]
+    python benchmarks/host_cpu_kda.py [--calls 3000] [--profile CONFIG]
 
 ``kda_prefill_cutedsl`` runs on CPU tensors with its kernels replaced by no-ops: ``cute.compile`` returns a callable
 that does nothing and the device reports sm_90a, so ``compile_cache.launch``, ``compile_kernel`` and
 ``launch_target`` run as they do on a GPU (only the TVM-FFI call itself, about 7 us per launch on the H200 host,
-is missing). Reported per config and intra variant (``CULA_CUTE_INTRA``), after warm-up:
+is missing). Reported per config, after warm-up:
 
 - us/call: the whole backend call (min over 5 loops of ``--calls / 5`` calls);
 - launches: kernel launches per call; launch us: those launches alone (``compile_cache.launch`` with the recorded
@@ -59,12 +58,12 @@ class Recorder:
 def stub_kernels() -> Recorder:
     """Replace compilation by no-op kernels and the GPU by an sm_90a one; return the recorder of launches."""
     from cula_runtime.cute import arch, compile_cache
-    from cula_runtime.cute.kda import backend, intra, prepare, recurrence
+    from cula_runtime.cute.kda import backend, intra, recurrence
 
     recorder = Recorder()
     arch.device_target = lambda device=None: "sm_90a"
     compile_cache.require_cutedsl = lambda: types.SimpleNamespace(compile=lambda kernel, *a, options: lambda *b: None)
-    for cls in (prepare.KdaPrepare, intra.KdaIntra, recurrence.KdaRecurrence):
+    for cls in (intra.KdaIntra, recurrence.KdaRecurrence):
         cls.compile_arguments = lambda self: ()
     backend.sm_count = lambda device: 132  # H200
     real_launch = compile_cache.launch
@@ -74,7 +73,7 @@ def stub_kernels() -> Recorder:
             recorder.launches.append(args)
         return real_launch(*args)
 
-    for module in (prepare, intra, recurrence):
+    for module in (intra, recurrence):
         module.launch = launch
     return recorder
 
@@ -148,7 +147,6 @@ def reuse_large_cpu_allocations() -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
-    parser.add_argument("--variants", default="lean-unrolled,fused-prepare-prefetch-8warps")
     parser.add_argument("--profile", default="", help="a config name to cProfile")
     opts = parser.parse_args()
     torch.set_num_threads(1)
@@ -159,37 +157,35 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, CPU host path of kda_prefill_cutedsl "
           f"(kernels stubbed; large CPU allocations reused: {'yes' if reused else 'no'})\n")
-    print("| variant | config | us/call | launches | launch us | rest us | allocations | environ reads |")
-    print("|---|---|---|---|---|---|---|---|")
-    for variant in opts.variants.split(","):
-        os.environ["CULA_CUTE_INTRA"] = variant
-        for name, shape in CONFIGS.items():
-            args = make_args(*shape)
+    print("| config | us/call | launches | launch us | rest us | allocations | environ reads |")
+    print("|---|---|---|---|---|---|---|")
+    for name, shape in CONFIGS.items():
+        args = make_args(*shape)
 
-            def call(args=args) -> None:
-                kda_prefill_cutedsl(args)
+        def call(args=args) -> None:
+            kda_prefill_cutedsl(args)
 
-            for _ in range(20):
-                call()
-            recorder.on, recorder.launches = True, []
+        for _ in range(20):
             call()
-            recorder.on, launches = False, recorder.launches
+        recorder.on, recorder.launches = True, []
+        call()
+        recorder.on, launches = False, recorder.launches
 
-            def launch_only(launches=launches) -> None:
-                for launch_args in launches:
-                    launch(*launch_args)
+        def launch_only(launches=launches) -> None:
+            for launch_args in launches:
+                launch(*launch_args)
 
-            with AllocationCounter() as allocations:
-                call()
-            total, launch_us = per_call_us(call, opts.calls), per_call_us(launch_only, opts.calls)
-            print(f"| {variant} | {name} | {total:.1f} | {len(launches)} | {launch_us:.1f} | {total - launch_us:.1f} "
-                  f"| {allocations.count} | {environ_reads(call)} |")
-            if opts.profile and opts.profile == name:
-                profile = cProfile.Profile()
-                profile.runcall(lambda: [call() for _ in range(1000)])
-                out = io.StringIO()
-                pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
-                print(f"\ncProfile, {variant}, {name}, 1000 calls:\n```\n{out.getvalue().strip()}\n```\n")
+        with AllocationCounter() as allocations:
+            call()
+        total, launch_us = per_call_us(call, opts.calls), per_call_us(launch_only, opts.calls)
+        print(f"| {name} | {total:.1f} | {len(launches)} | {launch_us:.1f} | {total - launch_us:.1f} "
+              f"| {allocations.count} | {environ_reads(call)} |")
+        if opts.profile and opts.profile == name:
+            profile = cProfile.Profile()
+            profile.runcall(lambda: [call() for _ in range(1000)])
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+            print(f"\ncProfile, {name}, 1000 calls:\n```\n{out.getvalue().strip()}\n```\n")
 
 
 if __name__ == "__main__":

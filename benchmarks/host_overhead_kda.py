@@ -319,16 +319,13 @@ def environment() -> list[str]:
             versions.append(f"{distribution} {importlib.metadata.version(distribution)}")
         except importlib.metadata.PackageNotFoundError:
             versions.append(f"{distribution} absent")
-    from cula_runtime.cute.kda.intra import DEFAULT_VARIANT
-
     return [
         f"- GPU / driver: {smi or torch.cuda.get_device_name()}",
         f"- torch {torch.__version__} (CUDA {torch.version.cuda}), Python {platform.python_version()}, "
         f"{', '.join(versions)}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- knobs: CULA_CUTE_INTRA={os.environ.get('CULA_CUTE_INTRA', f'default ({DEFAULT_VARIANT})')}, "
-        f"CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto')}",
+        f"- knobs: CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto')}",
     ]
 
 

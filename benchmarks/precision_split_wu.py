@@ -52,18 +52,28 @@ def tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-def chunk_step(recipe: str, S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of every head at once. S ``[HV, K, V]`` fp32; q, k ``[HV, L, K]`` (bf16 values), v ``[HV, L, V]``,
-    g ``[HV, L, K]`` log-gate, beta ``[HV, L]``. Returns (o ``[HV, L, V]``, the next S)."""
+def pairwise_scores(q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ_k q_i k_j e^{Γi-Γj}, Σ_k k_i k_j e^{Γi-Γj})`` for j <= i (0 above), every factor formed pair by pair in
+    fp32. q, k ``[HV, L, K]``, gam ``[HV, L, K]`` (Γ, natural log); both results ``[HV, L, L]``, before scale/β."""
     L = q.shape[1]
-    gam = torch.cumsum(g, dim=1)  # Γ
     diff = gam.unsqueeze(2) - gam.unsqueeze(1)  # [HV, i, j, K]: Γ_i - Γ_j
     lower = torch.tril(torch.ones(L, L, dtype=torch.bool))
     pair = torch.exp(torch.where(lower.unsqueeze(-1), diff, torch.full_like(diff, -torch.inf)))
-    aqk = bf(scale * torch.einsum("hik,hjk,hijk->hij", q, k, pair))
+    return torch.einsum("hik,hjk,hijk->hij", q, k, pair), torch.einsum("hik,hjk,hijk->hij", k, k, pair)
+
+
+def chunk_step(recipe: str, S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, scale: float, scores=pairwise_scores) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of every head at once. S ``[HV, K, V]`` fp32; q, k ``[HV, L, K]`` (bf16 values), v ``[HV, L, V]``,
+    g ``[HV, L, K]`` log-gate, beta ``[HV, L]``; ``scores(q, k, Γ)`` forms Aqk and Akk before scale and β (see
+    :func:`pairwise_scores`). Returns (o ``[HV, L, V]``, the next S)."""
+    L = q.shape[1]
+    gam = torch.cumsum(g, dim=1)  # Γ
+    qk, kk = scores(q, k, gam)
+    lower = torch.tril(torch.ones(L, L))
+    aqk = bf(scale * qk * lower)
     strict = torch.tril(torch.ones(L, L), diagonal=-1)
-    akk = beta.unsqueeze(-1) * torch.einsum("hik,hjk,hijk->hij", k, k, pair) * strict
+    akk = beta.unsqueeze(-1) * kk * strict
     eye = torch.eye(L).expand_as(akk)
     tinv = torch.linalg.solve_triangular(eye + akk, eye, upper=False, unitriangular=True)
     qg = bf(q * torch.exp(gam))
@@ -86,8 +96,9 @@ def chunk_step(recipe: str, S: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     return o, S
 
 
-def emulate(kwargs: dict, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """o ``[B, T, HV, V]`` and the final state ``[N, HV, K, V]`` (K-first) of one kda_prefill call, fp32."""
+def emulate(kwargs: dict, recipe: str, scores=pairwise_scores) -> tuple[torch.Tensor, torch.Tensor]:
+    """o ``[B, T, HV, V]`` and the final state ``[N, HV, K, V]`` (K-first) of one kda_prefill call, fp32
+    (``scores``: as :func:`chunk_step`'s)."""
     q, k, g, beta = prepare_kda_inputs(
         kwargs["q"], kwargs["k"], kwargs["g"], kwargs["beta"], dtype=torch.float32,
         use_qk_l2norm_in_kernel=kwargs["use_qk_l2norm_in_kernel"], use_gate_in_kernel=kwargs["use_gate_in_kernel"],
@@ -119,7 +130,7 @@ def emulate(kwargs: dict, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
             c1 = min(c0 + CHUNK, end)
             sl = (b, slice(c0, c1))
             o_c, S = chunk_step(recipe, S, q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
-                                g[sl].transpose(0, 1), beta[sl].transpose(0, 1), scale)
+                                g[sl].transpose(0, 1), beta[sl].transpose(0, 1), scale, scores)
             o[b, c0:c1] = o_c.transpose(0, 1)
         states.append(S)
     return o, torch.stack(states)
@@ -157,11 +168,16 @@ def main() -> None:
         f"{recipe}: o {worst[recipe, 'o']:.2f}x, final state {worst[recipe, 'ht']:.2f}x" for recipe in others) + "."
     print(summary)
     if opts.out:
-        head = (f"# Precision of the w/u split (STATUS idea 1), emulated on the CPU\n\n- date: "
-                f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M UTC}; torch {torch.__version__}; "
-                f"no GPU\n- command: `python benchmarks/precision_split_wu.py --out {opts.out}`\n- method: the "
-                f"docstring of benchmarks/precision_split_wu.py\n\n")
-        Path(opts.out).write_text(head + "\n".join(lines) + "\n" + summary + "\n", encoding="utf-8")
+        write_report(opts.out, "Precision of the w/u split (STATUS idea 1), emulated on the CPU",
+                     "benchmarks/precision_split_wu.py", lines, summary)
+
+
+def write_report(out: str, title: str, script: str, lines: list[str], summary: str) -> None:
+    """A CPU emulation's Markdown record: title, date, torch version, the command, the table and its summary."""
+    head = (f"# {title}\n\n- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M UTC}; torch "
+            f"{torch.__version__}; no GPU\n- command: `python {script} --out {out}`\n- method: the docstring of "
+            f"{script}\n\n")
+    Path(out).write_text(head + "\n".join(lines) + "\n" + summary + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

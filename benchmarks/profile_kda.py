@@ -1,11 +1,11 @@
 """Where each GPU backend's time goes: per-kernel GPU time (torch.profiler) of one ``kda_prefill`` call.
 
-    python benchmarks/profile_kda.py [--backend sm90|cutedsl|cutedsl-<intra variant>|all] [--reps 20]
+    python benchmarks/profile_kda.py [--backend sm90|cutedsl|all] [--reps 20]
                                      [--block-v 32,64,128] [--configs "fixed B1 T16384,fixed B2 T16384"]
 
 For a few of the benchmark configs (``PICK``, or ``--configs``) and each recurrence block size BV (32, 64, 128),
-prints the mean GPU time per call of each stage (cula-sm90: intra, recurrence; CuTeDSL, with each variant of its
-intra kernel: prepare, intra, recurrence; "other": everything else on the GPU, e.g. index helpers and allocations),
+prints the mean GPU time per call of each stage (intra and recurrence for both backends; "other": everything else
+on the GPU, e.g. index helpers and allocations),
 the bytes the intra and recurrence stages must move at least (the workspace model of csrc/kda/kda_params.h, the same
 for both backends) and the bandwidth that implies. A microbenchmark for tuning; the end-to-end numbers are
 bench_kda_prefill.py's.
@@ -24,14 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from bench_kda_prefill import make_inputs, named_configs  # noqa: E402
 
-from cula_runtime.cute.kda.intra import VARIANTS  # noqa: E402  (imports CuTeDSL: run where it is installed)
-
 K = V = 128
 PICK = ("fixed B1 T16384", "fixed B2 T16384", "fixed B1 T512", "varlen T16384 10xskewed", "B1 H16 T32768")
-CUTE_STAGES = ("prepare", "intra", "recurrence")
-# backend -> its stages; the CuTeDSL entries name the intra kernel's variant after "cutedsl-"
-STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": CUTE_STAGES,
-          **{f"cutedsl-{v}": CUTE_STAGES for v in VARIANTS}}
+STAGES = {"sm90": ("intra", "recurrence"), "cutedsl": ("intra", "recurrence")}  # backend -> its stages
 
 
 def kernel_bytes(cfg, HV: int) -> tuple[float, float]:
@@ -50,14 +45,8 @@ def runner(backend: str) -> Callable:
         from cula_sm90.kda import run_kernels
 
         return lambda args, block_v: run_kernels(args, block_v=block_v)
-    import os
-
     from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
 
-    if backend == "cutedsl":  # the default variant
-        os.environ.pop("CULA_CUTE_INTRA", None)
-    else:
-        os.environ["CULA_CUTE_INTRA"] = backend.removeprefix("cutedsl-")
     return lambda args, block_v: kda_prefill_cutedsl(args, block_v=block_v)
 
 
@@ -97,7 +86,7 @@ def main() -> None:
     picked = named_configs(opts.configs)
     block_vs = tuple(int(x) for x in opts.block_v.split(","))
     backends = tuple(STAGES) if opts.backend == "all" else (opts.backend,)
-    print(f"{'backend':8s} {'config':26s} {'BV':>3s} {'prep us':>8s} {'intra us':>9s} {'GB/s':>5s} "
+    print(f"{'backend':8s} {'config':26s} {'BV':>3s} {'intra us':>9s} {'GB/s':>5s} "
           f"{'recur us':>9s} {'GB/s':>5s} {'other us':>8s} {'total us':>9s}")
     for backend in backends:
         run = runner(backend)
@@ -107,7 +96,7 @@ def main() -> None:
             for block_v in block_vs:
                 t = stage_times(run, args, block_v, opts.reps, STAGES[backend])
                 intra, recur = t["intra"], t["recurrence"]
-                print(f"{backend:8s} {cfg.name:26s} {block_v:3d} {t['prepare']:8.1f} {intra:9.1f} "
+                print(f"{backend:8s} {cfg.name:26s} {block_v:3d} {intra:9.1f} "
                       f"{intra_bytes / intra / 1e3 if intra else 0:5.0f} {recur:9.1f} "
                       f"{recur_bytes / recur / 1e3 if recur else 0:5.0f} {t['other']:8.1f} {sum(t.values()):9.1f}",
                       flush=True)

@@ -3,7 +3,8 @@
     python benchmarks/variant_summary.py VARIANT_COLUMN RESULT.md [RESULT.md ...]
 
 ``VARIANT_COLUMN`` is a variant's column title in the results' "Knob variants" table, e.g.
-``cula-cutedsl[CULA_CUTE_INTRA=fused-prepare-prefetch-8warps]``. Every number comes from the files (each config
+``cula-cutedsl[CULA_CUTE_INTRA=fused-prepare-prefetch-8warps]`` (a knob since retired, with the forms it chose: the
+recorded runs keep its name). Every number comes from the files (each config
 timed side by side with FLA in one process); nothing is measured here. Prints Markdown: per config FLA ms, cula-sm90
 ms, the base cula-cutedsl ms, the variant's ms, FLA/variant and variant/sm90, then the mean, geometric mean and
 range of FLA/variant.

@@ -1,7 +1,9 @@
 """The KDA GPU test matrix, shared by every GPU backend's tests and by the FLA error measurement.
 
-Each case is one ``kda_prefill`` call with bf16 q/k/v, the safe gate (``lower_bound=-5``) and fresh random inputs
-(never zeros). ``make_inputs`` builds the keyword arguments on a device; the fp64 oracle runs on the same values.
+Each case of :data:`CASES` is one ``kda_prefill`` call with bf16 q/k/v, the safe gate (``lower_bound=-5``) and fresh
+random inputs (never zeros); :data:`UNBOUNDED_CASES` are calls with ``safe_gate=False`` and the gates of
+Kimi-Linear-48B (``-exp(A_log) softplus(g + dt_bias)``, in kernel or precomputed in fp32) and extreme gates (issue 25).
+``make_inputs`` builds the keyword arguments on a device; the fp64 oracle runs on the same values.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class KdaCase:
     scale: float | None = None
     g_dtype: torch.dtype = torch.float32
     gate_bias: float = 0.0  # added to the raw gate: larger means weaker decay
+    # "safe": the lower-bound gate (lower_bound=-5, safe_gate=True). Unbounded (safe_gate=False, no lower_bound):
+    # "kimi" the softplus gate -exp(A_log) softplus(g + dt_bias) (A_log = log U(1, 16), dt_bias ~ 0.5 N(0, 1),
+    # raw g ~ N(0, 1)), in kernel with gate_in_kernel, else precomputed (in g_dtype); "extreme" a precomputed
+    # log-gate with some channels at -50 and others at -1e4 per token, and chunks where every token decays fully;
+    # "slow" a precomputed log-gate near zero (-1e-4 .. 0) for long accumulations.
+    gate: str = "safe"
 
 
 def _case(name: str, **kw) -> KdaCase:
@@ -79,6 +87,21 @@ CASES: list[KdaCase] = [
     _case("varlen-3seqs-h0bf16-GVA4", B=1, T=777, H=1, HV=4, cu=(0, 77, 77, 777), h0=bf16),
 ]
 
+# The unbounded gate (safe_gate=False): what Kimi-Linear-48B calls, and gates no bounded form survives.
+UNBOUNDED_CASES: list[KdaCase] = [
+    _case("kimi-B1-T1000-H4", B=1, T=1000, H=4, HV=4, gate="kimi"),
+    _case("kimi-B2-T257-H2-betabf16-vk", B=2, T=257, H=2, HV=2, gate="kimi", beta_dtype=bf16, state_v_first=True),
+    _case("kimi-precomputed-fp32-varlen-serving", B=1, T=2000, H=4, HV=4, cu=(0, 15, 15, 700, 1333, 2000),
+          gate="kimi", gate_in_kernel=False, beta_sigmoid=False),
+    _case("kimi-precomputed-bf16-GVA2-noh0", B=1, T=500, H=2, HV=4, gate="kimi", gate_in_kernel=False, g_dtype=bf16,
+          h0=None),
+    _case("kimi-varlen-GVA4-h0bf16", B=1, T=777, H=1, HV=4, cu=(0, 77, 77, 777), gate="kimi", h0=bf16),
+    _case("extreme-B1-T700-H2", B=1, T=700, H=2, HV=2, gate="extreme", gate_in_kernel=False),
+    _case("extreme-varlen-GVA2-vk", B=1, T=1000, H=2, HV=4, cu=(0, 63, 64, 500, 1000), gate="extreme",
+          gate_in_kernel=False, state_v_first=True),
+    _case("slow-B1-T4096-H2", B=1, T=4096, H=2, HV=2, gate="slow", gate_in_kernel=False),
+]
+
 
 def make_inputs(case: KdaCase, device: torch.device | str, seed: int = 0) -> dict:
     """Keyword arguments of ``kda_prefill`` for ``case`` (bf16 q/k/v), on ``device``."""
@@ -93,20 +116,43 @@ def make_inputs(case: KdaCase, device: torch.device | str, seed: int = 0) -> dic
     if not case.l2norm:  # the caller normalises; unnormalised keys make the delta rule diverge
         q = q / q.norm(dim=-1, keepdim=True)
         k = k / k.norm(dim=-1, keepdim=True)
-    if case.gate_in_kernel:
+    A_log = dt_bias = None
+    if case.gate == "safe":  # (the draws keep their order: the frozen FLA errors are for these very inputs)
+        if case.gate_in_kernel:
+            g = randn(B, T, HV, K) + case.gate_bias
+        else:
+            g = LOWER_BOUND * torch.sigmoid(randn(B, T, HV, K) - case.gate_bias)
+    elif case.gate == "kimi":
+        A_log = torch.log(1.0 + 15.0 * torch.rand(HV, generator=gen))
+        dt_bias = 0.5 * randn(HV * K)
         g = randn(B, T, HV, K) + case.gate_bias
+        if not case.gate_in_kernel:  # what an engine passes: the activated gate, computed in fp32
+            g = -A_log.exp()[:, None] * torch.nn.functional.softplus(g + dt_bias.view(HV, K))
+            A_log = dt_bias = None
+    elif case.gate == "extreme":
+        g = -torch.rand(B, T, HV, K, generator=gen)
+        channels = torch.rand(HV, K, generator=gen)
+        g = torch.where(channels < 0.2, torch.full_like(g, -50.0), g)
+        g = torch.where(channels > 0.9, torch.full_like(g, -1e4), g)
+        g[:, 64:128] = -1e4  # a chunk where every token decays fully, on every channel
+    elif case.gate == "slow":
+        g = -1e-4 * torch.rand(B, T, HV, K, generator=gen)
     else:
-        g = LOWER_BOUND * torch.sigmoid(randn(B, T, HV, K) - case.gate_bias)
+        raise ValueError(f"unknown gate {case.gate!r}")
     beta = randn(B, T, HV) if case.beta_sigmoid else torch.sigmoid(randn(B, T, HV))
+    safe = case.gate == "safe"
     kwargs = dict(
         q=q.to(bf16), k=k.to(bf16), v=randn(B, T, HV, V).to(bf16), g=g.to(case.g_dtype), beta=beta.to(case.beta_dtype),
         scale=case.scale, output_final_state=case.final_state, use_qk_l2norm_in_kernel=case.l2norm,
-        use_gate_in_kernel=case.gate_in_kernel, use_beta_sigmoid_in_kernel=case.beta_sigmoid, safe_gate=True,
-        lower_bound=LOWER_BOUND, state_v_first=case.state_v_first,
+        use_gate_in_kernel=case.gate_in_kernel, use_beta_sigmoid_in_kernel=case.beta_sigmoid, safe_gate=safe,
+        lower_bound=LOWER_BOUND if safe else None, state_v_first=case.state_v_first,
     )
-    if case.gate_in_kernel:
-        kwargs["A_log"] = (0.5 * randn(HV)).float()
-        kwargs["dt_bias"] = randn(HV * K).float()
+    if safe and case.gate_in_kernel:
+        A_log, dt_bias = 0.5 * randn(HV), randn(HV * K)
+    if A_log is not None:
+        kwargs["A_log"] = A_log.float()
+    if dt_bias is not None:
+        kwargs["dt_bias"] = dt_bias.float()
     if case.h0 is not None:
         shape = (N, HV, V, K) if case.state_v_first else (N, HV, K, V)
         kwargs["initial_state"] = randn(*shape).to(case.h0)

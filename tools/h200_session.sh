@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the GPU work still owes, as steps for the lent H200; each step is time-capped and writes under $OUT.
 # One device call holds at most 10 minutes, so run a few steps per call, e.g.:
-#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:persistent tests:wgmma
+#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:recurrence tests:tuned
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:cute
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:cutedsl
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh tests:rest
@@ -13,13 +13,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default:
-# - sm90's persistent intra kernel (prefetching one item ahead), measured 2-6% slower at T >= 1024 (2026-11-30);
-# - sm90's recurrence on mma.sync (the default until 2026-11-30; wgmma was 1.03-1.16x faster);
-# - the CuTeDSL lean-unrolled pipeline (its default until the fifth session).
-# bench-rest also times sm90's recurrence in batch order instead of longest first (varlen only).
-BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_SM90_INTRA_PERSISTENT=1 --extra sm90:CULA_SM90_RECURRENCE_WGMMA=0 \
---extra cutedsl:CULA_CUTE_INTRA=lean-unrolled}
-REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_LONGEST_FIRST=0}
+# - sm90's recurrence at V blocks of 32 (its one mma.sync form; the heuristic picks 64 or 128, warpgroup MMAs);
+# bench-rest also times sm90's intra form "tensor" forced (varlen: "auto" runs "bands" where many bands idle).
+# (the forms retired in issue 25, sm90's persistent intra kernel, its recurrence on mma.sync at V blocks of 64 and 128
+# and in batch order, and the CuTeDSL intra variants, are in the history and in benchmarks/results.)
+BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_BLOCK_V=32}
+REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_INTRA_TUNED=tensor}
 # Stage times (profile_kda.py) of sm90 at each value of one knob: variable, values, block sizes, output file; each line
 # prefixed with variable=value. PROFILE_CONFIGS picks the configs.
 profile_sm90_knob() {
@@ -34,22 +33,16 @@ for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
   case "$step" in
     tests) timeout 580 bash tools/h200_tests.sh -q ;;
-    # (the prefetch and 8-warp variants' tests are their own step: together they would outlast one call)
-    tests:cute) GPU_LOG_TAG=_cute timeout 580 bash tools/h200_tests.sh -q -k "not prefetch and not 8warps" tests/cute ;;
-    tests:cutedsl) GPU_LOG_TAG=_cutedsl timeout 580 bash tools/h200_tests.sh -q \
-                     -k "cutedsl and not prefetch and not 8warps" tests/gpu tests/api ;;
+    tests:cute) GPU_LOG_TAG=_cute timeout 580 bash tools/h200_tests.sh -q tests/cute ;;
+    tests:cutedsl) GPU_LOG_TAG=_cutedsl timeout 580 bash tools/h200_tests.sh -q -k cutedsl tests/gpu tests/api ;;
     tests:rest) GPU_LOG_TAG=_rest timeout 580 bash tools/h200_tests.sh -q \
-                  -k "not cute and not cutedsl and not persistent and not wgmma and not 3_stages and not intra_tuned" ;;
+                  -k "not cute and not cutedsl and not recurrence_matches_oracle and not intra_tuned" ;;
     tests:cutedsl-varlen) GPU_LOG_TAG=_cutedsl_varlen timeout 300 bash tools/h200_tests.sh -q \
-                            -k "cutedsl and varlen and not prefetch and not 8warps" tests/gpu tests/api ;;
-    tests:fused-prepare) GPU_LOG_TAG=_fused_prepare timeout 580 bash tools/h200_tests.sh -q \
-                           -k "from_raw or fused_prepare" tests/cute tests/gpu ;;
-    tests:persistent) GPU_LOG_TAG=_persistent timeout 580 bash tools/h200_tests.sh -q -k "persistent" tests/sm90 ;;
-    tests:wgmma) GPU_LOG_TAG=_wgmma timeout 580 bash tools/h200_tests.sh -q -k "wgmma" tests/sm90 ;;
-    tests:stages) GPU_LOG_TAG=_stages timeout 580 bash tools/h200_tests.sh -q -k "3_stages" tests/sm90 ;;
+                            -k "cutedsl and varlen" tests/gpu tests/api ;;
+    # the recurrence at each V block (32: mma.sync; 64, 128: warpgroup MMAs) against fp64 on the 32 cases
+    tests:recurrence) GPU_LOG_TAG=_recurrence timeout 580 bash tools/h200_tests.sh -q -k "recurrence_matches_oracle" \
+                        tests/sm90 ;;
     tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
-    tests:prefetch) GPU_LOG_TAG=_prefetch timeout 580 bash tools/h200_tests.sh -q -k "prefetch or 8warps" tests/cute \
-                      tests/gpu ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
     bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" ;;
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
@@ -62,22 +55,15 @@ for step in "$@"; do
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
-    profile:sm90) for knobs in "" CULA_SM90_INTRA_PERSISTENT=1 CULA_SM90_RECURRENCE_WGMMA=0; do  # each BV
-                    echo "knobs: ${knobs:-defaults}" | tee -a "$OUT/profile_kda_sm90.txt"
-                    env $knobs timeout 100 python3 benchmarks/profile_kda.py --backend sm90 \
-                      | tee -a "$OUT/profile_kda_sm90.txt"; done ;;
-    # the wgmma recurrence with 2 and 3 pipeline stages; the intra kernel's verified and tuned forms
-    profile:stages) profile_sm90_knob CULA_SM90_RECURRENCE_STAGES "2 3" 64,128 "$OUT/profile_kda_stages.txt" ;;
-    profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-0 norm inverse all}" 64 "$OUT/profile_kda_tuned.txt" ;;
+    # each BV (32: mma.sync; 64 and 128: warpgroup MMAs)
+    profile:sm90) timeout 100 python3 benchmarks/profile_kda.py --backend sm90 | tee -a "$OUT/profile_kda_sm90.txt" ;;
+    # the intra kernel's forms, each forced
+    profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-tensor bands}" 64 "$OUT/profile_kda_tuned.txt" ;;
     # the intra kernel without each phase's arithmetic (timing only; needs CULA_SM90_ABLATION=1 when sourcing
     # tools/h200_setup.sh, which builds those forms)
     profile:ablation) profile_sm90_knob CULA_SM90_INTRA_TUNED \
                         "${ABLATION_FORMS:-tensor ablate:gate ablate:norm-exp ablate:products ablate:inverse ablate:solve ablate:loads ablate:stores ablate:io}" 64 \
                         "$OUT/profile_kda_ablation.txt" ;;
-    profile:prefetch) for v in lean-unrolled-prefetch fused-prefetch fused-prepare-prefetch lean-unrolled-8warps \
-                                 lean-unrolled-prefetch-8warps fused-prefetch-8warps fused-prepare-prefetch-8warps; do
-                        timeout 200 python3 benchmarks/profile_kda.py --backend cutedsl-$v --block-v 64 \
-                          | tee -a "$OUT/profile_kda_prefetch.txt"; done ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
     ncu) timeout 580 bash tools/h200_ncu.sh ;;
     # end-to-end time minus kernel time: varlen T16384 10xuniform spent ~0.2 ms outside its kernels, fixed ~0.06
@@ -89,9 +75,9 @@ for step in "$@"; do
                      --configs "${PROFILE_CONFIGS:-fixed B2 T4096,fixed B2 T8192,varlen T4096 10xuniform,varlen T4096 20xrandom,varlen T8192 10xuniform,varlen T16384 10xuniform}" \
                      | tee "$OUT/profile_kda_short.txt" ;;
     *) echo "unknown step: $step" \
-          "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:fused-prepare|:prefetch|:persistent|:wgmma|:stages|:tuned]" \
+          "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
-          "profile[:prefetch|:sm90|:stages|:tuned|:short|:ablation] intra ncu host:gap)" ;;
+          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -65,11 +65,13 @@ DIST_INFO_REQUIRED = frozenset({"METADATA", "WHEEL", "RECORD"})
 DIST_INFO_OPTIONAL = frozenset({"top_level.txt", "entry_points.txt"})
 
 # The expected Requires-Dist of each wheel, ``{version}`` standing for the wheel's own version. The torch
-# floor and the CuTeDSL range are the same as in the packages' pyproject.toml; change both together.
+# floor and the CuTeDSL range are the same as in the packages' pyproject.toml (and, for CuTeDSL, as
+# cula_runtime.cute.DSL_REQUIREMENTS); change them together. CuTeDSL comes wherever NVIDIA ships it.
 TORCH = "torch>=2.9.1"
+CUTEDSL_MARKER = 'sys_platform == "linux" and (platform_machine == "x86_64" or platform_machine == "aarch64")'
 EXPECTED_REQUIREMENTS = {
     "cula-runtime": {
-        TORCH, 'nvidia-cutlass-dsl>=4.6.2,<4.7; extra == "cute"', 'apache-tvm-ffi<0.2,>=0.1.11; extra == "cute"'
+        TORCH, f"nvidia-cutlass-dsl>=4.6.2,<=4.8.1; {CUTEDSL_MARKER}", f"apache-tvm-ffi<0.2,>=0.1.11; {CUTEDSL_MARKER}"
     },
     "cula": {
         TORCH,
@@ -115,7 +117,7 @@ class DeviceCode:
 # nvcc may split a 16-byte store into four 4-byte ones where it cannot prove the alignment (it did for the
 # recurrence's o rows before ptx::st_global_u4: 10-18% of that kernel's time on the H200), so the wheel check counts
 # them in the machine code.
-WIDE_STORES = {"kda_recurrence_kernel": 4, "kda_intra_kernel": 10, "kda_intra_persistent_kernel": 10}
+WIDE_STORES = {"kda_recurrence_kernel": 4, "kda_intra_kernel": 10}
 
 
 def narrow_store_kernels(sass: str) -> tuple[str, ...]:
@@ -454,11 +456,11 @@ extension = cula_sm90.load_extension()
 
 def refusal(**bad):
     # kda_intra's host checks run before any CUDA call: 100 tokens in 2 chunks, 1 head, null pointers
-    args = dict(tuned=3, persistent_ctas=0)
+    args = dict(tuned=11)
     args.update(bad)
     try:
         extension.kda_intra(0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 100, 2, 1, 1, 1.0, -5.0, False, False, False, False,
-                            0, 0, 0, 0, 0, 0, args["persistent_ctas"], 0, args["tuned"], 0)
+                            0, 0, 0, 0, 0, 0, args["tuned"], 0)
     except Exception as error:
         return [type(error).__name__, str(error)]
     return None
@@ -492,10 +494,11 @@ def varlen(bounds):
     return [*layout, out.tolist()[:layout[3]]]
 
 print(json.dumps({
-    "refusals": {"tuned": refusal(tuned=7), "persistent_ctas": refusal(persistent_ctas=-1)},
+    "refusals": {"tuned": refusal(tuned=7), "tuned (retired form 3)": refusal(tuned=3)},
     "varlen": varlen([0, 100, 100, 228, 240]),
     "forms": {name: [code, extension.intra_form_built(code)] for name, code in shim_forms().items()},
-    "unbuilt_form_7": extension.intra_form_built(7),
+    # form 7 was never built; 0-3 (the earlier forms) were retired in issue 25
+    "unbuilt_forms": {code: extension.intra_form_built(code) for code in (0, 1, 2, 3, 7)},
     "shim_version": cula_sm90.__version__,
     "version": extension.version(),
     "archs": extension.compiled_archs(),
@@ -509,6 +512,9 @@ print(json.dumps({
 # cu = [0, 100, 100, 228, 240], 64-token chunks: (NT, offsets at, order at, size, buffer) = chunk rows (sequence,
 # chunk) | pad | chunk offsets | pad | longest first (lengths 100, 0, 128, 12)
 _VARLEN_EXPECTED = [5, 12, 20, 24, [0, 0, 0, 1, 2, 0, 2, 1, 3, 0, 0, 0, 0, 2, 2, 4, 5, 0, 0, 0, 2, 0, 3, 1]]
+# The intra forms the shim names and the wheel's extension must build (cula_sm90.kda._TUNED_FORMS without "auto",
+# a per-call choice between them, and the timing-only "ablate:" forms, never in a wheel).
+SHIM_INTRA_FORMS = ("tensor", "bands")
 
 
 def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
@@ -536,14 +542,15 @@ def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
     if report["varlen"] != _VARLEN_EXPECTED:
         problems.append(f"varlen_launch_values of cu = [0, 100, 100, 228, 240] gave {report['varlen']}, expected "
                         f"{_VARLEN_EXPECTED}")
-    # every intra form the shim names has a kernel in the extension (the extension's one list, beside its launcher)
-    if len(report["forms"]) < 6 or report["unbuilt_form_7"]:
-        problems.append(f"intra forms: the shim names {report['forms']} (expected at least 6), form 7 built: "
-                        f"{report['unbuilt_form_7']} (expected False)")
+    # every intra form the shim names has a kernel in the extension (the extension's one list, beside its launcher):
+    # "tensor" and "bands"; none for the codes that name no form (0-3 retired, 7 never built)
+    if set(report["forms"]) != set(SHIM_INTRA_FORMS) or any(report["unbuilt_forms"].values()):
+        problems.append(f"intra forms: the shim names {report['forms']} (expected {sorted(SHIM_INTRA_FORMS)}), codes "
+                        f"built of {report['unbuilt_forms']} (expected none)")
     problems += [f"the shim's intra form {name!r} (code {code}) has no kernel in the extension"
                  for name, (code, built) in report["forms"].items() if not built]
     for argument, refused in report["refusals"].items():  # bad kda_intra arguments: ValueErrors before any launch
-        if refused is None or refused[0] != "ValueError" or f"{argument} must be" not in refused[1]:
+        if refused is None or refused[0] != "ValueError" or f"{argument.split()[0]} must be" not in refused[1]:
             problems.append(f"kda_intra with a bad {argument} gave {refused}, expected a ValueError naming it")
     return problems
 

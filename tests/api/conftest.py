@@ -20,8 +20,6 @@ def fake_sm90(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(kda, "_device_guard", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(kda, "sm_count", lambda device: 132)
     monkeypatch.delenv("CULA_BLOCK_V", raising=False)
-    monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT, raising=False)
-    monkeypatch.delenv(kda.ENV_RECURRENCE_WGMMA, raising=False)
-    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES, raising=False)
     monkeypatch.delenv(kda.ENV_INTRA_TUNED, raising=False)
+    monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH, raising=False)
     return kda, fake

@@ -36,7 +36,6 @@ def planned(fake_sm90, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cula.kda, "validate_kda_prefill", counted)
     monkeypatch.setattr(cula.kda, "select_backend", lambda args: kda.kda_prefill)
     monkeypatch.setattr(dispatch, "_planners", {kda.kda_prefill: kda.plan_kda_prefill})
-    monkeypatch.delenv(kda.ENV_LONGEST_FIRST, raising=False)
     call_plans.clear_call_plans()
     yield kda, fake, validations
     call_plans.clear_call_plans()
@@ -58,7 +57,7 @@ def _launch_record(fake, kwargs: dict) -> tuple:
     a, r = fake.intra, fake.recurrence
     inputs = tuple(kwargs[name].data_ptr() for name in ("q", "k", "v", "g", "beta"))
     h0 = kwargs.get("initial_state")
-    return (a[:5] == inputs, r[9] == (0 if h0 is None else h0.data_ptr()), a[7:9], a[12:22], a[28:32], r[10],
+    return (a[:5] == inputs, r[9] == (0 if h0 is None else h0.data_ptr()), a[7:9], a[12:22], a[28:30], r[10],
             r[13:21], fake.read, fake.order)
 
 
@@ -95,18 +94,18 @@ def test_a_knob_change_makes_a_new_plan_and_the_old_one_serves_again(planned, mo
     kwargs = _inputs(VARLEN, fake, seed=1)
     cula.kda.kda_prefill(**kwargs)
     cula.kda.kda_prefill(**kwargs)
-    assert validations == [1] and fake.recurrence[19] == 2
-    monkeypatch.setenv(kda.ENV_RECURRENCE_STAGES, "3")
+    assert validations == [1] and fake.recurrence[18] is True  # (CULA_SM90_PDL unset: "auto", one wave)
+    monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "0")
     cula.kda.kda_prefill(**kwargs)
-    assert validations == [1, 1] and fake.recurrence[19] == 3
+    assert validations == [1, 1] and fake.recurrence[18] is False
     cula.kda.kda_prefill(**kwargs)
-    assert validations == [1, 1] and fake.recurrence[19] == 3
-    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES)
+    assert validations == [1, 1] and fake.recurrence[18] is False
+    monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH)
     cula.kda.kda_prefill(**kwargs)
-    assert validations == [1, 1] and fake.recurrence[19] == 2  # the first plan again
-    monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
+    assert validations == [1, 1] and fake.recurrence[18] is True  # the first plan again
+    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "tensor")
     cula.kda.kda_prefill(**kwargs)
-    assert validations == [1, 1, 1] and fake.recurrence[8] == 0
+    assert validations == [1, 1, 1] and fake.intra[28] == 11
     monkeypatch.setenv(kda.ENV_INTRA_TUNED, "nope")  # a bad knob is still refused, before any launch
     fake.intra = ()
     with pytest.raises(ValueError, match="CULA_SM90_INTRA_TUNED='nope'"):

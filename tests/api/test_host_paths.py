@@ -157,7 +157,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
         (o, ht), ws = kda.kda_prefill(args), None
 
     a = fake.intra
-    assert len(a) == 32
+    assert len(a) == 30
     assert a[:5] == tuple(x.data_ptr() for x in (args.q, args.k, args.v, args.g, args.beta))
     if args.A_log is not None:  # converted to fp32 for the kernel (read during the launch: a temporary)
         assert fake.read[5] == args.A_log.float().tolist() and fake.read[6] == args.dt_bias.float().tolist()
@@ -172,16 +172,15 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
     assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
                         args.allow_neg_eigval)
-    # one intra CTA per item (no CULA_SM90_INTRA_PERSISTENT), no prefetch, the tuned forms with the tensor-core
-    # inverse, computing only the bands holding tokens when the partial last chunks leave enough bands idle (the
-    # default: "auto"), the stream
+    # the form with the tensor-core inverse, computing only the bands holding tokens when the partial last chunks leave
+    # enough bands idle (the default: "auto"), the stream
     idle = sum((64 - (b - a) % 64) // 16 for a, b in zip(cu[:-1], cu[1:], strict=True) if (b - a) % 64)
-    assert a[28:32] == (0, 0, 15 if 5 * idle >= num_chunks else 11, 777)
+    assert a[28:30] == (15 if 5 * idle >= num_chunks else 11, 777)
     workspace = a[22:28]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 23
+    assert len(r) == 21
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
     if case.cu is None:  # equal lengths: slot order
         assert r[8] == 0 and fake.order is None
@@ -193,10 +192,10 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
     assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
-    # warpgroup MMAs (the default, no CULA_SM90_RECURRENCE_WGMMA) with 2 pipeline stages, launched as a programmatic
-    # dependent of the intra kernel (no CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), the token
-    # count (the workspace's and o's rows), the stream
-    assert r[18] is True and r[19] == 2 and r[20] is True and r[21] == total and r[22] == 777
+    # (a V block of 64 or 128: warpgroup MMAs) launched as a programmatic dependent of the intra kernel (no
+    # CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), the token count (the workspace's and o's rows),
+    # the stream
+    assert r[18] is True and r[19] == total and r[20] == 777
     assert o.shape == (args.B, args.T, args.HV, 128) and o.dtype == torch.bfloat16
     assert bool((o.view(torch.uint8) == fake.O_BYTE).all())
     if ht is not None:
@@ -259,15 +258,24 @@ def test_sm90_shim_copies_a_tensor_that_starts_off_16_bytes(fake_sm90) -> None:
     assert fake.read[0] == [x & 0xFFFF for x in q.view(torch.int16).flatten().tolist()]  # the same bf16 values
 
 
-def test_sm90_longest_first_can_be_turned_off(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_LONGEST_FIRST=0 launches the sequences in batch order (a timing knob; the bits are the same)."""
+def test_sm90_retired_knobs_are_not_read(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The knobs of the forms retired in issue 25 (batch-order launch, the persistent intra kernel, the mma.sync
+    recurrence at V blocks of 64 and 128, the 3-stage recurrence) are read no more: set to their old non-default
+    values, the launches are the defaults' (varlen sequences longest first, the "auto" intra form, warpgroup MMAs)."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
+    default = (fake.intra[28:], fake.recurrence[8], fake.order, fake.recurrence[13:])
     assert fake.order == [2, 0, 1]  # 128, 100 and 0 tokens
-    monkeypatch.setenv(kda.ENV_LONGEST_FIRST, "0")
+    for variable, value in (("CULA_SM90_LONGEST_FIRST", "0"), ("CULA_SM90_INTRA_PERSISTENT", "1"),
+                            ("CULA_SM90_RECURRENCE_WGMMA", "0"), ("CULA_SM90_RECURRENCE_STAGES", "3")):
+        monkeypatch.setenv(variable, value)
     kda.kda_prefill(args)
-    assert fake.recurrence[8] == 0 and fake.order is None
+    assert (fake.intra[28:], fake.recurrence[8], fake.order, fake.recurrence[13:]) == default
+    for retired in (dict(intra_ctas=5), dict(intra_prefetch=2), dict(recurrence_wgmma=False),
+                    dict(recurrence_stages=3)):  # run_kernels' keyword arguments for them are gone too
+        with pytest.raises(TypeError, match=next(iter(retired))):
+            kda.run_kernels(args, **retired)
 
 
 def _refuses_bad_knob(kda, fake, args, monkeypatch: pytest.MonkeyPatch, *, argument: str, bad: tuple,
@@ -284,80 +292,21 @@ def _refuses_bad_knob(kda, fake, args, monkeypatch: pytest.MonkeyPatch, *, argum
     assert fake.intra == ()  # refused before any launch
 
 
-def test_sm90_persistent_intra_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_PERSISTENT picks the intra kernel's (persistent CTAs, L2 prefetch distance): "0" (the default)
-    one CTA per item, "1" 2 CTAs per SM prefetching one item ahead, "2" two ahead, "noprefetch" none; another value
-    is a ValueError naming the variable, raised before any launch; run_kernels(intra_ctas=n, intra_prefetch=d)
-    overrides it."""
+def test_sm90_recurrence_block_v(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recurrence's V block: the heuristic's (whole warpgroups, 64 or 128: warpgroup MMAs) by default, 32
+    (mma.sync, the extension's choice at that width) only when asked for by CULA_BLOCK_V or run_kernels(block_v=32);
+    the shim passes the block and nothing else about the form."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
-    assert fake.intra[28:30] == (0, 0)
-    for value, expected in (("1", (264, 1)), ("2", (264, 2)), ("noprefetch", (264, 0)), ("0", (0, 0))):
-        monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, value)
+    assert fake.recurrence[17] == 64  # 6 pairs: the heuristic keeps whole warpgroups
+    for block_v in (32, 64, 128):
+        kda.run_kernels(args, block_v=block_v)
+        assert fake.recurrence[17] == block_v
+        monkeypatch.setenv("CULA_BLOCK_V", str(block_v))
         kda.kda_prefill(args)
-        assert fake.intra[28:30] == expected, value
-    kda.run_kernels(args, intra_ctas=5, intra_prefetch=2)
-    assert fake.intra[28:30] == (5, 2)
-    kda.run_kernels(args, intra_ctas=5)
-    assert fake.intra[28:30] == (5, 1)
-    for bad in (-1, 1.5, True, 2**31):
-        with pytest.raises(ValueError, match="intra_ctas"):
-            kda.run_kernels(args, intra_ctas=bad)
-    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="intra_prefetch", bad=(3, -1, True), intra_ctas=5,
-                      variable=kda.ENV_INTRA_PERSISTENT, bad_value="yes")
-
-
-def test_sm90_recurrence_wgmma_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recurrence runs on warpgroup MMAs at V blocks of 64 and 128 by default (and with
-    CULA_SM90_RECURRENCE_WGMMA=1) and keeps mma.sync at 32; CULA_SM90_RECURRENCE_WGMMA=0 keeps mma.sync everywhere;
-    another value is a ValueError naming the variable, before any launch; run_kernels(recurrence_wgmma=...)
-    overrides the variable."""
-    kda, fake = fake_sm90
-    args = _varlen_228_args(fake)
-    for env in (None, "1"):
-        if env is not None:
-            monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, env)
-        kda.kda_prefill(args)
-        assert fake.recurrence[17:19] == (64, True), env  # 6 pairs: the heuristic keeps whole warpgroups for wgmma
-        for block_v, expected in ((64, True), (128, True), (32, False)):
-            kda.run_kernels(args, block_v=block_v)
-            assert fake.recurrence[17:19] == (block_v, expected), (env, block_v)
-    kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
-    assert fake.recurrence[18] is False
-    monkeypatch.setenv(kda.ENV_RECURRENCE_WGMMA, "0")
-    kda.kda_prefill(args)
-    assert fake.recurrence[17:19] == (32, False)  # mma.sync: the heuristic's narrowest block for 6 pairs
-    kda.run_kernels(args, block_v=128, recurrence_wgmma=True)
-    assert fake.recurrence[17:19] == (128, True)
-    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="recurrence_wgmma", bad=(1,),
-                      variable=kda.ENV_RECURRENCE_WGMMA, bad_value="on")
-
-
-def test_sm90_recurrence_stages_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_RECURRENCE_STAGES=3 (or run_kernels(recurrence_stages=3)) asks for the 3-stage warpgroup-MMA
-    recurrence; the mma.sync kernels (V block 32, or CULA_SM90_RECURRENCE_WGMMA=0) always get 2; another value is a
-    ValueError naming the variable or argument, before any launch."""
-    kda, fake = fake_sm90
-    args = _varlen_228_args(fake)
-    kda.kda_prefill(args)
-    assert fake.recurrence[17:20] == (64, True, 2)  # the default: 2 stages
-    monkeypatch.setenv(kda.ENV_RECURRENCE_STAGES, "3")
-    kda.kda_prefill(args)
-    assert fake.recurrence[17:20] == (64, True, 3)
-    kda.run_kernels(args, block_v=128)
-    assert fake.recurrence[17:20] == (128, True, 3)
-    kda.run_kernels(args, block_v=32)
-    assert fake.recurrence[17:20] == (32, False, 2)  # mma.sync: 2 stages whatever the variable says
-    kda.run_kernels(args, block_v=64, recurrence_wgmma=False)
-    assert fake.recurrence[17:20] == (64, False, 2)
-    kda.run_kernels(args, block_v=64, recurrence_stages=2)
-    assert fake.recurrence[17:20] == (64, True, 2)  # the argument overrides the variable
-    monkeypatch.delenv(kda.ENV_RECURRENCE_STAGES)
-    kda.run_kernels(args, block_v=128, recurrence_stages=3)
-    assert fake.recurrence[17:20] == (128, True, 3)
-    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="recurrence_stages", bad=(1, 4, True, "3"),
-                      variable=kda.ENV_RECURRENCE_STAGES, bad_value="three")
+        assert fake.recurrence[17] == block_v
+        monkeypatch.delenv("CULA_BLOCK_V")
 
 
 def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,27 +316,27 @@ def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatc
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)  # 3 sequences x 2 value heads x 2 V blocks of 64 = 12 recurrence CTAs
     kda.kda_prefill(args)
-    assert fake.recurrence[17] == 64 and fake.recurrence[20] is True  # 12 CTAs on 132 SMs: one wave
+    assert fake.recurrence[17] == 64 and fake.recurrence[18] is True  # 12 CTAs on 132 SMs: one wave
     for sms, expected in ((12, True), (11, False)):
         monkeypatch.setattr(kda, "sm_count", lambda device, sms=sms: sms)
         kda.run_kernels(args, block_v=64)
-        assert fake.recurrence[20] is expected, sms
+        assert fake.recurrence[18] is expected, sms
         monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "1")
         kda.run_kernels(args, block_v=64)
-        assert fake.recurrence[20] is True, sms
+        assert fake.recurrence[18] is True, sms
         monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "auto")
         kda.run_kernels(args, block_v=64)
-        assert fake.recurrence[20] is expected, sms
+        assert fake.recurrence[18] is expected, sms
         monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH)
     monkeypatch.setattr(kda, "sm_count", lambda device: 132)
     monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "0")
     kda.kda_prefill(args)
-    assert fake.recurrence[20] is False
+    assert fake.recurrence[18] is False
     kda.run_kernels(args, block_v=64)
-    assert fake.recurrence[20] is False
+    assert fake.recurrence[18] is False
     monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "1")
     kda.run_kernels(args, block_v=64)
-    assert fake.recurrence[20] is True
+    assert fake.recurrence[18] is True
     fake.intra = ()
     monkeypatch.setenv(kda.ENV_PROGRAMMATIC_LAUNCH, "yes")
     with pytest.raises(ValueError, match=f"{kda.ENV_PROGRAMMATIC_LAUNCH}='yes'"):
@@ -408,54 +357,49 @@ def test_sm90_intra_auto_form_follows_the_idle_bands(fake_sm90) -> None:
         kwargs["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
         args = validate_kda_prefill(**kwargs)
         kda.kda_prefill(args)
-        assert fake.intra[30] == bits, bounds
+        assert fake.intra[28] == bits, bounds
         plan = plan or kda.plan_kda_prefill(args)  # the first call's plan, for every call below
     for bounds, bits in calls:
         cu = torch.tensor(bounds, dtype=torch.int32)
         plan(*(kwargs.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")), cu,
              cu.clone())
-        assert fake.intra[30] == bits, ("plan", bounds)
+        assert fake.intra[28] == bits, ("plan", bounds)
     for T, bits in ((1000, 11), (80, 15), (128, 11)):  # idle bands per sequence: 1 of 16 chunks, 3 of 2, none
         case = KdaCase(name=f"B2-T{T}", B=2, T=T, H=2, HV=2)
         fake.o_bytes, fake.state_bytes = 2 * T * 2 * 128 * 2, 2 * 2 * 128 * 128 * 4
         kda.kda_prefill(validate_kda_prefill(**make_inputs(case, "cpu", seed=3)))
-        assert fake.intra[30] == bits, T
+        assert fake.intra[28] == bits, T
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CULA_SM90_INTRA_TUNED=0|norm|inverse|all|tensor|bands (or run_kernels(intra_tuned=...)) asks for the intra
-    kernel's tuned forms as the bit set 0|1|2|3|11|15, "auto" (the default) for 11 or 15 by the call's idle bands;
-    asked for, they do not combine with persistent CTAs, and unset they give way to them; bad values are ValueErrors
-    naming the variable or argument, before any launch."""
+    """CULA_SM90_INTRA_TUNED=tensor|bands (or run_kernels(intra_tuned=...)) asks for the intra kernel's form as the
+    bit set 11|15, "auto" (the default) for 11 or 15 by the call's idle bands, "ablate:*" for the timing-only forms;
+    the retired forms "0", "norm", "inverse" and "all" and other bad values are ValueErrors naming the variable or
+    argument and the accepted values, before any launch."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
-    assert fake.intra[28:31] == (0, 0, 15)  # lengths 100, 0, 128: 1 idle band over 4 chunks
-    for value, bits in (("norm", 1), ("inverse", 2), ("all", 3), ("tensor", 11), ("bands", 15), ("auto", 15),
-                        ("ablate:products", 75),
-                        ("ablate:solve", 267), ("0", 0)):
+    assert fake.intra[28] == 15  # lengths 100, 0, 128: 1 idle band over 4 chunks
+    for value, bits in (("tensor", 11), ("bands", 15), ("auto", 15), ("ablate:products", 75), ("ablate:solve", 267)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)
-        assert fake.intra[28:31] == (0, 0, bits), value
-    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "all")
-    kda.run_kernels(args, intra_tuned="0")
-    assert fake.intra[30] == 0  # the argument overrides the variable
-    kda.run_kernels(args, intra_tuned="inverse")
-    assert fake.intra[30] == 2
+        assert fake.intra[28] == bits, value
+    monkeypatch.setenv(kda.ENV_INTRA_TUNED, "bands")
+    kda.run_kernels(args, intra_tuned="tensor")
+    assert fake.intra[28] == 11  # the argument overrides the variable
+    accepted = str(sorted(kda._TUNED_FORMS))
     fake.intra = ()
-    with pytest.raises(ValueError, match="does not combine with persistent CTAs"):
-        kda.run_kernels(args, intra_ctas=5)
-    monkeypatch.setenv(kda.ENV_INTRA_PERSISTENT, "1")
-    with pytest.raises(ValueError, match="does not combine with persistent CTAs"):
-        kda.kda_prefill(args)
+    for retired in ("0", "norm", "inverse", "all"):
+        monkeypatch.setenv(kda.ENV_INTRA_TUNED, retired)
+        with pytest.raises(ValueError) as info:
+            kda.kda_prefill(args)
+        assert str(info.value) == f"{kda.ENV_INTRA_TUNED}={retired!r}: expected one of {accepted}"
+        with pytest.raises(ValueError, match="intra_tuned must be None or one of"):
+            kda.run_kernels(args, intra_tuned=retired)
     assert fake.intra == ()  # refused before any launch
-    monkeypatch.delenv(kda.ENV_INTRA_TUNED)  # unset: persistent CTAs run the untuned form
-    kda.kda_prefill(args)
-    assert fake.intra[28] > 0 and fake.intra[30] == 0
-    kda.run_kernels(args, intra_ctas=5)
-    assert fake.intra[28] == 5 and fake.intra[30] == 0
-    monkeypatch.delenv(kda.ENV_INTRA_PERSISTENT)
-    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="intra_tuned", bad=(True, 1, "1", "both"),
+    assert {"tensor", "bands", "auto"} <= set(kda._TUNED_FORMS) and not {"0", "norm", "inverse", "all"} & set(
+        kda._TUNED_FORMS)
+    _refuses_bad_knob(kda, fake, args, monkeypatch, argument="intra_tuned", bad=(True, 11, "11", "both"),
                       variable=kda.ENV_INTRA_TUNED, bad_value="yes")
 
 

@@ -1,8 +1,9 @@
-"""CuTeDSL compilation on the CPU (no GPU): KdaPrepare builds for sm_90a, sm_100a and sm_103a with the machine
-code we expect, the compile cache compiles each key once, and one binary serves every T and every cu_seqlens.
+"""CuTeDSL compilation on the CPU (no GPU): the compile cache compiles each key once, per target, and one binary
+serves every T and every cu_seqlens (shown on the recurrence kernel, the quickest to compile); the packages import
+without CuTeDSL; the architecture knobs. The kernels' machine code is checked by the test_kda_*_compile.py files.
 
-The compile tests need CuTeDSL and TVM-FFI (``pip install "cula-runtime[cute]"``) and skip without them; the import
-and architecture tests run everywhere.
+The compile tests need CuTeDSL and TVM-FFI (cula-runtime brings them on Linux x86_64/aarch64) and skip without
+them; the import and architecture tests run everywhere.
 """
 
 from __future__ import annotations
@@ -19,29 +20,17 @@ from cula_runtime import cute as cula_cute
 from cula_runtime.cute import arch
 
 needs_cutedsl = pytest.mark.skipif(
-    not cula_cute.is_available(), reason='CuTeDSL or TVM-FFI is not installed (pip install "cula-runtime[cute]")'
+    not cula_cute.is_available(),
+    reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
 )
 
 SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
 
 
-# KdaPrepareConfig fields of the compiled configurations (built lazily: the kernel module imports CuTeDSL)
-CONFIGS = {
-    "fixed-safe-betaf32-H2-HV4-K128": dict(num_heads=2, num_v_heads=4, head_dim=128),
-    "varlen-softplus-betabf16-H2-HV4-K128": dict(
-        num_heads=2, num_v_heads=4, head_dim=128, gate="softplus", beta_dtype="bfloat16", varlen=True
-    ),
-    "fixed-rawgate-gbf16-nol2norm-H4-HV4-K64": dict(
-        num_heads=4, num_v_heads=4, head_dim=64, g_dtype="bfloat16", l2norm=False, gate="none", has_A_log=False,
-        has_dt_bias=False, beta_sigmoid=False,
-    ),
-}
+def _recurrence_config(**fields):
+    from cula_runtime.cute.kda.recurrence import KdaRecurrenceConfig
 
-
-def _config(config_id: str):
-    from cula_runtime.cute.kda.prepare import KdaPrepareConfig
-
-    return KdaPrepareConfig(**CONFIGS[config_id])
+    return KdaRecurrenceConfig(**{"num_v_heads": 4, **fields})
 
 
 def test_cute_packages_import_without_cutedsl() -> None:
@@ -62,14 +51,14 @@ def test_cute_packages_import_without_cutedsl() -> None:
         assert not cula_runtime.cute.is_available()
         assert not [m for m in sys.modules if m.split(".")[0] in {"cutlass", "tvm_ffi", "torch"}]
         try:
-            cula_runtime.cute.kda.kda_prepare
+            cula_runtime.cute.kda.chunk_kda_fwd_intra_from_raw
         except ImportError as exc:
             print(exc)
         """
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert 'pip install "cula-runtime[cute]"' in result.stdout
+    assert cula_cute.DSL_REQUIREMENTS[0] in result.stdout or "has no build for" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -94,62 +83,24 @@ def test_the_two_knobs_are_separate(monkeypatch: pytest.MonkeyPatch) -> None:
     assert arch.dispatch_target() == "sm_90a"
 
 
-@pytest.mark.parametrize("target", list(SM))
-@pytest.mark.parametrize("config_id", list(CONFIGS))
-@pytest.mark.compile
-@needs_cutedsl
-def test_kda_prepare_machine_code(config_id: str, target: str) -> None:
-    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
-    from cula_runtime.cute.kda.prepare import KdaPrepare
-    from cula_runtime.cute.machine_code import disassemble
-
-    config = _config(config_id)
-    kernel = KdaPrepare(config)
-    code = disassemble(compile_kernel(KdaPrepare, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)  # ELF header and nvdisasm's header agree on it
-    assert compile_seconds(KdaPrepare, config, target) > 0
-
-    # Vector global memory access: every g row segment is one 4-wide access, every q/k row segment one 16-byte one.
-    gate_rows = config.chunk_size // kernel.gate_segments * (config.head_dim // kernel.gate_cols)
-    g_load = "LDG.E.128" if config.g_dtype == "float32" else "LDG.E.64"
-    assert code.count(g_load) >= gate_rows
-    l2norm_rows = 2 * config.chunk_size * kernel.qk_threads_per_row // kernel.num_threads if config.l2norm else 0
-    assert code.count("STG.E.128") >= gate_rows + l2norm_rows
-    if config.l2norm:
-        assert code.opcodes["LDG.E.128"] >= gate_rows * (config.g_dtype == "float32") + l2norm_rows
-        assert code.count("MUFU.RSQ") >= l2norm_rows  # one rsqrt per row
-        assert code.count("SHFL.BFLY") > 0  # the row's sum of squares crosses lanes
-        assert code.count("F2FP.BF16.F32.PACK_AB") > 0  # q_hat/k_hat stored as bf16
-    else:
-        assert code.count("MUFU.RSQ") == 0 and code.count("SHFL") == 0
-    # exp of every activated gate channel (softplus or sigmoid) goes through the SFU
-    transcendental_gates = gate_rows * kernel.gate_vec if config.gate != "none" else 0
-    assert code.count("MUFU.EX2") >= transcendental_gates
-    if config.gate == "none" and not config.beta_sigmoid:
-        assert code.count("MUFU") == 0
-    assert code.count("BAR.SYNC") >= 1  # the cross-run offsets of the cumsum go through shared memory
-    assert code.count("LDL") == 0 and code.count("STL") == 0, "register spill"
-    assert code.count("HMMA") == 0  # plain CUDA-core kernel
-
-
 @pytest.mark.compile
 @needs_cutedsl
 def test_same_config_compiles_once() -> None:
     from cula_runtime.cute import compile_cache
-    from cula_runtime.cute.kda.prepare import KdaPrepare
+    from cula_runtime.cute.kda.recurrence import KdaRecurrence
 
-    config = _config("fixed-rawgate-gbf16-nol2norm-H4-HV4-K64")
+    config = _recurrence_config()
     compile_cache.clear_cache()
-    first = compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a")
-    again = compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a")
+    first = compile_cache.compile_kernel(KdaRecurrence, config, target="sm_90a")
+    again = compile_cache.compile_kernel(KdaRecurrence, config, target="sm_90a")
     assert again is first
     assert compile_cache.cache_info() == compile_cache.CacheInfo(hits=1, misses=1, size=1)
-    other_target = compile_cache.compile_kernel(KdaPrepare, config, target="sm_100a")
+    other_target = compile_cache.compile_kernel(KdaRecurrence, config, target="sm_100a")
     assert other_target is not first
     assert compile_cache.cache_info().misses == 2
     assert [r.target for r in compile_cache.compile_records()] == ["sm_90a", "sm_100a"]
     with pytest.raises(ValueError, match="cannot implement"):
-        compile_cache.compile_kernel(KdaPrepare, dataclasses.replace(config, head_dim=100), target="sm_90a")
+        compile_cache.compile_kernel(KdaRecurrence, dataclasses.replace(config, head_dim=64), target="sm_90a")
 
 
 @pytest.mark.compile
@@ -159,14 +110,14 @@ def test_one_binary_serves_every_length(varlen: bool) -> None:
     """Nothing length-dependent is compiled in: every extent of every tensor argument is symbolic, and the launch
     arguments for T = 100 and T = 1000 (and two cu_seqlens) are the caller's tensors, unchanged, for one binary."""
     from cula_runtime.cute import compile_cache
-    from cula_runtime.cute.kda.prepare import KdaPrepare, KdaPrepareConfig
-    from cula_runtime.index import prepare_chunk_indices
+    from cula_runtime.cute.kda.recurrence import KdaRecurrence
+    from cula_runtime.index import prepare_chunk_offsets, prepare_sequence_order
 
-    H, HV, K = 2, 4, 128
-    config = KdaPrepareConfig(num_heads=H, num_v_heads=HV, head_dim=K, varlen=varlen)
+    HV, K = 4, 128
+    config = _recurrence_config(num_v_heads=HV, varlen=varlen, has_initial_state=True, output_final_state=True)
     compile_cache.clear_cache()
-    compiled = compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a")
-    specs = KdaPrepare(config).argument_specs()
+    compiled = compile_cache.compile_kernel(KdaRecurrence, config, target="sm_90a")
+    specs = KdaRecurrence(config).argument_specs()
     for spec in specs:
         if spec is not None:
             fake = spec.fake()
@@ -174,41 +125,21 @@ def test_one_binary_serves_every_length(varlen: bool) -> None:
     for B, T, cu in ((1, 100, [0, 40, 40, 100]), (1 if varlen else 3, 1000, [0, 1000])):
         bf16 = torch.bfloat16
         cu_seqlens = torch.tensor(cu, dtype=torch.int32) if varlen else None
+        N = len(cu) - 1 if varlen else B
+        rows = sum(-(-(e - s) // 64) for s, e in zip(cu, cu[1:], strict=False)) if varlen else -(-T // 64)
         tensors = (
-            torch.randn(B, T, H, K, dtype=bf16), torch.randn(B, T, H, K, dtype=bf16), torch.randn(B, T, HV, K),
-            torch.randn(B, T, HV), torch.randn(HV), torch.randn(HV, K), torch.empty(B, T, H, K, dtype=bf16),
-            torch.empty(B, T, H, K, dtype=bf16), torch.empty(B, T, HV, K), torch.empty(B, T, HV),
-            cu_seqlens, prepare_chunk_indices(cu_seqlens, 64) if varlen else None,
+            *(torch.randn(B, T, HV, K, dtype=bf16) for _ in range(4)), torch.randn(B, T, HV, 64, dtype=bf16),
+            torch.randn(B, rows, HV, K), torch.randn(N, HV, K, K), torch.empty(B, T, HV, K, dtype=bf16),
+            torch.empty(N, HV, K, K), cu_seqlens,
+            prepare_chunk_offsets(cu_seqlens, 64) if varlen else None,
+            prepare_sequence_order(cu_seqlens) if varlen else None,
         )
         for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True)):
             assert (spec is None) == (tensor is None)
             if spec is not None:
-                assert spec.launch_arg(tensor, output=6 <= i <= 9) is tensor
-        assert compile_cache.compile_kernel(KdaPrepare, config, target="sm_90a") is compiled
+                assert spec.launch_arg(tensor, output=i in (7, 8)) is tensor
+        assert compile_cache.compile_kernel(KdaRecurrence, config, target="sm_90a") is compiled
     assert compile_cache.cache_info().misses == 1
-
-
-@pytest.mark.compile
-@needs_cutedsl
-@pytest.mark.parametrize(
-    ("changes", "reason"),
-    [
-        ({"head_dim": 100}, "power of two"),
-        ({"chunk_size": 32}, "only 64"),
-        ({"num_v_heads": 3}, "multiple"),
-        ({"gate": "softplus", "has_A_log": False}, "needs A_log"),
-        ({"gate": "none"}, "only used by an in-kernel gate"),
-        ({"beta_sigmoid": False, "allow_neg_eigval": True}, "requires beta_sigmoid"),
-        ({"qk_dtype": "float32", "head_dim": 256}, "one warp"),
-        ({"g_dtype": "float64"}, "expected one of"),
-    ],
-)
-def test_can_implement_says_why(changes: dict, reason: str) -> None:
-    from cula_runtime.cute.kda.prepare import KdaPrepare, KdaPrepareConfig
-
-    config = dataclasses.replace(KdaPrepareConfig(num_heads=2, num_v_heads=4, head_dim=128), **changes)
-    ok, why = KdaPrepare.can_implement(config)
-    assert not ok and reason in why
 
 
 @pytest.mark.compile
@@ -246,3 +177,32 @@ def test_is_available_looks_up_until_found(monkeypatch) -> None:
     lookups.clear()
     assert cute.is_available() and cute.is_available()
     assert lookups == ["cutlass", "tvm_ffi"]
+
+
+@pytest.mark.parametrize(
+    ("system", "machine", "supported"),
+    [("linux", "x86_64", True), ("linux", "aarch64", True), ("darwin", "arm64", False), ("win32", "AMD64", False)],
+)
+def test_platform_note_names_the_platform(monkeypatch, system: str, machine: str, supported: bool) -> None:
+    """Where NVIDIA ships no CuTeDSL, the reason names the platform and says the reference backend runs."""
+    monkeypatch.setattr(cula_cute.sys, "platform", system)
+    monkeypatch.setattr(cula_cute.platform, "machine", lambda: machine)
+    note = cula_cute.platform_note()
+    if supported:
+        assert note is None
+    else:
+        assert f"{system} {machine.lower()}" in note and "reference backend" in note
+        monkeypatch.setattr(cula_cute, "_found", False)
+        monkeypatch.setattr(cula_cute, "_installed", lambda name: False)
+        assert cula_cute.unavailable_reason() == note
+
+
+def test_unavailable_reason_names_the_missing_packages(monkeypatch) -> None:
+    """On a supported platform with the packages missing (installed with --no-deps), the fix quotes the range."""
+    monkeypatch.setattr(cula_cute.sys, "platform", "linux")
+    monkeypatch.setattr(cula_cute.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cula_cute, "_found", False)
+    monkeypatch.setattr(cula_cute, "_installed", lambda name: name != "tvm_ffi")
+    reason = cula_cute.unavailable_reason()
+    assert reason.startswith("apache-tvm-ffi not installed")
+    assert all(f'"{r}"' in reason for r in cula_cute.DSL_REQUIREMENTS)

@@ -16,7 +16,8 @@ import torch
 from cula_runtime import cute as cula_cute
 
 pytestmark = pytest.mark.skipif(
-    not cula_cute.is_available(), reason='CuTeDSL or TVM-FFI is not installed (pip install "cula-runtime[cute]")'
+    not cula_cute.is_available(),
+    reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
 )
 
 
@@ -204,7 +205,7 @@ def test_carve_workspace_gives_aligned_disjoint_contiguous_tensors(groups: tuple
     assert all(bool((t == i + 1).all()) for i, t in enumerate(tensors))
 
 
-@pytest.mark.parametrize("module", ["prepare", "intra", "recurrence", "output"])
+@pytest.mark.parametrize("module", ["intra", "recurrence"])
 def test_each_wrapper_plans_once_per_call_signature(module: str) -> None:
     """Every kernel family's ``_plan`` (config, can_implement, argument specs) is cached: building them costs tens of
     microseconds, so a call must find them, not build them. (A decorator that slides onto the wrong function when

@@ -2,8 +2,8 @@
 
 The kernels cannot run here, so ``compile_cache.compile_kernel`` is replaced by a recorder and the wrappers' CUDA
 device checks by no-ops; ``compile_cache.launch`` itself runs, so a wrapper that leaves out a declared tensor fails
-with its ``TypeError``. Covered: the fused-prepare path (``chunk_kda_fwd_intra_from_raw`` and the recurrence on its
-per-chunk decay rows), fixed and varlen, and the cutedsl backend driving both.
+with its ``TypeError``. Covered: ``chunk_kda_fwd_intra_from_raw`` and the recurrence on its per-chunk decay rows,
+fixed and varlen, and the cutedsl backend driving both.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from cula_runtime import cute as cula_cute
 from tests.helpers import AllocationCounter
 
 pytestmark = pytest.mark.skipif(
-    not cula_cute.is_available(), reason='CuTeDSL or TVM-FFI is not installed (pip install "cula-runtime[cute]")'
+    not cula_cute.is_available(),
+    reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
 )
 
 K = 128
@@ -67,7 +68,7 @@ def test_from_raw_passes_what_the_kernel_declares(cu, launches: list) -> None:
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_t,
     )
     (kernel_cls, config, args), = launches
-    assert kernel_cls is KdaIntra and config.gate is not None and not config.output_akk_inv and config.l2norm
+    assert kernel_cls is KdaIntra and config.l2norm
     assert (config.gate.form, config.gate.g_dtype, config.gate.beta_dtype) == ("safe", "float32", "bfloat16")
     specs = _declared(kernel_cls, config)
     tensors, scalars = args[:len(specs)], args[len(specs):]
@@ -75,8 +76,8 @@ def test_from_raw_passes_what_the_kernel_declares(cu, launches: list) -> None:
     assert scalars == (0.3, -4.0)
     chunks = -(-T // 64) if cu is None else 5  # varlen lengths 1, 63, 1, 65: 1 + 1 + 1 + 2 chunks
     assert g_last.shape == (B, chunks, HV, K) and g_last.dtype == torch.float32
-    assert tensors[16] is g_last and tensors[3] is raw["g"] and tensors[10] is None  # g_last out, raw g in, no Akk_inv
-    assert tensors[14].shape == (HV,) and tensors[15].shape == (HV, K)  # A_log, dt_bias as the kernel indexes them
+    assert tensors[14] is g_last and tensors[3] is raw["g"]  # g_last out, the raw g in
+    assert tensors[12].shape == (HV,) and tensors[13].shape == (HV, K)  # A_log, dt_bias as the kernel indexes them
     for out in (w, u, qg, kg):
         assert out.shape == (B, T, HV, K) and out.dtype == torch.bfloat16
 
@@ -88,11 +89,14 @@ def test_from_raw_precomputed_gate_passes_no_gate_parameters(launches: list) -> 
     chunk_kda_fwd_intra_from_raw(**raw, scale=0.1, A_log=torch.randn(2), lower_bound=-5.0)  # gate not in kernel
     (_, config, args), = launches
     assert config.gate.form == "none" and not config.gate.has_A_log and not config.gate.has_dt_bias
-    assert args[14] is None and args[15] is None and args[-1] == 0.0  # no A_log, dt_bias, lower bound
+    assert args[12] is None and args[13] is None and args[-1] == 0.0  # no A_log, dt_bias, lower bound
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_recurrence_on_decay_rows(varlen: bool, launches: list) -> None:
+@pytest.mark.parametrize("given_order", [False, True], ids=["order-built", "order-given"])
+def test_recurrence_on_decay_rows(varlen: bool, given_order: bool, launches: list) -> None:
+    """The recurrence gets the decay rows, the chunk offsets and (varlen) the launch order: the caller's, or the
+    longest-first one built from cu_seqlens."""
     from cula_runtime.cute.kda.recurrence import KdaRecurrence, chunk_kda_fwd_recurrence
 
     HV = 4
@@ -103,15 +107,18 @@ def test_recurrence_on_decay_rows(varlen: bool, launches: list) -> None:
     bf = [torch.zeros(B, T, HV, K, dtype=torch.bfloat16) for _ in range(4)]
     Aqk = torch.zeros(B, T, HV, 64, dtype=torch.bfloat16)
     g_last = torch.zeros(B, chunks, HV, K)
-    order = torch.tensor([4 - 1, 1, 0, 2], dtype=torch.int32) if varlen else None
+    order = torch.tensor([2, 1, 0, 3], dtype=torch.int32) if varlen and given_order else None
     o, ht = chunk_kda_fwd_recurrence(*bf, Aqk, g_last, 0.5, output_final_state=True, cu_seqlens=cu,
-                                     chunk_offsets=offsets, block_v=64, gate_per_chunk=True, seq_order=order)
+                                     chunk_offsets=offsets, block_v=64, seq_order=order)
     (kernel_cls, config, args), = launches
-    assert kernel_cls is KdaRecurrence and config.gate_per_chunk and config.varlen == varlen
-    assert config.longest_first == varlen and args[13] is order
+    assert kernel_cls is KdaRecurrence and config.varlen == varlen
     specs = _declared(kernel_cls, config)
     assert [t is None for t in args[:len(specs)]] == [s is None for s in specs]
-    assert args[5] is g_last and (args[12] is offsets if varlen else args[12] is None)
+    assert args[5] is g_last and (args[10] is offsets if varlen else args[10] is None)
+    if varlen:  # lengths 1, 63, 1, 65: longest first unless given
+        assert args[11] is order if given_order else args[11].tolist() == [3, 1, 0, 2]
+    else:
+        assert args[11] is None
     assert o.shape == (B, T, HV, K) and ht.shape == ((4 if varlen else B), HV, K, K)
 
 
@@ -122,26 +129,27 @@ def test_recurrence_on_decay_rows_refuses_bad_rows(launches: list) -> None:
     Aqk = torch.zeros(1, 130, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 1, 130], dtype=torch.int32)
     with pytest.raises(ValueError, match="needs chunk_offsets"):
-        chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 4, 2, K), 0.5, cu_seqlens=cu, gate_per_chunk=True)
+        chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 4, 2, K), 0.5, cu_seqlens=cu)
     with pytest.raises(ValueError, match="seq_order must be int32"):
         chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 2, 2, K), 0.5, cu_seqlens=cu,
-                                 chunk_offsets=torch.tensor([0, 1, 4], dtype=torch.int32), gate_per_chunk=True,
+                                 chunk_offsets=torch.tensor([0, 1, 4], dtype=torch.int32),
                                  seq_order=torch.tensor([1, 0, 2], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"gk \(gate_per_chunk\) must be float32 \[1, 3, 2, 128\]"):
-        chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 4, 2, K), 0.5, gate_per_chunk=True)  # 130 tokens: 3 rows
+    with pytest.raises(ValueError, match="seq_order orders the sequences of a packed batch"):
+        chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 3, 2, K), 0.5, seq_order=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"g_last must be float32 \[1, 3, 2, 128\]"):
+        chunk_kda_fwd_recurrence(*bf, Aqk, torch.zeros(1, 4, 2, K), 0.5)  # 130 tokens: 3 rows
     assert not launches
 
 
 @pytest.mark.parametrize("cu", [None, [0, 1, 64, 65, 130]], ids=["fixed", "varlen"])
-def test_cutedsl_backend_fused_prepare_chains_the_two_launches(cu, launches: list, monkeypatch) -> None:
-    """The backend with CULA_CUTE_INTRA=fused-prepare: no kda_prepare launch; the intra kernel's g_last is the
-    recurrence's gate argument, read per chunk; the raw inputs go straight to the intra kernel."""
+def test_cutedsl_backend_chains_the_two_launches(cu, launches: list) -> None:
+    """The backend launches the intra kernel on the raw inputs, then the recurrence on its outputs: its g_last is the
+    recurrence's gate argument, read per chunk, and varlen sequences launch longest first."""
     from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
     from cula_runtime.cute.kda.intra import KdaIntra
     from cula_runtime.cute.kda.recurrence import KdaRecurrence
     from cula_runtime.kda_args import validate_kda_prefill
 
-    monkeypatch.setenv("CULA_CUTE_INTRA", "fused-prepare")
     B, T, H, HV = (2, 100, 2, 4) if cu is None else (1, 130, 2, 4)
     raw = _raw(B, T, H, HV)
     N = B if cu is None else len(cu) - 1
@@ -154,12 +162,11 @@ def test_cutedsl_backend_fused_prepare_chains_the_two_launches(cu, launches: lis
     kda_prefill_cutedsl(args, block_v=64)
     (intra_cls, intra_config, intra_args), (rec_cls, rec_config, rec_args) = launches
     assert intra_cls is KdaIntra and rec_cls is KdaRecurrence
-    assert intra_config.gate is not None and rec_config.gate_per_chunk and rec_config.has_initial_state
+    assert intra_config.gate.form == "safe" and rec_config.has_initial_state and rec_config.varlen == (cu is not None)
     assert intra_args[0] is args.q and intra_args[3] is args.g and intra_args[4] is args.beta
-    assert rec_args[5] is intra_args[16]  # g_last
-    assert rec_config.longest_first == (cu is not None)
+    assert rec_args[5] is intra_args[14]  # g_last
     if cu is not None:  # the sequences' launch order: longest first (lengths 1, 63, 1, 65)
-        assert rec_args[13].tolist() == [3, 1, 0, 2]
+        assert rec_args[11].tolist() == [3, 1, 0, 2]
     assert rec_args[0] is intra_args[7] and rec_args[1] is intra_args[8]  # qg, kg
     assert rec_args[2] is intra_args[5] and rec_args[3] is intra_args[6] and rec_args[4] is intra_args[9]  # w, u, Aqk
 
@@ -168,65 +175,30 @@ def test_cutedsl_backend_fused_prepare_chains_the_two_launches(cu, launches: lis
 # environment reads
 
 
-def _old_backend(args, block_v: int, monkeypatch: pytest.MonkeyPatch):
-    """The cutedsl backend as it was before it called the wrappers' internal functions: kda_prepare ->
-    chunk_kda_fwd_intra -> chunk_kda_fwd_recurrence (or chunk_kda_fwd_intra_from_raw -> recurrence), each checking
-    its arguments and allocating its outputs. kda_prepare and chunk_kda_fwd_intra check for CUDA tensors inline, so
-    while they run the tensors say they are on cuda:0 and their outputs are passed in (``out=``), allocated as they
-    would allocate them."""
-    from cula_runtime.cute.kda.intra import (
-        chunk_kda_fwd_intra,
-        chunk_kda_fwd_intra_from_raw,
-        variant_flags,
-    )
-    from cula_runtime.cute.kda.prepare import kda_prepare
+def _wrappers_chain(args, block_v: int):
+    """What the cutedsl backend does, through the public wrappers: chunk_kda_fwd_intra_from_raw ->
+    chunk_kda_fwd_recurrence, each checking its arguments and allocating its outputs."""
+    from cula_runtime.cute.kda.intra import chunk_kda_fwd_intra_from_raw
     from cula_runtime.cute.kda.recurrence import chunk_kda_fwd_recurrence
     from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_sequence_order
 
     cu = args.cu_seqlens
-    chunk_indices = None if cu is None else prepare_chunk_indices(cu, 64)
     h0 = args.initial_state
     if h0 is not None and h0.dtype != torch.float32:
         h0 = h0.float()
-    fuse_l2norm, fuse_gate = variant_flags(None)[2:4]
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
-    if fuse_gate and args.g.dtype in (torch.bfloat16, torch.float32):
-        w, u, qg, kg, Aqk, g_last = chunk_kda_fwd_intra_from_raw(
-            args.q, args.k, args.v, args.g, args.beta, args.scale, A_log=args.A_log, dt_bias=args.dt_bias,
-            lower_bound=lower_bound, use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=args.use_gate_in_kernel, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=args.allow_neg_eigval, cu_seqlens=cu, chunk_indices=chunk_indices,
-        )
-        return chunk_kda_fwd_recurrence(
-            qg, kg, w, u, Aqk, g_last, args.scale, initial_state=h0, output_final_state=args.output_final_state,
-            cu_seqlens=cu, chunk_offsets=None if cu is None else prepare_chunk_offsets(cu, 64),
-            state_v_first=args.state_v_first, block_v=block_v, gate_per_chunk=True,
-            seq_order=None if cu is None else prepare_sequence_order(cu),
-        )
-    fuse_l2norm = args.use_qk_l2norm_in_kernel and fuse_l2norm
-    prepare_l2norm = args.use_qk_l2norm_in_kernel and not fuse_l2norm
-    B, T, HV = args.B, args.T, args.HV
-    bf = torch.bfloat16
-    prepare_out = (torch.empty_like(args.q) if prepare_l2norm else None,
-                   torch.empty_like(args.k) if prepare_l2norm else None,
-                   torch.empty(B, T, HV, K), torch.empty(B, T, HV))
-    intra_out = (*(torch.empty(B, T, HV, K, dtype=bf) for _ in range(4)),
-                 *(torch.empty(B, T, HV, 64, dtype=bf) for _ in range(2)))
-    with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
-        q_hat, k_hat, g_cum, beta = kda_prepare(
-            args.q, args.k, args.g, args.beta, A_log=args.A_log, dt_bias=args.dt_bias, lower_bound=lower_bound,
-            use_qk_l2norm_in_kernel=prepare_l2norm, use_gate_in_kernel=args.use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
-            cu_seqlens=cu, chunk_indices=chunk_indices, out=prepare_out,
-        )
-        w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(
-            q_hat, k_hat, args.v, g_cum, beta, args.scale, cu_seqlens=cu, chunk_indices=chunk_indices,
-            output_qg=True, use_qk_l2norm_in_kernel=fuse_l2norm, out=intra_out,
-        )
+    w, u, qg, kg, Aqk, g_last = chunk_kda_fwd_intra_from_raw(
+        args.q, args.k, args.v, args.g, args.beta, args.scale, A_log=args.A_log, dt_bias=args.dt_bias,
+        lower_bound=lower_bound, use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=args.use_gate_in_kernel, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=args.allow_neg_eigval, cu_seqlens=cu,
+        chunk_indices=None if cu is None else prepare_chunk_indices(cu, 64),
+    )
     return chunk_kda_fwd_recurrence(
-        qg, kg, w, u, Aqk, g_cum, args.scale, initial_state=h0, output_final_state=args.output_final_state,
-        cu_seqlens=cu, state_v_first=args.state_v_first, block_v=block_v,
+        qg, kg, w, u, Aqk, g_last, args.scale, initial_state=h0, output_final_state=args.output_final_state,
+        cu_seqlens=cu, chunk_offsets=None if cu is None else prepare_chunk_offsets(cu, 64),
+        state_v_first=args.state_v_first, block_v=block_v,
+        seq_order=None if cu is None else prepare_sequence_order(cu),
     )
 
 
@@ -297,28 +269,20 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("cu", [None, [0, 1, 64, 65, 130]], ids=["fixed", "varlen"])
-@pytest.mark.parametrize("variant", ["wide", "lean", "lean-unrolled", "fused", "fused-prepare",
-                                     "lean-unrolled-prefetch", "fused-prefetch", "fused-prepare-prefetch",
-                                     "lean-unrolled-prefetch-8warps", "fused-prefetch-8warps",
-                                     "fused-prepare-prefetch-8warps"])
-def test_cutedsl_backend_launches_what_the_wrappers_launch(variant: str, cu, case: str, launches: list,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cutedsl_backend_launches_what_the_wrappers_launch(cu, case: str, launches: list) -> None:
     """The backend calls the wrappers' internal functions and carves its intermediates from one buffer; each
     kernel still gets the configuration, the scalars and the tensors (the user's own, or the same intermediates
     flowing from launch to launch, of the same shape, dtype and strides) that the public wrappers' chain gave it."""
     from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
 
-    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     args = _prefill_args(cu, **CASES[case])
     o, ht = kda_prefill_cutedsl(args, block_v=64)
     new = _flow(list(launches), args)
     launches.clear()
-    o_ref, ht_ref = _old_backend(args, 64, monkeypatch)
+    o_ref, ht_ref = _wrappers_chain(args, 64)
     old = _flow(list(launches), args)
-    assert len(new) == len(old) == (2 if variant.startswith("fused-prepare") else 3)
-    intra_configs = [launch[1] for launch in new if launch[0].__name__ == "KdaIntra"]
-    assert len(intra_configs) == 1 and intra_configs[0].prefetch == ("-prefetch" in variant)
-    assert intra_configs[0].threads == (256 if variant.endswith("-8warps") else 128)
+    assert len(new) == len(old) == 2
+    assert [launch[0].__name__ for launch in new] == ["KdaIntra", "KdaRecurrence"]
     for got, want in zip(new, old, strict=True):
         assert got[:3] == want[:3]  # kernel, config, scalars
         assert got[3] == want[3]  # where every tensor argument comes from
@@ -326,35 +290,31 @@ def test_cutedsl_backend_launches_what_the_wrappers_launch(variant: str, cu, cas
     assert (ht is None) == (ht_ref is None) and (ht is None or (ht.shape, ht.dtype) == (ht_ref.shape, ht_ref.dtype))
 
 
-@pytest.mark.parametrize("variant", ["lean-unrolled", "fused-prepare"])
-def test_cutedsl_backend_returns_its_own_tensors(variant: str, launches: list, monkeypatch) -> None:
+def test_cutedsl_backend_returns_its_own_tensors(launches: list) -> None:
     """o and the final state are allocations of their own, never views of the intermediates' workspace (which
     the next call would overwrite); the intermediates are views of one buffer, each 128-byte aligned."""
     from cula_runtime.cute.kda.backend import WORKSPACE_ALIGN, kda_prefill_cutedsl
 
-    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     args = _prefill_args([0, 1, 64, 65, 130])
     o, ht = kda_prefill_cutedsl(args, block_v=64)
     o2, ht2 = kda_prefill_cutedsl(args, block_v=64)
     storages = {t.untyped_storage().data_ptr() for t in (o, ht, o2, ht2)}
     assert len(storages) == 4
     intra_args = launches[-2][2]
-    intermediates = [t for t in intra_args[5:11] + intra_args[16:17] if t is not None]
+    intermediates = [t for t in intra_args[5:10] + intra_args[14:15] if t is not None]
+    assert len(intermediates) == 6  # w, u, qg, kg, Aqk, g_last
     workspace = {t.untyped_storage().data_ptr() for t in intermediates}
     assert len(workspace) == 1 and not workspace & storages
     base = intermediates[0].untyped_storage().data_ptr()
     assert all((t.data_ptr() - base) % WORKSPACE_ALIGN == 0 and t.is_contiguous() for t in intermediates)
 
 
-@pytest.mark.parametrize("variant", ["lean-unrolled", "fused", "fused-prepare"])
 @pytest.mark.parametrize("final_state", [True, False])
-def test_cutedsl_backend_allocates_three_tensors(variant: str, final_state: bool, launches: list,
-                                                 monkeypatch) -> None:
+def test_cutedsl_backend_allocates_three_tensors(final_state: bool, launches: list) -> None:
     """One workspace buffer for every intermediate, o, and the final state: 3 allocations per call (2 without the
-    final state), where the wrappers' chain made up to 12."""
+    final state), where the wrappers' chain made 8."""
     from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
 
-    monkeypatch.setenv("CULA_CUTE_INTRA", variant)
     args = _prefill_args(None, final_state=final_state)
     kda_prefill_cutedsl(args, block_v=64)
     with AllocationCounter() as counted:
@@ -363,8 +323,8 @@ def test_cutedsl_backend_allocates_three_tensors(variant: str, final_state: bool
 
 
 def test_cutedsl_backend_reads_each_knob_once_per_call(launches: list, monkeypatch) -> None:
-    """CULA_CUTE_INTRA and CULA_BLOCK_V are read once per call and never cached: a change between calls takes
-    effect on the next call, and a bad value raises naming the variable. CUTE_DSL_ARCH is read once per launch."""
+    """CULA_BLOCK_V is read once per call and never cached: a change between calls takes effect on the next call,
+    and a bad value raises naming the variable. CUTE_DSL_ARCH is read once per launch. Nothing else is read."""
     import os
 
     from cula_runtime.cute.kda import backend
@@ -379,20 +339,13 @@ def test_cutedsl_backend_reads_each_knob_once_per_call(launches: list, monkeypat
     monkeypatch.setattr(os, "environ", Environ(os.environ))
     monkeypatch.setattr(backend, "sm_count", lambda device: 132)
     args = _prefill_args(None)
-    for variant, block_v, launched in (("lean-unrolled", "128", 3), ("fused-prepare", "64", 2), ("wide", "", 3)):
-        os.environ["CULA_CUTE_INTRA"] = variant
+    for block_v in ("128", "64", ""):
         os.environ["CULA_BLOCK_V"] = block_v
         reads.clear()
         launches.clear()
         backend.kda_prefill_cutedsl(args)
-        assert sorted(reads) == sorted(["CULA_CUTE_INTRA", "CULA_BLOCK_V"] + ["CUTE_DSL_ARCH"] * launched)
-        intra_config, rec_config = launches[-2][1], launches[-1][1]
-        assert intra_config.lean_smem == (variant != "wide") and (intra_config.gate is not None) == (launched == 2)
-        assert rec_config.block_v == (int(block_v) if block_v else 64)  # N·HV = 8 pairs fit one wave at 64
-    os.environ["CULA_CUTE_INTRA"] = "fast"
-    with pytest.raises(ValueError, match=r"CULA_CUTE_INTRA='fast'"):
-        backend.kda_prefill_cutedsl(args)
-    os.environ["CULA_CUTE_INTRA"] = "wide"
+        assert sorted(reads) == sorted(["CULA_BLOCK_V"] + ["CUTE_DSL_ARCH"] * 2)
+        assert launches[-1][1].block_v == (int(block_v) if block_v else 64)  # N·HV = 8 pairs fit one wave at 64
     os.environ["CULA_BLOCK_V"] = "48"
     with pytest.raises(ValueError, match=r"CULA_BLOCK_V='48'"):
         backend.kda_prefill_cutedsl(args)

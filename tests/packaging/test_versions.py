@@ -127,3 +127,33 @@ def test_pin_check_catches_a_stale_sm90_pin() -> None:
     ]
     problems = sibling_pin_problems("cula-sm90", project, version_of("cula-sm90"))
     assert any(p.startswith("dependencies: cuLA pins are ['cula-runtime==0.0.") for p in problems), problems
+
+
+def test_cutedsl_requirements_agree_with_the_runtime() -> None:
+    """cula-runtime's pyproject declares CuTeDSL and TVM-FFI exactly as ``cula_runtime.cute.DSL_REQUIREMENTS`` says
+    (the install hint quotes those), on the platforms of ``CUTEDSL_PLATFORMS`` only, and outside any extra."""
+    from packaging.markers import Marker
+
+    from cula_runtime import cute
+
+    declared = [Requirement(r) for r in pyproject("cula-runtime")["project"]["dependencies"]]
+    dsl = [r for r in declared if canonicalize_name(r.name) in {"nvidia-cutlass-dsl", "apache-tvm-ffi"}]
+    assert sorted(f"{r.name}{r.specifier}" for r in dsl) == sorted(
+        f"{r.name}{r.specifier}" for r in map(Requirement, cute.DSL_REQUIREMENTS)
+    )
+    platforms = [("linux", "x86_64"), ("linux", "aarch64"), ("darwin", "arm64"), ("win32", "AMD64"),
+                 ("linux", "ppc64le")]
+    for requirement in dsl:
+        assert requirement.marker is not None, f"{requirement} has no platform marker"
+        for system, machine in platforms:
+            wanted = (system, machine.lower()) in cute.CUTEDSL_PLATFORMS
+            env = {"sys_platform": system, "platform_machine": machine, "extra": ""}
+            assert requirement.marker.evaluate(env) is wanted, (requirement, system, machine)
+    assert str(Marker('extra == "cute"')) not in {str(r.marker) for r in declared}
+
+
+def test_the_cute_extra_is_an_accepted_alias() -> None:
+    """``cula[cute]`` and ``cula-runtime[cute]`` still resolve (0.2.0's spelling) and add nothing."""
+    assert pyproject("cula-runtime")["project"]["optional-dependencies"]["cute"] == []
+    cula_cute = pyproject("cula")["project"]["optional-dependencies"]["cute"]
+    assert cula_cute == [f"cula-runtime[cute]=={version_of('cula')}"]

@@ -49,27 +49,17 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
               std::uintptr_t chunk_indices, std::uintptr_t chunk_offsets, int num_tokens, int num_chunks,
               int num_heads, int num_value_heads, float scale, float lower_bound, bool l2norm_qk,
               bool gate_in_kernel, bool beta_sigmoid, bool allow_neg_eigval, std::uintptr_t qg, std::uintptr_t kg,
-              std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, int persistent_ctas,
-              int persistent_prefetch, int tuned, std::uintptr_t stream) {
-  if (persistent_ctas < 0) {
-    throw std::invalid_argument("cula_sm90.kda_intra: persistent_ctas must be >= 0, got " +
-                                std::to_string(persistent_ctas));
-  }
+              std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, int tuned,
+              std::uintptr_t stream) {
   // (the valid forms are listed once, beside the launcher's switch; an ablation build adds its timing-only ones)
-  if (!cula_sm90::kda_intra_form_built(tuned) || (tuned != 0 && persistent_ctas > 0)) {
+  if (!cula_sm90::kda_intra_form_built(tuned)) {
     throw std::invalid_argument(std::string("cula_sm90.kda_intra: tuned must be ") +
-                                cula_sm90::kda_intra_forms_text() + ", and 0 with persistent CTAs; got " +
-                                std::to_string(tuned));
-  }
-  if (persistent_prefetch < 0 || persistent_prefetch > 2) {
-    throw std::invalid_argument("cula_sm90.kda_intra: persistent_prefetch must be 0, 1 or 2, got " +
-                                std::to_string(persistent_prefetch));
+                                cula_sm90::kda_intra_forms_text() + "; got " + std::to_string(tuned));
   }
   const cula_sm90::KdaIntraArgs args{q, k, v, g, beta, A_log, dt_bias, g_type, beta_type, cu_seqlens,
                                      chunk_indices, chunk_offsets, num_tokens, num_chunks, num_heads,
                                      num_value_heads, scale, lower_bound, l2norm_qk, gate_in_kernel, beta_sigmoid,
-                                     allow_neg_eigval, qg, kg, w, u, Aqk, g_last, persistent_ctas,
-                                     persistent_prefetch, tuned};
+                                     allow_neg_eigval, qg, kg, w, u, Aqk, g_last, tuned};
   int code;
   {
     py::gil_scoped_release release;
@@ -81,25 +71,19 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
 int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk,
                    std::uintptr_t g_last, std::uintptr_t cu_seqlens, std::uintptr_t chunk_offsets,
                    std::uintptr_t seq_order, std::uintptr_t initial_state, int state_type, std::uintptr_t final_state, std::uintptr_t o,
-                   int num_seqs, int num_value_heads, float scale, bool state_v_first, int block_v, bool wgmma,
-                   int stages, bool programmatic_launch, int num_tokens, std::uintptr_t stream) {
+                   int num_seqs, int num_value_heads, float scale, bool state_v_first, int block_v,
+                   bool programmatic_launch, int num_tokens, std::uintptr_t stream) {
   if (num_tokens < 0) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: num_tokens must be >= 0, got " + std::to_string(num_tokens));
   }
-  if (block_v != 0 && block_v != 32 && block_v != 64 && block_v != 128) {
-    throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 0, 32, 64 or 128, got " +
+  // (32: mma.sync; 64 and 128: warpgroup MMAs, the only form at those widths)
+  if (block_v != 32 && block_v != 64 && block_v != 128) {
+    throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 32, 64 or 128, got " +
                                 std::to_string(block_v));
-  }
-  if (wgmma && block_v == 32) {
-    throw std::invalid_argument("cula_sm90.kda_recurrence: wgmma needs block_v 0 (64), 64 or 128, got 32");
-  }
-  if (stages != 2 && !(stages == 3 && wgmma)) {
-    throw std::invalid_argument("cula_sm90.kda_recurrence: stages must be 2, or 3 with wgmma, got " +
-                                std::to_string(stages) + (wgmma ? "" : " without wgmma"));
   }
   const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state,
                                           state_type, final_state, o, num_seqs, num_value_heads, scale,
-                                          state_v_first, block_v, wgmma, stages, programmatic_launch, num_tokens};
+                                          state_v_first, block_v, programmatic_launch, num_tokens};
   int code;
   {
     py::gil_scoped_release release;
@@ -141,8 +125,8 @@ PYBIND11_MODULE(_C, m) {
         "kernel when the launch fails, ValueError for a bad pointer or size.");
   m.def("kda_intra", &kda_intra, "KDA chunk-parallel kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
   m.def("intra_form_built", &cula_sm90::kda_intra_form_built, py::arg("tuned"),
-        "Whether kda_intra has a kernel for the tuned form code `tuned` (one CTA per item); the codes of "
-        "cula_sm90.kda._TUNED_FORMS must all be built.");
+        "Whether kda_intra has a kernel for the form code `tuned`; the codes of cula_sm90.kda._TUNED_FORMS must "
+        "all be built (the timing-only \"ablate:\" ones only with CMake's CULA_SM90_ABLATION=ON).");
   m.def("varlen_launch_capacity", &cula_sm90::varlen_launch_capacity, py::arg("n"), py::arg("total"),
         py::arg("chunk"), "int32 slots varlen_launch_values needs at most for n sequences over total tokens.");
   m.def("varlen_launch_values", &varlen_launch_values, py::arg("cu"), py::arg("n"), py::arg("chunk"), py::arg("out"),

@@ -78,32 +78,13 @@ KERNELS: tuple[KernelEntry, ...] = (
         status="ran on sm_90 (H200) vs fp64: 32 configs within 1.25x FLA's error, 1000 bit-identical replays "
                "(tests/sm90, tests/gpu), 2x10^6 bit-identical stress replays, compute-sanitizer memcheck and "
                "racecheck clean at three shapes (benchmarks/results; 2026-11-30 with the wgmma recurrence and the "
-               "tuned intra kernel)",
+               "tensor-core intra kernel; the kernels kept in issue 25 have that machine code, the intra kernels' "
+               "parameter offsets aside)",
         entry="cula_sm90.kda:kda_prefill",
-        summary="native SM90 KDA prefill: chunk-parallel intra kernel (its tuned forms) + fp32-register state "
-                "recurrence on warpgroup MMAs (K = V = 128, bf16, safe gate); the opt-in persistent intra kernel "
-                "(CULA_SM90_INTRA_PERSISTENT), the first verified intra kernel (CULA_SM90_INTRA_TUNED=0), the "
-                "mma.sync recurrence (CULA_SM90_RECURRENCE_WGMMA=0) and the 3-stage one "
-                "(CULA_SM90_RECURRENCE_STAGES=3) also ran on the H200 (bit-identical / within the fp64 bounds)",
-    ),
-    KernelEntry(
-        name="kda_prepare_cute", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
-        dtypes=("bfloat16", "float32"),
-        features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "gate-in-kernel", "safe-gate", "qk-l2norm",
-                  "beta-sigmoid"),
-        status=_CUTE_STATUS,
-        entry="cula_runtime.cute.kda.prepare:kda_prepare",
-        summary="CuTeDSL KDA preparation: q/k L2 norm, gate activation + chunk-local cumsum (log2 units), beta",
-    ),
-    KernelEntry(
-        name="chunk_kda_fwd_intra", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
-        dtypes=("bfloat16",),
-        features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "safe-gate", "output-qg"),
-        status=_CUTE_STATUS,
-        entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra",
-        summary="CuTeDSL KDA intra primitive: Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts); every "
-                "variant (wide, lean, lean-unrolled, fused, with loads issued ahead, with 8 warps at K = 128) ran "
-                "on the H200 and gives the same bits",
+        summary="native SM90 KDA prefill: chunk-parallel intra kernel (\"tensor\", or \"bands\" for calls with many "
+                "partial chunks, the same bits; CULA_SM90_INTRA_TUNED=auto|tensor|bands) + fp32-register state "
+                "recurrence on warpgroup MMAs at V blocks of 64 and 128, mma.sync at 32 (K = V = 128, bf16, safe "
+                "gate); the forms retired in issue 25 are in the history",
     ),
     KernelEntry(
         name="chunk_kda_fwd_intra_from_raw", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
@@ -112,24 +93,11 @@ KERNELS: tuple[KernelEntry, ...] = (
                   "beta-sigmoid", "output-qg"),
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra_from_raw",
-        summary="CuTeDSL KDA prepare + intra in one launch (the fused-prepare variant): gate activation and chunk "
-                "cumsum, beta, q/k L2 norm with kda_prepare's arithmetic, then the intra work; per-chunk decay rows "
-                "for the recurrence; the same bits as kda_prepare -> chunk_kda_fwd_intra on the H200; with its loads "
-                "issued ahead and 8 warps it is the cutedsl backend's default (1.05-1.68x faster end to end there)",
-    ),
-    *(
-        KernelEntry(
-            name=name, family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
-            dtypes=("bfloat16", "float32"), features=("gva", "varlen", "tail-chunks", "zero-length-seqs", *extra),
-            status=_CUTE_STATUS,
-            entry=f"cula_runtime.cute.kda.intra:{name}",
-            summary=f"CuTeDSL KDA intra, modular step {step} of 3: {what}",
-        )
-        for step, (name, what, extra) in enumerate((
-            ("chunk_kda_fwd_scores", "Aqk (bf16) and Akk (fp32) per chunk, safe-gate anchoring", ("safe-gate",)),
-            ("chunk_kda_solve_tril", "(I + Akk)^-1 per chunk, fp32 substitution, bf16 out", ()),
-            ("chunk_kda_recompute_w_u", "w, u, kg (and qg) from the inverse", ("output-qg",)),
-        ), start=1)
+        summary="CuTeDSL KDA intra from the raw inputs in one launch: gate activation (safe, softplus or none) and "
+                "chunk cumsum, beta, q/k L2 norm, Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts) and "
+                "per-chunk decay rows for the recurrence; 8 warps, two CTAs per SM, K = V = 128; the cutedsl "
+                "backend's intra step (1.05-1.68x faster end to end on the H200 than kda_prepare -> intra, the same "
+                "bits); the forms retired in issue 25 are in the history",
     ),
     KernelEntry(
         name="chunk_kda_fwd_recurrence", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
@@ -138,26 +106,8 @@ KERNELS: tuple[KernelEntry, ...] = (
                   "final-state"),
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.recurrence:chunk_kda_fwd_recurrence",
-        summary="CuTeDSL KDA delta-h + output: fp32 state in registers, o and the final state from the intra outputs",
-    ),
-    KernelEntry(
-        name="chunk_kda_fwd_h", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
-        dtypes=("bfloat16",),
-        features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "initial-state",
-                  "final-state", "per-chunk-states"),
-        status=_CUTE_STATUS,
-        entry="cula_runtime.cute.kda.recurrence:chunk_kda_fwd_h",
-        summary="CuTeDSL KDA delta-h primitive (FLA's chunk_gated_delta_rule_fwd_h): per-chunk bf16 states h, v_new "
-                "and the final state; the recurrence kernel without its output",
-    ),
-    KernelEntry(
-        name="chunk_kda_fwd_o", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
-        dtypes=("bfloat16",),
-        features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "per-chunk-states"),
-        status=_CUTE_STATUS,
-        entry="cula_runtime.cute.kda.output:chunk_kda_fwd_o",
-        summary="CuTeDSL KDA chunk output from per-chunk states (o = scale qg h + tril(Aqk) v_new), chunk-parallel; "
-                "with chunk_kda_fwd_h it reproduces the fused recurrence's o",
+        summary="CuTeDSL KDA delta-h + output: fp32 state in registers, o and the final state from the intra "
+                "kernel's outputs and per-chunk decay rows; varlen sequences launched longest first",
     ),
     KernelEntry(
         name="lightning_naive", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,

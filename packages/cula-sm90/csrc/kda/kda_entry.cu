@@ -3,12 +3,6 @@
 
 #include "kda/kda_params.h"
 
-namespace cula::sm90 {
-cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream);
-cudaError_t launch_kda_recurrence_wgmma_bv(const KdaRecurrenceParams& params, int block_v, int stages,
-                                           cudaStream_t stream);
-}  // namespace cula::sm90
-
 namespace cula_sm90 {
 namespace {
 
@@ -53,8 +47,6 @@ int kda_intra(const KdaIntraArgs& a, std::uintptr_t stream) {
   p.u = as_ptr<void>(a.u);
   p.Aqk = as_ptr<void>(a.Aqk);
   p.g_last = as_ptr<float>(a.g_last);
-  p.persistent_ctas = a.persistent_ctas;
-  p.persistent_prefetch = a.persistent_prefetch;
   return static_cast<int>(cula::sm90::launch_kda_intra(p, a.tuned, reinterpret_cast<cudaStream_t>(stream)));
 }
 
@@ -83,15 +75,8 @@ int kda_recurrence(const KdaRecurrenceArgs& a, std::uintptr_t stream) {
   p.scale = a.scale;
   p.state_v_first = a.state_v_first;
   p.programmatic_launch = a.programmatic_launch;
-  const auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (a.wgmma) {
-    return static_cast<int>(
-        cula::sm90::launch_kda_recurrence_wgmma_bv(p, a.block_v == 0 ? 64 : a.block_v, a.stages, s));
-  }
-  if (a.block_v == 0) {
-    return static_cast<int>(cula::sm90::launch_kda_recurrence(p, s));
-  }
-  return static_cast<int>(cula::sm90::launch_kda_recurrence_bv(p, a.block_v, s));
+  return static_cast<int>(
+      cula::sm90::launch_kda_recurrence(p, a.block_v, reinterpret_cast<cudaStream_t>(stream)));
 }
 
 }  // namespace cula_sm90

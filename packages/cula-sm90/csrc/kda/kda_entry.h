@@ -14,9 +14,7 @@ struct KdaIntraArgs {
   float scale, lower_bound;
   bool l2norm_qk, gate_in_kernel, beta_sigmoid, allow_neg_eigval;
   std::uintptr_t qg, kg, w, u, Aqk, g_last;
-  int persistent_ctas;      // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs
-  int persistent_prefetch;  // 0, 1 or 2: which later item a persistent CTA prefetches into L2 (0: none)
-  int tuned;                // the one-CTA-per-item kernel's tuned forms, a bit set (kda_params.h); 0: verified
+  int tuned;  // the kernel's form, a bit set (kda_params.h): 11 "tensor" or 15 "bands"
 };
 
 struct KdaRecurrenceArgs {
@@ -26,16 +24,14 @@ struct KdaRecurrenceArgs {
   int num_seqs, num_value_heads;
   float scale;
   bool state_v_first;
-  int block_v;  // 0: the default; else 32, 64 or 128
-  bool wgmma;   // the products on warpgroup MMAs (block_v 0 = 64, or 128)
-  int stages;   // shared-memory pipeline stages: 2, or 3 (wgmma only)
+  int block_v;  // 32 (mma.sync), 64 or 128 (warpgroup MMAs)
   bool programmatic_launch;  // launch as a programmatic dependent of the intra kernel (kda_params.h)
   int num_tokens;            // Ttot (kda_params.h)
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);
-// Whether the extension has an intra kernel for the tuned form `tuned` (one CTA per item), and the valid forms as
-// text; the one list is beside the launcher's switch (kda_intra.cu).
+// Whether the extension has an intra kernel for the form `tuned`, and the valid forms as text; the one list is
+// beside the launcher's switch (kda_intra.cu).
 bool kda_intra_form_built(int tuned);
 const char* kda_intra_forms_text();
 int kda_recurrence(const KdaRecurrenceArgs& args, std::uintptr_t stream);

@@ -7,7 +7,7 @@
 
 namespace cula::sm90 {
 
-constexpr int kBase = kTunedNorm | kTunedInverse | kTunedTensorInverse;  // the default form
+constexpr int kBase = kTunedTensor;  // the default form
 // The forms the switch below launches (keep the two together).
 constexpr int kAblationForms[] = {kBase | kAblateGate, kBase | kAblateNormExp, kBase | kAblateProducts,
                                   kBase | kAblateInverse, kBase | kAblateSolve, kBase | kAblateLoads,

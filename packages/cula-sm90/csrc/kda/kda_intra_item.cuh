@@ -6,19 +6,18 @@
 //   Tinv = (I + Akk)^-1 (fp32, rounded once to bf16), w = Tinv·bf16(β k e^Γ), u = Tinv·bf16(β v),
 //   kg = bf16(k e^{Γlast-Γ}), qg = bf16(q e^Γ).
 //
-// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), with the tuned forms kTunedNorm,
-// kTunedInverse and kTunedTensorInverse by default; or (persistent_ctas > 0) that many CTAs walking the (chunk, value
-// head) items, each prefetching its next item's rows into L2 while it computes the current one. 103.25 KiB of dynamic
-// shared memory per CTA, so two fit on an SM. Phases (every arrow is a __syncthreads):
+// One CTA of 256 threads (8 warps) per (chunk of chunk_indices, value head), in one of two forms ("tensor", and
+// "bands", which computes only the 16-row bands holding valid rows; the shim's "auto" picks one per call). 103.25 KiB
+// of dynamic shared memory per CTA, so two fit on an SM. Phases (every arrow is a __syncthreads):
 //   0/1  cp.async q, k, v (zero-filled rows >= L) | g -> registers, gate, segmented cumsum -> Γ2 (log2 units, smem)
 //   1b   per-column anchor factors 2^{Γ2[n_J]}, 2^{Γ2[L-1]-Γ2[n_J]}, 2^{Γ2[n_I]-Γ2[n_J]} (n_J = 16 J)
 //   2a   elementwise, warp = full rows: l2norm, a = 2^{Γ2-Γ2[n]}, b = 2^{Γ2[n]-Γ2}; qg, kg -> global;
 //        q·a, k·a, k·b, β·v -> smem (bf16, in place); β·k·e^Γ and k·b (rows < 48) kept in registers
 //   2b   off-diagonal column operands k·b·2^{Γ2[n_I]-Γ2[n_J]} -> smem (over Γ2)
-//   3    mma.sync: 10 lower 16x16 blocks of Aqk and Akk; Aqk staged bf16 -> global; Akk -> fp32 smem
-//        (kTunedTensorInverse: the blocks below the diagonal as hi/lo bf16 tiles instead)
-//   4    inverse: fp32 column substitution on the 4 diagonal blocks, then 3 block-forward-substitution stages
-//        (kTunedInverse: 2 levels of recursive doubling instead; kTunedTensorInverse: their products as bf16x3 MMAs)
+//   3    mma.sync: 10 lower 16x16 blocks of Aqk and Akk; Aqk staged bf16 -> global; Akk's diagonal blocks -> fp32
+//        smem, the blocks below the diagonal as hi/lo bf16 tiles
+//   4    inverse: fp32 column substitution on the 4 diagonal blocks, then 2 levels of recursive doubling, their
+//        products as bf16x3 MMAs
 //   5    mma.sync: w, u = Tinv · (RHS), staged bf16 -> global
 //
 // Sub-chunk anchoring (KDA_SPEC §3.7): Γ_i - Γ_j = (Γ_i - Γ_n) + (Γ_n - Γ_j) with n the first row of the *query*
@@ -62,9 +61,8 @@ constexpr uint32_t kOffD = 102400;   // fp32 [6][128]  2^{Γ2[16I] - Γ2[16J]}, 
 constexpr uint32_t kOffBeta = 105472;  // fp32 [64]
 constexpr uint32_t kSmemBytes = 105728;
 // Aliases, valid after phase 3:
-constexpr uint32_t kOffA = 0;        // fp32 [64][kAStride]: Akk, overwritten in place by Tinv
+constexpr uint32_t kOffA = 0;        // fp32 [64][kAStride]: Akk's diagonal blocks (phase 4a's input)
 constexpr int kAStride = 68;
-constexpr uint32_t kOffP = 17408;    // fp32 [3][16][16]: block substitution temporaries
 constexpr uint32_t kOffT = 20480;    // bf16 [64][64] (swz128): Tinv, the A operand of phase 5
 constexpr uint32_t kOffKoff = kOffG;           // bf16 6 x [16][128] (swz256)
 constexpr uint32_t kOffAqk = kOffG + 24576;    // bf16 [64][64] (swz128)
@@ -79,47 +77,6 @@ __host__ __device__ constexpr int pair_index(int I, int J) { return J == 0 ? I -
 // Byte offset of the 4 bf16 at (row r, columns 4*lane .. 4*lane+3) of a swz256 tile.
 __device__ __forceinline__ uint32_t quad_off(int r, int lane) {
   return swz256(r, lane >> 1) + ((lane & 1) << 3);
-}
-
-// The work item a persistent CTA takes next (its rows go to L2 while this item computes), in two registers (the
-// per-item code runs at the 128-register cap): its first token, and (value head << 7) | valid rows (0: none).
-struct NextItem {
-  int t0 = 0;
-  int hv_rows = 0;
-};
-
-// Item `item` of the persistent order (value head fastest: the heads of one GVA group share their q/k rows).
-__device__ __forceinline__ NextItem locate_item(const KdaIntraParams& p, int item) {
-  NextItem next;
-  const int HV = p.num_value_heads;
-  if (item >= p.num_chunks * HV) return next;
-  const int ci = item / HV;
-  const int seq = p.chunk_indices[2 * ci];
-  if (seq < 0) return next;
-  next.t0 = p.cu_seqlens[seq] + p.chunk_indices[2 * ci + 1] * 64;
-  next.hv_rows = ((item - ci * HV) << 7) | max(0, min(64, p.cu_seqlens[seq + 1] - next.t0));
-  return next;
-}
-
-// The next item's q, k, v and g rows into L2, a 128-byte line per prefetch (thread = tensor tid / 64, row tid % 64;
-// per-lane addresses, so plain prefetches: the bulk form takes a uniform address and would loop over the lanes).
-__device__ __forceinline__ void prefetch_item_l2(const KdaIntraParams& p, const NextItem& next, int tid) {
-  const int row = tid & 63;
-  const int tensor = tid >> 6;  // 0 q, 1 k, 2 v, 3 g
-  if (row >= (next.hv_rows & 127)) return;
-  const int hv = next.hv_rows >> 7;
-  const int heads = tensor < 2 ? p.num_heads : p.num_value_heads;
-  const int head = tensor < 2 ? hv / (p.num_value_heads / p.num_heads) : hv;
-  const void* base = tensor == 0 ? p.q : (tensor == 1 ? p.k : (tensor == 2 ? p.v : p.g));
-  const int bytes = (tensor == 3 && p.g_type == ScalarType::kFloat32) ? 512 : 256;
-  const int64_t row_index = (static_cast<int64_t>(next.t0) + row) * heads + head;
-  const uint8_t* src = static_cast<const uint8_t*>(base) + row_index * bytes;
-  prefetch_l2(src);
-  prefetch_l2(src + 128);
-  if (bytes == 512) {
-    prefetch_l2(src + 256);
-    prefetch_l2(src + 384);
-  }
 }
 
 // 1 / sqrt(sum + 1e-6) of the 8 rows r = warp + 8 pp (pp = 0..7) of a tile, from each lane's partial sum part[pp]
@@ -147,80 +104,15 @@ __device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, flo
   for (int pp = 0; pp < 8; ++pp) r[pp] = __shfl_sync(0xffffffffu, mine, ((pp >> 2) << 4) | (((pp >> 1) & 1) << 3) | ((pp & 1) << 2));
 }
 
-// sum over m in [m_begin, m_end) of row[m] * tile[m * stride + 0 .. kN-1] (kN = 2 or 4 consecutive fp32 columns; the
-// bounds are per thread, the loop unrolled over kM rows).
-template <int kN, int kM>
-__device__ __forceinline__ void row_times_tile(const float* row, const float* tile, int stride, int m_begin,
-                                               int m_end, float (&acc)[kN]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int m = 0; m < kM; ++m) {
-    if (m >= m_begin && m < m_end) {
-      const float rv = row[m];
-      float t[kN];
-      if constexpr (kN == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(tile + m * stride);
-        t[0] = v.x, t[1] = v.y, t[2] = v.z, t[3] = v.w;
-      } else {
-        const float2 v = *reinterpret_cast<const float2*>(tile + m * stride);
-        t[0] = v.x, t[1] = v.y;
-      }
-#pragma unroll
-      for (int i = 0; i < kN; ++i) acc[i] = fmaf(rv, t[i], acc[i]);
-    }
-  }
-}
-
-// Phase 4b by recursive doubling (kTunedInverse), after 4a left the diagonal blocks' inverses T_II in sA (fp32, zeros
-// above their diagonals) and sT (bf16); sA's blocks below the diagonal still hold Akk. Every off-diagonal block
-// T_IJ goes to sA (fp32) and sT (bf16), in 4 barrier stages:
-//   level 1 (pairs (1,0) and (3,2)):  X = A_BA T_AA;  T_BA = -T_BB X             (16 x 16, X in sP)
-//   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y      (32 x 32, Y in the free Γ2 region)
-// with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1. The same products as the block forward
-// substitution, grouped so that all 8 warps work in every stage; the upper blocks of sA (stale data) are never read.
-__device__ __forceinline__ void inverse_by_doubling(uint8_t* smem, int tid) {
-  float* sA = reinterpret_cast<float*>(smem + kOffA);
-  float* sX = reinterpret_cast<float*>(smem + kOffP);  // [2][16][16]
-  float* sY = reinterpret_cast<float*>(smem + kOffG);  // [32][32] (Γ2 and its successors are consumed)
-  {  // level 1: thread = (pair, row r, 2 columns)
-    const int pr = tid >> 7, r = (tid >> 3) & 15, c = 2 * (tid & 7);
-    const int A = 2 * pr, B = A + 1;
-    float x[2];  // X = A_BA T_AA
-    row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * A, sA + 16 * A * kAStride + 16 * A + c, kAStride, 0, 16, x);
-    *reinterpret_cast<float2*>(sX + (16 * pr + r) * 16 + c) = make_float2(x[0], x[1]);
-    __syncthreads();
-    float t[2];  // T_BA = -T_BB X
-    row_times_tile<2, 16>(sA + (16 * B + r) * kAStride + 16 * B, sX + 16 * pr * 16 + c, 16, 0, 16, t);
-    const int R = 16 * B + r, Cc = 16 * A + c;
-    *reinterpret_cast<float2*>(sA + R * kAStride + Cc) = make_float2(-t[0], -t[1]);
-    *reinterpret_cast<uint32_t*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) = pack_bf16x2(-t[0], -t[1]);
-  }
-  __syncthreads();
-  {  // level 2: thread = (row r of 32, 4 columns)
-    const int r = tid >> 3, c = 4 * (tid & 7);
-    // Y = A_hl T_lo: T_lo's block (0, 1) is zero, so columns of block 1 take rows m >= 16 only
-    float y[4];
-    row_times_tile<4, 32>(sA + (32 + r) * kAStride, sA + c, kAStride, c < 16 ? 0 : 16, 32, y);
-    *reinterpret_cast<float4*>(sY + r * 32 + c) = make_float4(y[0], y[1], y[2], y[3]);
-    __syncthreads();
-    // T_hl = -T_hi Y: T_hi's block (2, 3) is zero, so rows of block 2 take m < 16 only
-    float t[4];
-    row_times_tile<4, 32>(sA + (32 + r) * kAStride + 32, sY + c, 32, 0, r < 16 ? 16 : 32, t);
-    const float4 neg = make_float4(-t[0], -t[1], -t[2], -t[3]);
-    const int R = 32 + r;
-    *reinterpret_cast<float4*>(sA + R * kAStride + c) = neg;
-    *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, c >> 3) + (c & 7) * 2) =
-        make_uint2(pack_bf16x2(neg.x, neg.y), pack_bf16x2(neg.z, neg.w));
-  }
-  __syncthreads();
-}
-
-// ---- Phase 4b on the tensor cores (kTunedTensorInverse): the products of inverse_by_doubling as bf16x3 MMAs.
-// Every fp32 operand is kept as two bf16 tiles x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), and a k16 step adds
-// lo·hi' + hi·lo' + hi·hi' with fp32 accumulation: operands good to ~2^-17 and the dropped lo·lo' ~2^-18 of the
-// product, far below Tinv's one bf16 rounding (2^-9), in other summation orders than the FMA form (so other low
-// bits). Tiles (bf16 [rows][64], swz128, in the free Γ2 region; Tinv's hi part is sT itself):
+// ---- Phase 4b: the off-diagonal blocks of Tinv by recursive doubling, after 4a left the diagonal blocks' inverses
+// T_II (zeros above their diagonals) in sT and its lo tile, in 4 barrier stages:
+//   level 1 (pairs (1,0) and (3,2)):  X = A_BA T_AA;  T_BA = -T_BB X
+//   level 2 (halves lo = {0,1}, hi = {2,3}):  Y = A_hl T_lo;  T_hl = -T_hi Y
+// with T_lo, T_hi the 32 x 32 lower triangular inverses of level 1: the products of a block forward substitution,
+// grouped so that all 8 warps work in every stage, each as bf16x3 tensor-core MMAs. Every fp32 operand is kept as two
+// bf16 tiles x = hi + lo (hi = bf16(x), lo = bf16(x - hi)), and a k16 step adds lo·hi' + hi·lo' + hi·hi' with fp32
+// accumulation: operands good to ~2^-17 and the dropped lo·lo' ~2^-18 of the product, far below Tinv's one bf16
+// rounding (2^-9). Tiles (bf16 [rows][64], swz128, in the free Γ2 region; Tinv's hi part is sT itself):
 constexpr uint32_t kOffAkkHi = kOffG;          // Akk's blocks below the diagonal (written after (F))
 constexpr uint32_t kOffAkkLo = kOffG + 8192;
 constexpr uint32_t kOffTLo = kOffG + 16384;    // Tinv's lo part
@@ -255,7 +147,7 @@ __device__ __forceinline__ void mma_split_step(float (&d)[4], uint32_t sbase, ui
   mma_bf16_16816(d, ah, bh[0], bh[1]);
 }
 
-// inverse_by_doubling's 4 barrier stages, each product a grid of m16n8 tiles over the warps (g = lane >> 2,
+// The doubling's 4 barrier stages, each product a grid of m16n8 tiles over the warps (g = lane >> 2,
 // t = lane & 3 index the accumulator):
 //   level 1 (warps 0-3 = pair x 8-column half):  X = A_BA T_AA;  T_BA = -T_BB X            (16 x 16)
 //   level 2 (warps 0-7 = 16-row half x 8-column quarter):  Y = A_hl T_lo;  T_hl = -T_hi Y   (32 x 32)
@@ -308,11 +200,16 @@ __device__ __forceinline__ void inverse_by_doubling_tensor(uint8_t* smem, int wa
   __syncthreads();
 }
 
-// kTuned: a bit set of the tuned forms, 0 for the first verified kernel; kTunedNorm | kTunedInverse |
-// kTunedTensorInverse is the default.
-constexpr int kTunedNorm = 1;     // the L2 norms' row sums by one transposed reduction per tensor and warp
-constexpr int kTunedInverse = 2;  // the off-diagonal inverse by recursive doubling: 4 barrier stages instead of 6
-constexpr int kTunedTensorInverse = 8;  // (with kTunedInverse) its products as bf16x3 tensor-core MMAs
+// kTuned: the kernel's form as a bit set (the codes the shim's CULA_SM90_INTRA_TUNED names map to). Each bit of
+// kTunedTensor ("tensor", code 11) once named a tuning of the first verified kernel (the forms 0-3 without all three
+// were retired in issue 25): the L2 norms' row sums by one transposed reduction per tensor and warp (kTunedNorm), the
+// off-diagonal inverse by recursive doubling (kTunedInverse), its products as bf16x3 tensor-core MMAs
+// (kTunedTensorInverse). Every built form has all three; kTunedBands ("bands", 15) and the timing-only kAblate* bits
+// (below) go on top.
+constexpr int kTunedNorm = 1;
+constexpr int kTunedInverse = 2;
+constexpr int kTunedTensorInverse = 8;
+constexpr int kTunedTensor = kTunedNorm | kTunedInverse | kTunedTensorInverse;
 // kTunedBands: only the 16-row bands holding valid rows are loaded and computed, so a sequence's last, partial chunk
 // does a quarter to three quarters of the work. Each valid row's arithmetic is unchanged (the bands after the last
 // valid row feed no valid row: every product is lower triangular), so the same bits. Also b = 2^-(Γ2 - Γ2n) from a's
@@ -372,12 +269,10 @@ __device__ __forceinline__ float activated_beta(const KdaIntraParams& p, uint32_
   }
   return b;
 }
-// The whole computation of one (chunk ci, value head hv); with kPrefetchNext (the persistent kernel, this being its
-// item `item`) the input rows of item item + persistent_prefetch * gridDim.x are sent to L2 once this item's inputs
-// have arrived. (That item is located there, not before the call: a value live through phases 0-1 costs spills.)
-template <bool kPrefetchNext, int kTuned = 0>
-__device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv,
-                                           const int item) {
+// The whole computation of one (chunk ci, value head hv).
+template <int kTuned>
+__device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv) {
+  static_assert((kTuned & kTunedTensor) == kTunedTensor, "every built intra form has the bits of \"tensor\"");
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -430,18 +325,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   // Phase 1: beta (row tid - 128 in warps 4-5); gate activation and chunk-local cumsum (thread = column, half of the
   // rows). Beta's load is issued here and used only after the g rows' loads are issued (its sigmoid just before (A)),
   // so warps 4-5 wait for one load latency before (A), not two in a row: the intra kernel 3.5-4.6% faster on long
-  // inputs (H200, seventeenth session). The persistent kernel, at its register cap, uses it at once (no spill).
+  // inputs (H200, seventeenth session).
   // (beta_row() is evaluated where it is used: kept as a value, it stays live through the gate code below)
   const bool beta_thread = tid >= 128 && tid < 192;
   const auto beta_row = [&] { return tid - 128 < L && reads_inputs<kTuned>(p); };  // this thread's row has a token
   uint32_t beta_bits = 0u;
-  if constexpr (kPrefetchNext) {
-    if (beta_thread) {
-      sBeta[tid - 128] = beta_row() ? activated_beta(p, load_beta_bits(p, t0 + tid - 128, HV, hv), true) : 0.f;
-    }
-  } else if (beta_thread && beta_row()) {
-    beta_bits = load_beta_bits(p, t0 + tid - 128, HV, hv);
-  }
+  if (beta_thread && beta_row()) beta_bits = load_beta_bits(p, t0 + tid - 128, HV, hv);
   {
     // Warp w = rows 8w .. 8w+7 (a segment), lane = columns 4*lane .. 4*lane+3: vector loads, an in-register
     // scan over the segment, then the sum of the preceding segments' totals (exchanged through smem).
@@ -499,9 +388,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
       for (int i = 0; i < 4; ++i) gv[j][i] += gv[j - 1][i];
     *reinterpret_cast<float4*>(sTot + warp * kD + c0) = make_float4(gv[7][0], gv[7][1], gv[7][2], gv[7][3]);
-    if constexpr (!kPrefetchNext) {
-      if (beta_thread) sBeta[tid - 128] = activated_beta(p, beta_bits, beta_row());
-    }
+    if (beta_thread) sBeta[tid - 128] = activated_beta(p, beta_bits, beta_row());
     __syncthreads();  // (A)
     float off[4] = {0.f, 0.f, 0.f, 0.f};
     for (int sgi = 0; sgi < warp; ++sgi) {
@@ -521,10 +408,6 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
   cp_async_wait_all();
   __syncthreads();  // (B): Γ2, beta, q/k/v tiles visible
-  NextItem next;
-  if constexpr (kPrefetchNext) {
-    if (p.persistent_prefetch > 0) next = locate_item(p, item + p.persistent_prefetch * static_cast<int>(gridDim.x));
-  }
 
   // Phase 1b: per-column anchor factors (2^x kept subnormal-accurate: they may be tiny).
   {
@@ -551,7 +434,6 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     }
   }
   __syncthreads();  // (C)
-  if constexpr (kPrefetchNext) prefetch_item_l2(p, next, tid);
 
   // ------------------------------------------------------------------------------------------------------
   // Phase 2a: elementwise. Warp w owns rows w + 8*pp (pp = 0..7, two rows per sub-chunk); lane owns columns
@@ -563,27 +445,25 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const uint32_t off0 = quad_off(warp, lane);
     __nv_bfloat16* gqg = static_cast<__nv_bfloat16*>(p.qg);
     __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
-    // kTuned: all 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
-    [[maybe_unused]] float rq8[8], rk8[8];
-    if constexpr ((kTuned & kTunedNorm) != 0) {
-      if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
-        float sq8[8], sk8[8];
+    // All 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
+    float rq8[8], rk8[8];
+    if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
+      float sq8[8], sk8[8];
 #pragma unroll
-        for (int pp = 0; pp < 8; ++pp) {
-          if (!band_live<kTuned>(pp >> 1, bands)) {  // (rows never read again)
-            sq8[pp] = sk8[pp] = 1.f;
-            continue;
-          }
-          const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off0 + pp * 2048);
-          const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off0 + pp * 2048);
-          const float q0 = bf16_lo(qraw.x), q1 = bf16_hi(qraw.x), q2 = bf16_lo(qraw.y), q3 = bf16_hi(qraw.y);
-          const float k0 = bf16_lo(kraw.x), k1 = bf16_hi(kraw.x), k2 = bf16_lo(kraw.y), k3 = bf16_hi(kraw.y);
-          sq8[pp] = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3;
-          sk8[pp] = k0 * k0 + k1 * k1 + k2 * k2 + k3 * k3;
+      for (int pp = 0; pp < 8; ++pp) {
+        if (!band_live<kTuned>(pp >> 1, bands)) {  // (rows never read again)
+          sq8[pp] = sk8[pp] = 1.f;
+          continue;
         }
-        row_rsqrt8(sq8, lane, rq8);
-        row_rsqrt8(sk8, lane, rk8);
+        const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off0 + pp * 2048);
+        const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off0 + pp * 2048);
+        const float q0 = bf16_lo(qraw.x), q1 = bf16_hi(qraw.x), q2 = bf16_lo(qraw.y), q3 = bf16_hi(qraw.y);
+        const float k0 = bf16_lo(kraw.x), k1 = bf16_hi(kraw.x), k2 = bf16_lo(kraw.y), k3 = bf16_hi(kraw.y);
+        sq8[pp] = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3;
+        sk8[pp] = k0 * k0 + k1 * k1 + k2 * k2 + k3 * k3;
       }
+      row_rsqrt8(sq8, lane, rq8);
+      row_rsqrt8(sk8, lane, rk8);
     }
 #pragma unroll
     for (int pp = 0; pp < 8; ++pp) {
@@ -603,21 +483,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       float k[4] = {bf16_lo(kraw.x), bf16_hi(kraw.x), bf16_lo(kraw.y), bf16_hi(kraw.y)};
       const float v[4] = {bf16_lo(vraw.x), bf16_hi(vraw.x), bf16_lo(vraw.y), bf16_hi(vraw.y)};
       if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
-        float rq, rk;
-        if constexpr ((kTuned & kTunedNorm) != 0) {
-          rq = rq8[pp];
-          rk = rk8[pp];
-        } else {
-          float sq = q[0] * q[0] + q[1] * q[1] + q[2] * q[2] + q[3] * q[3];
-          float sk = k[0] * k[0] + k[1] * k[1] + k[2] * k[2] + k[3] * k[3];
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) {
-            sq += __shfl_xor_sync(0xffffffffu, sq, o);
-            sk += __shfl_xor_sync(0xffffffffu, sk, o);
-          }
-          rq = rsqrtf(sq + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
-          rk = rsqrtf(sk + 1e-6f);
-        }
+        const float rq = rq8[pp], rk = rk8[pp];
         // FLA stores the normalised q, k in bf16.
         const uint32_t q01 = pack_bf16x2(q[0] * rq, q[1] * rq), q23 = pack_bf16x2(q[2] * rq, q[3] * rq);
         const uint32_t k01 = pack_bf16x2(k[0] * rk, k[1] * rk), k23 = pack_bf16x2(k[2] * rk, k[3] * rk);
@@ -770,7 +636,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             const int j = 16 * J + 8 * nt + 2 * t4;
-            if ((kTuned & kTunedTensorInverse) != 0 && J < I) {  // (the diagonal blocks stay fp32, for 4a)
+            if (J < I) {  // (the diagonal blocks stay fp32, for 4a)
               store_split_pair(smem, kOffAkkHi, kOffAkkLo, i, j, akk[jj][nt][2 * hh], akk[jj][nt][2 * hh + 1]);
             } else {
               *reinterpret_cast<float2*>(sA + i * kAStride + j) =
@@ -804,13 +670,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       }
     }
   }
-  __syncthreads();  // (G): Akk complete in sA (kTunedTensorInverse: its lower blocks in the hi/lo tiles)
+  __syncthreads();  // (G): Akk's diagonal blocks complete in sA, its lower blocks in the hi/lo tiles
 
   // ------------------------------------------------------------------------------------------------------
-  // Phase 4: Tinv = (I + Akk)^-1 in fp32, in place in sA; its bf16 copy goes to sT (kTunedTensorInverse: sT and its
-  // lo tile are Tinv, sA holds only the diagonal blocks' Akk).
+  // Phase 4: Tinv = (I + Akk)^-1 from fp32 arithmetic, as the bf16 hi/lo pair sT and kOffTLo (sT alone is the A
+  // operand of phase 5).
   float* sA = reinterpret_cast<float*>(smem + kOffA);
-  float* sP = reinterpret_cast<float*>(smem + kOffP);
   // 4a: diagonal blocks. Lane (block blk, column c) solves (I + A_bb) x = e_c by forward substitution.
   if (warp < 2 && band_live<kTuned>(2 * warp, bands) && (kTuned & kAblateInverse) == 0) {
     const int blk = 2 * warp + (lane >> 4);  // (a block >= bands: its lanes solve what no computed row reads)
@@ -827,76 +692,20 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     __syncwarp();
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
-      if constexpr ((kTuned & kTunedTensorInverse) == 0) Ab[r * kAStride + c] = x[r];
       const int R = 16 * blk + r;
       const int Cc = 16 * blk + c;
       const uint32_t w = pack_bf16x2(x[r], 0.f);
       *reinterpret_cast<unsigned short*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
           static_cast<unsigned short>(w & 0xffffu);
-      if constexpr ((kTuned & kTunedTensorInverse) != 0) {  // T_II's lo part (its fp32 copy is not read again)
-        const uint32_t lo = pack_bf16x2(x[r] - bf16_lo(w), 0.f);
-        *reinterpret_cast<unsigned short*>(smem + kOffTLo + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
-            static_cast<unsigned short>(lo & 0xffffu);
-      }
+      // T_II's lo part
+      const uint32_t lo = pack_bf16x2(x[r] - bf16_lo(w), 0.f);
+      *reinterpret_cast<unsigned short*>(smem + kOffTLo + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
+          static_cast<unsigned short>(lo & 0xffffu);
     }
   }
   __syncthreads();  // (H)
-  if constexpr ((kTuned & kAblateInverse) != 0) {
-  } else if constexpr ((kTuned & kTunedTensorInverse) != 0) {
+  if constexpr ((kTuned & kAblateInverse) == 0) {
     inverse_by_doubling_tensor<(kTuned & kTunedBands) != 0>(smem, warp, lane, bands);
-  } else if constexpr ((kTuned & kTunedInverse) != 0) {
-    inverse_by_doubling(smem, tid);
-  } else {
-  // 4b: block forward substitution, row block I = 1..3:
-  //   P_IJ = Σ_{M=J}^{I-1} A_IM Tinv_MJ;  Tinv_IJ = -Tinv_II P_IJ   (J < I; thread = (J, row r, 4 columns))
-  {
-    const int J = tid >> 6;
-    const int r = (tid >> 2) & 15;
-    const int cg = tid & 3;
-#pragma unroll 1
-    for (int I = 1; I < 4; ++I) {
-      const bool act = J < I;
-      if (act) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float* arow = sA + (16 * I + r) * kAStride;
-#pragma unroll 1
-        for (int M = J; M < I; ++M) {
-#pragma unroll
-          for (int m = 0; m < 16; ++m) {
-            const int kk = 16 * M + m;
-            const float av = arow[kk];
-            const float4 tv = *reinterpret_cast<const float4*>(sA + kk * kAStride + 16 * J + 4 * cg);
-            acc.x = fmaf(av, tv.x, acc.x);
-            acc.y = fmaf(av, tv.y, acc.y);
-            acc.z = fmaf(av, tv.z, acc.z);
-            acc.w = fmaf(av, tv.w, acc.w);
-          }
-        }
-        *reinterpret_cast<float4*>(sP + (J * 16 + r) * 16 + 4 * cg) = acc;
-      }
-      __syncthreads();
-      if (act) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        const float* trow = sA + (16 * I + r) * kAStride + 16 * I;  // Tinv_II row r (zero above the diagonal)
-#pragma unroll
-        for (int m = 0; m < 16; ++m) {
-          const float tt = trow[m];
-          const float4 pv = *reinterpret_cast<const float4*>(sP + (J * 16 + m) * 16 + 4 * cg);
-          acc.x = fmaf(tt, pv.x, acc.x);
-          acc.y = fmaf(tt, pv.y, acc.y);
-          acc.z = fmaf(tt, pv.z, acc.z);
-          acc.w = fmaf(tt, pv.w, acc.w);
-        }
-        acc = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
-        const int R = 16 * I + r;
-        const int Cc = 16 * J + 4 * cg;
-        *reinterpret_cast<float4*>(sA + R * kAStride + Cc) = acc;
-        *reinterpret_cast<uint2*>(smem + kOffT + swz128(R, Cc >> 3) + (Cc & 7) * 2) =
-            make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
-      }
-      __syncthreads();
-    }
-  }
   }
 
   // ------------------------------------------------------------------------------------------------------
@@ -962,10 +771,8 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   }
 }
 
-// One CTA per (chunk, value head). kTuned: the tuned forms it enables (kTunedNorm, kTunedInverse,
-// kTunedTensorInverse; summation orders differ, so the bits may). kTunedNorm | kTunedInverse was the default from
-// the seventh session, with kTunedTensorInverse since the tenth (the H200 checked and timed each, 2026-11-30); the
-// default's instance is in kda_intra_tensor.cu.
+// One CTA per (chunk, value head). kTuned: its form, kTunedTensor (the default since the tenth session; its instance
+// is in kda_intra_tensor.cu) or that with kTunedBands (kda_intra_bands.cu), or a timing-only ablation form.
 // Each CTA releases the recurrence's programmatic launch as it starts, so the recurrence grid launches once the last
 // intra CTA has started; its CTAs take the SMs the intra kernel frees and wait there (griddepcontrol.wait) for the
 // whole intra grid to finish before they read its output (the index arrays and initial states they read first).
@@ -973,7 +780,7 @@ template <int kTuned>
 __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraParams p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   grid_launch_dependents();
-  intra_item<false, kTuned>(p, smem, blockIdx.x, blockIdx.y, 0);
+  intra_item<kTuned>(p, smem, blockIdx.x, blockIdx.y);
 }
 
 template <int kTuned>

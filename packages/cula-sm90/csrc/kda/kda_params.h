@@ -29,7 +29,7 @@ __host__ __device__ constexpr bool aqk_chunk_written(int row, int ch) { return (
 
 enum class ScalarType : int { kFloat32 = 0, kBFloat16 = 1 };
 
-// Kernel 1 ("intra"): one CTA per (chunk, value head), or persistent CTAs over them; no dependency between chunks.
+// Kernel 1 ("intra"): one CTA per (chunk, value head); no dependency between chunks.
 struct KdaIntraParams {
   // inputs
   const void* q;          // bf16 [Ttot, H, K]
@@ -54,8 +54,6 @@ struct KdaIntraParams {
   bool gate_in_kernel;    // compute the safe gate from raw g (else g is already the log-gate)
   bool beta_sigmoid;      // beta <- sigmoid(beta) (2 * sigmoid with allow_neg_eigval)
   bool allow_neg_eigval;
-  int persistent_ctas;    // 0: one CTA per (chunk, value head); n > 0: n persistent CTAs (fewer items: as 0)
-  int persistent_prefetch;  // persistent CTAs prefetch the item this many steps ahead into L2 (0, 1 or 2; 0: none)
   // outputs (the workspace), all dense:
   void* qg;               // bf16 [Ttot, HV, K]  q ⊙ exp(Γ)              (no scale)
   void* kg;               // bf16 [Ttot, HV, K]  k ⊙ exp(Γ_last − Γ)
@@ -98,18 +96,19 @@ struct KdaRecurrenceParams {
 };
 
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).
-// tuned: the one-CTA-per-item kernel's tuned forms as a bit set (kda_intra_item.cuh: 1 = the L2 norms by a transposed
-// reduction, 2 = the inverse by recursive doubling, 3 = both, 11 = both with the doubling's products on the tensor
-// cores, 15 = 11 computing only the 16-row bands that hold tokens (the shim's default "auto" picks 11 or 15 per call);
-// 0 the first verified kernel); the persistent kernel (persistent_ctas > 0) has one form only.
+// tuned: the intra kernel's form as a bit set (kda_intra_item.cuh): 11 = "tensor" (the inverse's products on the
+// tensor cores), 15 = 11 computing only the 16-row bands that hold tokens ("bands"; the shim's default "auto" picks 11
+// or 15 per call), and in a CULA_SM90_ABLATION build the timing-only forms.
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream);
-// Whether launch_kda_intra has a one-CTA-per-item kernel for `tuned` (the one list of valid forms: the extension's
-// argument check and the Python shim's form names are tested against it), and that list as text for messages.
+// Whether launch_kda_intra has a kernel for `tuned` (the one list of valid forms: the extension's argument check and
+// the Python shim's form names are tested against it), and that list as text for messages.
 bool kda_intra_form_built(int tuned);
 const char* kda_intra_forms_text();
 #ifdef CULA_SM90_ABLATION
 bool kda_intra_ablation_built(int tuned);  // the timing-only forms of kda_intra_ablation.cu
 #endif
-cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, cudaStream_t stream);
+// block_v: the V columns per CTA, 32 (2 warps, products on mma.sync), 64 or 128 (whole warpgroups, products on
+// warpgroup MMAs); anything else is cudaErrorInvalidValue.
+cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream);
 
 }  // namespace cula::sm90

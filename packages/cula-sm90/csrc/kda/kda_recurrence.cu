@@ -12,10 +12,10 @@
 //   o^T     [kBV x 64]  = scale * S^T_bf . qg^T       A = S^T (registers)       B = qg^T  (ldmatrix, no trans)
 //                       + v_new^T_bf . Aqk^T          A = v_new^T (registers)   B = Aqk^T (ldmatrix, no trans)
 //   S^T     [kBV x 128] = S^T * gamma + v_new^T_bf . kg   A = v_new^T (registers)   B = kg (ldmatrix.trans)
-// with mma.sync.m16n8k16 bf16 -> fp32. Warp w owns the 16 rows v0 + 16w + [0, 16) of S^T (V rows). With kWgmma
-// (V blocks of 64 or 128, whole warpgroups) every product runs as a warpgroup MMA (wgmma m64n64k16 / m64n128k16)
-// with the A operand (S^T_bf, v_new^T_bf) in registers and w, qg, Aqk, kg read from shared memory once per
-// warpgroup instead of once per warp; the per-warp fragments are the same.
+// with mma.sync.m16n8k16 bf16 -> fp32 at V blocks of 32 (2 warps). Warp w owns the 16 rows v0 + 16w + [0, 16) of
+// S^T (V rows). At V blocks of 64 and 128 (whole warpgroups, kWgmma) every product runs as a warpgroup MMA (wgmma
+// m64n64k16 / m64n128k16) with the A operand (S^T_bf, v_new^T_bf) in registers and w, qg, Aqk, kg read from shared
+// memory once per warpgroup instead of once per warp; the per-warp fragments are the same.
 //
 // Fragment layouts used (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"; cross-checked with
 // CuTe's SM80_16x8x16 traits). lane = 4*g + t (g = groupID = lane/4, t = threadID_in_group = lane%4):
@@ -27,9 +27,9 @@
 // Hence two adjacent n8 accumulator tiles j = 2s, 2s+1 (cols 16s..16s+15) give the k16 A fragment of k-step s:
 //   a0 = pack(C[2s].c0, c1), a1 = pack(C[2s].c2, c3), a2 = pack(C[2s+1].c0, c1), a3 = pack(C[2s+1].c2, c3).
 //
-// Shared memory (per pipeline stage, two stages, or three with kStages = 3 on warpgroup MMAs: two chunks' loads in
-// flight while one computes; every tile is token-row-major, 16-byte chunks XOR-swizzled so
-// that the 8 rows of one ldmatrix 8x8 matrix hit 8 distinct 16-byte bank groups):
+// Shared memory (per pipeline stage, two stages: the next chunk's loads in flight while one computes; every tile is
+// token-row-major, 16-byte chunks XOR-swizzled so that the 8 rows of one ldmatrix 8x8 matrix hit 8 distinct 16-byte
+// bank groups):
 //   w, qg, kg [64][128] bf16 (256 B rows, 16 chunks), u [64][kBV] bf16, Aqk [64][64] bf16, g_last [128] fp32.
 // After the chunk's u has been consumed, each warp reuses its own u columns as the staging tile of its o columns.
 #include <cstdint>
@@ -40,10 +40,6 @@
 #include "kda_params.h"
 #include "launch_once.cuh"
 #include "ptx.cuh"
-
-#ifndef CULA_KDA_RECURRENCE_BV
-#define CULA_KDA_RECURRENCE_BV 64
-#endif
 
 namespace cula::sm90 {
 namespace recurrence_detail {
@@ -76,7 +72,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   ptx::cp_async_16(dst, src, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp_async_wait_all() { ptx::cp_async_wait_group0(); }
-using ptx::cp_async_wait_group;
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   ptx::mma_bf16_16816_free(d, a, b0, b1);
 }
@@ -86,17 +81,18 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return ptx::
 // Configuration and shared-memory map
 // ------------------------------------------------------------------------------------------------------------------
 
-// kWgmma: the products run as warpgroup MMAs reading w, qg, kg and Aqk from shared memory once per 64 V rows
-// (mma.sync has every warp read every tile). w, qg, kg then use the 128-byte-swizzle layout wgmma reads:
-// [2 halves of 64 columns][64 token rows][128 B], 16-byte chunk c of row r at ((c ^ r) & 7), tiles 1024-byte aligned
-// (w, qg K-major; kg MN-major). Aqk's [64][128 B] tile with chunk ^ (row & 7) already is that layout.
-// kStages: shared-memory pipeline stages, i.e. chunks whose loads are issued ahead of the one computing, minus one.
-// 3 only with kWgmma (whose stages fit three times: 197 KB at kBV = 64, 223 KB at kBV = 128).
-template <int kBV, bool kWgmma = false, int kStages = 2>
+// kWgmma (kBV 64 and 128, whole warpgroups): the products run as warpgroup MMAs reading w, qg, kg and Aqk from shared
+// memory once per 64 V rows (mma.sync, at kBV 32, has every warp read every tile). w, qg, kg then use the
+// 128-byte-swizzle layout wgmma reads: [2 halves of 64 columns][64 token rows][128 B], 16-byte chunk c of row r at
+// ((c ^ r) & 7), tiles 1024-byte aligned (w, qg K-major; kg MN-major). Aqk's [64][128 B] tile with chunk ^ (row & 7)
+// already is that layout.
+// kStages: shared-memory pipeline stages (the next chunk's loads are issued while one computes). (A third stage on
+// warpgroup MMAs was no faster end to end on the H200 and was retired in issue 25.)
+template <int kBV>
 struct RecurrenceConfig {
   static_assert(kBV == 32 || kBV == 64 || kBV == 128, "kBV must be 32, 64 or 128");
-  static_assert(!kWgmma || kBV >= 64, "warpgroup MMAs need whole warpgroups: kBV 64 or 128");
-  static_assert(kStages == 2 || (kStages == 3 && kWgmma), "3 stages are built for the warpgroup-MMA kernels only");
+  static constexpr bool kWgmma = kBV >= 64;
+  static constexpr int kStages = 2;
   static constexpr int kWarps = kBV / 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kVBlocks = kHeadDim / kBV;
@@ -227,10 +223,11 @@ __device__ __forceinline__ void copy_tile(const uint32_t (&dst)[kTensors], const
 }
 
 // Issue the cp.async copies of one chunk's operands into one stage. Rows >= L are zero-filled (never read).
-template <int kBV, bool kWgmma>
+template <int kBV>
 __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_t stage, int64_t tok0, int L,
                                            int64_t gchunk, int hv, int v0, int tid) {
-  using C = RecurrenceConfig<kBV, kWgmma>;  // (the tile offsets within a stage do not depend on kStages)
+  using C = RecurrenceConfig<kBV>;
+  constexpr bool kWgmma = C::kWgmma;
   const int64_t HV = p.num_value_heads;
   const int64_t row_k = (tok0 * HV + hv) * kHeadDim;  // element offset of (tok0, hv, 0) in [Ttot, HV, 128]
   {  // (with kWgmma in the 128-byte-swizzle layout; kg is read MN-major from it)
@@ -256,20 +253,15 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
   }
 }
 
-// The pipeline stage of chunk c (c >= 0).
-template <int kStages>
-__device__ __forceinline__ int stage_index(int c) {
-  return kStages == 2 ? (c & 1) : c % kStages;
-}
-
 // ------------------------------------------------------------------------------------------------------------------
 // The kernel
 // ------------------------------------------------------------------------------------------------------------------
 
-template <int kBV, bool kWgmma, int kStages = 2>
-__global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThreads, 1)
+template <int kBV>
+__global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
     kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
-  using C = RecurrenceConfig<kBV, kWgmma, kStages>;
+  using C = RecurrenceConfig<kBV>;
+  constexpr bool kWgmma = C::kWgmma;
   extern __shared__ __align__(1024) uint8_t smem[];
 
   const int tid = threadIdx.x;
@@ -334,19 +326,9 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   // once that grid has finished and its writes are visible. (Without a programmatic launch the wait returns at once.)
   ptx::grid_dependency_wait();
 
-  // Prefetch chunk 0 (and with 3 stages chunk 1) while the initial state's loads are in flight. With 3 stages every
-  // load slot commits one cp.async group, empty past the last chunk, so that "all but the newest group landed" always
-  // means "this chunk landed".
+  // Prefetch chunk 0 while the initial state's loads are in flight.
   if (num_chunks > 0) {
-    load_chunk<kBV, kWgmma>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
-    cp_async_commit();
-  }
-  if constexpr (kStages == 3) {
-    if (num_chunks > 1) {
-      const int64_t rem1 = len - kChunk;
-      load_chunk<kBV, kWgmma>(p, smem_base + C::kStageBytes, bos + kChunk,
-                              static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + 1, hv, v0, tid);
-    }
+    load_chunk<kBV>(p, smem_base, bos, static_cast<int>(len < kChunk ? len : kChunk), chunk0, hv, v0, tid);
     cp_async_commit();
   }
 
@@ -367,35 +349,21 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.o);
 
   for (int c = 0; c < num_chunks; ++c) {
-    // (c & 1 spelled out for 2 stages although stage_index gives the same: through the helper ptxas schedules the
-    // BV = 32 mma.sync kernel differently, and its SASS is the one that ran on the H200)
-    const uint32_t stage = smem_base + (kStages == 2 ? (c & 1) : stage_index<kStages>(c)) * C::kStageBytes;
+    // (c & 1 spelled out: through a stage-index helper ptxas scheduled the BV = 32 mma.sync kernel differently, and
+    // this SASS is the one that ran on the H200)
+    const uint32_t stage = smem_base + (c & 1) * C::kStageBytes;
     const int64_t tok0 = bos + static_cast<int64_t>(c) * kChunk;
     const int64_t rem = len - static_cast<int64_t>(c) * kChunk;
     const int L = static_cast<int>(rem < kChunk ? rem : kChunk);
 
-    // this thread's copies of chunk c have landed (with 3 stages chunk c + 1's may still be in flight)
-    if constexpr (kStages == 3) {
-      cp_async_wait_group<1>();
-    } else {
-      cp_async_wait_all();
-    }
+    cp_async_wait_all();  // this thread's copies of chunk c have landed
     if constexpr (kWgmma) fence_proxy_async_smem();  // ... and are visible to the warpgroup MMAs' reads
     __syncthreads();      // everyone's copies are visible; everyone is done with chunk c-1's stage
-    // Chunk c + kStages - 1 goes into the stage chunk c - 1 used (with 3 stages one group per chunk, maybe empty).
-    if constexpr (kStages == 2) {
-      if (c + 1 < num_chunks) {
-        const int64_t rem1 = rem - kChunk;
-        load_chunk<kBV, kWgmma>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
-                        static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + c + 1, hv, v0, tid);
-        cp_async_commit();
-      }
-    } else {
-      if (c + 2 < num_chunks) {
-        const int64_t rem2 = rem - 2 * kChunk;
-        load_chunk<kBV, kWgmma>(p, smem_base + stage_index<kStages>(c + 2) * C::kStageBytes, tok0 + 2 * kChunk,
-                                static_cast<int>(rem2 < kChunk ? rem2 : kChunk), chunk0 + c + 2, hv, v0, tid);
-      }
+    // Chunk c + 1 goes into the stage chunk c - 1 used.
+    if (c + 1 < num_chunks) {
+      const int64_t rem1 = rem - kChunk;
+      load_chunk<kBV>(p, smem_base + ((c + 1) & 1) * C::kStageBytes, tok0 + kChunk,
+                      static_cast<int>(rem1 < kChunk ? rem1 : kChunk), chunk0 + c + 1, hv, v0, tid);
       cp_async_commit();
     }
 
@@ -568,15 +536,15 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV, kWgmma, kStages>::kThrea
   }
 }
 
-template <int kBV, bool kWgmma = false, int kStages = 2>
+template <int kBV>
 cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stream) {
-  using C = RecurrenceConfig<kBV, kWgmma, kStages>;
+  using C = RecurrenceConfig<kBV>;
   const int64_t blocks = static_cast<int64_t>(p.num_seqs) * p.num_value_heads * C::kVBlocks;
   if (blocks <= 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const auto kernel = kda_recurrence_kernel<kBV, kWgmma, kStages>;
+  const auto kernel = kda_recurrence_kernel<kBV>;
   if (C::kSmemBytes > 48 * 1024) {
-    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV, kWgmma, kStages>>(C::kSmemBytes);
+    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV>>(C::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   cudaLaunchConfig_t config{};
@@ -596,39 +564,13 @@ cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stre
 
 }  // namespace recurrence_detail
 
-// Not in kda_params.h: pick the V block (32, 64 or 128 columns per CTA = 2, 4 or 8 warps) at run time, for
-// tuning. Declare it where needed:
-//   namespace cula::sm90 { cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams&, int, cudaStream_t); }
-cudaError_t launch_kda_recurrence_bv(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream) {
-  switch (block_v) {
+cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream) {
+  switch (block_v) {  // (32: mma.sync; 64 and 128: warpgroup MMAs)
     case 32: return recurrence_detail::launch_recurrence_bv<32>(params, stream);
     case 64: return recurrence_detail::launch_recurrence_bv<64>(params, stream);
     case 128: return recurrence_detail::launch_recurrence_bv<128>(params, stream);
     default: return cudaErrorInvalidValue;
   }
-}
-
-// The same on warpgroup MMAs (RecurrenceConfig's kWgmma), V blocks of 64 or 128 only, with 2 or 3 pipeline stages.
-cudaError_t launch_kda_recurrence_wgmma_bv(const KdaRecurrenceParams& params, int block_v, int stages,
-                                           cudaStream_t stream) {
-  using recurrence_detail::launch_recurrence_bv;
-  if (stages == 3) {
-    switch (block_v) {
-      case 64: return launch_recurrence_bv<64, true, 3>(params, stream);
-      case 128: return launch_recurrence_bv<128, true, 3>(params, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
-  if (stages != 2) return cudaErrorInvalidValue;
-  switch (block_v) {
-    case 64: return launch_recurrence_bv<64, true>(params, stream);
-    case 128: return launch_recurrence_bv<128, true>(params, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, cudaStream_t stream) {
-  return recurrence_detail::launch_recurrence_bv<CULA_KDA_RECURRENCE_BV>(params, stream);
 }
 
 }  // namespace cula::sm90

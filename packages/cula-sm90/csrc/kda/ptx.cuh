@@ -16,10 +16,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// Prefetch the cache line holding a global address into L2 (a hint: no completion, no register written).
-__device__ __forceinline__ void prefetch_l2(const void* src) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(__cvta_generic_to_global(src)));
-}
 // Programmatic dependent launch (PTX griddepcontrol, sm_90). launch_dependents: this CTA no longer holds back the
 // launch of the grid that depends on this one (it launches once every CTA has said so or exited). wait: block until
 // the grids this one depends on have completed and their memory is visible (a no-op without such a dependency).
@@ -30,11 +26,6 @@ __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepco
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_group0() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// Wait until at most N of this thread's committed cp.async groups are still pending (the newest ones).
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // Four 8x8 b16 matrices. Lane l supplies the address of row (l & 7) of matrix (l >> 3); register i of lane
 // (4*row + w) receives word w (columns 2w, 2w+1) of row `row` of matrix i (transposed with .trans).

@@ -1,12 +1,10 @@
 """The sm90 backend of ``kda_prefill``: checks validated arguments, allocates through torch, launches the kernels.
 
 Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm, safe gate, cumulative gate,
-Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head) or, with
-``CULA_SM90_INTRA_PERSISTENT=1|2|noprefetch``, 2 persistent CTAs per SM that prefetch a later item's rows into
-L2 while they compute (same bits, measured 2-6% slower on the H200, kept for measurement); ``recurrence`` walks
-each sequence's chunks with the fp32 state in registers and writes o and the final state, its products on warpgroup
-MMAs at V blocks of 64 and 128 (``CULA_SM90_RECURRENCE_WGMMA=0``, or V blocks of 32: mma.sync). Both launch on the
-current torch stream.
+Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head), in the form
+``CULA_SM90_INTRA_TUNED`` picks ("auto": "tensor" or "bands" per call); ``recurrence`` walks each sequence's chunks
+with the fp32 state in registers and writes o and the final state, its products on warpgroup MMAs at V blocks of 64
+and 128 and on mma.sync at V blocks of 32 (``CULA_BLOCK_V=32``). Both launch on the current torch stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
 ``lower_bound`` in [-5, 0)), fp32/bf16 g and beta, fp32/bf16 initial state, any GVA ratio, fixed or varlen.
@@ -21,7 +19,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cula_runtime.env import env_choice, env_value
+from cula_runtime.env import env_choice
 from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
 from cula_runtime.kda_args import empty_prefill_result, safe_gate_kernel_rejection
 from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
@@ -35,37 +33,19 @@ CHUNK = 64
 HEAD_DIM = 128
 _INT32_MAX = 2**31 - 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# "0" launches the recurrence's sequences in batch order instead of longest first (same bits; for timing).
-ENV_LONGEST_FIRST = "CULA_SM90_LONGEST_FIRST"
-# "1" runs the intra kernel persistent (2 CTAs per SM walk the (chunk, value head) items, each prefetching its next
-# item's rows into L2 while it computes; same bits); "2" prefetches two items ahead, "noprefetch" not at all (to
-# tell the two effects apart). Off by default: on the H200 it ran 2-6% slower than one CTA per item (2026-11-30).
-ENV_INTRA_PERSISTENT = "CULA_SM90_INTRA_PERSISTENT"
-# "1" (the default) runs the recurrence's products (v_new, o, the state update) as warpgroup MMAs, which read w, qg,
-# Aqk and kg from shared memory once per 64 V rows instead of once per warp; only at V blocks of 64 or 128 (32 keeps
-# mma.sync). "0" keeps mma.sync everywhere. On the H200 (2026-11-30) wgmma was 1.03-1.16x faster on 29 of the 30
-# benchmark configs and equal on the 30th.
-ENV_RECURRENCE_WGMMA = "CULA_SM90_RECURRENCE_WGMMA"
-# The intra kernel's tuned forms: "norm" the L2 norms' row sums by one transposed reduction per tensor and warp (34
-# shuffles instead of 80), "inverse" the off-diagonal inverse by recursive doubling (4 barrier stages instead of 6,
-# all warps busy), "all" both (6% faster than "0" on the H200, 2026-11-30), "tensor" (the default in the tenth and
-# eleventh sessions) "all" with the doubling's products as bf16x3 tensor-core MMAs (each fp32 operand kept as two bf16
-# parts: about fp32 accuracy, other low bits; on the H200 the intra kernel 10% faster than "all", o and final-state
-# errors against fp64 equal to "all"'s within 0.6% on 32 cases); "bands" "tensor" computing only the 16-row bands that
-# hold valid rows (the same bits as "tensor"; on the H200 a sequence's partial last chunk cost less, the intra kernel
-# 6.5% faster on 20 uniform sequences of T4096, but full chunks 1.6-2% slower); "auto" (the default) "bands" for a
-# call whose partial last chunks leave many bands idle (_bands_pay), else "tensor": the same bits either way; "0"
-# the first verified kernel. Summation orders differ between the others, so the bits may. Not with
-# CULA_SM90_INTRA_PERSISTENT. (Forms tried on the H200 and removed, each bit-identical to "all" and no faster: items
-# located without index loads, g copied first, value heads fastest, two items per CTA whose load phases alternate,
-# and the last with the first (1.6-5.9% slower); each diagonal block inverted inside phase 3 by the warp that made it
-# (equal); benchmarks/results/kda_profile_h200.md.)
+# The intra kernel's form: "tensor" the L2 norms' row sums by one transposed reduction per tensor and warp, the
+# off-diagonal inverse by recursive doubling, its products as bf16x3 tensor-core MMAs (each fp32 operand kept as two
+# bf16 parts: about fp32 accuracy); "bands" "tensor" computing only the 16-row bands that hold valid rows (the same
+# bits; on the H200 a sequence's partial last chunk cost less, the intra kernel 6.5% faster on 20 uniform sequences of
+# T4096, but full chunks 1.6-2% slower); "auto" (the default) "bands" for a call whose partial last chunks leave many
+# bands idle (_bands_pay), else "tensor": the same bits either way. The earlier forms "0" (the first verified kernel),
+# "norm", "inverse" and "all" (slower than "tensor" on the H200: the intra kernel 1024-1090 us against 924 at B1
+# T16384, benchmarks/results/kda_profile_h200.md) were retired in issue 25 and are refused like any other unknown value.
 ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 # Form name -> the kernel's bit set (csrc/kda/kda_intra_item.cuh). The extension lists the codes it builds once, beside
 # its launcher (csrc/kda/kda_intra.cu, `intra_form_built`); the wheel check (tools/inspect_wheels.py) tests that every
 # code named here but "auto" and the "ablate:" ones is built.
-_TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,
-                "tensor": 11, "bands": 15, "auto": -1,  # (-1: 11 or 15 per call, _bands_pay)
+_TUNED_FORMS = {"tensor": 11, "bands": 15, "auto": -1,  # (-1: 11 or 15 per call, _bands_pay)
                 # timing-only: "tensor" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 11 | 16, "ablate:norm-exp": 11 | 32, "ablate:products": 11 | 64,
@@ -73,10 +53,6 @@ _TUNED_FORMS = {"0": 0, "norm": 1, "inverse": 2, "all": 3,
                 # ... and without its global loads (inputs zero-filled), its workspace stores, both, or w/u's stores
                 "ablate:loads": 11 | 512, "ablate:stores": 11 | 1024, "ablate:io": 11 | 512 | 1024,
                 "ablate:stores-wu": 11 | 2048}
-# "3" gives the warpgroup-MMA recurrence three shared-memory pipeline stages instead of two, so two chunks' loads are in
-# flight while one computes (same bits; the mma.sync kernels keep two). Off: on the H200 (2026-11-30) the recurrence
-# was 1-2% faster on fixed batches, 2% slower on varlen, and no faster end to end.
-ENV_RECURRENCE_STAGES = "CULA_SM90_RECURRENCE_STAGES"
 # "1" launches the recurrence as a programmatic dependent of the intra kernel (CUDA's programmatic dependent launch):
 # its grid launches while the intra kernel's last CTAs run and its CTAs wait on the GPU for them, instead of the grid
 # launching after the intra kernel has drained. "0" launches it in plain stream order. "auto" (the default): "1" when
@@ -198,29 +174,10 @@ def workspace_layout(total: int, HV: int, num_chunks: int) -> tuple[tuple[Worksp
     return tuple(regions), offset
 
 
-# CULA_SM90_INTRA_PERSISTENT value -> (persistent CTAs per SM, how many items ahead each CTA prefetches into L2)
-_PERSISTENT_MODES = {"0": (0, 0), "1": (2, 1), "2": (2, 2), "noprefetch": (2, 0)}
-
-
-def _intra_persistent(device: torch.device) -> tuple[int, int]:
-    """The intra kernel's (persistent CTA count, L2 prefetch distance) from ``CULA_SM90_INTRA_PERSISTENT``: "0" (the
-    default) one CTA per item; "1" 2 persistent CTAs per SM (the kernel's occupancy), each prefetching its next
-    item; "2" two items ahead; "noprefetch" persistent without prefetch. With as many items as CTAs or fewer the
-    kernel runs one CTA per item."""
-    per_sm, prefetch = env_choice(ENV_INTRA_PERSISTENT, "0", _PERSISTENT_MODES)
-    return (per_sm * sm_count(device) if per_sm else 0), prefetch
-
-
-def _recurrence_wgmma() -> bool:
-    """``CULA_SM90_RECURRENCE_WGMMA``: "1" (the default) the recurrence on warpgroup MMAs, "0" on mma.sync."""
-    return env_choice(ENV_RECURRENCE_WGMMA, "1", {"0": False, "1": True})
-
-
-def _intra_tuned(persistent: bool) -> int:
-    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "0", "norm", "inverse", "all", "tensor", "bands", or "auto"
-    (-1: "tensor" or "bands" per call). Unset: "auto" (the tuned forms, 16% faster than "0" on the H200), or "0" when
-    the intra kernel runs persistent CTAs, which have none."""
-    return env_choice(ENV_INTRA_TUNED, "0" if persistent else "auto", _TUNED_FORMS)
+def _intra_tuned() -> int:
+    """``CULA_SM90_INTRA_TUNED`` as the kernel's bit set: "tensor", "bands", "auto" (the default; -1: "tensor" or
+    "bands" per call), or a timing-only "ablate:" form."""
+    return env_choice(ENV_INTRA_TUNED, "auto", _TUNED_FORMS)
 
 
 def _bands_pay(num_chunks: int, idle_bands: int) -> bool:
@@ -229,11 +186,6 @@ def _bands_pay(num_chunks: int, idle_bands: int) -> bool:
     saved ~6 ns of GPU time and the band tests cost every chunk ~2% (~1.1 ns): "bands" wins from ~0.18 idle bands per
     chunk (20 sequences of T4096: 0.75, 6.5% faster; of T8192: 0.29, 1%; 10 of T16384: 0.04, 1.3% slower)."""
     return 5 * idle_bands >= num_chunks
-
-
-def _recurrence_stages() -> int:
-    """``CULA_SM90_RECURRENCE_STAGES``: "2" (the default) or "3" pipeline stages for the warpgroup-MMA recurrence."""
-    return env_choice(ENV_RECURRENCE_STAGES, "2", {"2": 2, "3": 3})
 
 
 def _programmatic_launch(recurrence_ctas: int, device: torch.device) -> bool:
@@ -270,27 +222,16 @@ class _Launch:
     current stream. ``kda_prefill`` builds one per call; a call plan (:func:`plan_kda_prefill`) keeps one for every
     call of its signature. Raises ValueError for a bad knob, before any launch."""
 
-    def __init__(self, args: Any, block_v: int = 0, persistent: tuple[int, int] | None = None,
-                 wgmma: bool | None = None, stages: int | None = None, tuned: int | None = None) -> None:
+    def __init__(self, args: Any, block_v: int = 0, tuned: int | None = None) -> None:
         self.ext = load_extension()
         device = args.device
-        if persistent is None:  # (persistent CTAs, prefetch distance)
-            persistent = _intra_persistent(device)
-        if wgmma is None:
-            wgmma = _recurrence_wgmma()
-        if stages is None:
-            stages = _recurrence_stages()
         if tuned is None:
-            tuned = _intra_tuned(persistent[0] > 0)
-        if tuned and persistent[0]:
-            raise ValueError("the intra kernel's tuned form (CULA_SM90_INTRA_TUNED / intra_tuned) runs one CTA per "
-                             "item: it does not combine with persistent CTAs (CULA_SM90_INTRA_PERSISTENT / intra_ctas)")
-        if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least)
-            block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=64 if wgmma else 32)
-        self.wgmma = wgmma and block_v != 32  # 32 given (argument or CULA_BLOCK_V): mma.sync
-        self.stages = stages if self.wgmma else 2
+            tuned = _intra_tuned()
+        if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least; 32 only when
+            # asked for, by the argument or CULA_BLOCK_V, runs mma.sync)
+            block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=64)
         self.programmatic = _programmatic_launch(args.N * args.HV * (HEAD_DIM // block_v), device)
-        self.block_v, self.persistent, self.tuned = block_v, persistent, tuned
+        self.block_v, self.tuned = block_v, tuned
         self.B, self.T, self.H, self.HV, self.N = args.B, args.T, args.H, args.HV, args.N
         self.total = args.B * args.T
         self.device, self.index = device, device.index
@@ -306,7 +247,6 @@ class _Launch:
         self.state_code = 0 if h0 is None else _DTYPE_CODES[h0.dtype]
         self.state_shape = args.state_shape if args.output_final_state else None
         self.state_v_first = args.state_v_first
-        self.longest_first = args.cu_seqlens is not None and env_value(ENV_LONGEST_FIRST, "1") != "0"
         self.fixed = None
         if args.cu_seqlens is None and self.total:
             cu, indices, offsets = _fixed_indices(args.B, args.T, device)
@@ -317,13 +257,13 @@ class _Launch:
                           *workspace_layout(self.total, args.HV, num_chunks))
         # the intra launch's arguments that the signature fixes, after the index pointers and before the workspace's
         self.intra_shape = (self.H, self.HV, self.scale, self.lower_bound, *self.gate_flags)
-        self.intra_tail = (*self.persistent, self.tuned)
+        self.intra_form = tuned  # (the intra launch's form code, after the workspace's addresses)
         if tuned == _TUNED_FORMS["auto"]:  # "tensor" or "bands": per call (cached) for varlen, here for fixed lengths
-            self.intra_tails = tuple((*self.persistent, _TUNED_FORMS[form]) for form in ("tensor", "bands"))
+            self.intra_forms = (_TUNED_FORMS["tensor"], _TUNED_FORMS["bands"])
             if self.fixed is not None:  # (the extension's count of idle bands, on the batch's host boundaries)
                 host = torch.arange(args.B + 1, dtype=torch.int32) * args.T
                 idle = self.ext.varlen_idle_bands(host.data_ptr(), args.B, CHUNK)
-                self.intra_tail = self.intra_tails[_bands_pay(num_chunks, idle)]
+                self.intra_form = self.intra_forms[_bands_pay(num_chunks, idle)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
@@ -340,7 +280,7 @@ class _Launch:
         # Host order: only what the intra kernel needs comes before its launch; o and the final state are allocated
         # while it runs (at small T the host time before the first launch is GPU idle).
         ext, device, HV, total = self.ext, self.device, self.HV, self.total
-        fixed, intra_tail = self.fixed, self.intra_tail
+        fixed, intra_form = self.fixed, self.intra_form
         if fixed is not None:
             # (cu_seqlens, chunk indices, chunk offsets) addresses
             index_ptrs, num_chunks, regions, nbytes = fixed
@@ -352,7 +292,7 @@ class _Launch:
             num_chunks = chunk_indices.shape[0]
             regions, nbytes = workspace_layout(total, HV, num_chunks)
             if self.tuned == _TUNED_FORMS["auto"]:  # (the same bits either way)
-                intra_tail = self.intra_tails[_bands_pay(num_chunks, idle_bands)]
+                intra_form = self.intra_forms[_bands_pay(num_chunks, idle_bands)]
         inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), _ptr(A_log), _ptr(dt_bias))
         if (inputs[0] | inputs[1] | inputs[2] | inputs[3] | inputs[4] | inputs[5] | inputs[6]) & 15 or (
                 not self.gate_params_fp32):  # (rare) data off a 16-byte boundary, or gate parameters not in fp32
@@ -371,7 +311,7 @@ class _Launch:
                 buffer, base = None, _raw_alloc(nbytes, stream)
                 raw = base
             try:
-                o, final_state = self._launch(ext, inputs, index_ptrs, num_chunks, intra_tail, order, h0,
+                o, final_state = self._launch(ext, inputs, index_ptrs, num_chunks, intra_form, order, h0,
                                               tuple(base + region.offset for region in regions), stream)
             finally:
                 if raw:
@@ -379,13 +319,13 @@ class _Launch:
         return o, final_state, buffer, regions
 
     def _launch(self, ext: Any, inputs: tuple[int, ...], index_ptrs: tuple[int, int, int], num_chunks: int,
-                intra_tail: tuple[int, int, int], order: torch.Tensor | None, h0: torch.Tensor | None,
+                intra_form: int, order: torch.Tensor | None, h0: torch.Tensor | None,
                 workspace: tuple[int, ...], stream: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Both launches on ``stream`` (the call's device current), with the workspace at the addresses
         ``workspace`` (qg, kg, w, u, Aqk, g_last). Returns o and the final state (or None)."""
         device, HV, total = self.device, self.HV, self.total
         ext.kda_intra(
-            *inputs, *self.type_codes, *index_ptrs, total, num_chunks, *self.intra_shape, *workspace, *intra_tail,
+            *inputs, *self.type_codes, *index_ptrs, total, num_chunks, *self.intra_shape, *workspace, intra_form,
             stream,
         )
         qg, kg, w, u, Aqk, g_last = workspace
@@ -393,12 +333,10 @@ class _Launch:
         state_shape = self.state_shape
         final_state = None if state_shape is None else torch.empty(state_shape, dtype=torch.float32,
                                                                    device=device)
-        if not self.longest_first:
-            order = None
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, index_ptrs[0], index_ptrs[2], _ptr(order),
             _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
-            self.state_v_first, self.block_v, self.wgmma, self.stages, self.programmatic, total, stream,
+            self.state_v_first, self.block_v, self.programmatic, total, stream,
         )
         return o, final_state
 
@@ -440,40 +378,22 @@ def plan_kda_prefill(args: Any) -> Plan | None:
     return plan
 
 
-def run_kernels(args: Any, block_v: int = 0, intra_ctas: int | None = None, intra_prefetch: int = 1,
-                recurrence_wgmma: bool | None = None, recurrence_stages: int | None = None,
-                intra_tuned: str | None = None,
+def run_kernels(args: Any, block_v: int = 0, intra_tuned: str | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """``kda_prefill`` that also returns the workspace between the two kernels (for tests and tuning).
 
     Workspace (token-major, ``Ttot = B*T``): ``qg``, ``kg``, ``w``, ``u`` bf16 ``[Ttot, HV, 128]``, ``Aqk`` bf16
     ``[Ttot, HV, 64]`` (only its 16 x 16 blocks on and below each chunk's diagonal are written; the rest is
     whatever the allocator left), ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units); views into one buffer
-    (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA (32, 64 or 128; 0:
-    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count). ``intra_ctas``: 0 runs
-    one intra CTA per (chunk, value head), n > 0 n persistent intra CTAs (when there are more items than that),
-    each prefetching the item ``intra_prefetch`` (0, 1 or 2) steps ahead into L2; None: both from
-    ``CULA_SM90_INTRA_PERSISTENT``. ``recurrence_wgmma``: the recurrence on warpgroup MMAs (V blocks of 64 or 128;
-    at 32 mma.sync); None: ``CULA_SM90_RECURRENCE_WGMMA``. ``recurrence_stages``: 2 or 3 shared-memory pipeline
-    stages of the warpgroup-MMA recurrence (the mma.sync one always has 2); None: ``CULA_SM90_RECURRENCE_STAGES``.
-    ``intra_tuned``: the intra kernel's tuned forms, a key of ``_TUNED_FORMS`` ("0", "norm", "inverse", "all", "tensor",
-    "bands", "auto"; one CTA per item only); None: ``CULA_SM90_INTRA_TUNED``.
+    (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA (32: mma.sync; 64 or 128: warpgroup MMAs;
+    0: :func:`cula_runtime.kda_tuning.recurrence_block_v` picks 64 or 128 from N·HV and the SM count, or
+    ``CULA_BLOCK_V``). ``intra_tuned``: the intra kernel's form, a key of ``_TUNED_FORMS`` ("tensor", "bands", "auto",
+    or in an ablation build a timing-only "ablate:" form); None: ``CULA_SM90_INTRA_TUNED``.
     """
-    if intra_ctas is not None and (isinstance(intra_ctas, bool) or not isinstance(intra_ctas, int)
-                                   or not 0 <= intra_ctas <= _INT32_MAX):
-        raise ValueError(f"intra_ctas must be None or an int in [0, 2**31 - 1], got {intra_ctas!r}")
-    if intra_prefetch not in (0, 1, 2) or isinstance(intra_prefetch, bool):
-        raise ValueError(f"intra_prefetch must be 0, 1 or 2, got {intra_prefetch!r}")
-    if recurrence_wgmma is not None and not isinstance(recurrence_wgmma, bool):
-        raise ValueError(f"recurrence_wgmma must be None or a bool, got {recurrence_wgmma!r}")
-    if recurrence_stages is not None and (recurrence_stages not in (2, 3) or isinstance(recurrence_stages, bool)):
-        raise ValueError(f"recurrence_stages must be None, 2 or 3, got {recurrence_stages!r}")
     if intra_tuned is not None and intra_tuned not in _TUNED_FORMS:
         raise ValueError(f"intra_tuned must be None or one of {sorted(_TUNED_FORMS)}, got {intra_tuned!r}")
-    persistent = None if intra_ctas is None else (intra_ctas, intra_prefetch)
     tuned = None if intra_tuned is None else _TUNED_FORMS[intra_tuned]
-    launch = _Launch(args, block_v, persistent=persistent, wgmma=recurrence_wgmma, stages=recurrence_stages,
-                     tuned=tuned)  # (knobs checked before the empty case: a bad one raises either way)
+    launch = _Launch(args, block_v, tuned=tuned)  # (knobs checked before the empty case: a bad one raises either way)
     if args.B * args.T == 0:
         return *empty_prefill_result(args), {}
     o, final_state, buffer, regions = launch(args.q, args.k, args.v, args.g, args.beta, args.initial_state,

@@ -3,7 +3,8 @@
 Backends:
 
 - ``reference``: the torch reference in cula-runtime (float32 chunked algorithm). Serves every call, on any device.
-- ``cutedsl``: CuTeDSL kernels in cula-runtime (needs ``nvidia-cutlass-dsl``: ``pip install "cula[cute]"``).
+- ``cutedsl``: CuTeDSL kernels in cula-runtime (``nvidia-cutlass-dsl``, a dependency of cula-runtime on Linux
+  x86_64/aarch64).
 - ``sm90``: the native Hopper extension ``cula_sm90`` (``pip install "cula[sm90]"``).
 
 Order: CPU tensors → reference. CUDA SM90 → sm90, then cutedsl. SM100/SM103 → cutedsl. Each backend answers

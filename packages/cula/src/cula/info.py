@@ -7,13 +7,14 @@ import importlib.util
 
 import torch
 
+from cula_runtime import cute
 from cula_runtime.kda_args import validate_kda_prefill
 
 from . import dispatch
 
 __all__ = ["collect_info", "format_info", "typical_call"]
 
-_DISTRIBUTIONS = ("cula", "cula-runtime", "cula-sm90", "torch", "nvidia-cutlass-dsl")
+_DISTRIBUTIONS = ("cula", "cula-runtime", "cula-sm90", "torch", "nvidia-cutlass-dsl", "apache-tvm-ffi")
 
 
 def _version(dist: str) -> str:
@@ -44,6 +45,7 @@ def collect_info() -> dict:
     """Everything ``python -m cula info`` prints, as a dict."""
     info: dict = {"versions": {d: _version(d) for d in _DISTRIBUTIONS}}
     info["cutlass_importable"] = importlib.util.find_spec("cutlass") is not None
+    info["cutedsl"] = "available" if cute.is_available() else cute.unavailable_reason()
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
@@ -67,6 +69,7 @@ def format_info(info: dict) -> str:
     lines = ["cuLA info", "versions:"]
     lines += [f"  {dist:20s} {version}" for dist, version in info["versions"].items()]
     lines.append(f"  cutlass importable:  {info['cutlass_importable']}")
+    lines.append(f"cutedsl kernels: {info['cutedsl']}")
     lines.append(f"gpu: {info['gpu']}")
     lines.append(f"typical kda_prefill call: {info['typical_call']}")
     lines.append(f"  picks: {info['choice']}")

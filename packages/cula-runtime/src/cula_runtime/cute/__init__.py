@@ -1,19 +1,23 @@
 """cuLA's CuTeDSL kernels and the machinery to compile them.
 
 Importing this package imports neither CuTeDSL (``cutlass``) nor TVM-FFI nor torch, and needs no GPU: every name
-below is resolved on first use. Kernel modules (``cula_runtime.cute.kda.prepare``, ...) import CuTeDSL and TVM-FFI
-when they are imported and raise an ``ImportError`` that names the fix (``pip install "cula-runtime[cute]"``)
-when either is missing.
+below is resolved on first use. ``cula-runtime`` depends on both on Linux x86_64 and aarch64, the platforms NVIDIA
+ships CuTeDSL for (:data:`DSL_REQUIREMENTS`); kernel modules (``cula_runtime.cute.kda.intra``, ...) import them
+when they are imported and raise an ``ImportError`` that names the fix (:func:`unavailable_reason`) when either is
+missing.
 
 * :mod:`.arch`: the two knobs, ``CULA_ARCH`` (dispatch) and ``CUTE_DSL_ARCH`` (compile target).
 * :mod:`.compile_cache`: the one compile cache of the monorepo; the only caller of ``cute.compile``.
 * :mod:`.machine_code`: SASS of a compiled kernel (nvdisasm) and the SM its cubin targets.
+* :mod:`.dsl_compat`: what differs between the CuTeDSL versions of :data:`DSL_REQUIREMENTS`.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import platform
+import sys
 
 from .._lazy import lazy_exports
 
@@ -31,7 +35,14 @@ _LAZY_EXPORTS = {
     "MachineCode": "cula_runtime.cute.machine_code",
 }
 
-__all__ = ["is_available", *_LAZY_EXPORTS]
+__all__ = ["DSL_REQUIREMENTS", "CUTEDSL_PLATFORMS", "is_available", "platform_note", "unavailable_reason",
+           *_LAZY_EXPORTS]
+
+# cula-runtime's requirements on CuTeDSL and TVM-FFI, as its pyproject.toml declares them (without their platform
+# markers; tests/packaging/test_versions.py checks the two agree): the CuTeDSL range is exactly what CI compiles.
+DSL_REQUIREMENTS = ("nvidia-cutlass-dsl>=4.6.2,<=4.8.1", "apache-tvm-ffi>=0.1.11,<0.2")
+# (sys.platform, platform.machine()) pairs NVIDIA ships CuTeDSL wheels for: the pyproject's environment markers.
+CUTEDSL_PLATFORMS = (("linux", "x86_64"), ("linux", "aarch64"))
 
 
 # True once both packages were found: the cutedsl backend asks on every call, and an installed package stays
@@ -46,6 +57,32 @@ def is_available() -> bool:
     if not _found:
         _found = all(_installed(name) for name in ("cutlass", "tvm_ffi"))
     return _found
+
+
+def platform_note() -> str | None:
+    """None on a platform CuTeDSL ships for; elsewhere the sentence that says so, naming this platform."""
+    here = (sys.platform, platform.machine().lower())
+    if here in CUTEDSL_PLATFORMS:
+        return None
+    return (
+        f"CuTeDSL has no build for {here[0]} {here[1]} (NVIDIA ships it for Linux x86_64 and aarch64), so "
+        "cula-runtime installs without it here and only the reference backend runs"
+    )
+
+
+def unavailable_reason() -> str:
+    """Why the CuTeDSL kernels cannot run in this environment, with the fix; ``""`` when :func:`is_available`."""
+    if is_available():
+        return ""
+    note = platform_note()
+    if note is not None:
+        return note
+    missing = [dist for name, dist in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
+               if not _installed(name)]
+    return (
+        f"{' and '.join(missing)} not installed (cula-runtime depends on both; installed without its dependencies?): "
+        + "pip install " + " ".join(f'"{r}"' for r in DSL_REQUIREMENTS)
+    )
 
 
 def _installed(name: str) -> bool:

@@ -9,9 +9,10 @@ builds one binary per ``(kernel class, config, target)``; a new T, batch size or
 
 Launch convention (TVM-FFI, ``--enable-tvm-ffi``): the compiled callable takes the torch tensors themselves (None
 for an absent optional tensor) and the scalars, in ``__call__``'s order without the stream; it launches on the
-caller's current torch stream and device. On the H200 host a call of the 12-tensor KdaPrepare costs about 7 us;
-converting the same tensors through DLPack (``from_dlpack``) cost about 230 us. TVM-FFI checks every tensor
-against its :class:`TensorSpec` (dtype, rank, device, alignment) and raises ``ValueError`` naming the argument.
+caller's current torch stream and device. On the H200 host a call of a 12-tensor kernel (the since retired
+KdaPrepare) cost about 7 us; converting the same tensors through DLPack (``from_dlpack``) cost about 230 us.
+TVM-FFI checks every tensor against its :class:`TensorSpec` (dtype, rank, device, alignment) and raises
+``ValueError`` naming the argument.
 
 The cache is in memory only (per process); :func:`compile_records` has the measured compile times.
 """
@@ -27,6 +28,7 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol
 
 from ..env import env_value
+from . import DSL_REQUIREMENTS, unavailable_reason
 from .arch import CUTE_DSL_ARCH_ENV, compile_target, launch_target, normalize_target
 
 __all__ = [
@@ -48,14 +50,16 @@ __all__ = [
     "require_cutedsl",
 ]
 
-INSTALL_HINT = 'pip install "cula-runtime[cute]"'
+# What brings the two packages back where cula-runtime was installed without its dependencies.
+INSTALL_HINT = "pip install " + " ".join(f'"{requirement}"' for requirement in DSL_REQUIREMENTS)
 
 
 def missing_cutedsl(exc: ImportError) -> ImportError:
-    """The ImportError to raise when importing CuTeDSL or TVM-FFI failed with ``exc``: it names the fix."""
+    """The ImportError to raise when importing CuTeDSL or TVM-FFI failed with ``exc``: it names the fix (or, on a
+    platform CuTeDSL does not ship for, says so)."""
     return ImportError(
         "cuLA's CuTeDSL kernels need CuTeDSL and TVM-FFI (the nvidia-cutlass-dsl and apache-tvm-ffi packages): "
-        f"{INSTALL_HINT} (the import failed: {exc})"
+        f"{unavailable_reason() or INSTALL_HINT} (the import failed: {exc})"
     )
 
 

@@ -113,7 +113,7 @@ def nvdisasm_path() -> str:
     found = shutil.which("nvdisasm")
     if found:
         return found
-    raise FileNotFoundError('nvdisasm not found: pip install nvidia-cuda-nvdisasm (or "cula-runtime[cute]")')
+    raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (CI's compile sessions do)")
 
 
 def disassemble(compiled: Any) -> MachineCode:

@@ -1,10 +1,12 @@
-"""The ``cutedsl`` backend of ``kda_prefill``: prepare → intra → recurrence, three CuTeDSL launches (two with the
-``fused-prepare`` intra variant, whose intra kernel does prepare's work).
+"""The ``cutedsl`` backend of ``kda_prefill``: intra → recurrence, two CuTeDSL launches. The intra kernel takes the
+raw inputs (the gate's activation and chunk cumsum, β and the q/k L2 norm are done in it) and writes each chunk's
+decay row for the recurrence, which launches varlen sequences longest first.
 
 Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules load on the first call.
 
-Where it has run: all three kernels ran on sm_90 (H200) against the fp64 oracle (tests/cute, tests/gpu,
-2026-11-29); they are compiled for sm_100a/sm_103a in CI but no Blackwell GPU has run them (the registry says so).
+Where it has run: both kernels ran on sm_90 (H200) against the fp64 oracle (tests/cute, tests/gpu; this pair, the
+``fused-prepare-prefetch-8warps`` intra variant of the time, is the default since 2026-11-30); they are compiled for
+sm_100a/sm_103a in CI but no Blackwell GPU has run them (the registry says so).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from ...index import prepare_varlen_launch
 from ...kda_args import empty_prefill_result, safe_gate_kernel_rejection
 from ...kda_tuning import device_capability, recurrence_block_v, sm_count
-from .. import is_available
+from .. import is_available, unavailable_reason
 
 __all__ = ["verify", "kda_prefill_cutedsl"]
 
@@ -31,7 +33,7 @@ WORKSPACE_ALIGN = 128  # bytes: every intermediate starts at a multiple (the ker
 def verify(args: Any) -> tuple[bool, str]:
     """Whether the CuTeDSL kernels serve these validated ``kda_prefill`` arguments, and if not, why."""
     if not is_available():
-        return False, 'needs CuTeDSL and TVM-FFI: pip install "cula[cute]"'
+        return False, f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
     if args.device.type != "cuda":
         return False, f"needs CUDA tensors, got {args.device.type}"
     capability = device_capability(args.device)
@@ -45,11 +47,11 @@ def verify(args: Any) -> tuple[bool, str]:
 
 @functools.cache
 def _kernel_modules() -> tuple:
-    """The kernel modules ``(intra, prepare, recurrence)``, imported on the first call (importing this module
-    imports no CuTeDSL); a function-level import costs microseconds on every call."""
-    from . import intra, prepare, recurrence
+    """The kernel modules ``(gate, intra, recurrence)``, imported on the first call (importing this module imports
+    no CuTeDSL); a function-level import costs microseconds on every call."""
+    from . import gate, intra, recurrence
 
-    return intra, prepare, recurrence
+    return gate, intra, recurrence
 
 
 @functools.lru_cache(maxsize=256)
@@ -103,22 +105,22 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count, at least 64).
 
     Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (layout of ``initial_state``) or None, each its
-    own allocation. The intermediates (q̂, k̂, g_cum, β, w, u, qg, kg, Aqk, Akk_inv or g_last) are views of one
-    workspace buffer (:func:`carve_workspace`), alive until the call returns.
+    own allocation. The intermediates (w, u, qg, kg, Aqk, g_last) are views of one workspace buffer
+    (:func:`carve_workspace`), alive until the call returns.
 
     Host path: ``validate_kda_prefill`` and ``verify`` have checked everything the kernel wrappers would (shapes,
-    dtypes, one CUDA device, K = V = 128, ``cu_seqlens``), so the wrappers' checks are skipped: each kernel is
-    planned and launched by the same internal function its public wrapper uses (``prepare._prepare``,
-    ``intra._intra``, ``intra._intra_from_raw``, ``recurrence._run``), with the same configurations and arguments
+    dtypes, one CUDA device, K = V = 128, g and beta bf16 or fp32, ``cu_seqlens``), so the wrappers' checks are
+    skipped: each kernel is planned and launched by the same internal function its public wrapper uses
+    (``intra._intra_from_raw``, ``recurrence._run``), with the same configurations and arguments
     (``tests/cute/test_kda_wrapper_marshalling.py`` compares the launches with the public wrappers' chain).
-    ``CULA_CUTE_INTRA`` and ``CULA_BLOCK_V`` are read once per call.
+    ``CULA_BLOCK_V`` is read once per call.
     """
     import torch
 
-    intra, prepare, recurrence = _kernel_modules()
+    gate, intra, recurrence = _kernel_modules()
     if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
         return empty_prefill_result(args)
-    B, T, H, HV, K = args.B, args.T, args.H, args.HV, args.K
+    B, T, HV, K = args.B, args.T, args.HV, args.K
     device = args.device
     cu, cu_host = args.cu_seqlens, args.cu_seqlens_host  # (the index tensors are built from the host copy)
     # chunk indices, chunk offsets and the longest-first order: one host build, one copy to the device (cached)
@@ -130,47 +132,20 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
         h0 = h0.float()
     if block_v == 0:
         block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=CUTE_NARROWEST_BLOCK_V)
-    flags = intra.variant_flags(None)  # CULA_CUTE_INTRA, read once per call
-    fuse_l2norm, fuse_gate = flags[2], flags[3]
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
-    gate, A_log, dt_bias = prepare.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
-                                                  args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)
+    form, A_log, dt_bias = gate.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
+                                               args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)
     bf16, fp32 = torch.bfloat16, torch.float32
-    raw_dtypes = (bf16, fp32)
-    if fuse_gate and args.g.dtype in raw_dtypes and args.beta.dtype in raw_dtypes:
-        # "fused-prepare": the intra kernel does all of kda_prepare's work (same bits), one launch less; the
-        # recurrence reads its per-chunk decay rows and launches varlen sequences longest first (same bits)
-        rows = num_chunks if cu is not None else -(-T // CHUNK)
-        w, u, qg, kg, Aqk, g_last = carve_workspace(
-            device, ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, rows, HV, K), fp32)))
-        intra._intra_from_raw(
-            args.q, args.k, args.v, args.g, args.beta, args.scale, gate, A_log, dt_bias, lower_bound,
-            args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices,
-            num_chunks, flags, out=(w, u, qg, kg, Aqk, g_last),
-        )
-        o, ht, _, _ = recurrence._run(
-            qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu, chunk_offsets, args.state_v_first,
-            block_v, h=None, v_new=None, gate_per_chunk=True, seq_order=seq_order, N=args.N,
-        )
-        return o, ht
-    # The "fused" intra variant L2-normalises q/k itself (same bits): prepare then only does the gate and beta.
-    fuse_l2norm = args.use_qk_l2norm_in_kernel and fuse_l2norm
-    prepare_l2norm = args.use_qk_l2norm_in_kernel and not fuse_l2norm
-    groups = ((4, (B, T, HV, K), bf16), (2, (B, T, HV, CHUNK), bf16), (1, (B, T, HV, K), fp32), (1, (B, T, HV), fp32))
-    if prepare_l2norm:
-        groups += ((2, (B, T, H, K), args.q.dtype),)
-    w, u, qg, kg, Aqk, Akk_inv, g_cum, beta, *qk_hat = carve_workspace(device, groups)
-    q_hat, k_hat, g_cum, beta = prepare._prepare(
-        args.q, args.k, args.g, args.beta, gate, A_log, dt_bias, lower_bound, prepare_l2norm,
-        args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices, num_chunks,
-        (*(qk_hat or (None, None)), g_cum, beta), check_out=False,
+    rows = num_chunks if cu is not None else -(-T // CHUNK)  # g_last: one row per chunk
+    w, u, qg, kg, Aqk, g_last = carve_workspace(
+        device, ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, rows, HV, K), fp32)))
+    intra._intra_from_raw(
+        args.q, args.k, args.v, args.g, args.beta, args.scale, form, A_log, dt_bias, lower_bound,
+        args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices,
+        num_chunks, out=(w, u, qg, kg, Aqk, g_last),
     )
-    intra._intra(q_hat, k_hat, args.v, g_cum, beta, args.scale, cu, chunk_indices, num_chunks, output_qg=True,
-                 flags=flags, l2norm=fuse_l2norm, out=(w, u, qg, kg, Aqk, Akk_inv), check_out=False)
-    o, ht, _, _ = recurrence._run(qg, kg, w, u, Aqk, g_cum, args.scale, h0, args.output_final_state, cu, None,
-                                  args.state_v_first, block_v, h=None, v_new=None, gate_per_chunk=False,
-                                  seq_order=None, N=args.N)
-    return o, ht
+    return recurrence._run(qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu, chunk_offsets,
+                           args.state_v_first, block_v, seq_order, args.N)
 
 
 def plan_kda_prefill(args: Any) -> Callable[..., tuple[Any, Any]] | None:

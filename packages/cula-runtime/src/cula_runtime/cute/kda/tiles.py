@@ -1,7 +1,7 @@
-"""Device-side machinery shared by the chunked KDA CuTeDSL kernels: :func:`chunk_span` (which tokens a
-chunk-parallel CTA owns, fixed or varlen; prepare, intra and output use it) and :class:`ChunkTiles`, for the
-kernels that put value rows on the MMA's M (the recurrence and the output kernel): swizzled shared-memory tiles,
-cp.async row copies, the warp-per-16-rows tiled MMA and the row store of a staged tile.
+"""Device-side machinery shared by the chunked KDA CuTeDSL kernels: :func:`chunk_span` and
+:func:`chunk_grid_extent` (which tokens a chunk-parallel CTA owns, fixed or varlen: the intra kernel) and
+:class:`ChunkTiles`, for a kernel that puts value rows on the MMA's M (the recurrence): swizzled shared-memory
+tiles, cp.async row copies, the warp-per-16-rows tiled MMA and the row store of a staged tile.
 
 A class using :class:`ChunkTiles` has ``config`` (with ``chunk_size``, ``block_v``), ``num_warps`` and
 ``num_threads``.
@@ -91,7 +91,7 @@ class ChunkTiles:
     def _g2s_copy(self, cols: int):
         """cp.async tiled copy of a ``(64, cols)`` bf16 tile, 16 bytes per thread and row segment."""
         per_row = cols // 8
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), BFloat16,
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), BFloat16,
                                    num_bits_per_copy=128)
         threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
         return cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8)))

@@ -1,0 +1,154 @@
+"""The unbounded gate's diagonal blocks (issue 25): a CPU emulation of three ways to form Aqk and Akk.
+
+    python benchmarks/precision_unbounded_diag.py [--out benchmarks/results/kda_unbounded_diag_precision_cpu.md]
+
+The intra kernels form each 16 x 16 block of Aqk and Akk as a tensor-core product of bf16 operands, the factor
+e^{Γi-Γj} split into a row factor and a column factor around an anchor (KDA_SPEC §3.7). A block below the diagonal
+(query sub-chunk I > key sub-chunk J) is safe for any gate when the anchor lies between the two sub-chunks: both
+factors are <= 1, and one that underflows to 0 means a product below 2^-126. On a diagonal block the safe-gate anchor
+(the sub-chunk's first row) gives column factors up to e^{15 |g|max}: finite only for bounded gates. This script runs,
+on the unbounded cases of tests/kda_cases.py (UNBOUNDED_CASES, seed 0) and on the safe ones for reference, in fp32
+with bf16 roundings where the kernels round (benchmarks/precision_split_wu.py's "fla" recipe for everything after the
+scores), three forms of the scores:
+
+- "pairwise": every factor e^{Γi-Γj} formed pair by pair in fp32 (FLA's non-safe diagonal blocks; the torch
+  reference). The accuracy bar.
+- "anchored": today's safe-gate kernels. Off-diagonal: row operand bf16(q e^{Γi-Γn_I}), column operand
+  bf16(k e^{Γn_J-Γj} e^{Γn_I-Γn_J}); diagonal: bf16(k e^{Γn_I-Γj}). Overflows (inf, NaN) once a sub-chunk's gates
+  sum below about -88.
+- "levels" (the proposal): off-diagonal column operand bf16(k e^{Γn_{J+1}-Γj} e^{Γn_I-Γn_{J+1}}) (two factors <= 1);
+  each diagonal block split by the binary tree of its 16 rows: the pairs whose local indices first differ in bit b
+  (i has it, j not) are one product per level b = 3..0 with the anchor m = i's index with the bits below b cleared,
+  row operand bf16(q_i e^{Γi-Γm}) and column operand bf16(k_j e^{Γm-Γj}), both <= 1 (j < m <= i); the diagonal of
+  Aqk as the fp32 dot product q_i·k_i. Exact in exponent range for every gate g <= 0; on the tensor cores the four
+  levels pack into two 16 x 16 x K products per block (levels 3 and 2 in one, 1 and 0 in the other: every token has
+  one role per level).
+
+Reported: each form's rel-L2 error of o and the final state against the fp64 recurrence, and whether any output is
+not finite. fp32 matmuls on the CPU sum in another order than the tensor cores: compare forms with each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.precision_split_wu import bf, emulate, pairwise_scores, write_report  # noqa: E402
+from tests.helpers import rel_l2  # noqa: E402
+from tests.kda_cases import CASES, UNBOUNDED_CASES, make_inputs, oracle  # noqa: E402
+
+SUB = 16
+FORMS = ("pairwise", "anchored", "levels")
+
+
+def _blocks(q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, diagonal) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aqk and Akk (before scale and β) of one chunk, block by block: below the diagonal the off-diagonal form chosen
+    by ``diagonal`` (its name), on it ``diagonal``'s own form. Shapes as :func:`pairwise_scores`."""
+    HV, L, K = q.shape
+    P = -(-L // SUB) * SUB
+    qp, kp = q.new_zeros(HV, P, K), k.new_zeros(HV, P, K)
+    qp[:, :L], kp[:, :L] = q, k
+    gp = torch.cat([gam, gam[:, -1:].expand(HV, P - L, K)], dim=1)  # past the end: Γ stays at Γ_last
+    qk, kk = q.new_zeros(HV, P, P), q.new_zeros(HV, P, P)
+    starts = list(range(0, P, SUB))
+    for block, n in enumerate(starts):
+        rows = slice(n, n + SUB)
+        row_factor = torch.exp(gp[:, rows] - gp[:, n:n + 1])  # e^{Γi - Γn_I} <= 1
+        rq, rk = bf(qp[:, rows] * row_factor), bf(kp[:, rows] * row_factor)
+        for J in range(block):
+            m = starts[J]
+            cols = slice(m, m + SUB)
+            if diagonal == "anchored":  # e^{Γn_J - Γj} (>= 1) times e^{Γn_I - Γn_J}
+                col = kp[:, cols] * torch.exp(gp[:, m:m + 1] - gp[:, cols]) * torch.exp(gp[:, n:n + 1] - gp[:, m:m + 1])
+            else:  # e^{Γn_{J+1} - Γj} and e^{Γn_I - Γn_{J+1}}, both <= 1
+                nxt = m + SUB
+                col = (kp[:, cols] * torch.exp(gp[:, nxt:nxt + 1] - gp[:, cols])
+                       * torch.exp(gp[:, n:n + 1] - gp[:, nxt:nxt + 1]))
+            col = bf(col)
+            qk[:, rows, cols] = rq @ col.transpose(1, 2)
+            kk[:, rows, cols] = rk @ col.transpose(1, 2)
+        dq, dk = _diagonal_block(diagonal, qp[:, rows], kp[:, rows], gp[:, rows], rq, rk)
+        qk[:, rows, rows], kk[:, rows, rows] = dq, dk
+    lower = torch.tril(torch.ones(P, P))
+    return (qk * lower)[:, :L, :L], (kk * lower)[:, :L, :L]
+
+
+def _diagonal_block(form: str, q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, rq: torch.Tensor,
+                    rk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One diagonal block's (q·k, k·k) products, ``[HV, 16, 16]`` (masking above the diagonal is the caller's)."""
+    if form == "anchored":
+        col = bf(k * torch.exp(gam[:, :1] - gam))  # e^{Γn - Γj}: >= 1, overflows for unbounded gates
+        return rq @ col.transpose(1, 2), rk @ col.transpose(1, 2)
+    HV, n, K = q.shape
+    idx = torch.arange(n)
+    qk, kk = q.new_zeros(HV, n, n), q.new_zeros(HV, n, n)
+    for b in range(int(math.log2(n)) - 1, -1, -1):
+        bit = 1 << b
+        is_row = (idx & bit) != 0
+        anchor = torch.where(is_row, idx & ~(bit - 1), (idx | bit) & ~(bit - 1))  # (for a row, its bits < b cleared)
+        g_anchor = gam[:, anchor]
+        factor = torch.exp(torch.where(is_row[None, :, None], gam - g_anchor, g_anchor - gam))  # <= 1 both ways
+        row_q, row_k, col = bf(q * factor), bf(k * factor), bf(k * factor)
+        pair = (is_row[:, None] & ~is_row[None, :]) & ((idx[:, None] >> (b + 1)) == (idx[None, :] >> (b + 1)))
+        qk = qk + torch.where(pair, row_q @ col.transpose(1, 2), 0.0)
+        kk = kk + torch.where(pair, row_k @ col.transpose(1, 2), 0.0)
+    qk = qk + torch.diag_embed((q * k).sum(-1))  # Aqk's diagonal: e^0 = 1, an fp32 dot product
+    return qk, kk
+
+
+def scores_of(form: str):
+    """The ``scores`` callable of :func:`~benchmarks.precision_split_wu.chunk_step` for ``form``."""
+    if form == "pairwise":
+        return pairwise_scores
+    return lambda q, k, gam: _blocks(q, k, gam, form)
+
+
+def measure(case) -> dict[str, tuple[float, float, bool]]:
+    """form -> (o error, final-state error, every output finite) on ``case`` against the fp64 oracle."""
+    kwargs = make_inputs(case, "cpu", seed=0)
+    o_ref, ht_ref = oracle(kwargs)
+    if ht_ref is not None and case.state_v_first:
+        ht_ref = ht_ref.transpose(-1, -2)
+    out = {}
+    for form in FORMS:
+        o, ht = emulate(kwargs, "fla", scores_of(form))
+        finite = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
+        out[form] = (rel_l2(o, o_ref) if finite else math.inf,
+                     (rel_l2(ht, ht_ref) if finite else math.inf) if ht_ref is not None else 0.0, finite)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="write the Markdown table here as well")
+    parser.add_argument("--safe", type=int, default=6, help="how many of the safe-gate cases to run beside them")
+    opts = parser.parse_args()
+    torch.manual_seed(0)
+    lines = ["| case | gate | " + " | ".join(f"{f}: o, state" for f in FORMS) + " | levels / pairwise: o, state |",
+             "|---|---|" + "---|" * (len(FORMS) + 1)]
+    worst = [0.0, 0.0]
+    for case in [*UNBOUNDED_CASES, *CASES[: opts.safe]]:
+        errs = measure(case)
+        cells = [f"{o:.3e}, {h:.3e}" if ok else "not finite" for o, h, ok in (errs[f] for f in FORMS)]
+        po, ph, _ = errs["pairwise"]
+        lo, lh, _ = errs["levels"]
+        ratio = (lo / po, lh / ph if ph else 0.0)
+        worst = [max(worst[0], ratio[0]), max(worst[1], ratio[1])]
+        lines.append(f"| {case.name} | {case.gate} | " + " | ".join(cells) + f" | {ratio[0]:.3f}, {ratio[1]:.3f} |")
+        print(lines[-1], flush=True)
+    summary = (f"\nWorst levels/pairwise error ratio: o {worst[0]:.3f}x, final state {worst[1]:.3f}x (the bar against "
+               "FLA's own error is 1.25x).")
+    print(summary)
+    if opts.out:
+        write_report(opts.out, "The unbounded gate's diagonal blocks, emulated on the CPU",
+                     "benchmarks/precision_unbounded_diag.py", lines, summary)
+
+
+if __name__ == "__main__":
+    main()
