@@ -38,7 +38,7 @@ CONFIGS = {
 # compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
 DSL_FLOOR = "varlen-bv64-HV4-h0-ht-vk"
 # Local-memory spill instructions per CuTeDSL minor version, configuration and target, as measured: none.
-SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in CONFIGS} for version in ("4.6", "4.8")}
+SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in CONFIGS} for version in ("4.6", "4.7", "4.8")}
 
 # Per chunk and warp (16 value rows): w·S 8 k-blocks x 8 token tiles, qg·S the same, kgᵀ·v_new 4 x 16 K tiles,
 # and the causal Aqk·v_new 2 x (4 + 3 + 2 + 1) tiles.
