@@ -30,17 +30,18 @@ _LAZY_EXPORTS = {
     "compile_records": "cula_runtime.cute.compile_cache",
     "cache_info": "cula_runtime.cute.compile_cache",
     "require_cutedsl": "cula_runtime.cute.compile_cache",
-    "INSTALL_HINT": "cula_runtime.cute.compile_cache",
     "disassemble": "cula_runtime.cute.machine_code",
     "MachineCode": "cula_runtime.cute.machine_code",
 }
 
-__all__ = ["DSL_REQUIREMENTS", "CUTEDSL_PLATFORMS", "is_available", "platform_note", "unavailable_reason",
-           *_LAZY_EXPORTS]
+__all__ = ["DSL_REQUIREMENTS", "CUTEDSL_PLATFORMS", "INSTALL_HINT", "is_available", "platform_note",
+           "unavailable_reason", *_LAZY_EXPORTS]
 
 # cula-runtime's requirements on CuTeDSL and TVM-FFI, as its pyproject.toml declares them (without their platform
 # markers; tests/packaging/test_versions.py checks the two agree): the CuTeDSL range is exactly what CI compiles.
 DSL_REQUIREMENTS = ("nvidia-cutlass-dsl>=4.6.2,<=4.8.1", "apache-tvm-ffi>=0.1.11,<0.2")
+# What brings the two packages back where cula-runtime was installed without its dependencies.
+INSTALL_HINT = "pip install " + " ".join(f'"{requirement}"' for requirement in DSL_REQUIREMENTS)
 # (sys.platform, platform.machine()) pairs NVIDIA ships CuTeDSL wheels for: the pyproject's environment markers.
 CUTEDSL_PLATFORMS = (("linux", "x86_64"), ("linux", "aarch64"))
 
@@ -79,10 +80,8 @@ def unavailable_reason() -> str:
         return note
     missing = [dist for name, dist in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi"))
                if not _installed(name)]
-    return (
-        f"{' and '.join(missing)} not installed (cula-runtime depends on both; installed without its dependencies?): "
-        + "pip install " + " ".join(f'"{r}"' for r in DSL_REQUIREMENTS)
-    )
+    return (f"{' and '.join(missing)} not installed (cula-runtime depends on both; installed without its "
+            f"dependencies?): {INSTALL_HINT}")
 
 
 def _installed(name: str) -> bool:

@@ -28,7 +28,7 @@ from collections.abc import Hashable
 from typing import Any, NamedTuple, Protocol
 
 from ..env import env_value
-from . import DSL_REQUIREMENTS, unavailable_reason
+from . import INSTALL_HINT, unavailable_reason
 from .arch import CUTE_DSL_ARCH_ENV, compile_target, launch_target, normalize_target
 
 __all__ = [
@@ -49,10 +49,6 @@ __all__ = [
     "missing_cutedsl",
     "require_cutedsl",
 ]
-
-# What brings the two packages back where cula-runtime was installed without its dependencies.
-INSTALL_HINT = "pip install " + " ".join(f'"{requirement}"' for requirement in DSL_REQUIREMENTS)
-
 
 def missing_cutedsl(exc: ImportError) -> ImportError:
     """The ImportError to raise when importing CuTeDSL or TVM-FFI failed with ``exc``: it names the fix (or, on a
