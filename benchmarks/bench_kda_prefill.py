@@ -302,7 +302,7 @@ def environment() -> list[str]:
         f"- CuTeDSL: nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')} "
         f"(libs: {', '.join(d for d in ('cu12', 'cu13') if version('nvidia-cutlass-dsl-libs-' + d) != 'absent')}), "
         f"apache-tvm-ffi {version('apache-tvm-ffi')}",
-        f"- cula knobs: CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto (cula_runtime.kda_tuning)')}; sm90: "
+        "- cula knobs: sm90: "
         + ", ".join(f"{name}={os.environ.get(name, 'default')}" for name in SM90_KNOBS),
     ]
 
@@ -316,7 +316,7 @@ def main() -> None:
     parser.add_argument("--warm-up-s", type=float, default=3.0, help="seconds of GPU load before the first config")
     parser.add_argument("--only", default="", help="comma-separated substrings of config names to run")
     parser.add_argument("--extra", action="append", default=[],
-                        help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_BLOCK_V=64 or '
+                        help='another contender, "backend:NAME=value[,NAME=value]", e.g. sm90:CULA_SM90_PDL=0 or '
                              'sm90:CULA_SM90_INTRA_TUNED=tensor (repeatable; timed in the same process)')
     parser.add_argument("--skip", default="",
                         help='comma-separated contenders left out: "fla", "cula-sm90", "cula-cutedsl" (quick A/B runs '

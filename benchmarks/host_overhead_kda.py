@@ -325,7 +325,8 @@ def environment() -> list[str]:
         f"{', '.join(versions)}",
         f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='minutes')}",
         f"- command: `python {' '.join(sys.argv)}`",
-        f"- knobs: CULA_BLOCK_V={os.environ.get('CULA_BLOCK_V', 'auto')}",
+        "- knobs: " + (", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("CULA_"))
+                       or "none set (the defaults)"),
     ]
 
 

@@ -1,9 +1,9 @@
 """Where each GPU backend's time goes: per-kernel GPU time (torch.profiler) of one ``kda_prefill`` call.
 
     python benchmarks/profile_kda.py [--backend sm90|cutedsl|all] [--reps 20]
-                                     [--block-v 32,64,128] [--configs "fixed B1 T16384,fixed B2 T16384"]
+                                     [--block-v 64,128] [--configs "fixed B1 T16384,fixed B2 T16384"]
 
-For a few of the benchmark configs (``PICK``, or ``--configs``) and each recurrence block size BV (32, 64, 128),
+For a few of the benchmark configs (``PICK``, or ``--configs``) and each recurrence block size BV (64, 128),
 prints the mean GPU time per call of each stage (intra and recurrence for both backends; "other": everything else
 on the GPU, e.g. index helpers and allocations),
 the bytes the intra and recurrence stages must move at least (the workspace model of csrc/kda/kda_params.h, the same
@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", choices=(*STAGES, "all"), default="all")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--block-v", default="32,64,128", help="comma-separated recurrence block sizes to time")
+    parser.add_argument("--block-v", default="64,128", help="comma-separated recurrence block sizes to time (64, 128)")
     parser.add_argument("--configs", default=",".join(PICK),
                         help="comma-separated config names of bench_kda_prefill.configs() (default: a few)")
     opts = parser.parse_args()

@@ -4,7 +4,7 @@
 # For sm90, then for the CuTeDSL backend (NCU_CUTEDSL=0 leaves it out): throughput, occupancy, warp stall reasons
 # (also per source line, from SourceCounters) and memory traffic of every kernel of the call, as text in
 # $OUT/ncu_<backend>.txt.
-# NCU_SM90_KNOBS="CULA_SM90_INTRA_TUNED=bands CULA_BLOCK_V=32" also profiles sm90 with those settings
+# NCU_SM90_KNOBS="CULA_SM90_INTRA_TUNED=bands CULA_SM90_PDL=0" also profiles sm90 with those settings
 # ($OUT/ncu_sm90_knobs.txt). NCU_SOURCE_KERNEL=intra|recurrence (NCU_INTRA_SOURCE=1: intra) instead first profiles
 # only that sm90 kernel for where its warps stall: every stall reason (--print-details all,
 # $OUT/ncu_sm90_<kernel>_stalls.txt) and per SASS instruction (--page source --csv, $OUT/ncu_sm90_<kernel>_source.csv;

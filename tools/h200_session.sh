@@ -12,12 +12,12 @@
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh profile intra
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
-# The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default:
-# - sm90's recurrence at V blocks of 32 (its one mma.sync form; the heuristic picks 64 or 128, warpgroup MMAs);
-# bench-rest also times sm90's intra form "tensor" forced (varlen: "auto" runs "bands" where many bands idle).
-# (the forms retired in issue 25, sm90's persistent intra kernel, its recurrence on mma.sync at V blocks of 64 and 128
-# and in batch order, and the CuTeDSL intra variants, are in the history and in benchmarks/results.)
-BENCH_EXTRA=${BENCH_EXTRA:---extra sm90:CULA_BLOCK_V=32}
+# The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default: BENCH_EXTRA
+# (both bench steps; none by default); bench-rest also times sm90's intra form "tensor" forced (REST_EXTRA; varlen:
+# "auto" runs "bands" where many bands idle).
+# (the forms retired in issue 25, sm90's persistent intra kernel, its recurrence on mma.sync (V blocks of 32, 64 and
+# 128) and in batch order, CULA_BLOCK_V, and the CuTeDSL intra variants, are in the history and in benchmarks/results.)
+BENCH_EXTRA=${BENCH_EXTRA:-}
 REST_EXTRA=${REST_EXTRA:---extra sm90:CULA_SM90_INTRA_TUNED=tensor}
 # Stage times (profile_kda.py) of sm90 at each value of one knob: variable, values, block sizes, output file; each line
 # prefixed with variable=value. PROFILE_CONFIGS picks the configs.
@@ -39,7 +39,7 @@ for step in "$@"; do
                   -k "not cute and not cutedsl and not recurrence_matches_oracle and not intra_tuned" ;;
     tests:cutedsl-varlen) GPU_LOG_TAG=_cutedsl_varlen timeout 300 bash tools/h200_tests.sh -q \
                             -k "cutedsl and varlen" tests/gpu tests/api ;;
-    # the recurrence at each V block (32: mma.sync; 64, 128: warpgroup MMAs) against fp64 on the 32 cases
+    # the recurrence at each V block (64, 128: warpgroup MMAs) against fp64 on the 32 cases
     tests:recurrence) GPU_LOG_TAG=_recurrence timeout 580 bash tools/h200_tests.sh -q -k "recurrence_matches_oracle" \
                         tests/sm90 ;;
     tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
@@ -55,7 +55,7 @@ for step in "$@"; do
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
-    # each BV (32: mma.sync; 64 and 128: warpgroup MMAs)
+    # each BV (64 and 128: warpgroup MMAs)
     profile:sm90) timeout 100 python3 benchmarks/profile_kda.py --backend sm90 | tee -a "$OUT/profile_kda_sm90.txt" ;;
     # the intra kernel's forms, each forced
     profile:tuned) profile_sm90_knob CULA_SM90_INTRA_TUNED "${TUNED_FORMS:-tensor bands}" 64 "$OUT/profile_kda_tuned.txt" ;;

@@ -14,9 +14,11 @@ For ``cula-sm90`` (when present; ``--require-sm90`` makes it required):
   * exactly one extension, ``cula_sm90/_C.cpython-3XX-*.so`` for that same CPython, plus the shim files;
   * the extension needs only the C/C++ runtime libraries (no libtorch, libpython or libcudart);
   * its device code is sm_90a machine code only (``cuobjdump --list-elf`` / ``--list-ptx``, from the
-    ``nvidia-cuda-cuobjdump`` wheel or PATH), no kernel uses local memory (``-res-usage``), and each KDA kernel
-    has the 16-byte global stores its source writes (``-sass``, WIDE_STORES);
-  * it loads in this interpreter without importing torch and reports the wheel's version and ["sm_90a"].
+    ``nvidia-cuda-cuobjdump`` wheel or PATH), no kernel uses local memory (``-res-usage``), each KDA kernel
+    has the 16-byte global stores its source writes (``-sass``, WIDE_STORES), and the recurrence kernels are
+    exactly those of RECURRENCE_BLOCKS;
+  * it loads in this interpreter without importing torch and reports the wheel's version and ["sm_90a"]; bad
+    kda_intra / kda_recurrence arguments (a retired intra form, the retired V block 32) are ValueErrors.
 All wheels must have one version. Exit status 1 when any check fails; the report says which.
 
 The checks are functions, also used by tests/packaging/test_wheels.py: each returns a list of problems.
@@ -110,6 +112,7 @@ class DeviceCode:
     ptx_archs: tuple[str, ...]
     local_memory: tuple[str, ...] = ()
     narrow_stores: tuple[str, ...] = ()  # kernels with fewer 16-byte global stores than their source writes
+    kernels: tuple[str, ...] = ()  # every kernel's mangled name (the -sass listing); () when not listed
 
 
 # The 16-byte global stores (SASS STG.E.128) each KDA kernel's source writes per work item, by a substring of the
@@ -118,6 +121,19 @@ class DeviceCode:
 # recurrence's o rows before ptx::st_global_u4: 10-18% of that kernel's time on the H200), so the wheel check counts
 # them in the machine code.
 WIDE_STORES = {"kda_recurrence_kernel": 4, "kda_intra_kernel": 10}
+# The V blocks the recurrence kernel is built for (kda_recurrence_kernel<kBV>): whole warpgroups only, the blocks the
+# shim accepts (cula_runtime.kda_tuning.BLOCK_V_CHOICES); the mma.sync kernel at 32 was retired in issue 25.
+RECURRENCE_BLOCKS = (64, 128)
+
+
+def sass_kernels(sass: str) -> tuple[str, ...]:
+    """The kernels of a ``cuobjdump -sass`` listing, by mangled name, in listing order."""
+    return tuple(re.findall(r"^\s*Function : (\S+)", sass, flags=re.MULTILINE))
+
+
+def recurrence_blocks(kernels: Iterable[str]) -> tuple[int, ...]:
+    """The V blocks of the ``kda_recurrence_kernel<kBV>`` instantiations among mangled kernel names, sorted."""
+    return tuple(sorted(int(m.group(1)) for k in kernels if (m := re.search(r"kda_recurrence_kernelILi(\d+)EE", k))))
 
 
 def narrow_store_kernels(sass: str) -> tuple[str, ...]:
@@ -371,7 +387,8 @@ def cuobjdump_lister(cuobjdump: str) -> DeviceCodeLister:
     def list_device_code(path: Path) -> DeviceCode:
         sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True).stdout
         return DeviceCode(elf_archs=archs("--list-elf", path), ptx_archs=archs("--list-ptx", path),
-                          local_memory=local_memory(path), narrow_stores=narrow_store_kernels(sass))
+                          local_memory=local_memory(path), narrow_stores=narrow_store_kernels(sass),
+                          kernels=sass_kernels(sass))
 
     return list_device_code
 
@@ -404,6 +421,9 @@ def check_extension_binary(data: bytes, name: str, list_device_code: DeviceCodeL
     if code.narrow_stores:
         problems.append(f"{name}: kernels with fewer 16-byte global stores (STG.E.128) than their source writes "
                         f"(nvcc split them; see WIDE_STORES): {list(code.narrow_stores)}")
+    if code.kernels and recurrence_blocks(code.kernels) != RECURRENCE_BLOCKS:
+        problems.append(f"{name}: recurrence kernels for V blocks {list(recurrence_blocks(code.kernels))}; expected "
+                        f"exactly {list(RECURRENCE_BLOCKS)} (RECURRENCE_BLOCKS)")
     return problems
 
 
@@ -465,6 +485,14 @@ def refusal(**bad):
         return [type(error).__name__, str(error)]
     return None
 
+def recurrence_refusal(block_v):
+    # kda_recurrence's host checks run before any CUDA call: 1 sequence, 1 value head, 64 tokens, null pointers
+    try:
+        extension.kda_recurrence(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1.0, False, block_v, False, 64, 0)
+    except Exception as error:
+        return [type(error).__name__, str(error)]
+    return None
+
 def shim_forms():
     # the shim's intra form names -> codes (cula_sm90/kda.py's _TUNED_FORMS, read from its source: the module imports
     # torch), without "auto" (-1: a per-call choice) and the timing-only "ablate:" forms (never in a wheel)
@@ -494,7 +522,8 @@ def varlen(bounds):
     return [*layout, out.tolist()[:layout[3]]]
 
 print(json.dumps({
-    "refusals": {"tuned": refusal(tuned=7), "tuned (retired form 3)": refusal(tuned=3)},
+    "refusals": {"tuned": refusal(tuned=7), "tuned (retired form 3)": refusal(tuned=3),
+                 "block_v (retired 32)": recurrence_refusal(32)},
     "varlen": varlen([0, 100, 100, 228, 240]),
     "forms": {name: [code, extension.intra_form_built(code)] for name, code in shim_forms().items()},
     # form 7 was never built; 0-3 (the earlier forms) were retired in issue 25
@@ -519,8 +548,8 @@ SHIM_INTRA_FORMS = ("tensor", "bands")
 
 def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
     """Unpack the wheel and load its extension in ``python`` (needs no GPU): version, archs, refusals of bad
-    kda_intra arguments (ValueError before any launch), every intra form the shim names built in the extension, the
-    host-side varlen index build on one batch, no torch import."""
+    kda_intra and kda_recurrence arguments (ValueError before any launch), every intra form the shim names built in
+    the extension, the host-side varlen index build on one batch, no torch import."""
     with tempfile.TemporaryDirectory() as scratch:
         with zipfile.ZipFile(path) as archive:
             archive.extractall(scratch)
@@ -549,9 +578,10 @@ def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
                         f"built of {report['unbuilt_forms']} (expected none)")
     problems += [f"the shim's intra form {name!r} (code {code}) has no kernel in the extension"
                  for name, (code, built) in report["forms"].items() if not built]
-    for argument, refused in report["refusals"].items():  # bad kda_intra arguments: ValueErrors before any launch
+    for argument, refused in report["refusals"].items():  # bad arguments: ValueErrors before any launch
+        entry = "kda_recurrence" if argument.startswith("block_v") else "kda_intra"
         if refused is None or refused[0] != "ValueError" or f"{argument.split()[0]} must be" not in refused[1]:
-            problems.append(f"kda_intra with a bad {argument} gave {refused}, expected a ValueError naming it")
+            problems.append(f"{entry} with a bad {argument} gave {refused}, expected a ValueError naming it")
     return problems
 
 
@@ -598,9 +628,9 @@ def inspect_folder(
                     here = f"cp{sys.version_info.major}{sys.version_info.minor}"
                     if tag.startswith(f"{here}-"):
                         problems += load_check_sm90(path)
-                        notes.append(f"loaded in {sys.executable} (no GPU needed): version, archs, kda_intra "
-                                     "argument refusals, the shim's intra forms built, the varlen index build, "
-                                     "no torch import")
+                        notes.append(f"loaded in {sys.executable} (no GPU needed): version, archs, kda_intra and "
+                                     "kda_recurrence argument refusals, the shim's intra forms built, the varlen "
+                                     "index build, no torch import")
                     else:
                         notes.append(f"not loaded: built for {tag.split('-')[0]}, this interpreter is {here}")
                 reports.append(WheelReport(path, problems, notes))

@@ -19,7 +19,6 @@ def fake_sm90(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(kda, "_current_stream", lambda index: 777)
     monkeypatch.setattr(kda, "_device_guard", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(kda, "sm_count", lambda device: 132)
-    monkeypatch.delenv("CULA_BLOCK_V", raising=False)
     monkeypatch.delenv(kda.ENV_INTRA_TUNED, raising=False)
     monkeypatch.delenv(kda.ENV_PROGRAMMATIC_LAUNCH, raising=False)
     return kda, fake

@@ -191,7 +191,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert r[9:11] == ((0, 0) if h0 is None else (h0.data_ptr(), codes[h0.dtype]))
     assert r[11] == (ht.data_ptr() if ht is not None else 0) and r[12] == o.data_ptr()
     assert r[13:15] == (N, args.HV) and r[15] == pytest.approx(args.scale) and r[16] == args.state_v_first
-    assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132, narrowest=64))
+    assert r[17] == (64 if entry == "run_kernels" else recurrence_block_v(N * args.HV, 132))
     # (a V block of 64 or 128: warpgroup MMAs) launched as a programmatic dependent of the intra kernel (no
     # CULA_SM90_PDL: "auto", and these cases' CTAs fit on 132 SMs), the token count (the workspace's and o's rows),
     # the stream
@@ -293,20 +293,26 @@ def _refuses_bad_knob(kda, fake, args, monkeypatch: pytest.MonkeyPatch, *, argum
 
 
 def test_sm90_recurrence_block_v(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recurrence's V block: the heuristic's (whole warpgroups, 64 or 128: warpgroup MMAs) by default, 32
-    (mma.sync, the extension's choice at that width) only when asked for by CULA_BLOCK_V or run_kernels(block_v=32);
-    the shim passes the block and nothing else about the form."""
+    """The recurrence's V block: the heuristic's (whole warpgroups, 64 or 128: warpgroup MMAs) by default, or what
+    run_kernels(block_v=...) asks for; the shim passes the block and nothing else about the form. The retired
+    block 32 (mma.sync) is refused by run_kernels with a ValueError naming the accepted values, before any launch,
+    and the retired CULA_BLOCK_V is not read."""
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
     assert fake.recurrence[17] == 64  # 6 pairs: the heuristic keeps whole warpgroups
-    for block_v in (32, 64, 128):
+    for block_v in (64, 128):
         kda.run_kernels(args, block_v=block_v)
         assert fake.recurrence[17] == block_v
-        monkeypatch.setenv("CULA_BLOCK_V", str(block_v))
+    for value in ("32", "128"):
+        monkeypatch.setenv("CULA_BLOCK_V", value)
         kda.kda_prefill(args)
-        assert fake.recurrence[17] == block_v
-        monkeypatch.delenv("CULA_BLOCK_V")
+        assert fake.recurrence[17] == 64
+    fake.intra = fake.recurrence = ()
+    for bad in (32, 16, 48, 256):
+        with pytest.raises(ValueError, match=rf"block_v must be 0 \(the per-call choice\), 64 or 128, got {bad}"):
+            kda.run_kernels(args, block_v=bad)
+    assert fake.intra == () and fake.recurrence == ()  # refused before any launch
 
 
 def test_sm90_programmatic_launch_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,13 +26,13 @@ pytestmark = [
 SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
 C, K = 64, 128
 
-# KdaRecurrenceConfig fields of the compiled configurations: together every block_v, fixed and varlen (sequences
-# longest first), with and without h0 and the final state, both state layouts
+# KdaRecurrenceConfig fields of the compiled configurations: together both block_v (64, 128), fixed and varlen
+# (sequences longest first), with and without h0 and the final state, both state layouts
 CONFIGS = {
     "fixed-bv64-HV4": dict(num_v_heads=4),
     "varlen-bv64-HV4-h0-ht-vk": dict(num_v_heads=4, varlen=True, has_initial_state=True, output_final_state=True,
                                      state_v_first=True),
-    "fixed-bv32-HV2-h0-ht-kv": dict(num_v_heads=2, block_v=32, has_initial_state=True, output_final_state=True),
+    "fixed-bv128-HV2-h0-ht-kv": dict(num_v_heads=2, block_v=128, has_initial_state=True, output_final_state=True),
     "varlen-bv128-HV8-ht-kv": dict(num_v_heads=8, block_v=128, varlen=True, output_final_state=True),
 }
 # compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
@@ -112,6 +112,7 @@ def test_one_binary_serves_every_length() -> None:
         ({"head_dim": 64}, "only K = V = 128"),
         ({"chunk_size": 32}, "only 64"),
         ({"block_v": 16}, "block_v"),
+        ({"block_v": 32}, "block_v=32: expected one of (64, 128)"),  # the retired 2-warp form
         ({"num_v_heads": 0}, "num_v_heads"),
     ],
 )
@@ -125,7 +126,7 @@ def test_can_implement_says_why(changes: dict, reason: str) -> None:
         KdaRecurrence(config)
 
 
-@pytest.mark.parametrize("block_v", [32, 64, 128])
+@pytest.mark.parametrize("block_v", [64, 128])
 def test_fragment_layouts_the_kernel_relies_on(block_v: int) -> None:
     """Traced on the host with static thread indices: warp w owns value rows 16w..16w+15 (the u/o staging and the
     o store use the warp's own columns), and two adjacent n8 accumulator tiles are one k16 A fragment (the

@@ -323,8 +323,9 @@ def test_cutedsl_backend_allocates_three_tensors(final_state: bool, launches: li
 
 
 def test_cutedsl_backend_reads_each_knob_once_per_call(launches: list, monkeypatch) -> None:
-    """CULA_BLOCK_V is read once per call and never cached: a change between calls takes effect on the next call,
-    and a bad value raises naming the variable. CUTE_DSL_ARCH is read once per launch. Nothing else is read."""
+    """CUTE_DSL_ARCH is read once per launch. Nothing else is read: the retired CULA_BLOCK_V, set (32 included),
+    leaves the recurrence's block the per-call choice. A block_v argument other than 0, 64 or 128 (32 included) is
+    a ValueError naming the accepted values, raised before any launch."""
     import os
 
     from cula_runtime.cute.kda import backend
@@ -339,13 +340,15 @@ def test_cutedsl_backend_reads_each_knob_once_per_call(launches: list, monkeypat
     monkeypatch.setattr(os, "environ", Environ(os.environ))
     monkeypatch.setattr(backend, "sm_count", lambda device: 132)
     args = _prefill_args(None)
-    for block_v in ("128", "64", ""):
+    for block_v in ("128", "32", ""):
         os.environ["CULA_BLOCK_V"] = block_v
         reads.clear()
         launches.clear()
         backend.kda_prefill_cutedsl(args)
-        assert sorted(reads) == sorted(["CULA_BLOCK_V"] + ["CUTE_DSL_ARCH"] * 2)
-        assert launches[-1][1].block_v == (int(block_v) if block_v else 64)  # N·HV = 8 pairs fit one wave at 64
-    os.environ["CULA_BLOCK_V"] = "48"
-    with pytest.raises(ValueError, match=r"CULA_BLOCK_V='48'"):
-        backend.kda_prefill_cutedsl(args)
+        assert sorted(reads) == sorted(["CUTE_DSL_ARCH"] * 2)
+        assert launches[-1][1].block_v == 64  # N·HV = 8 pairs fit one wave at 64
+    launches.clear()
+    for bad in (32, 16, 48):
+        with pytest.raises(ValueError, match=rf"block_v must be 0 \(the per-call choice\), 64 or 128, got {bad}"):
+            backend.kda_prefill_cutedsl(args, block_v=bad)
+    assert launches == []

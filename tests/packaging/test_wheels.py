@@ -449,6 +449,37 @@ def test_sass_store_widths_find_narrowed_kernels(tmp_path: Path) -> None:
     assert any("16-byte global stores" in p and "ILi128" in p and "ILi64" not in p for p in problems)
 
 
+def test_sass_recurrence_kernels_are_the_accepted_blocks(tmp_path: Path) -> None:
+    """The extension's recurrence kernels are exactly kda_recurrence_kernel<64> and <128> (RECURRENCE_BLOCKS): a
+    listing that still holds the retired <32>, or lacks one, is reported; the kernel names are parsed in order."""
+    def listing(*blocks: int) -> str:
+        kernel = "_ZN4cula4sm9017recurrence_detail21kda_recurrence_kernelILi{}EEEvNS0_19KdaRecurrenceParamsE"
+        return "\tcode for sm_90a\n" + "".join(
+            f"\t\tFunction : {kernel.format(bv)}\n"
+            + "        /*0100*/                   STG.E.128 desc[UR4][R2.64], R4 ;\n" * 4 for bv in blocks)
+
+    fake = tmp_path / "cuobjdump"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "  --list-elf) echo 'ELF file    1: _C.cpython-311-x86_64-linux-gnu.1.sm_90a.cubin' ;;\n"
+        f"  -sass) cat '{tmp_path / 'sass.txt'}' ;;\n"
+        "esac\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    lister = inspect_wheels.cuobjdump_lister(str(fake))
+    assert inspect_wheels.RECURRENCE_BLOCKS == (64, 128)
+    for blocks, expected in (((128, 64), None), ((128, 64, 32), "[32, 64, 128]"), ((64,), "[64]")):
+        (tmp_path / "sass.txt").write_text(listing(*blocks))
+        code = lister(tmp_path / "x.so")
+        assert [k.split("ILi")[1].split("EE")[0] for k in code.kernels] == [str(bv) for bv in blocks]
+        problems = inspect_wheels.check_extension_binary(make_elf([]), "cula_sm90/_C.so", lister)
+        found = [p for p in problems if "recurrence kernels" in p]
+        assert found == ([] if expected is None else [
+            f"cula_sm90/_C.so: recurrence kernels for V blocks {expected}; expected exactly [64, 128] "
+            "(RECURRENCE_BLOCKS)"]), blocks
+
+
 def test_cuobjdump_resource_usage_finds_spilling_kernels(tmp_path: Path) -> None:
     """A kernel with local memory (spills) or a stack is named; the others are not, and the check reports it."""
     fake = tmp_path / "cuobjdump"

@@ -55,9 +55,11 @@ def test_every_call_path_knob_reads_through_env_value() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "packages"
-    for rel in ("cula/src/cula/dispatch.py", "cula-runtime/src/cula_runtime/kda_tuning.py",
-                "cula-runtime/src/cula_runtime/cute/arch.py", "cula-runtime/src/cula_runtime/cute/compile_cache.py",
-                "cula-sm90/src/cula_sm90/kda.py"):
+    for rel in ("cula/src/cula/dispatch.py", "cula-runtime/src/cula_runtime/cute/arch.py",
+                "cula-runtime/src/cula_runtime/cute/compile_cache.py", "cula-sm90/src/cula_sm90/kda.py"):
         text = (root / rel).read_text(encoding="utf-8")
         assert "os.environ.get(" not in text and "os.getenv(" not in text, rel
         assert "env_value(" in text or "env_choice(" in text, rel  # (env_choice reads through env_value)
+    # kda_tuning's per-call choice reads no knob (CULA_BLOCK_V was retired in issue 25)
+    text = (root / "cula-runtime/src/cula_runtime/kda_tuning.py").read_text(encoding="utf-8")
+    assert "environ" not in text and "getenv" not in text and "env_value" not in text

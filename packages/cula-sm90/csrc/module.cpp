@@ -76,9 +76,8 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
   if (num_tokens < 0) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: num_tokens must be >= 0, got " + std::to_string(num_tokens));
   }
-  // (32: mma.sync; 64 and 128: warpgroup MMAs, the only form at those widths)
-  if (block_v != 32 && block_v != 64 && block_v != 128) {
-    throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 32, 64 or 128, got " +
+  if (block_v != 64 && block_v != 128) {  // (whole warpgroups: the products run as warpgroup MMAs)
+    throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 64 or 128, got " +
                                 std::to_string(block_v));
   }
   const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state,

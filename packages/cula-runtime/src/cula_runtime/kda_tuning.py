@@ -6,42 +6,34 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from .env import env_value
-
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BLOCK_V_CHOICES", "ENV_BLOCK_V", "device_capability", "recurrence_block_v", "sm_count"]
+__all__ = ["BLOCK_V_CHOICES", "device_capability", "recurrence_block_v", "sm_count"]
 
-BLOCK_V_CHOICES = (32, 64, 128)
-ENV_BLOCK_V = "CULA_BLOCK_V"
+BLOCK_V_CHOICES = (64, 128)  # value columns per recurrence CTA: whole warpgroups (4 or 8 warps)
 
 
-def recurrence_block_v(num_pairs: int, num_sms: int, narrowest: int = BLOCK_V_CHOICES[0]) -> int:
-    """Value columns per recurrence CTA (``block_v``) for ``num_pairs`` = N·HV (sequence, value head) pairs.
+def recurrence_block_v(num_pairs: int, num_sms: int) -> int:
+    """Value columns per recurrence CTA (``block_v``, 64 or 128) for ``num_pairs`` = N·HV (sequence, value head)
+    pairs, chosen per call.
 
     Both recurrence kernels (native and CuTeDSL) hold about 130 KB of shared memory, so one CTA per SM, and split a
     pair's 128 value columns over ``128 / block_v`` CTAs of ``block_v / 16`` warps. Every warp owns 16 state rows and
     walks the whole sequence, so a CTA's time per chunk depends little on ``block_v``; what matters is how many
     waves the grid of ``num_pairs * 128 / block_v`` CTAs takes. Hence: the narrowest ``block_v`` whose grid fits in
     one wave (more SMs, fewer warps on each), else 128 (the fewest waves, 8 warps per SM to hide latency).
-    Every choice gives the same bits (tested on the H200). ``CULA_BLOCK_V`` overrides the choice.
+    Every choice gives the same bits (tested on the H200).
 
-    ``narrowest`` is the smallest ``block_v`` a backend may get: the CuTeDSL recurrence asks for 64, because at
-    ``block_v`` = 32 its 2-warp CTAs are slower than 4-warp ones even with half the SMs idle (H200, B1 H16 T32768:
-    1229 vs 1121 us; ``kda_profile_h200.md``); so does the native one on warpgroup MMAs (its default), which needs
-    whole warpgroups. (The native mma.sync form was fastest at 32 there: 1026 vs 1320 us.)
-
-    Raises:
-        ValueError: ``CULA_BLOCK_V`` is set to something other than 32, 64 or 128.
+    No narrower block: the CuTeDSL recurrence's 2-warp CTAs (``block_v`` = 32) were slower than 4-warp ones even
+    with half the SMs idle (H200, B1 H16 T32768: 1229 vs 1121 us; ``kda_profile_h200.md``), and the native kernel's
+    warpgroup MMAs need whole warpgroups: its mma.sync form, the only one at 32 (run at this choice with 32 allowed,
+    the fastest mma.sync block there: 1026 vs 1320 us), was 1.03-1.16x slower end to end than the warpgroup-MMA one on
+    29 of 30 configs and equal on the 30th (``kda_prefill_fixed_sm90_knobs_h200.md``,
+    ``kda_prefill_rest_sm90_wgmma_h200.md``). The forms at 32 were retired in issue 25, with ``CULA_BLOCK_V``.
     """
-    forced = env_value(ENV_BLOCK_V, "")
-    if forced:
-        if forced not in {str(bv) for bv in BLOCK_V_CHOICES}:
-            raise ValueError(f"{ENV_BLOCK_V}={forced!r}: expected one of {BLOCK_V_CHOICES}")
-        return int(forced)
     for block_v in BLOCK_V_CHOICES:
-        if block_v >= narrowest and num_pairs * (128 // block_v) <= num_sms:
+        if num_pairs * (128 // block_v) <= num_sms:
             return block_v
     return BLOCK_V_CHOICES[-1]
 

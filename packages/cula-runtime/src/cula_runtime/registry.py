@@ -83,8 +83,9 @@ KERNELS: tuple[KernelEntry, ...] = (
         entry="cula_sm90.kda:kda_prefill",
         summary="native SM90 KDA prefill: chunk-parallel intra kernel (\"tensor\", or \"bands\" for calls with many "
                 "partial chunks, the same bits; CULA_SM90_INTRA_TUNED=auto|tensor|bands) + fp32-register state "
-                "recurrence on warpgroup MMAs at V blocks of 64 and 128, mma.sync at 32 (K = V = 128, bf16, safe "
-                "gate); the forms retired in issue 25 are in the history",
+                "recurrence on warpgroup MMAs at V blocks of 64 or 128, chosen per call (K = V = 128, bf16, safe "
+                "gate); the forms retired in issue 25 (the mma.sync recurrence at V blocks of 32 among them) are in "
+                "the history",
     ),
     KernelEntry(
         name="chunk_kda_fwd_intra_from_raw", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
@@ -106,8 +107,9 @@ KERNELS: tuple[KernelEntry, ...] = (
                   "final-state"),
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.recurrence:chunk_kda_fwd_recurrence",
-        summary="CuTeDSL KDA delta-h + output: fp32 state in registers, o and the final state from the intra "
-                "kernel's outputs and per-chunk decay rows; varlen sequences launched longest first",
+        summary="CuTeDSL KDA delta-h + output: fp32 state in registers, 4 or 8 warps per CTA (V blocks of 64 or "
+                "128), o and the final state from the intra kernel's outputs and per-chunk decay rows; varlen "
+                "sequences launched longest first; the 2-warp form (V blocks of 32) was retired in issue 25",
     ),
     KernelEntry(
         name="lightning_naive", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,

@@ -24,7 +24,7 @@ struct KdaRecurrenceArgs {
   int num_seqs, num_value_heads;
   float scale;
   bool state_v_first;
-  int block_v;  // 32 (mma.sync), 64 or 128 (warpgroup MMAs)
+  int block_v;  // 64 or 128 (warpgroup MMAs)
   bool programmatic_launch;  // launch as a programmatic dependent of the intra kernel (kda_params.h)
   int num_tokens;            // Ttot (kda_params.h)
 };

@@ -107,8 +107,8 @@ const char* kda_intra_forms_text();
 #ifdef CULA_SM90_ABLATION
 bool kda_intra_ablation_built(int tuned);  // the timing-only forms of kda_intra_ablation.cu
 #endif
-// block_v: the V columns per CTA, 32 (2 warps, products on mma.sync), 64 or 128 (whole warpgroups, products on
-// warpgroup MMAs); anything else is cudaErrorInvalidValue.
+// block_v: the V columns per CTA, 64 or 128 (whole warpgroups, products on warpgroup MMAs); anything else is
+// cudaErrorInvalidValue.
 cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream);
 
 }  // namespace cula::sm90

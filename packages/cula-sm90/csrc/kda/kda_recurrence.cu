@@ -8,14 +8,15 @@
 //   S     = exp2(g_last)[:, None] * S + kg^T . v_new            (fp32)
 //
 // Everything is computed transposed, so the state is the A operand (M = V rows) and the products chain in registers:
-//   v_new^T [kBV x 64]  = u^T - S^T_bf . w^T          A = S^T (registers)       B = w^T   (ldmatrix, no trans)
-//   o^T     [kBV x 64]  = scale * S^T_bf . qg^T       A = S^T (registers)       B = qg^T  (ldmatrix, no trans)
-//                       + v_new^T_bf . Aqk^T          A = v_new^T (registers)   B = Aqk^T (ldmatrix, no trans)
-//   S^T     [kBV x 128] = S^T * gamma + v_new^T_bf . kg   A = v_new^T (registers)   B = kg (ldmatrix.trans)
-// with mma.sync.m16n8k16 bf16 -> fp32 at V blocks of 32 (2 warps). Warp w owns the 16 rows v0 + 16w + [0, 16) of
-// S^T (V rows). At V blocks of 64 and 128 (whole warpgroups, kWgmma) every product runs as a warpgroup MMA (wgmma
-// m64n64k16 / m64n128k16) with the A operand (S^T_bf, v_new^T_bf) in registers and w, qg, Aqk, kg read from shared
-// memory once per warpgroup instead of once per warp; the per-warp fragments are the same.
+//   v_new^T [kBV x 64]  = u^T - S^T_bf . w^T          A = S^T (registers)       B = w^T   (shared memory, K-major)
+//   o^T     [kBV x 64]  = scale * S^T_bf . qg^T       A = S^T (registers)       B = qg^T  (shared memory, K-major)
+//                       + v_new^T_bf . Aqk^T          A = v_new^T (registers)   B = Aqk^T (shared memory, K-major)
+//   S^T     [kBV x 128] = S^T * gamma + v_new^T_bf . kg   A = v_new^T (registers)   B = kg (shared memory, MN-major)
+// at V blocks of 64 and 128 (whole warpgroups, kBV / 16 warps). Warp w owns the 16 rows v0 + 16w + [0, 16) of S^T
+// (V rows). Every product runs as a warpgroup MMA (wgmma m64n64k16 / m64n128k16) with the A operand (S^T_bf,
+// v_new^T_bf) in registers and w, qg, Aqk, kg read from shared memory once per warpgroup; A and the accumulators use
+// the per-warp fragments of mma.m16n8k16. (The mma.sync form, at V blocks of 32, was retired in issue 25: the
+// history keeps it.)
 //
 // Fragment layouts used (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type"; cross-checked with
 // CuTe's SM80_16x8x16 traits). lane = 4*g + t (g = groupID = lane/4, t = threadID_in_group = lane%4):
@@ -28,8 +29,8 @@
 //   a0 = pack(C[2s].c0, c1), a1 = pack(C[2s].c2, c3), a2 = pack(C[2s+1].c0, c1), a3 = pack(C[2s+1].c2, c3).
 //
 // Shared memory (per pipeline stage, two stages: the next chunk's loads in flight while one computes; every tile is
-// token-row-major, 16-byte chunks XOR-swizzled so that the 8 rows of one ldmatrix 8x8 matrix hit 8 distinct 16-byte
-// bank groups):
+// token-row-major, 16-byte chunks XOR-swizzled so that the 8 rows of one ldmatrix 8x8 matrix, or of one wgmma core
+// matrix, hit 8 distinct 16-byte bank groups):
 //   w, qg, kg [64][128] bf16 (256 B rows, 16 chunks), u [64][kBV] bf16, Aqk [64][64] bf16, g_last [128] fp32.
 // After the chunk's u has been consumed, each warp reuses its own u columns as the staging tile of its o columns.
 #include <cstdint>
@@ -51,7 +52,6 @@ using ptx::cp_async_commit;
 using ptx::ld_shared_f2;
 using ptx::ld_shared_f4;
 using ptx::ld_shared_u4;
-using ptx::ldsm_x4;
 using ptx::ldsm_x4_trans;
 using ptx::smem_addr;
 using ptx::st_global_u4;
@@ -72,33 +72,28 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   ptx::cp_async_16(dst, src, valid ? 16 : 0);
 }
 __device__ __forceinline__ void cp_async_wait_all() { ptx::cp_async_wait_group0(); }
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  ptx::mma_bf16_16816_free(d, a, b0, b1);
-}
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) { return ptx::pack_bf16x2(lo, hi); }
 
 // ------------------------------------------------------------------------------------------------------------------
 // Configuration and shared-memory map
 // ------------------------------------------------------------------------------------------------------------------
 
-// kWgmma (kBV 64 and 128, whole warpgroups): the products run as warpgroup MMAs reading w, qg, kg and Aqk from shared
-// memory once per 64 V rows (mma.sync, at kBV 32, has every warp read every tile). w, qg, kg then use the
-// 128-byte-swizzle layout wgmma reads: [2 halves of 64 columns][64 token rows][128 B], 16-byte chunk c of row r at
-// ((c ^ r) & 7), tiles 1024-byte aligned (w, qg K-major; kg MN-major). Aqk's [64][128 B] tile with chunk ^ (row & 7)
-// already is that layout.
+// kBV 64 and 128 (whole warpgroups): the products run as warpgroup MMAs reading w, qg, kg and Aqk from shared memory
+// once per 64 V rows. w, qg, kg use the 128-byte-swizzle layout wgmma reads: [2 halves of 64 columns][64 token
+// rows][128 B], 16-byte chunk c of row r at ((c ^ r) & 7), tiles 1024-byte aligned (w, qg K-major; kg MN-major).
+// Aqk's [64][128 B] tile with chunk ^ (row & 7) already is that layout.
 // kStages: shared-memory pipeline stages (the next chunk's loads are issued while one computes). (A third stage on
 // warpgroup MMAs was no faster end to end on the H200 and was retired in issue 25.)
 template <int kBV>
 struct RecurrenceConfig {
-  static_assert(kBV == 32 || kBV == 64 || kBV == 128, "kBV must be 32, 64 or 128");
-  static constexpr bool kWgmma = kBV >= 64;
+  static_assert(kBV == 64 || kBV == 128, "kBV must be 64 or 128 (whole warpgroups)");
   static constexpr int kStages = 2;
   static constexpr int kWarps = kBV / 16;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kVBlocks = kHeadDim / kBV;
 
   static constexpr int kChunksK = kHeadDim * 2 / 16;  // 16-byte chunks per 128-wide bf16 row (16)
-  static constexpr int kChunksU = kBV * 2 / 16;       // per kBV-wide u row (2..16)
+  static constexpr int kChunksU = kBV * 2 / 16;       // per kBV-wide u row (8 or 16)
   static constexpr int kChunksA = kChunk * 2 / 16;    // per 64-wide Aqk row (8)
 
   static constexpr int kTileK = kChunk * kChunksK * 16;  // 16384
@@ -112,7 +107,7 @@ struct RecurrenceConfig {
   static constexpr int kOffU = kOffKG + kTileK;
   static constexpr int kOffA = kOffU + kTileU;
   static constexpr int kOffG = kOffA + kTileA;
-  static constexpr int kStageAlign = kWgmma ? 1024 : 128;
+  static constexpr int kStageAlign = 1024;  // (the wgmma tiles' alignment)
   static constexpr int kStageBytes = (kOffG + kTileG + kStageAlign - 1) / kStageAlign * kStageAlign;
   static constexpr int kOffGamma = kStages * kStageBytes;  // per warp: 128 fp32 exp2(g_last)
   static constexpr int kSmemBytes = kOffGamma + kWarps * kTileG;
@@ -175,25 +170,18 @@ __device__ __forceinline__ void decay_state(float (&S)[16][4], uint32_t gamma_w,
   }
 }
 
-// XOR swizzle of the 16-byte chunk index within a row of R chunks: the 8 consecutive rows read by one 8x8 ldmatrix
-// matrix (same logical chunk) land in 8 distinct 16-byte slots of a 128-byte bank window.
+// XOR swizzle of the 16-byte chunk index within a row of R >= 8 chunks: the 8 consecutive rows read by one 8x8
+// ldmatrix matrix (same logical chunk) land in 8 distinct 16-byte slots of a 128-byte bank window.
 template <int R>
 __device__ __forceinline__ int swizzle_chunk(int row, int chunk) {
-  if constexpr (R >= 8) {
-    return chunk ^ (row & 7);
-  } else if constexpr (R == 4) {
-    return chunk ^ ((row >> 1) & 3);
-  } else if constexpr (R == 2) {
-    return chunk ^ ((row >> 2) & 1);
-  } else {
-    return chunk;
-  }
+  static_assert(R >= 8, "rows of 8 or more 16-byte chunks");
+  return chunk ^ (row & 7);
 }
 
 // Copy one [64 x R*8] bf16 tile (token rows) into swizzled smem: thread tid owns 16-byte chunk ch = tid % R of rows
 // tid / R + i * (kThreads / R). src_row0 points at (token tok0, this head, first column); rows are row_stride elements
 // apart. Rows >= L are zero-filled and their source is never read (the address is clamped to row 0 anyway).
-// kSw128: the 128-byte-swizzle layout of RecurrenceConfig<., true> instead (R = 16): chunk ch of row r goes to
+// kSw128: the 128-byte-swizzle layout the warpgroup MMAs read instead (R = 16; w, qg, kg): chunk ch of row r goes to
 // (ch / 8) * 8192 + r * 128 + ((ch ^ r) & 7) * 16, i.e. [2 halves][64 rows][128 B].
 // kLowerBlocks (Aqk, R = 8): only the 16 x 16 blocks on and below the diagonal are read from global memory (the
 // intra kernel writes no others); the blocks above it are zero-filled like the rows >= L.
@@ -227,15 +215,14 @@ template <int kBV>
 __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_t stage, int64_t tok0, int L,
                                            int64_t gchunk, int hv, int v0, int tid) {
   using C = RecurrenceConfig<kBV>;
-  constexpr bool kWgmma = C::kWgmma;
   const int64_t HV = p.num_value_heads;
   const int64_t row_k = (tok0 * HV + hv) * kHeadDim;  // element offset of (tok0, hv, 0) in [Ttot, HV, 128]
-  {  // (with kWgmma in the 128-byte-swizzle layout; kg is read MN-major from it)
+  {  // (in the 128-byte-swizzle layout; kg is read MN-major from it)
     const uint32_t dst[3] = {stage + C::kOffW, stage + C::kOffQ, stage + C::kOffKG};
     const __nv_bfloat16* const src[3] = {static_cast<const __nv_bfloat16*>(p.w) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.qg) + row_k,
                                          static_cast<const __nv_bfloat16*>(p.kg) + row_k};
-    copy_tile<C::kChunksK, C::kThreads, 3, kWgmma>(dst, src, HV * kHeadDim, L, tid);
+    copy_tile<C::kChunksK, C::kThreads, 3, true>(dst, src, HV * kHeadDim, L, tid);
   }
   {
     const uint32_t dst[1] = {stage + C::kOffU};
@@ -261,7 +248,6 @@ template <int kBV>
 __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
     kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
   using C = RecurrenceConfig<kBV>;
-  constexpr bool kWgmma = C::kWgmma;
   extern __shared__ __align__(1024) uint8_t smem[];
 
   const int tid = threadIdx.x;
@@ -270,14 +256,10 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
   const int g = lane >> 2;   // groupID
   const int t4 = lane & 3;   // threadID_in_group
   // ldmatrix/stmatrix address roles. Lane l supplies row (l & 7) of 8x8 matrix l >> 3 (PTX ISA, ldmatrix).
-  //  "T" order (ldmatrix.trans of u and kg, stmatrix.trans of o): matrix i = (rows 8*(i & 1).., chunk i >> 1),
-  //      so a lane addresses row lrow = l & 15 of a 16-row band, 16-byte chunk lhi = l >> 4 of a chunk pair.
-  //  "N" order (non-transposed ldmatrix of w, qg, Aqk): matrix i = (rows 8*(i >> 1).., chunk i & 1), so that
-  //      registers (r0, r1) and (r2, r3) are the (b0, b1) pairs of two adjacent n8 tiles, already in HMMA order.
+  //  "T" order (ldmatrix.trans of u, stmatrix.trans of o): matrix i = (rows 8*(i & 1).., chunk i >> 1), so a lane
+  //      addresses row lrow = l & 15 of a 16-row band, 16-byte chunk lhi = l >> 4 of a chunk pair.
   const int lrow = lane & 15;
   const int lhi = lane >> 4;
-  const int nrow = (lane & 7) | ((lane >> 4) << 3);
-  const int nhi = (lane >> 3) & 1;
 
   const int HV = p.num_value_heads;
   int bid = static_cast<int>(blockIdx.x);
@@ -297,11 +279,9 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
 
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t gamma_w = smem_base + C::kOffGamma + warp * C::kTileG;
-  if constexpr (kWgmma) {
-    // The swizzled tiles' descriptors assume a 1024-byte aligned base. It is: dynamic shared memory starts after the
-    // 1 KB the SM90 reserves per CTA (ptxas folds this check away); kept as the assumption's statement.
-    if ((smem_base & 1023u) != 0) __trap();
-  }
+  // The swizzled tiles' descriptors assume a 1024-byte aligned base. It is: dynamic shared memory starts after the
+  // 1 KB the SM90 reserves per CTA (ptxas folds this check away); kept as the assumption's statement.
+  if ((smem_base & 1023u) != 0) __trap();
 
   // ---- S^T in registers: S[j][e], j = n8 tile over K (k = 8j + 2*t4 + (e & 1)), row v = vr + 8*(e >> 1).
   const int vr = v0 + warp * 16 + g;
@@ -333,12 +313,6 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
   }
 
   // ---- Per-lane smem offsets (bytes, relative to a tile base).
-  const int xk = lane & 7;  // == lrow & 7 == nrow & 7: the swizzle of every row this lane addresses
-  // w/qg/kg rows are 256 B; row = 16*i + (l/n)row, logical chunk = 2*c + (l/n)hi -> physical chunk ^ (row & 7).
-  auto off_kt = [&](int c) -> uint32_t { return static_cast<uint32_t>(lrow * 256 + ((((c << 1) | lhi) ^ xk) << 4)); };
-  auto off_kn = [&](int c) -> uint32_t { return static_cast<uint32_t>(nrow * 256 + ((((c << 1) | nhi) ^ xk) << 4)); };
-  // Aqk rows are 128 B.
-  auto off_an = [&](int c) -> uint32_t { return static_cast<uint32_t>(nrow * 128 + ((((c << 1) | nhi) ^ xk) << 4)); };
   // u / o staging: row = 16*i + lrow, logical chunk 2*warp + lhi (this warp's 16 V columns).
   const uint32_t off_u = static_cast<uint32_t>(lrow * (C::kChunksU * 16) +
                                                swizzle_chunk<C::kChunksU>(lrow, 2 * warp + lhi) * 16);
@@ -349,16 +323,16 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.o);
 
   for (int c = 0; c < num_chunks; ++c) {
-    // (c & 1 spelled out: through a stage-index helper ptxas scheduled the BV = 32 mma.sync kernel differently, and
+    // (c & 1 spelled out: through a stage-index helper ptxas scheduled the retired mma.sync kernel differently, and
     // this SASS is the one that ran on the H200)
     const uint32_t stage = smem_base + (c & 1) * C::kStageBytes;
     const int64_t tok0 = bos + static_cast<int64_t>(c) * kChunk;
     const int64_t rem = len - static_cast<int64_t>(c) * kChunk;
     const int L = static_cast<int>(rem < kChunk ? rem : kChunk);
 
-    cp_async_wait_all();  // this thread's copies of chunk c have landed
-    if constexpr (kWgmma) fence_proxy_async_smem();  // ... and are visible to the warpgroup MMAs' reads
-    __syncthreads();      // everyone's copies are visible; everyone is done with chunk c-1's stage
+    cp_async_wait_all();       // this thread's copies of chunk c have landed
+    fence_proxy_async_smem();  // ... and are visible to the warpgroup MMAs' reads
+    __syncthreads();           // everyone's copies are visible; everyone is done with chunk c-1's stage
     // Chunk c + 1 goes into the stage chunk c - 1 used.
     if (c + 1 < num_chunks) {
       const int64_t rem1 = rem - kChunk;
@@ -384,46 +358,24 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
         accO[nt][e] = 0.f;
       }
     }
-    if constexpr (kWgmma) {
-      // The same products as below, one warpgroup MMA per (tile, k16 step): this warpgroup's 64 V rows of S^T_bf
-      // (A, registers) times the 64 token rows of w / qg (B, shared memory; the k16 step ks is 32 bytes into the
-      // 128-byte rows of K half ks / 4).
-      uint32_t a[8][4];
+    // One warpgroup MMA per (tile, k16 step): this warpgroup's 64 V rows of S^T_bf (A, registers) times the 64 token
+    // rows of w / qg (B, shared memory; the k16 step ks is 32 bytes into the 128-byte rows of K half ks / 4).
+    uint32_t a[8][4];
 #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) state_a_fragment(S, ks, a[ks]);
-      wgmma_fence_operands(accV);
-      wgmma_fence_operands(accO);
-      wgmma_fence();
+    for (int ks = 0; ks < 8; ++ks) state_a_fragment(S, ks, a[ks]);
+    wgmma_fence_operands(accV);
+    wgmma_fence_operands(accO);
+    wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        const uint32_t k_off = static_cast<uint32_t>((ks >> 2) * 8192 + (ks & 3) * 32);
-        wgmma_m64n64k16_bf16_rs(accV, a[ks], wgmma_desc_k_sw128(stage + C::kOffW + k_off));
-        wgmma_m64n64k16_bf16_rs(accO, a[ks], wgmma_desc_k_sw128(stage + C::kOffQ + k_off));
-      }
-      wgmma_commit();
-      wgmma_wait0();
-      wgmma_fence_operands(accV);
-      wgmma_fence_operands(accO);
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {  // K = 128 in 8 steps of 16
-        uint32_t a[4];
-        state_a_fragment(S, ks, a);
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {  // token tiles 2m, 2m+1 (tokens 16m..16m+15)
-          // N order: 0 = (tokens 16m+0..7, k chunk 2ks), 1 = (16m+0..7, 2ks+1), 2 = (16m+8..15, 2ks),
-          // 3 = (16m+8..15, 2ks+1) -> r0 = b0(tile 2m), r1 = b1(tile 2m), r2 = b0(tile 2m+1), r3 = b1(tile 2m+1).
-          uint32_t b[4];
-          ldsm_x4(b, stage + C::kOffW + m * 16 * 256 + off_kn(ks));
-          mma_bf16_16816(accV[2 * m], a, b[0], b[1]);
-          mma_bf16_16816(accV[2 * m + 1], a, b[2], b[3]);
-          uint32_t q[4];
-          ldsm_x4(q, stage + C::kOffQ + m * 16 * 256 + off_kn(ks));
-          mma_bf16_16816(accO[2 * m], a, q[0], q[1]);
-          mma_bf16_16816(accO[2 * m + 1], a, q[2], q[3]);
-        }
-      }
+    for (int ks = 0; ks < 8; ++ks) {
+      const uint32_t k_off = static_cast<uint32_t>((ks >> 2) * 8192 + (ks & 3) * 32);
+      wgmma_m64n64k16_bf16_rs(accV, a[ks], wgmma_desc_k_sw128(stage + C::kOffW + k_off));
+      wgmma_m64n64k16_bf16_rs(accO, a[ks], wgmma_desc_k_sw128(stage + C::kOffQ + k_off));
     }
+    wgmma_commit();
+    wgmma_wait0();
+    wgmma_fence_operands(accV);
+    wgmma_fence_operands(accO);
 
     // ---- v_new^T = u^T - accV, rounded to bf16, packed straight into A fragments (k-step s = tokens 16s..16s+15).
     uint32_t vA[4][4];
@@ -440,60 +392,29 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
       vA[s][3] = pack_bf16(bf16_lo(uu[3]) - accV[2 * s + 1][2], bf16_hi(uu[3]) - accV[2 * s + 1][3]);
     }
 
-    // ---- o^T = scale * accO + v_new^T_bf . Aqk^T. Aqk is lower triangular: token tile pair m needs key steps s <= m.
+    // ---- o^T = scale * accO + v_new^T_bf . Aqk^T and S^T = S^T * gamma + v_new^T_bf . kg
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) accO[nt][e] *= scale;
     }
-    if constexpr (kWgmma) {
-      // The o half and the state update as warpgroup MMAs, one batch: accO += v_new^T_bf . Aqk^T (Aqk K-major: its
-      // 64 key columns are one 128-byte row per query token; zeros above the diagonal are multiplied too) and
-      // S^T = S^T * gamma + v_new^T_bf . kg (kg MN-major: 128 features over two 8 KB halves, 16 tokens per step).
-      __syncwarp();  // gamma_w written by the other lanes of this warp
-      decay_state(S, gamma_w, t4);
-      wgmma_fence_operands(accO);
-      wgmma_fence_operands(S);
-      wgmma_fence();
+    // as warpgroup MMAs, one batch: accO += v_new^T_bf . Aqk^T (Aqk K-major: its 64 key columns are one 128-byte row
+    // per query token; zeros above the diagonal are multiplied too) and S^T = S^T * gamma + v_new^T_bf . kg (kg
+    // MN-major: 128 features over two 8 KB halves, 16 tokens per step).
+    __syncwarp();  // gamma_w written by the other lanes of this warp
+    decay_state(S, gamma_w, t4);
+    wgmma_fence_operands(accO);
+    wgmma_fence_operands(S);
+    wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        wgmma_m64n64k16_bf16_rs(accO, vA[s], wgmma_desc_k_sw128(stage + C::kOffA + s * 32));
-        wgmma_m64n128k16_bf16_rs_mn(S, vA[s], wgmma_desc_mn_sw128(stage + C::kOffKG + s * 2048));
-      }
-      wgmma_commit();
-      wgmma_wait0();
-      wgmma_fence_operands(accO);
-      wgmma_fence_operands(S);
-    } else {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-#pragma unroll
-        for (int m = s; m < 4; ++m) {
-          // N order: rows = query tokens 16m+0..7 (r0, r1) / 16m+8..15 (r2, r3); 16-byte chunk = key tokens
-          // 16s+0..7 (r0, r2) / 16s+8..15 (r1, r3).
-          uint32_t b[4];
-          ldsm_x4(b, stage + C::kOffA + m * 16 * 128 + off_an(s));
-          mma_bf16_16816(accO[2 * m], vA[s], b[0], b[1]);
-          mma_bf16_16816(accO[2 * m + 1], vA[s], b[2], b[3]);
-        }
-      }
-
-      // ---- S^T = S^T * gamma + v_new^T_bf . kg
-      __syncwarp();  // gamma_w written by the other lanes of this warp
-      decay_state(S, gamma_w, t4);
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {  // tokens 16s..16s+15
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {  // K tiles 2q, 2q+1 (k = 16q..16q+15)
-          // T order: 0 = (tokens 16s+0..7, k chunk 2q) -> b0(tile 2q), 1 = (16s+8..15, 2q) -> b1(tile 2q),
-          //                  2 = (16s+0..7, 2q+1) -> b0(tile 2q+1), 3 = (16s+8..15, 2q+1) -> b1(tile 2q+1).
-          uint32_t b[4];
-          ldsm_x4_trans(b, stage + C::kOffKG + s * 16 * 256 + off_kt(q));
-          mma_bf16_16816(S[2 * q], vA[s], b[0], b[1]);
-          mma_bf16_16816(S[2 * q + 1], vA[s], b[2], b[3]);
-        }
-      }
+    for (int s = 0; s < 4; ++s) {
+      wgmma_m64n64k16_bf16_rs(accO, vA[s], wgmma_desc_k_sw128(stage + C::kOffA + s * 32));
+      wgmma_m64n128k16_bf16_rs_mn(S, vA[s], wgmma_desc_mn_sw128(stage + C::kOffKG + s * 2048));
     }
+    wgmma_commit();
+    wgmma_wait0();
+    wgmma_fence_operands(accO);
+    wgmma_fence_operands(S);
 
     // ---- o: stage this warp's 16 columns in its own (already consumed) u slots, then 16-byte coalesced stores.
     __syncwarp();
@@ -565,8 +486,7 @@ cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stre
 }  // namespace recurrence_detail
 
 cudaError_t launch_kda_recurrence(const KdaRecurrenceParams& params, int block_v, cudaStream_t stream) {
-  switch (block_v) {  // (32: mma.sync; 64 and 128: warpgroup MMAs)
-    case 32: return recurrence_detail::launch_recurrence_bv<32>(params, stream);
+  switch (block_v) {
     case 64: return recurrence_detail::launch_recurrence_bv<64>(params, stream);
     case 128: return recurrence_detail::launch_recurrence_bv<128>(params, stream);
     default: return cudaErrorInvalidValue;

@@ -68,13 +68,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// The same MMA without `volatile`: the compiler may schedule it freely (the recurrence kernel's choice).
-__device__ __forceinline__ void mma_bf16_16816_free(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // ---- Warpgroup MMA (sm_90a): D (64 x 64 fp32, this warp's 16 rows) += A (64 x 16 bf16, registers) * B (16 x 64
 // bf16, shared memory through a descriptor). A and D use the per-warp fragments of mma.m16n8k16 above (warp w of

@@ -4,7 +4,8 @@ Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm
 Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head), in the form
 ``CULA_SM90_INTRA_TUNED`` picks ("auto": "tensor" or "bands" per call); ``recurrence`` walks each sequence's chunks
 with the fp32 state in registers and writes o and the final state, its products on warpgroup MMAs at V blocks of 64
-and 128 and on mma.sync at V blocks of 32 (``CULA_BLOCK_V=32``). Both launch on the current torch stream.
+or 128 (:func:`cula_runtime.kda_tuning.recurrence_block_v` picks one per call). Both launch on the current torch
+stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
 ``lower_bound`` in [-5, 0)), fp32/bf16 g and beta, fp32/bf16 initial state, any GVA ratio, fixed or varlen.
@@ -22,7 +23,7 @@ import torch
 from cula_runtime.env import env_choice
 from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
 from cula_runtime.kda_args import empty_prefill_result, safe_gate_kernel_rejection
-from cula_runtime.kda_tuning import device_capability, recurrence_block_v, sm_count
+from cula_runtime.kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
 
@@ -220,16 +221,17 @@ class _Launch:
     dtype codes, and for a fixed-length batch the index tensors and the workspace layout. Calling it with the call's
     tensors checks their alignment, allocates o, the final state and the workspace, and launches both kernels on the
     current stream. ``kda_prefill`` builds one per call; a call plan (:func:`plan_kda_prefill`) keeps one for every
-    call of its signature. Raises ValueError for a bad knob, before any launch."""
+    call of its signature. Raises ValueError for a bad knob or ``block_v``, before any launch."""
 
     def __init__(self, args: Any, block_v: int = 0, tuned: int | None = None) -> None:
         self.ext = load_extension()
         device = args.device
         if tuned is None:
             tuned = _intra_tuned()
-        if block_v == 0:  # (the warpgroup-MMA recurrence needs whole warpgroups: 64 columns at least; 32 only when
-            # asked for, by the argument or CULA_BLOCK_V, runs mma.sync)
-            block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=64)
+        if block_v == 0:
+            block_v = recurrence_block_v(args.N * args.HV, sm_count(device))
+        elif block_v not in BLOCK_V_CHOICES:  # (the warpgroup-MMA recurrence needs whole warpgroups)
+            raise ValueError(f"block_v must be 0 (the per-call choice), 64 or 128, got {block_v!r}")
         self.programmatic = _programmatic_launch(args.N * args.HV * (HEAD_DIM // block_v), device)
         self.block_v, self.tuned = block_v, tuned
         self.B, self.T, self.H, self.HV, self.N = args.B, args.T, args.H, args.HV, args.N
@@ -385,9 +387,9 @@ def run_kernels(args: Any, block_v: int = 0, intra_tuned: str | None = None,
     Workspace (token-major, ``Ttot = B*T``): ``qg``, ``kg``, ``w``, ``u`` bf16 ``[Ttot, HV, 128]``, ``Aqk`` bf16
     ``[Ttot, HV, 64]`` (only its 16 x 16 blocks on and below each chunk's diagonal are written; the rest is
     whatever the allocator left), ``g_last`` fp32 ``[NT, HV, 128]`` (log2 units); views into one buffer
-    (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA (32: mma.sync; 64 or 128: warpgroup MMAs;
-    0: :func:`cula_runtime.kda_tuning.recurrence_block_v` picks 64 or 128 from N·HV and the SM count, or
-    ``CULA_BLOCK_V``). ``intra_tuned``: the intra kernel's form, a key of ``_TUNED_FORMS`` ("tensor", "bands", "auto",
+    (:func:`workspace_layout`). ``block_v``: V columns per recurrence CTA, 64 or 128 (0:
+    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks one from N·HV and the SM count; another value is a
+    ValueError). ``intra_tuned``: the intra kernel's form, a key of ``_TUNED_FORMS`` ("tensor", "bands", "auto",
     or in an ablation build a timing-only "ablate:" form); None: ``CULA_SM90_INTRA_TUNED``.
     """
     if intra_tuned is not None and intra_tuned not in _TUNED_FORMS:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ...index import prepare_varlen_launch
 from ...kda_args import empty_prefill_result, safe_gate_kernel_rejection
-from ...kda_tuning import device_capability, recurrence_block_v, sm_count
+from ...kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
 from .. import is_available, unavailable_reason
 
 __all__ = ["verify", "kda_prefill_cutedsl"]
@@ -26,7 +26,6 @@ __all__ = ["verify", "kda_prefill_cutedsl"]
 CHUNK = 64
 HEAD_DIM = 128
 _CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
-CUTE_NARROWEST_BLOCK_V = 64  # the CuTeDSL recurrence's 2-warp CTAs (block_v 32) are its slowest (kda_tuning)
 WORKSPACE_ALIGN = 128  # bytes: every intermediate starts at a multiple (the kernels' TensorSpecs promise 16 at most)
 
 
@@ -101,8 +100,9 @@ def carve_workspace(device: Any, groups: tuple) -> list:
 
 def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     """Run KDA prefill on the CuTeDSL kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted;
-    ``block_v``: value columns per recurrence CTA (32, 64, 128; the same bits for each; 0:
-    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks it from N·HV and the SM count, at least 64).
+    ``block_v``: value columns per recurrence CTA, 64 or 128 (the same bits for each; 0:
+    :func:`cula_runtime.kda_tuning.recurrence_block_v` picks one from N·HV and the SM count; another value is a
+    ValueError, raised before any launch).
 
     Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (layout of ``initial_state``) or None, each its
     own allocation. The intermediates (w, u, qg, kg, Aqk, g_last) are views of one workspace buffer
@@ -113,10 +113,11 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     skipped: each kernel is planned and launched by the same internal function its public wrapper uses
     (``intra._intra_from_raw``, ``recurrence._run``), with the same configurations and arguments
     (``tests/cute/test_kda_wrapper_marshalling.py`` compares the launches with the public wrappers' chain).
-    ``CULA_BLOCK_V`` is read once per call.
     """
     import torch
 
+    if block_v != 0 and block_v not in BLOCK_V_CHOICES:
+        raise ValueError(f"block_v must be 0 (the per-call choice), 64 or 128, got {block_v!r}")
     gate, intra, recurrence = _kernel_modules()
     if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
         return empty_prefill_result(args)
@@ -131,7 +132,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     if h0 is not None and h0.dtype != torch.float32:
         h0 = h0.float()
     if block_v == 0:
-        block_v = recurrence_block_v(args.N * args.HV, sm_count(device), narrowest=CUTE_NARROWEST_BLOCK_V)
+        block_v = recurrence_block_v(args.N * args.HV, sm_count(device))
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
     form, A_log, dt_bias = gate.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
                                                args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)

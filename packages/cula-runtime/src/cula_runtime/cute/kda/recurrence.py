@@ -63,7 +63,7 @@ class KdaRecurrenceConfig:
     Attributes:
         num_v_heads: HV.
         head_dim: K = V (only 128).
-        block_v: value columns per CTA (32, 64 or 128 = 2, 4 or 8 warps).
+        block_v: value columns per CTA (64 or 128 = 4 or 8 warps).
         varlen: packed sequences (B = 1, ``cu_seqlens``).
         has_initial_state: an fp32 initial state is read (else the state starts at zero).
         output_final_state: the fp32 final state is written.
@@ -456,7 +456,7 @@ def chunk_kda_fwd_recurrence(
         cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1).
         chunk_offsets: int32 ``[N + 1]``, each sequence's first row of ``g_last``
             (:func:`~cula_runtime.index.prepare_chunk_offsets`); required with ``cu_seqlens``, unused without.
-        block_v: value columns per CTA (32, 64, 128); any choice gives the same bits.
+        block_v: value columns per CTA, 64 or 128 (another value is a ValueError); either gives the same bits.
         seq_order: with ``cu_seqlens``: int32 ``[N]``, the order in which the sequences' CTAs are launched; None:
             :func:`~cula_runtime.index.prepare_sequence_order` (longest first, so that the longest chains start in
             the first wave). Any order gives the same bits.

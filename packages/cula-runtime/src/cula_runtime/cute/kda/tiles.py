@@ -79,13 +79,12 @@ class ChunkTiles:
         return None
 
     def _smem_layout(self, rows: int, cols: int, stages: int):
-        """Swizzled bf16 tile ``(rows, cols, stages)``, ``cols`` contiguous: every 8-row band of 16-byte chunks is
-        XOR-permuted so that the 8 rows an 8x8 ``ldmatrix`` matrix reads hit 8 distinct bank groups."""
-        atom_cols = 64 if cols % 64 == 0 else 32
-        bits = 3 if atom_cols == 64 else 2
-        atom = cute.make_composed_layout(
-            cute.make_swizzle(bits, 3, 3), 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1))
-        )
+        """Swizzled bf16 tile ``(rows, cols, stages)``, ``cols`` contiguous (a multiple of 64): every 8-row band of
+        16-byte chunks is XOR-permuted so that the 8 rows an 8x8 ``ldmatrix`` matrix reads hit 8 distinct bank
+        groups."""
+        if cols % 64:
+            raise ValueError(f"swizzled tiles have a multiple of 64 columns, got {cols}")
+        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
         return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
     def _g2s_copy(self, cols: int):
