@@ -140,8 +140,8 @@ def test_info_command_explains_the_choice() -> None:
 @pytest.mark.parametrize("cap,accepted", [((9, 0), True), ((10, 0), True), ((10, 3), True), ((8, 0), False),
                                           ((12, 0), False)], ids=["sm90", "sm100", "sm103", "sm80", "sm120"])
 def test_cutedsl_backend_serves_its_targets_only(cap, accepted, monkeypatch) -> None:
-    """The CuTeDSL backend takes bf16 K=V=128 safe-gate calls on sm_90/sm_100/sm_103 and says why it refuses the rest
-    (a CPU tensor, another GPU, fp16, K=64, the plain gate)."""
+    """The CuTeDSL backend takes bf16 K=V=128 calls on sm_90/sm_100/sm_103 and says why it refuses the rest (a CPU
+    tensor, another GPU, fp16, K=64)."""
     from cula_runtime.cute import is_available
     from cula_runtime.cute.kda import backend
     from cula_runtime.kda_args import validate_kda_prefill
@@ -159,7 +159,6 @@ def test_cutedsl_backend_serves_its_targets_only(cap, accepted, monkeypatch) -> 
     if not accepted:
         assert f"sm_{cap[0]}{cap[1]}" in reason
         return
-    for change, words in ((dict(q=args.q.half()), "bf16"), (dict(K=64), "K = V = 128"),
-                          (dict(safe_gate=False), "safe gate")):
+    for change, words in ((dict(q=args.q.half()), "bf16"), (dict(K=64), "K = V = 128")):
         ok, reason = backend.verify(SimpleNamespace(**{**vars(on_gpu), **change}))
         assert not ok and words in reason, reason

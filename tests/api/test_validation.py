@@ -138,30 +138,54 @@ def test_cu_seqlens_is_rechecked_after_an_in_place_update() -> None:
         validate_kda_prefill(**kwargs)
 
 
-def test_safe_gate_kernel_rejection_names_each_unsupported_feature() -> None:
-    from cula_runtime.kda_args import safe_gate_kernel_rejection
+def _kernel_args(**overrides):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 70, 2, 128, generator=gen).bfloat16()
+    kwargs = dict(q=q, k=q.clone(), v=torch.randn(1, 70, 2, 128, generator=gen).bfloat16(),
+                  g=torch.randn(1, 70, 2, 128, generator=gen), beta=torch.rand(1, 70, 2, generator=gen),
+                  use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=torch.zeros(2))
+    kwargs.update(overrides)
+    return validate_kda_prefill(**kwargs)
 
-    def kernel_args(**overrides):
-        gen = torch.Generator().manual_seed(1)
-        q = torch.randn(1, 70, 2, 128, generator=gen).bfloat16()
-        kwargs = dict(q=q, k=q.clone(), v=torch.randn(1, 70, 2, 128, generator=gen).bfloat16(),
-                      g=torch.randn(1, 70, 2, 128, generator=gen), beta=torch.rand(1, 70, 2, generator=gen),
-                      use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=torch.zeros(2))
-        kwargs.update(overrides)
-        return validate_kda_prefill(**kwargs)
 
-    assert safe_gate_kernel_rejection(kernel_args()) is None
+def test_gpu_kernel_rejection_names_each_unsupported_feature() -> None:
+    from cula_runtime.kda_args import gpu_kernel_rejection
+
+    assert gpu_kernel_rejection(_kernel_args()) is None
     q32 = torch.randn(1, 70, 2, 128)
     cases = {
-        "bf16": kernel_args(q=q32, k=q32.clone(), v=torch.randn(1, 70, 2, 128)),
-        "safe gate only": kernel_args(safe_gate=False, lower_bound=None),
-        "lower_bound": kernel_args(use_gate_in_kernel=False, A_log=None, lower_bound=-6.0),
-        "g in fp32 or bf16": kernel_args(g=torch.randn(1, 70, 2, 128).half()),
+        "bf16": _kernel_args(q=q32, k=q32.clone(), v=torch.randn(1, 70, 2, 128)),
+        "g in fp32 or bf16": _kernel_args(g=torch.randn(1, 70, 2, 128).half()),
     }
     for words, args in cases.items():
-        reason = safe_gate_kernel_rejection(args)
+        reason = gpu_kernel_rejection(args)
         assert reason is not None and words in reason, (words, reason)
-    assert "K = V = 64" in safe_gate_kernel_rejection(kernel_args(), head_dim=64)
+    assert "K = V = 64" in gpu_kernel_rejection(_kernel_args(), head_dim=64)
+    # every gate form passes: which kernel form serves it is gate_is_bounded's answer
+    for overrides in ({"safe_gate": False, "lower_bound": None}, {"safe_gate": False, "lower_bound": -40.0},
+                      {"use_gate_in_kernel": False, "A_log": None, "safe_gate": False, "lower_bound": None}):
+        assert gpu_kernel_rejection(_kernel_args(**overrides)) is None, overrides
+
+
+def test_gate_is_bounded_for_each_gate_form() -> None:
+    from cula_runtime.kda_args import gate_is_bounded
+
+    bounded = [
+        {},  # in kernel, safe_gate, lower_bound -5
+        {"safe_gate": False, "lower_bound": -3.0},  # the lower-bound form inside [-5, 0) without the promise
+        {"use_gate_in_kernel": False, "A_log": None},  # precomputed g, safe_gate=True, lower_bound -5
+        {"use_gate_in_kernel": False, "A_log": None, "lower_bound": None},  # precomputed, safe_gate=True
+    ]
+    unbounded = [
+        {"safe_gate": False, "lower_bound": None},  # in-kernel softplus (Kimi-Linear)
+        {"safe_gate": False, "lower_bound": -5.5},  # the lower-bound form below -5
+        {"use_gate_in_kernel": False, "A_log": None, "safe_gate": False, "lower_bound": None},  # precomputed
+        {"use_gate_in_kernel": False, "A_log": None, "lower_bound": -6.0},  # safe_gate with a bound below -5
+    ]
+    for overrides in bounded:
+        assert gate_is_bounded(_kernel_args(**overrides)), overrides
+    for overrides in unbounded:
+        assert not gate_is_bounded(_kernel_args(**overrides)), overrides
 
 
 def test_cu_seqlens_cpu_is_checked_in_place_of_cu_seqlens(monkeypatch: pytest.MonkeyPatch) -> None:

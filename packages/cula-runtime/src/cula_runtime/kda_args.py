@@ -18,7 +18,7 @@ import torch
 
 from .index import checked_cu_seqlens_host
 
-__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "safe_gate_kernel_rejection", "empty_prefill_result",
+__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "gpu_kernel_rejection", "gate_is_bounded", "empty_prefill_result",
            "checked_boundaries", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
 
 MAX_HEAD_DIM = 256
@@ -331,8 +331,21 @@ def validate_kda_prefill(
     )
 
 
-def safe_gate_kernel_rejection(args: KdaPrefillArgs, head_dim: int = 128) -> str | None:
-    """Why the GPU KDA kernels (bf16, K = V = ``head_dim``, safe gate) cannot serve ``args``, or None if they can.
+def gate_is_bounded(args: KdaPrefillArgs) -> bool:
+    """Whether every log-gate of the call lies in [-5, 0] (the safe gate, KDA_SPEC §3.7), so that the intra kernels'
+    sub-chunk-anchored diagonal blocks stay inside fp32/bf16 range: the in-kernel form with ``lower_bound >= -5``, or
+    a precomputed ``g`` with ``safe_gate=True`` (and ``lower_bound``, if given, ``>= -5``). Every other call (the
+    in-kernel softplus form, ``lower_bound < -5``, a precomputed ``g`` without ``safe_gate``) needs the GPU backends'
+    unbounded-gate form."""
+    lb = args.lower_bound
+    if args.use_gate_in_kernel:
+        return lb is not None and lb >= SAFE_GATE_LOWER_BOUND_MIN
+    return args.safe_gate and (lb is None or lb >= SAFE_GATE_LOWER_BOUND_MIN)
+
+
+def gpu_kernel_rejection(args: KdaPrefillArgs, head_dim: int = 128) -> str | None:
+    """Why the GPU KDA kernels (bf16, K = V = ``head_dim``, fp32/bf16 g, beta and initial state) cannot serve
+    ``args``, or None if they can. Every gate form passes (:func:`gate_is_bounded` tells which kernel form runs).
 
     Shared by the sm90 and cutedsl backends' ``verify``; each adds its own device and installation checks.
     """
@@ -340,10 +353,6 @@ def safe_gate_kernel_rejection(args: KdaPrefillArgs, head_dim: int = 128) -> str
         return f"needs bf16 q/k/v, got {args.q.dtype}"
     if (args.K, args.V) != (head_dim, head_dim):
         return f"needs K = V = {head_dim}, got K={args.K} V={args.V}"
-    if not args.safe_gate:  # (validation already requires lower_bound when safe_gate meets the in-kernel gate)
-        return "serves the safe gate only: pass safe_gate=True with lower_bound in [-5, 0)"
-    if args.lower_bound is not None and args.lower_bound < SAFE_GATE_LOWER_BOUND_MIN:
-        return f"safe gate needs lower_bound >= -5, got {args.lower_bound}"
     for name in ("g", "beta"):
         dtype = getattr(args, name).dtype
         if dtype not in (torch.float32, torch.bfloat16):

@@ -22,7 +22,7 @@ import torch
 
 from cula_runtime.env import env_choice
 from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
-from cula_runtime.kda_args import empty_prefill_result, safe_gate_kernel_rejection
+from cula_runtime.kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from cula_runtime.kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
@@ -82,9 +82,11 @@ def verify_kda_prefill(args: Any) -> tuple[bool, str]:
     major, minor = device_capability(args.device)
     if (major, minor) != (9, 0):
         return False, f"built for sm_90a only; this GPU is sm_{major}{minor}"
-    reason = safe_gate_kernel_rejection(args, HEAD_DIM)
+    reason = gpu_kernel_rejection(args, HEAD_DIM)
     if reason is not None:
         return False, reason
+    if not gate_is_bounded(args):
+        return False, "serves the bounded gate only (log-gates in [-5, 0]): the unbounded form is being written"
     if args.B * args.T * args.HV * HEAD_DIM > _INT32_MAX:
         return False, f"B*T*HV*128 = {args.B * args.T * args.HV * HEAD_DIM} exceeds 32-bit indexing"
     return True, "sm_90a kernels serve this call"
