@@ -19,19 +19,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tests.helpers import rel_l2  # noqa: E402
-from tests.kda_cases import CASES, make_inputs, oracle  # noqa: E402
+from tests.kda_cases import CASES, PENDING_FLA_CASES, UNBOUNDED_CASES, make_inputs, oracle  # noqa: E402
 
 
 def fla_kda(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     from fla.ops.kda import chunk_kda
 
     call = dict(kwargs)
-    call.pop("safe_gate")
+    safe_gate = call.pop("safe_gate")
     if call.get("initial_state") is not None:
         call["initial_state"] = call["initial_state"].float()  # FLA takes fp32 states only
     if call.get("cu_seqlens") is not None:
         call["cu_seqlens"] = call["cu_seqlens"].long()
-    return chunk_kda(**call, safe_gate=True)
+    return chunk_kda(**call, safe_gate=safe_gate)
 
 
 def main(out_path: str, only: str = "") -> None:
@@ -43,7 +43,7 @@ def main(out_path: str, only: str = "") -> None:
     if only == "missing":
         from tests.kda_fla_errors import FLA_ERRORS as known
     rows = []
-    for case in CASES:
+    for case in [*CASES, *UNBOUNDED_CASES, *PENDING_FLA_CASES]:
         if case.name in known or (only and only != "missing" and case.name not in only.split(",")):
             continue
         kwargs = make_inputs(case, "cuda")
@@ -57,11 +57,13 @@ def main(out_path: str, only: str = "") -> None:
 
 
 def _write(out_path: str, fla_version: str, known: dict, rows: list) -> None:
+    kept = " (the cases recorded before kept from their own runs)" if known else ""
     header = (
         f'"""FLA Triton chunk_kda error against the fp64 oracle on tests/kda_cases.py (seed 0).\n\n'
         f"Measured by benchmarks/fla_error_bounds.py on {torch.cuda.get_device_name()}\n"
         f"(torch {torch.__version__}, fla-core {fla_version}, FLA_FLASH_KDA=0) on "
-        f'{datetime.date.today().isoformat()}. Do not edit by hand."""\n\n'
+        f"{datetime.date.today().isoformat()}{kept}"
+        '. Do not edit by hand."""\n\n'
     )
     rows = [(name, eo, eh) for name, (eo, eh) in known.items()] + rows
     body = "FLA_ERRORS = {\n" + "".join(f"    {name!r}: ({eo:.4e}, {eh:.4e}),\n" for name, eo, eh in rows) + "}\n"

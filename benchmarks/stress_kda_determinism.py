@@ -27,6 +27,14 @@ PROBLEMS = {
     "fixed B2 T1000 H4 HV8": KdaCase("stress-fixed", B=2, T=1000, H=4, HV=8),
     "varlen 6 seqs H2 HV4": KdaCase("stress-varlen", B=1, T=2000, H=2, HV=4, cu=(0, 1, 64, 65, 700, 700, 2000)),
 }
+# --gate unbounded: the same shapes with the unbounded gate forms (issue 25): Kimi-Linear's softplus gate in kernel
+# (fixed) and its precomputed fp32 gate (varlen)
+UNBOUNDED_PROBLEMS = {
+    "fixed B2 T1000 H4 HV8, softplus gate": KdaCase("stress-fixed-kimi", B=2, T=1000, H=4, HV=8, gate="kimi"),
+    "varlen 6 seqs H2 HV4, fp32 Kimi gate": KdaCase("stress-varlen-kimi", B=1, T=2000, H=2, HV=4,
+                                                    cu=(0, 1, 64, 65, 700, 700, 2000), gate="kimi",
+                                                    gate_in_kernel=False),
+}
 
 
 def stress(case: KdaCase, replays: int, per_graph: int) -> tuple[int, int, float]:
@@ -57,6 +65,8 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=1_000_000)
     parser.add_argument("--per-graph", type=int, default=100)
     parser.add_argument("--out", default="")
+    parser.add_argument("--gate", default="safe", choices=["safe", "unbounded"],
+                        help="the problems' gate: the safe lower-bound form, or the unbounded forms")
     args = parser.parse_args()
     os.environ["CULA_BACKEND"] = args.backend
     lines = [f"# kda_prefill determinism stress ({args.backend})", "",
@@ -65,7 +75,7 @@ def main() -> None:
              f"- command: `python {' '.join(sys.argv)}`", "",
              "| problem | replays | differing outputs (per call: o, final state; any bit) | wall s |",
              "|---|---|---|---|"]
-    for name, case in PROBLEMS.items():
+    for name, case in (PROBLEMS if args.gate == "safe" else UNBOUNDED_PROBLEMS).items():
         done, bad, wall = stress(case, args.replays, args.per_graph)
         lines.append(f"| {name} | {done} | {bad} | {wall:.1f} |")
         print(lines[-1], flush=True)

@@ -14,6 +14,7 @@ import torch
 
 HEAD_DIM = 128
 LOWER_BOUND = -5.0
+WIDE_LOWER_BOUND = -12.0
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class KdaCase:
     # raw g ~ N(0, 1)), in kernel with gate_in_kernel, else precomputed (in g_dtype); "extreme" a precomputed
     # log-gate with some channels at -50 and others at -1e4 per token, and chunks where every token decays fully;
     # "slow" a precomputed log-gate near zero (-1e-4 .. 0) for long accumulations.
+    # "wide": the in-kernel lower-bound form with lower_bound=-12 and safe_gate=False (bounded, but outside [-5, 0))
     gate: str = "safe"
+    allow_neg_eigval: bool = False
 
 
 def _case(name: str, **kw) -> KdaCase:
@@ -100,6 +103,18 @@ UNBOUNDED_CASES: list[KdaCase] = [
     _case("extreme-varlen-GVA2-vk", B=1, T=1000, H=2, HV=4, cu=(0, 63, 64, 500, 1000), gate="extreme",
           gate_in_kernel=False, state_v_first=True),
     _case("slow-B1-T4096-H2", B=1, T=4096, H=2, HV=2, gate="slow", gate_in_kernel=False),
+    # (added after the first eight: each case draws from its own generator, so earlier cases' inputs are unchanged)
+    _case("wide-lb12-B1-T300-H2", B=1, T=300, H=2, HV=2, gate="wide"),
+    _case("kimi-negeig-B1-T300-H2-HV4", B=1, T=300, H=2, HV=4, gate="kimi", allow_neg_eigval=True),
+    _case("kimi-no-l2norm-beta-activated-bf16", B=1, T=300, H=2, HV=2, gate="kimi", gate_in_kernel=False,
+          l2norm=False, beta_sigmoid=False, beta_dtype=bf16),
+]
+
+# Cases whose FLA error is not measured yet (benchmarks/fla_error_bounds.py ... missing measures them; the GPU tests
+# take a case once tests/kda_fla_errors.py has it): move them into UNBOUNDED_CASES then.
+PENDING_FLA_CASES: list[KdaCase] = [
+    _case("kimi-nodtbias-varlen-tails", B=1, T=400, H=2, HV=2, cu=(0, 1, 17, 17, 81, 400), gate="kimi"),
+    _case("slow-B1-T32768-H1", B=1, T=32768, H=1, HV=1, gate="slow", gate_in_kernel=False, h0=None),
 ]
 
 
@@ -137,6 +152,9 @@ def make_inputs(case: KdaCase, device: torch.device | str, seed: int = 0) -> dic
         g[:, 64:128] = -1e4  # a chunk where every token decays fully, on every channel
     elif case.gate == "slow":
         g = -1e-4 * torch.rand(B, T, HV, K, generator=gen)
+    elif case.gate == "wide":  # raw g for lower_bound * sigmoid(exp(A_log) (g + dt_bias)), lower_bound -12
+        g = randn(B, T, HV, K)
+        A_log, dt_bias = 0.5 * randn(HV), randn(HV * K)
     else:
         raise ValueError(f"unknown gate {case.gate!r}")
     beta = randn(B, T, HV) if case.beta_sigmoid else torch.sigmoid(randn(B, T, HV))
@@ -145,8 +163,11 @@ def make_inputs(case: KdaCase, device: torch.device | str, seed: int = 0) -> dic
         q=q.to(bf16), k=k.to(bf16), v=randn(B, T, HV, V).to(bf16), g=g.to(case.g_dtype), beta=beta.to(case.beta_dtype),
         scale=case.scale, output_final_state=case.final_state, use_qk_l2norm_in_kernel=case.l2norm,
         use_gate_in_kernel=case.gate_in_kernel, use_beta_sigmoid_in_kernel=case.beta_sigmoid, safe_gate=safe,
-        lower_bound=LOWER_BOUND if safe else None, state_v_first=case.state_v_first,
+        lower_bound=LOWER_BOUND if safe else (WIDE_LOWER_BOUND if case.gate == "wide" else None),
+        state_v_first=case.state_v_first, allow_neg_eigval=case.allow_neg_eigval,
     )
+    if case.name == "kimi-nodtbias-varlen-tails":
+        dt_bias = None
     if safe and case.gate_in_kernel:
         A_log, dt_bias = 0.5 * randn(HV), randn(HV * K)
     if A_log is not None:

@@ -1,7 +1,8 @@
 """FLA Triton chunk_kda error against the fp64 oracle on tests/kda_cases.py (seed 0).
 
 Measured by benchmarks/fla_error_bounds.py on NVIDIA H200
-(torch 2.11.0+cu130, fla-core 0.6.0, FLA_FLASH_KDA=0) on 2026-11-29. Do not edit by hand."""
+(torch 2.11.0+cu130, fla-core 0.6.0, FLA_FLASH_KDA=0): the safe-gate cases on 2026-11-29, the unbounded ones
+(UNBOUNDED_CASES) on 2026-12-01. Do not edit by hand."""
 
 FLA_ERRORS = {
     'B1-T1-H2': (3.9150e-03, 7.4690e-04),
@@ -36,4 +37,15 @@ FLA_ERRORS = {
     'varlen-6seqs-GVA2-vk': (4.0689e-03, 2.9848e-03),
     'varlen-5seqs-noh0': (4.2019e-03, 3.1169e-03),
     'varlen-3seqs-h0bf16-GVA4': (4.0654e-03, 1.6471e-04),
+    'kimi-B1-T1000-H4': (3.9573e-03, 2.6534e-03),
+    'kimi-B2-T257-H2-betabf16-vk': (3.9802e-03, 2.9434e-03),
+    'kimi-precomputed-fp32-varlen-serving': (3.9440e-03, 2.5959e-04),
+    'kimi-precomputed-bf16-GVA2-noh0': (3.8917e-03, 2.7318e-03),
+    'kimi-varlen-GVA4-h0bf16': (3.8654e-03, 1.8393e-04),
+    'extreme-B1-T700-H2': (4.0660e-03, 2.9538e-03),
+    'extreme-varlen-GVA2-vk': (3.8968e-03, 6.5790e-04),
+    'slow-B1-T4096-H2': (5.8295e-03, 4.8988e-03),
+    'wide-lb12-B1-T300-H2': (3.9105e-03, 2.6155e-03),
+    'kimi-negeig-B1-T300-H2-HV4': (3.9612e-03, 3.0199e-03),
+    'kimi-no-l2norm-beta-activated-bf16': (3.2499e-03, 2.5867e-03),
 }

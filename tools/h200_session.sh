@@ -52,6 +52,9 @@ for step in "$@"; do
     stress|stress:sm90) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend sm90 --out "$OUT/stress_sm90.md" ;;
     stress:cutedsl) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend cutedsl \
                       --out "$OUT/stress_cutedsl.md" ;;
+    # the unbounded gate's forms (issue 25), 10^5 replays per problem
+    stress:unbounded) for b in sm90 cutedsl; do timeout 280 python3 benchmarks/stress_kda_determinism.py --backend $b \
+                        --gate unbounded --replays 100000 --out "$OUT/stress_unbounded_$b.md"; done ;;
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;

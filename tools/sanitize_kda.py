@@ -21,6 +21,11 @@ SHAPES = {
     "small": KdaCase("sanitize-small-varlen", B=1, T=200, H=2, HV=2, cu=(0, 1, 64, 65, 65, 200)),
     "gva": KdaCase("sanitize-gva", B=2, T=300, H=2, HV=8, state_v_first=True),
     "large": KdaCase("sanitize-large", B=2, T=4096, H=8, HV=8),
+    # the unbounded gate's forms (issue 25): the in-kernel softplus, an extreme precomputed gate, Kimi's fp32 gate
+    "small-kimi": KdaCase("sanitize-small-kimi", B=1, T=200, H=2, HV=2, cu=(0, 1, 64, 65, 65, 200), gate="kimi"),
+    "gva-extreme": KdaCase("sanitize-gva-extreme", B=2, T=300, H=2, HV=8, state_v_first=True, gate="extreme",
+                           gate_in_kernel=False),
+    "large-kimi": KdaCase("sanitize-large-kimi", B=2, T=4096, H=8, HV=8, gate="kimi", gate_in_kernel=False),
 }
 
 

@@ -58,7 +58,7 @@ class FakeExtension:
         self.launches += 1
         self.read = {i: read_values(a[i], ctype, count) for i, (ctype, count) in self.reads.items() if a[i]}
         regions, _ = shim().workspace_layout(a[12], a[15], a[13])
-        for byte, (region, ptr) in enumerate(zip(regions, a[22:28], strict=True), start=1):
+        for byte, (region, ptr) in enumerate(zip(regions, a[23:29], strict=True), start=1):
             ctypes.memset(ptr, byte, region.nbytes)
         return 0
 

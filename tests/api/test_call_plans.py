@@ -57,7 +57,7 @@ def _launch_record(fake, kwargs: dict) -> tuple:
     a, r = fake.intra, fake.recurrence
     inputs = tuple(kwargs[name].data_ptr() for name in ("q", "k", "v", "g", "beta"))
     h0 = kwargs.get("initial_state")
-    return (a[:5] == inputs, r[9] == (0 if h0 is None else h0.data_ptr()), a[7:9], a[12:22], a[28:30], r[10],
+    return (a[:5] == inputs, r[9] == (0 if h0 is None else h0.data_ptr()), a[7:9], a[12:23], a[29:31], r[10],
             r[13:21], fake.read, fake.order)
 
 
@@ -105,7 +105,7 @@ def test_a_knob_change_makes_a_new_plan_and_the_old_one_serves_again(planned, mo
     assert validations == [1, 1] and fake.recurrence[18] is True  # the first plan again
     monkeypatch.setenv(kda.ENV_INTRA_TUNED, "tensor")
     cula.kda.kda_prefill(**kwargs)
-    assert validations == [1, 1, 1] and fake.intra[28] == 11
+    assert validations == [1, 1, 1] and fake.intra[29] == 11
     monkeypatch.setenv(kda.ENV_INTRA_TUNED, "nope")  # a bad knob is still refused, before any launch
     fake.intra = ()
     with pytest.raises(ValueError, match="CULA_SM90_INTRA_TUNED='nope'"):

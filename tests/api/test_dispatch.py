@@ -133,7 +133,8 @@ def test_info_command_explains_the_choice() -> None:
     env = {key: value for key, value in os.environ.items() if key != "CULA_BACKEND"}
     out = subprocess.run([sys.executable, "-m", "cula", "info"], capture_output=True, text=True, check=True,
                          env=env).stdout
-    for words in ("cula-runtime", "torch", "nvidia-cutlass-dsl", "picks:", "reference", "cutedsl", "sm90"):
+    for words in ("cula-runtime", "torch", "nvidia-cutlass-dsl", "picks:", "reference", "cutedsl", "sm90",
+                  "gate forms", "softplus gate in kernel (Kimi-Linear): unbounded-gate kernels"):
         assert words in out, out
 
 
@@ -162,3 +163,17 @@ def test_cutedsl_backend_serves_its_targets_only(cap, accepted, monkeypatch) -> 
     for change, words in ((dict(q=args.q.half()), "bf16"), (dict(K=64), "K = V = 128")):
         ok, reason = backend.verify(SimpleNamespace(**{**vars(on_gpu), **change}))
         assert not ok and words in reason, reason
+    # every unbounded gate form too (the intra kernel's unbounded form): a precomputed fp32 or bf16 g without
+    # safe_gate, the in-kernel softplus form, the lower-bound form below -5; β as values or logits, 2 sigmoid(β)
+    from cula_runtime.kda_args import gate_is_bounded
+
+    precomputed = dict(use_gate_in_kernel=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None)
+    for change in (precomputed, dict(precomputed, g=args.g.bfloat16()),
+                   dict(lower_bound=None, safe_gate=False), dict(lower_bound=None, dt_bias=None),
+                   dict(lower_bound=-12.0),
+                   dict(precomputed, allow_neg_eigval=True),
+                   dict(precomputed, use_beta_sigmoid_in_kernel=False, beta=args.beta.bfloat16())):
+        unbounded = SimpleNamespace(**{**vars(on_gpu), **change})
+        assert not gate_is_bounded(unbounded), change
+        ok, reason = backend.verify(unbounded)
+        assert ok, (change, reason)

@@ -22,7 +22,7 @@ from cula_runtime.kda_args import KdaPrefillArgs, validate_kda_prefill
 from cula_runtime.kda_tuning import recurrence_block_v
 from tests.api.fake_sm90 import shim
 from tests.gpu_backends import use_backend
-from tests.kda_cases import CASES, KdaCase, make_inputs
+from tests.kda_cases import CASES, UNBOUNDED_CASES, KdaCase, make_inputs
 
 B, T, H, HV, K, V = 2, 70, 2, 4, 32, 16
 
@@ -157,7 +157,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
         (o, ht), ws = kda.kda_prefill(args), None
 
     a = fake.intra
-    assert len(a) == 30
+    assert len(a) == 31
     assert a[:5] == tuple(x.data_ptr() for x in (args.q, args.k, args.v, args.g, args.beta))
     if args.A_log is not None:  # converted to fp32 for the kernel (read during the launch: a temporary)
         assert fake.read[5] == args.A_log.float().tolist() and fake.read[6] == args.dt_bias.float().tolist()
@@ -170,13 +170,13 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert fake.read[11] == offsets
     assert a[12:16] == (total, num_chunks, args.H, args.HV)
     assert a[16] == pytest.approx(args.scale) and a[17] == args.lower_bound
-    assert a[18:22] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
-                        args.allow_neg_eigval)
+    assert a[18:23] == (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
+                        args.allow_neg_eigval, args.use_gate_in_kernel and args.lower_bound is None)
     # the form with the tensor-core inverse, computing only the bands holding tokens when the partial last chunks leave
     # enough bands idle (the default: "auto"), the stream
     idle = sum((64 - (b - a) % 64) // 16 for a, b in zip(cu[:-1], cu[1:], strict=True) if (b - a) % 64)
-    assert a[28:30] == (15 if 5 * idle >= num_chunks else 11, 777)
-    workspace = a[22:28]
+    assert a[29:31] == (15 if 5 * idle >= num_chunks else 11, 777)
+    workspace = a[23:29]
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
@@ -265,13 +265,13 @@ def test_sm90_retired_knobs_are_not_read(fake_sm90, monkeypatch: pytest.MonkeyPa
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
-    default = (fake.intra[28:], fake.recurrence[8], fake.order, fake.recurrence[13:])
+    default = (fake.intra[29:], fake.recurrence[8], fake.order, fake.recurrence[13:])
     assert fake.order == [2, 0, 1]  # 128, 100 and 0 tokens
     for variable, value in (("CULA_SM90_LONGEST_FIRST", "0"), ("CULA_SM90_INTRA_PERSISTENT", "1"),
                             ("CULA_SM90_RECURRENCE_WGMMA", "0"), ("CULA_SM90_RECURRENCE_STAGES", "3")):
         monkeypatch.setenv(variable, value)
     kda.kda_prefill(args)
-    assert (fake.intra[28:], fake.recurrence[8], fake.order, fake.recurrence[13:]) == default
+    assert (fake.intra[29:], fake.recurrence[8], fake.order, fake.recurrence[13:]) == default
     for retired in (dict(intra_ctas=5), dict(intra_prefetch=2), dict(recurrence_wgmma=False),
                     dict(recurrence_stages=3)):  # run_kernels' keyword arguments for them are gone too
         with pytest.raises(TypeError, match=next(iter(retired))):
@@ -363,18 +363,43 @@ def test_sm90_intra_auto_form_follows_the_idle_bands(fake_sm90) -> None:
         kwargs["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
         args = validate_kda_prefill(**kwargs)
         kda.kda_prefill(args)
-        assert fake.intra[28] == bits, bounds
+        assert fake.intra[29] == bits, bounds
         plan = plan or kda.plan_kda_prefill(args)  # the first call's plan, for every call below
     for bounds, bits in calls:
         cu = torch.tensor(bounds, dtype=torch.int32)
         plan(*(kwargs.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias")), cu,
              cu.clone())
-        assert fake.intra[28] == bits, ("plan", bounds)
+        assert fake.intra[29] == bits, ("plan", bounds)
     for T, bits in ((1000, 11), (80, 15), (128, 11)):  # idle bands per sequence: 1 of 16 chunks, 3 of 2, none
         case = KdaCase(name=f"B2-T{T}", B=2, T=T, H=2, HV=2)
         fake.o_bytes, fake.state_bytes = 2 * T * 2 * 128 * 2, 2 * 2 * 128 * 128 * 4
         kda.kda_prefill(validate_kda_prefill(**make_inputs(case, "cpu", seed=3)))
-        assert fake.intra[28] == bits, T
+        assert fake.intra[29] == bits, T
+
+
+@pytest.mark.parametrize("case", UNBOUNDED_CASES, ids=[c.name for c in UNBOUNDED_CASES])
+def test_sm90_unbounded_gates_run_the_unbounded_form(case, fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call whose gate can leave [-5, 0] launches the "unbounded" intra form (4107) whatever
+    CULA_SM90_INTRA_TUNED asks for (the other forms would overflow), with the in-kernel softplus flag exactly for
+    the softplus form and the lower bound passed as given; a bounded call still follows the knob."""
+    kda, fake = fake_sm90
+    args = validate_kda_prefill(**make_inputs(case, "cpu", seed=2))
+    fake.o_bytes = args.B * args.T * args.HV * 128 * 2
+    fake.state_bytes = args.N * args.HV * 128 * 128 * 4
+    for knob in ("auto", "tensor", "bands"):
+        monkeypatch.setenv(kda.ENV_INTRA_TUNED, knob)
+        kda.kda_prefill(args)
+        assert fake.intra[29] == kda._TUNED_FORMS["unbounded"] == 4107, knob
+        assert fake.intra[22] is (case.gate_in_kernel and case.gate != "wide")  # softplus in kernel
+        if case.gate == "wide":
+            assert fake.intra[17] == -12.0
+    bounded = validate_kda_prefill(**make_inputs(CASES[4], "cpu", seed=2))
+    fake.o_bytes = bounded.B * bounded.T * bounded.HV * 128 * 2
+    fake.state_bytes = bounded.N * bounded.HV * 128 * 128 * 4
+    for knob, bits in (("tensor", 11), ("unbounded", 4107)):
+        monkeypatch.setenv(kda.ENV_INTRA_TUNED, knob)
+        kda.kda_prefill(bounded)
+        assert fake.intra[29] == bits and fake.intra[22] is False, knob
 
 
 def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -385,14 +410,14 @@ def test_sm90_intra_tuned_knob(fake_sm90, monkeypatch: pytest.MonkeyPatch) -> No
     kda, fake = fake_sm90
     args = _varlen_228_args(fake)
     kda.kda_prefill(args)
-    assert fake.intra[28] == 15  # lengths 100, 0, 128: 1 idle band over 4 chunks
+    assert fake.intra[29] == 15  # lengths 100, 0, 128: 1 idle band over 4 chunks
     for value, bits in (("tensor", 11), ("bands", 15), ("auto", 15), ("ablate:products", 75), ("ablate:solve", 267)):
         monkeypatch.setenv(kda.ENV_INTRA_TUNED, value)
         kda.kda_prefill(args)
-        assert fake.intra[28] == bits, value
+        assert fake.intra[29] == bits, value
     monkeypatch.setenv(kda.ENV_INTRA_TUNED, "bands")
     kda.run_kernels(args, intra_tuned="tensor")
-    assert fake.intra[28] == 11  # the argument overrides the variable
+    assert fake.intra[29] == 11  # the argument overrides the variable
     accepted = str(sorted(kda._TUNED_FORMS))
     fake.intra = ()
     for retired in ("0", "norm", "inverse", "all"):
@@ -487,9 +512,9 @@ def test_sm90_workspace_is_a_raw_block_returned_after_both_launches(fail: bool, 
     num_chunks = fake.intra[13]
     regions, nbytes = kda.workspace_layout(args.B * args.T, args.HV, num_chunks)
     assert events == [("alloc", nbytes, 777, 0), ("delete", base, 2)]
-    assert fake.intra[22:28] == tuple(base + region.offset for region in regions)
+    assert fake.intra[23:29] == tuple(base + region.offset for region in regions)
     if not fail:
-        assert fake.recurrence[:6] == fake.intra[22:28]
+        assert fake.recurrence[:6] == fake.intra[23:29]
         events.clear()
         kda.run_kernels(args)  # (its workspace views need a tensor: no raw block)
         assert events == []

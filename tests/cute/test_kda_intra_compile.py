@@ -42,6 +42,15 @@ CONFIGS = {
     "none-bf16-varlen-H2-HV4": (dict(num_heads=2, num_v_heads=4, varlen=True),
                                 dict(form="none", g_dtype="bfloat16", beta_dtype="bfloat16", has_A_log=False,
                                      has_dt_bias=False, beta_sigmoid=False)),
+    # the unbounded form (diagonal blocks by the levels split): a precomputed fp32 Kimi-style log-gate, packed, β as
+    # given (fp32), L2 norm in the kernel
+    "unbounded-none-fp32-l2norm-varlen-H2-HV4": (dict(num_heads=2, num_v_heads=4, varlen=True, l2norm=True,
+                                                      unbounded=True),
+                                                 dict(form="none", has_A_log=False, has_dt_bias=False,
+                                                      beta_sigmoid=False)),
+    # ... and the in-kernel softplus gate (fp32 g, β logits)
+    "unbounded-softplus-fp32-l2norm-fixed-H2-HV4": (dict(num_heads=2, num_v_heads=4, l2norm=True, unbounded=True),
+                                                    dict(form="softplus")),
 }
 # Compiled for sm_90a only: on sm_100a and sm_103a it differs from a configuration compiled there by the gate's dtype
 # alone.
@@ -60,6 +69,8 @@ SPILLS = {
         "safe-bf16-l2norm-varlen-H2-HV4": {"sm_90a": 55},
         "softplus-bf16-neg-fixed-H2-HV4": {"sm_90a": 14, "sm_100a": 11, "sm_103a": 10},
         "none-bf16-varlen-H2-HV4": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "unbounded-none-fp32-l2norm-varlen-H2-HV4": {"sm_90a": 19, "sm_100a": 16, "sm_103a": 16},
+        "unbounded-softplus-fp32-l2norm-fixed-H2-HV4": {"sm_90a": 28, "sm_100a": 18, "sm_103a": 16},
     },
     "4.8": {
         "safe-fp32-l2norm-fixed-H4-HV8": {"sm_90a": 29, "sm_100a": 24, "sm_103a": 24},
@@ -67,10 +78,17 @@ SPILLS = {
         "safe-bf16-l2norm-varlen-H2-HV4": {"sm_90a": 15},
         "softplus-bf16-neg-fixed-H2-HV4": {"sm_90a": 29, "sm_100a": 30, "sm_103a": 30},
         "none-bf16-varlen-H2-HV4": {"sm_90a": 15, "sm_100a": 6, "sm_103a": 0},
+        "unbounded-none-fp32-l2norm-varlen-H2-HV4": {"sm_90a": 42, "sm_100a": 14, "sm_103a": 14},
+        "unbounded-softplus-fp32-l2norm-fixed-H2-HV4": {"sm_90a": 32, "sm_100a": 20, "sm_103a": 20},
     },
 }
-# 4.7.1 measured the same counts as 4.6.2 (compiled here, never run on a GPU; CI compiles the two ends of the range)
-SPILLS["4.7"] = SPILLS["4.6"]
+# 4.7.1 measured the same counts as 4.6.2 for the safe-gate form (compiled here, never run on a GPU; CI compiles the
+# two ends of the range); the unbounded form's counts differ
+SPILLS["4.7"] = {
+    **SPILLS["4.6"],
+    "unbounded-none-fp32-l2norm-varlen-H2-HV4": {"sm_90a": 16, "sm_100a": 16, "sm_103a": 16},
+    "unbounded-softplus-fp32-l2norm-fixed-H2-HV4": {"sm_90a": 28, "sm_100a": 20, "sm_103a": 20},
+}
 # Shared memory of one SM on SM90 and SM100/SM103 (228 KB), and what each of two resident CTAs may take (the
 # driver reserves 1 KB per CTA).
 SMEM_PER_SM = 228 * 1024
@@ -126,8 +144,12 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
 
     # Warp MMA only: 10 score blocks x (Aqk, Akk) x 2 n-atoms x K/16 k-steps (each of the 8 warps' code holds one of a
     # block's two products), plus half of a W/U row band per warp (16 x K outputs, 64-deep: 4 k-steps x K/8 n-atoms
-    # each, for W and U, over two warps).
-    hmma = 10 * 2 * 2 * (K // 16) + 2 * 4 * (K // 8) // 2
+    # each, for W and U, over two warps). Unbounded: the 6 blocks below the diagonal, and in the fill, per row pass
+    # (sub-chunk), one code path of warps 0-3 for the diagonal block's product (16 x 16 x K).
+    diagonal = 0 if config.unbounded else 4
+    hmma = (6 + diagonal) * 2 * 2 * (K // 16) + 2 * 4 * (K // 8) // 2
+    if config.unbounded:
+        hmma += kernel.passes * 2 * (K // 16)
     assert code.count("HMMA") == code.opcodes["HMMA.16816.F32.BF16"] == hmma
     assert code.count("HGMMA") == 0 and not [op for op in code.opcodes if op.startswith("UTC")]  # no wgmma/tcgen05
     assert code.count("LDSM") > 0  # operands through ldmatrix
@@ -155,8 +177,12 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
     # exp2 per element: the row factor, 2^Γ (qg; the right-hand sides' pass reuses it: Γ stays in registers),
     # 2^(Γ_last - Γ), one column factor per anchor at or after the row's; then one exp per gate element the thread
     # activates (the safe form's sigmoid), exp(A_log) and β's sigmoid. (Softplus: exp and log1p, counted apart.)
-    per_row = [3 + 4 - p * kernel.rows_per_pass // 16 for p in range(passes)]
+    # Unbounded: no diagonal column factor, and per row pass one factor per A and B operand element of the
+    # diagonal block's product (16 x K each, over 32 lanes).
+    per_row = [3 + 4 - config.unbounded - p * kernel.rows_per_pass // 16 for p in range(passes)]
     ex2 = kernel.vec * sum(per_row) + gate.beta_sigmoid + (gate.form != "none" and gate.has_A_log)
+    if config.unbounded:
+        ex2 += passes * 2 * 16 * K // 32
     if gate.form == "softplus":
         assert code.count("MUFU.EX2") >= ex2 + per_thread
     else:
@@ -240,3 +266,9 @@ def test_smem_plan() -> None:
     assert (C + 4) * width * 4 <= plan["reuse"]
     assert plan["tb"] >= 2 * C * K * 2 and plan["tb"] + C * C * 2 <= plan["reuse"]  # w, u staged below bf16(Tinv)
     assert all(offset % 1024 == 0 for offset in (*plan["kh"], plan["s"], plan["tb"], C * K * 2))
+    # the unbounded form: k̂ of anchors 1-3 only, then one sub-chunk's Γ (fp32), q and k (bf16) in the same region
+    unbounded = KdaIntra(dataclasses.replace(_config("safe-fp32-l2norm-fixed-H4-HV8"), unbounded=True))
+    uplan = unbounded.smem_plan()
+    assert uplan["kh"][1:] == [0, SUB * K * 2, 3 * SUB * K * 2] and uplan["diag"] == 6 * SUB * K * 2
+    assert uplan["diag"] + SUB * K * (4 + 2 + 2) <= uplan["reuse"] == plan["reuse"]
+    assert unbounded.smem_bytes() == kernel.smem_bytes() <= TWO_CTA_BUDGET

@@ -9,6 +9,12 @@ indices; GVA (HV = 2H, 4H). Bounds: relative L2 error <= 1e-2 for every bf16 out
 bf16 outputs cost about 3e-3), Aqk exactly zero above the diagonal; the decay rows ``g_last`` within 1e-6 relative L2
 of the float64 cumulative gate; 100 replays bit-identical; a packed sequence's rows do not depend on its neighbours;
 one compilation serves every length.
+
+Unbounded gates (the kernel's unbounded form, ``KdaIntraConfig.unbounded``: the diagonal blocks by the levels split):
+Kimi-Linear's ``-exp(A_log) softplus(g + dt_bias)`` with A_log up to ln 16, in the kernel or precomputed in fp32; an
+extreme precomputed gate (channels at -50 and -1e4 per step, a chunk decaying fully on every channel); the
+lower-bound form with lower_bound -12. The same bounds, every output finite, and Aqk also against a float64 pairwise
+oracle.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import pytest
 import torch
 
 from cula_runtime import cute as cula_cute
-from cula_runtime.reference.kda_chunked import ChunkLayout, chunk_local_cumsum, kda_fwd_intra
+from cula_runtime.reference.kda_chunked import ChunkLayout, chunk_local_cumsum, kda_chunk_scores, kda_fwd_intra
 from cula_runtime.reference.preprocess import kda_beta, kda_gate, l2norm
 from tests.gpu_backends import poison_allocator
 from tests.helpers import rel_l2
@@ -65,20 +71,36 @@ def _inputs(case: dict, seed: int, gate_spread: float = 1.0) -> dict:
         q, k = (torch.nn.functional.normalize(x, dim=-1) for x in (q, k))
     if form == "none":  # an activated safe log-gate: every step in [-5, 0]
         g = -5.0 * torch.sigmoid(gate_spread * randn(B, T, HV, K))
+    elif form == "kimi":  # Kimi-Linear's gate, activated in fp32 as an engine passes it: steps reach -30 and below
+        A_log = torch.log(1.0 + 15.0 * torch.rand(HV, generator=gen))
+        g = -A_log.exp()[:, None] * torch.nn.functional.softplus(randn(B, T, HV, K) + 0.5 * randn(HV, K))
+    elif form == "extreme":
+        g = -torch.rand(B, T, HV, K, generator=gen)
+        channels = torch.rand(HV, K, generator=gen)
+        g = torch.where(channels < 0.2, torch.full_like(g, -50.0), g)
+        g = torch.where(channels > 0.9, torch.full_like(g, -1e4), g)
+        g[:, 64:128] = -1e4  # every token of the second chunk decays fully, on every channel
     else:
         g = randn(B, T, HV, K)
     beta = randn(B, T, HV) if sigmoid else torch.sigmoid(randn(B, T, HV))
     gate = {}
+    in_kernel = form in ("safe", "softplus", "softplus-kimi", "wide")
     if form == "safe":
         gate = dict(lower_bound=-5.0, A_log=0.5 * randn(HV) if case.get("A_log", True) else None)
+    elif form == "wide":  # the lower-bound form below the safe gate's -5: unbounded
+        gate = dict(lower_bound=-12.0, A_log=0.5 * randn(HV))
     elif form == "softplus":  # -exp(A_log) softplus(g + dt_bias): keep the steps small (|g| mostly below 5)
         gate = dict(lower_bound=None, A_log=-1.0 + 0.1 * randn(HV))
-    if form != "none" and case.get("dt_bias", True):
+    elif form == "softplus-kimi":  # Kimi-Linear's A_log: exp(A_log) in [1, 16]
+        gate = dict(lower_bound=None, A_log=torch.log(1.0 + 15.0 * torch.rand(HV, generator=gen)))
+    if in_kernel and case.get("dt_bias", True):
         gate["dt_bias"] = 0.5 * randn(HV * K)
+    if not in_kernel:
+        gate["safe_gate"] = form == "none"
     cu = None if case["cu"] is None else torch.tensor(case["cu"], dtype=torch.int32)
     inp = dict(q=q.to(bf16), k=k.to(bf16), v=randn(B, T, HV, K).to(bf16), g=g.to(case.get("g", f32)),
                beta=beta.to(case.get("beta", f32)), scale=K**-0.5, cu_seqlens=cu,
-               use_qk_l2norm_in_kernel=l2norm_in_kernel, use_gate_in_kernel=form != "none",
+               use_qk_l2norm_in_kernel=l2norm_in_kernel, use_gate_in_kernel=in_kernel,
                use_beta_sigmoid_in_kernel=sigmoid, allow_neg_eigval=case.get("neg_eig", False), **gate)
     return {name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in inp.items()}
 
@@ -186,6 +208,58 @@ def test_strongest_gate_underflows_cleanly() -> None:
     inp = _inputs(case, seed=5)
     inp["g"] = torch.full_like(inp["g"], -5.0)
     _check(case, _run(inp), _reference(inp))
+
+
+UNBOUNDED_CASES = {
+    "varlen-0-15-100-300-H2-HV4-kimi-fp32": dict(B=1, T=300, H=2, HV=4, cu=[0, 15, 100, 300], form="kimi"),
+    "B2-T130-H2-HV2-kimi-fp32-nol2norm-beta-bf16": dict(B=2, T=130, H=2, HV=2, cu=None, form="kimi", l2norm=False,
+                                                        sigmoid=False, beta=bf16),
+    "B1-T200-H2-HV2-extreme-fp32": dict(B=1, T=200, H=2, HV=2, cu=None, form="extreme"),
+    "varlen-0-63-64-200-H2-HV4-extreme-fp32-pad": dict(B=1, T=200, H=2, HV=4, cu=[0, 63, 64, 200], form="extreme",
+                                                       pad_row=True),
+    "B2-T200-H2-HV4-softplus-kimi": dict(B=2, T=200, H=2, HV=4, cu=None, form="softplus-kimi"),
+    "varlen-0-1-17-17-81-200-H1-HV2-softplus-kimi-bf16-negeig": dict(B=1, T=200, H=1, HV=2,
+                                                                     cu=[0, 1, 17, 17, 81, 200],
+                                                                     form="softplus-kimi", g=bf16, neg_eig=True,
+                                                                     dt_bias=False),
+    "B1-T130-H2-HV2-wide-lb12": dict(B=1, T=130, H=2, HV=2, cu=None, form="wide"),
+}
+
+
+def _aqk_oracle(inp: dict) -> torch.Tensor:
+    """Aqk in float64, pair by pair (KDA_SPEC §3.2): ``scale Σ q_i k_j exp(Γi - Γj)`` for ``j <= i`` in a chunk, the
+    exponent summed from the float64 log-gate steps (``[B, T, HV, 64]``)."""
+    cpu = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in inp.items()}
+    q, k = cpu["q"], cpu["k"]
+    if cpu["use_qk_l2norm_in_kernel"]:
+        q, k = l2norm(q).to(bf16), l2norm(k).to(bf16)
+    B, T, H = q.shape[:3]
+    HV = cpu["v"].shape[2]
+    layout = ChunkLayout.build(B, T, cpu["cu_seqlens"], C, "cpu")
+    f64 = torch.float64
+
+    def heads(x):  # [B, T, H, K] -> [NC, HV, C, K]
+        return layout.to_chunks(x.to(f64).repeat_interleave(HV // H, dim=2))
+
+    step = layout.to_chunks(_activated_gate(cpu, f64))
+    beta = layout.to_chunks(torch.ones(B, T, HV, dtype=f64))
+    _, aqk = kda_chunk_scores(heads(q), heads(k), beta, cpu["scale"], g_step=step)
+    return layout.to_tokens(aqk)
+
+
+@pytest.mark.parametrize("case_id", list(UNBOUNDED_CASES))
+def test_unbounded_gates_match_reference(case_id: str) -> None:
+    """The unbounded form on gates the safe-gate form overflows on: every output finite and within the bounds of
+    the safe gate's cases, Aqk also against the float64 oracle."""
+    case = UNBOUNDED_CASES[case_id]
+    inp = _inputs(case, seed=zlib.crc32(case_id.encode()))
+    poison_allocator(16 * case["B"] * case["T"] * case["HV"] * K * 2)
+    got = _run(inp, _chunk_indices(case, inp["cu_seqlens"]))
+    torch.cuda.synchronize()
+    _check(case, got, _reference(inp))
+    aqk = got["Aqk"].cpu().double()
+    err = rel_l2(aqk, _aqk_oracle(inp))
+    assert err < 1e-2, f"Aqk against the float64 oracle: relative L2 error {err:.2e}"
 
 
 def test_replays_are_bit_identical() -> None:

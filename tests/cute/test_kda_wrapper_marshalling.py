@@ -191,7 +191,7 @@ def _wrappers_chain(args, block_v: int):
         args.q, args.k, args.v, args.g, args.beta, args.scale, A_log=args.A_log, dt_bias=args.dt_bias,
         lower_bound=lower_bound, use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel,
         use_gate_in_kernel=args.use_gate_in_kernel, use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=args.allow_neg_eigval, cu_seqlens=cu,
+        allow_neg_eigval=args.allow_neg_eigval, safe_gate=args.safe_gate, cu_seqlens=cu,
         chunk_indices=None if cu is None else prepare_chunk_indices(cu, 64),
     )
     return chunk_kda_fwd_recurrence(
@@ -237,7 +237,8 @@ def _flow(launches: list, args) -> list:
 
 
 def _prefill_args(cu, *, l2norm=True, gate_in_kernel=True, h0_dtype=torch.float32, final_state=True,
-                  v_first=False, g_dtype=torch.float32, beta_dtype=torch.bfloat16, HV=4, allow_neg_eigval=False):
+                  v_first=False, g_dtype=torch.float32, beta_dtype=torch.bfloat16, HV=4, allow_neg_eigval=False,
+                  lower_bound=-5.0, safe_gate=True):
     from cula_runtime.kda_args import validate_kda_prefill
 
     B, T, H = (2, 100, 2) if cu is None else (1, 130, 2)
@@ -246,12 +247,12 @@ def _prefill_args(cu, *, l2norm=True, gate_in_kernel=True, h0_dtype=torch.float3
         raw["g"] = -torch.rand(B, T, HV, K).to(g_dtype)
     N = B if cu is None else len(cu) - 1
     gen = torch.Generator().manual_seed(5)
-    gate = dict(use_gate_in_kernel=True, lower_bound=-5.0, A_log=torch.randn(HV, generator=gen),
+    gate = dict(use_gate_in_kernel=True, lower_bound=lower_bound, A_log=torch.randn(HV, generator=gen),
                 dt_bias=torch.randn(HV * K, generator=gen)) if gate_in_kernel else {}
     return validate_kda_prefill(
         **raw, initial_state=None if h0_dtype is None else torch.randn(N, HV, K, K, generator=gen).to(h0_dtype),
         output_final_state=final_state, use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=True,
-        allow_neg_eigval=allow_neg_eigval, safe_gate=True, state_v_first=v_first,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, state_v_first=v_first,
         cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32),
         **gate,
     )
@@ -264,6 +265,10 @@ CASES = {
     "bf16-h0-v-first-bf16-g-f32-beta": dict(h0_dtype=torch.bfloat16, v_first=True, g_dtype=torch.bfloat16,
                                              beta_dtype=torch.float32),
     "neg-eigval-HV2": dict(allow_neg_eigval=True, HV=2),  # beta [B, T, 2] fp32: not a multiple of 128 bytes
+    # unbounded gates: the intra kernel's unbounded form
+    "unbounded-softplus": dict(lower_bound=None, safe_gate=False),
+    "unbounded-lower-bound-12": dict(lower_bound=-12.0, safe_gate=False),
+    "unbounded-log-gate": dict(gate_in_kernel=False, safe_gate=False, h0_dtype=None),
 }
 
 
@@ -283,6 +288,7 @@ def test_cutedsl_backend_launches_what_the_wrappers_launch(cu, case: str, launch
     old = _flow(list(launches), args)
     assert len(new) == len(old) == 2
     assert [launch[0].__name__ for launch in new] == ["KdaIntra", "KdaRecurrence"]
+    assert new[0][1].unbounded == case.startswith("unbounded")  # the intra form follows gate_is_bounded
     for got, want in zip(new, old, strict=True):
         assert got[:3] == want[:3]  # kernel, config, scalars
         assert got[3] == want[3]  # where every tensor argument comes from

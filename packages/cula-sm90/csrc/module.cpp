@@ -48,7 +48,8 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
               std::uintptr_t A_log, std::uintptr_t dt_bias, int g_type, int beta_type, std::uintptr_t cu_seqlens,
               std::uintptr_t chunk_indices, std::uintptr_t chunk_offsets, int num_tokens, int num_chunks,
               int num_heads, int num_value_heads, float scale, float lower_bound, bool l2norm_qk,
-              bool gate_in_kernel, bool beta_sigmoid, bool allow_neg_eigval, std::uintptr_t qg, std::uintptr_t kg,
+              bool gate_in_kernel, bool beta_sigmoid, bool allow_neg_eigval, bool gate_softplus, std::uintptr_t qg,
+              std::uintptr_t kg,
               std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, int tuned,
               std::uintptr_t stream) {
   // (the valid forms are listed once, beside the launcher's switch; an ablation build adds its timing-only ones)
@@ -59,7 +60,7 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
   const cula_sm90::KdaIntraArgs args{q, k, v, g, beta, A_log, dt_bias, g_type, beta_type, cu_seqlens,
                                      chunk_indices, chunk_offsets, num_tokens, num_chunks, num_heads,
                                      num_value_heads, scale, lower_bound, l2norm_qk, gate_in_kernel, beta_sigmoid,
-                                     allow_neg_eigval, qg, kg, w, u, Aqk, g_last, tuned};
+                                     allow_neg_eigval, gate_softplus, qg, kg, w, u, Aqk, g_last, tuned};
   int code;
   {
     py::gil_scoped_release release;

@@ -74,29 +74,36 @@ KERNELS: tuple[KernelEntry, ...] = (
     KernelEntry(
         name="kda_prefill_sm90", family="kda", backend="sm90-native", archs=("sm_90a",), dtypes=("bfloat16",),
         features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "safe-gate-in-kernel", "precomputed-gate",
-                  "qk-l2norm", "beta-sigmoid", "state-kv", "state-vk", "initial-state", "final-state"),
-        status="ran on sm_90 (H200) vs fp64: 32 configs within 1.25x FLA's error, 1000 bit-identical replays "
-               "(tests/sm90, tests/gpu), 2x10^6 bit-identical stress replays, compute-sanitizer memcheck and "
+                  "softplus-gate-in-kernel", "unbounded-gate", "qk-l2norm", "beta-sigmoid", "state-kv", "state-vk",
+                  "initial-state", "final-state"),
+        status="ran on sm_90 (H200) vs fp64: 32 bounded-gate configs within 1.25x FLA's error, 1000 bit-identical "
+               "replays (tests/sm90, tests/gpu), 2x10^6 bit-identical stress replays, compute-sanitizer memcheck and "
                "racecheck clean at three shapes (benchmarks/results; 2026-11-30 with the wgmma recurrence and the "
                "tensor-core intra kernel; the kernels kept in issue 25 have that machine code, the intra kernels' "
-               "parameter offsets aside)",
+               "parameter offsets aside); the unbounded-gate form (2026-12-01): 13 configs (Kimi softplus in kernel "
+               "and precomputed fp32/bf16, -50/-1e4 gates, lower_bound -12, near-zero decay over T 32768) within "
+               "1.025x FLA's error where FLA's was measured (11), 1000 bit-identical replays, memcheck and racecheck "
+               "clean at three shapes (benchmarks/results/kda_unbounded_accuracy_h200.md); its speed not measured",
         entry="cula_sm90.kda:kda_prefill",
         summary="native SM90 KDA prefill: chunk-parallel intra kernel (\"tensor\", or \"bands\" for calls with many "
                 "partial chunks, the same bits; CULA_SM90_INTRA_TUNED=auto|tensor|bands) + fp32-register state "
-                "recurrence on warpgroup MMAs at V blocks of 64 or 128, chosen per call (K = V = 128, bf16, safe "
-                "gate); the forms retired in issue 25 (the mma.sync recurrence at V blocks of 32 among them) are in "
-                "the history",
+                "recurrence on warpgroup MMAs at V blocks of 64 or 128, chosen per call (K = V = 128, bf16); every "
+                "call whose gate can leave [-5, 0] runs the intra form \"unbounded\" (the diagonal blocks split by "
+                "levels, KDA_SPEC §3.7); the forms retired in issue 25 (the mma.sync recurrence at V blocks of 32 "
+                "among them) are in the history",
     ),
     KernelEntry(
         name="chunk_kda_fwd_intra_from_raw", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
         dtypes=("bfloat16", "float32"),
         features=("gva", "varlen", "tail-chunks", "zero-length-seqs", "gate-in-kernel", "safe-gate", "qk-l2norm",
-                  "beta-sigmoid", "output-qg"),
+                  "unbounded-gate", "beta-sigmoid", "output-qg"),
         status=_CUTE_STATUS,
         entry="cula_runtime.cute.kda.intra:chunk_kda_fwd_intra_from_raw",
         summary="CuTeDSL KDA intra from the raw inputs in one launch: gate activation (safe, softplus or none) and "
                 "chunk cumsum, beta, q/k L2 norm, Aqk/Akk on warp MMA, fp32 inverse, w/u/kg/qg (FLA layouts) and "
-                "per-chunk decay rows for the recurrence; 8 warps, two CTAs per SM, K = V = 128; the cutedsl "
+                "per-chunk decay rows for the recurrence; 8 warps, two CTAs per SM, K = V = 128; a compile-time "
+                "unbounded-gate variant (the diagonal blocks split by levels) for gates that can leave [-5, 0], run on "
+                "the H200 on the 13 unbounded configs of tests/gpu (2026-12-01); the cutedsl "
                 "backend's intra step (1.05-1.68x faster end to end on the H200 than kda_prepare -> intra, the same "
                 "bits); the forms retired in issue 25 are in the history",
     ),

@@ -41,6 +41,7 @@ int kda_intra(const KdaIntraArgs& a, std::uintptr_t stream) {
   p.gate_in_kernel = a.gate_in_kernel;
   p.beta_sigmoid = a.beta_sigmoid;
   p.allow_neg_eigval = a.allow_neg_eigval;
+  p.gate_softplus = a.gate_softplus;
   p.qg = as_ptr<void>(a.qg);
   p.kg = as_ptr<void>(a.kg);
   p.w = as_ptr<void>(a.w);

@@ -12,9 +12,9 @@ struct KdaIntraArgs {
   std::uintptr_t cu_seqlens, chunk_indices, chunk_offsets;
   int num_tokens, num_chunks, num_heads, num_value_heads;
   float scale, lower_bound;
-  bool l2norm_qk, gate_in_kernel, beta_sigmoid, allow_neg_eigval;
+  bool l2norm_qk, gate_in_kernel, beta_sigmoid, allow_neg_eigval, gate_softplus;
   std::uintptr_t qg, kg, w, u, Aqk, g_last;
-  int tuned;  // the kernel's form, a bit set (kda_params.h): 11 "tensor" or 15 "bands"
+  int tuned;  // the kernel's form, a bit set (kda_params.h): 11 "tensor", 15 "bands" or 4107 "unbounded"
 };
 
 struct KdaRecurrenceArgs {

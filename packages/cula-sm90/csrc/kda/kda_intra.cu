@@ -1,6 +1,6 @@
 // Kernel 1 of the split SM90 KDA prefill ("intra"): its launcher and the one list of the forms it launches. The
 // per-item code and the kernel are in kda_intra_item.cuh; each form's instance is in a translation unit of its own
-// (kda_intra_tensor.cu, kda_intra_bands.cu, and the timing-only kda_intra_ablation.cu).
+// (kda_intra_tensor.cu, kda_intra_bands.cu, kda_intra_unbounded.cu, and the timing-only kda_intra_ablation.cu).
 #include <string>
 
 #include "kda/kda_intra_item.cuh"
@@ -9,12 +9,13 @@ namespace cula::sm90 {
 
 cudaError_t launch_kda_intra_tensor(const KdaIntraParams& params, cudaStream_t stream);
 cudaError_t launch_kda_intra_bands(const KdaIntraParams& params, cudaStream_t stream);
+cudaError_t launch_kda_intra_unbounded(const KdaIntraParams& params, cudaStream_t stream);
 #ifdef CULA_SM90_ABLATION
 cudaError_t launch_kda_intra_ablation(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 #endif
 
 // The forms the switch below launches (keep the two together).
-constexpr int kIntraForms[] = {kTunedTensor, kTunedTensor | kTunedBands};
+constexpr int kIntraForms[] = {kTunedTensor, kTunedTensor | kTunedBands, kTunedTensor | kTunedUnbounded};
 
 bool kda_intra_form_built(int tuned) {
   for (const int form : kIntraForms) {
@@ -27,7 +28,7 @@ bool kda_intra_form_built(int tuned) {
 #endif
 }
 
-const char* kda_intra_forms_text() {  // "11 or 15", from kIntraForms
+const char* kda_intra_forms_text() {  // "11, 15 or 4107", from kIntraForms
   static const std::string text = [] {
     constexpr int n = static_cast<int>(sizeof(kIntraForms) / sizeof(kIntraForms[0]));
     std::string joined;
@@ -51,6 +52,7 @@ cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream
   switch (tuned) {
     case kTunedTensor: return launch_kda_intra_tensor(params, stream);
     case kTunedTensor | kTunedBands: return launch_kda_intra_bands(params, stream);
+    case kTunedTensor | kTunedUnbounded: return launch_kda_intra_unbounded(params, stream);
     default: return cudaErrorInvalidValue;
   }
 }

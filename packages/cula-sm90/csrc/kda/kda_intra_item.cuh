@@ -60,6 +60,11 @@ constexpr uint32_t kOffE = 100352;   // fp32 [4][128]  2^{Γ2[L-1] - Γ2[16J]}
 constexpr uint32_t kOffD = 102400;   // fp32 [6][128]  2^{Γ2[16I] - Γ2[16J]}, I > J (pair_index order)
 constexpr uint32_t kOffBeta = 105472;  // fp32 [64]
 constexpr uint32_t kSmemBytes = 105728;
+// The "unbounded" form only (kTunedUnbounded): its diagonal blocks of Aqk and Akk (fp32 [2][4][16][16], phase 2d's
+// results and Aqk's diagonal from 2a, read by phase 3's epilogue), after the others: 111.25 KiB per CTA, two still
+// fit on an SM (2 x (113920 + 1024 reserved) <= 228 KiB).
+constexpr uint32_t kOffDiag = kSmemBytes;
+constexpr uint32_t kSmemBytesUnbounded = kOffDiag + 8192;
 // Aliases, valid after phase 3:
 constexpr uint32_t kOffA = 0;        // fp32 [64][kAStride]: Akk's diagonal blocks (phase 4a's input)
 constexpr int kAStride = 68;
@@ -83,7 +88,9 @@ __device__ __forceinline__ uint32_t quad_off(int r, int lane) {
 // over its 4 columns: a transposed reduction (lane bits 4, 3, 2 split the rows between lane halves, quarters and
 // eighths: 4 + 2 + 1 shuffles, then 2 for the last 4 lanes' columns), one rsqrt per lane, and 8 broadcasts, instead
 // of a 5-shuffle butterfly per row (40 shuffles and 8 rsqrt).
-__device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, float (&r)[8]) {
+// The sum over the warp of row pp = lane >> 2's partial sums part[pp] (the transposed reduction of row_rsqrt8), in
+// every lane: lanes 4 pp .. 4 pp + 3 hold row pp's.
+__device__ __forceinline__ float row_sum8(const float (&part)[8], int lane) {
   const bool b4 = (lane & 16) != 0, b3 = (lane & 8) != 0, b2 = (lane & 4) != 0;
   float t4[4], t2[2];
 #pragma unroll
@@ -99,7 +106,10 @@ __device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, flo
   float t1 = (b2 ? t2[1] : t2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? t2[0] : t2[1], 4);  // row 4*b4 + 2*b3 + b2
   t1 += __shfl_xor_sync(0xffffffffu, t1, 2);
   t1 += __shfl_xor_sync(0xffffffffu, t1, 1);
-  const float mine = rsqrtf(t1 + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
+  return t1;
+}
+__device__ __forceinline__ void row_rsqrt8(const float (&part)[8], int lane, float (&r)[8]) {
+  const float mine = rsqrtf(row_sum8(part, lane) + 1e-6f);  // x / sqrt(sum x^2 + 1e-6), eps inside the root
 #pragma unroll
   for (int pp = 0; pp < 8; ++pp) r[pp] = __shfl_sync(0xffffffffu, mine, ((pp >> 2) << 4) | (((pp >> 1) & 1) << 3) | ((pp & 1) << 2));
 }
@@ -228,6 +238,132 @@ __device__ __forceinline__ bool band_live(int band, int bands) {
     return true;
   }
 }
+// kTunedUnbounded ("unbounded", on top of kTunedTensor): exact for any log-gate <= 0 (KDA_SPEC §3.7), where the
+// sub-chunk-anchored factors of the other forms overflow. It changes three things:
+//   * the diagonal 16x16 blocks of Aqk and Akk are phase 2d's "levels" products (below), written to the kOffDiag
+//     scratch, and Aqk's diagonal entries the fp32 dots q_i·k_i (2a); phase 3 computes only the 6 blocks below;
+//   * the column factor b = 2^{Γ2[16J+15] - Γ2} (<= 1: the key sub-chunk's last row as anchor) in place of
+//     2^{Γ2[16J] - Γ2} (>= 1), with the tables E = 2^{Γ2[L-1] - Γ2[16J+15]} and D = 2^{Γ2[16I] - Γ2[16J+15]} (both
+//     <= 1): kg and the off-diagonal column operands are the same products of factors <= 1;
+//   * q and k are L2-normalised in place before 2d (2a then reads them normalised), and the in-kernel gate may be
+//     the softplus form (KdaIntraParams::gate_softplus).
+// Rows, kg, qg and the right-hand sides were already safe for any gate. 8 KiB more shared memory and two barriers.
+constexpr int kTunedUnbounded = 4096;
+template <int kTuned>
+__device__ __forceinline__ constexpr bool unbounded_form() {
+  return (kTuned & kTunedUnbounded) != 0;
+}
+
+// ---- Phase 2d ("unbounded" only): the diagonal blocks by levels. In diagonal block I (local token indices 0..15) a
+// pair i > j whose indices first differ in bit b is anchored at m = i with the bits below b cleared (j < m <= i):
+// q_i k_j 2^{Γi-Γj} = [q_i 2^{Γi-Γm}] [k_j 2^{Γm-Γj}], both factors <= 1, so nothing overflows and a flush to zero
+// only drops a product below 2^-126. At level b each token has one role: a row (bit b set) or a column, with the
+// anchor ((l >> b) | 1) << b. Two levels share one 16x16 MMA product through "slots" (the A operand's rows, the B
+// operand's columns), P = 0 for levels 3 and 2, P = 1 for levels 1 and 0; of each product's 256 outputs 96 (P = 0) or
+// 24 (P = 1) are pairs, every strict pair exactly once over the two. The slots' (token, anchor):
+__device__ __forceinline__ void level_row_slot(int P, int r, int& tok, int& anc) {
+  if (P == 0) {  // rows 0-3: tokens 12-15 at level 2 (anchor 12); 4-7: level 2 (anchor 4); 8-15: level 3 (anchor 8)
+    tok = r < 4 ? 12 + r : r;
+    anc = r < 4 ? 12 : (r < 8 ? 4 : 8);
+  } else {  // bit 1 set: level 1 (anchor r & ~1); else level 0 (factor 1): odd r itself, even r for token r + 3
+    tok = (r & 3) == 0 ? r + 3 : r;
+    anc = (r & 2) != 0 ? (r & ~1) : tok;
+  }
+}
+__device__ __forceinline__ void level_col_slot(int P, int c, int& tok, int& anc) {
+  if (P == 0) {  // 0-7: level 3 (anchor 8); 8-11: level 2 (anchor 12); 12-15: tokens 0-3 at level 2 (anchor 4)
+    tok = c < 12 ? c : c - 12;
+    anc = c < 8 ? 8 : (c < 12 ? 12 : 4);
+  } else {  // bit 1 clear: level 1 (anchor (c | 2) & ~1); else level 0: even c itself, odd c for token c - 3
+    tok = (c & 3) == 3 ? c - 3 : c;
+    anc = (c & 2) == 0 ? ((c | 2) & ~1) : tok + 1;
+  }
+}
+// The pair (i, j) that output (row slot rs, column slot cs) of product P holds, if any.
+__device__ __forceinline__ bool level_output(int P, int rs, int cs, int& i, int& j) {
+  if (P == 0) {
+    i = rs < 4 ? rs + 12 : rs;
+    j = (rs >= 4 && rs < 8) ? cs - 12 : cs;
+    return (rs >= 8 && cs < 8) || (rs >= 4 && rs < 8 && cs >= 12) || (rs < 4 && cs >= 8 && cs < 12);
+  }
+  const bool level1 = (rs & 2) != 0 && (cs & 2) == 0 && (rs >> 2) == (cs >> 2);
+  const bool level0 = (rs & 2) == 0 && cs == rs + 2;
+  i = (level0 && (rs & 1) == 0) ? rs + 3 : rs;
+  j = level1 ? cs : ((rs & 1) != 0 ? rs - 1 : rs + 2);
+  return level1 || level0;
+}
+// A slot's operand over the 4 channels c0 .. c0 + 3 (c0 = 16 s + 4 t): x = the bf16 tile, rows 16 I + tok / anc of
+// Γ2; sign +1: a row (2^{Γ2[tok] - Γ2[anc]}), -1: a column (2^{Γ2[anc] - Γ2[tok]}). The MMA's k index of this lane's
+// four values {2t, 2t + 1, 2t + 8, 2t + 9} stands for channels c0 .. c0 + 3 (the same map on both operands: the k sum
+// is over all 16 channels of the step either way), so each lane reads 4 consecutive channels: 8 bytes of the tile,
+// 16 of Γ2. Returns the two packed registers (channels c0, c0 + 1) and (c0 + 2, c0 + 3).
+__device__ __forceinline__ void level_operand(const uint8_t* smem, uint32_t tile, const float* sG, int row, int arow,
+                                              int c0, bool is_row, uint32_t& lo, uint32_t& hi, float (&f)[4]) {
+  const uint2 x = *reinterpret_cast<const uint2*>(smem + tile + swz256(row, c0 >> 3) + (c0 & 7) * 2);
+  const float4 gt = *reinterpret_cast<const float4*>(sG + row * kD + c0);
+  const float4 ga = *reinterpret_cast<const float4*>(sG + arow * kD + c0);
+  const float d[4] = {gt.x - ga.x, gt.y - ga.y, gt.z - ga.z, gt.w - ga.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) f[e] = ex2_ftz(is_row ? d[e] : -d[e]);
+  lo = pack_bf16x2(bf16_lo(x.x) * f[0], bf16_hi(x.x) * f[1]);
+  hi = pack_bf16x2(bf16_lo(x.y) * f[2], bf16_hi(x.y) * f[3]);
+}
+// Warp w computes product P = w & 1 of diagonal block I = w >> 1 (skipped past the last valid row) over the q and k
+// tiles (L2-normalised, bf16) and Γ2, and writes its pairs' fp32 sums to the scratch: sDq[I][i][j] (Aqk, unscaled),
+// sDk[I][i][j] (Akk, without β). Called with the whole CTA in step; reads only (the caller's barriers order it).
+__device__ __forceinline__ void diagonal_levels(uint8_t* smem, const float* sG, int warp, int lane, int L) {
+  const int I = warp >> 1, P = warp & 1;
+  if (16 * I >= L) return;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  int rtok[2], ranc[2], ctok[2], canc[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    level_row_slot(P, g8 + 8 * hh, rtok[hh], ranc[hh]);  // A rows g8, g8 + 8
+    level_col_slot(P, 8 * hh + g8, ctok[hh], canc[hh]);  // B n-tile hh, column g8
+    rtok[hh] += 16 * I;
+    ranc[hh] += 16 * I;
+    ctok[hh] += 16 * I;
+    canc[hh] += 16 * I;
+  }
+  float accQ[2][4], accK[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accQ[nt][e] = accK[nt][e] = 0.f;
+#pragma unroll 2
+  for (int s = 0; s < 8; ++s) {
+    const int c0 = 16 * s + 4 * t4;
+    uint32_t aq[4], ak[4], b[2][2];
+    float f[4];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      // A registers: {row g8 k 2t..2t+1, row g8+8 k 2t.., row g8 k 2t+8.., row g8+8 k 2t+8..}
+      level_operand(smem, kOffQ, sG, rtok[hh], ranc[hh], c0, true, aq[hh], aq[hh + 2], f);
+      const uint2 kx = *reinterpret_cast<const uint2*>(smem + kOffK + swz256(rtok[hh], c0 >> 3) + (c0 & 7) * 2);
+      ak[hh] = pack_bf16x2(bf16_lo(kx.x) * f[0], bf16_hi(kx.x) * f[1]);
+      ak[hh + 2] = pack_bf16x2(bf16_lo(kx.y) * f[2], bf16_hi(kx.y) * f[3]);
+      level_operand(smem, kOffK, sG, ctok[hh], canc[hh], c0, false, b[hh][0], b[hh][1], f);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      mma_bf16_16816(accQ[nt], aq, b[nt][0], b[nt][1]);
+      mma_bf16_16816(accK[nt], ak, b[nt][0], b[nt][1]);
+    }
+  }
+  float* sDq = reinterpret_cast<float*>(smem + kOffDiag) + I * 256;
+  float* sDk = sDq + 4 * 256;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int i, j;
+      if (level_output(P, g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1), i, j)) {
+        sDq[i * 16 + j] = accQ[nt][e];
+        sDk[i * 16 + j] = accK[nt][e];
+      }
+    }
+}
+
 // Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
 // each drops one phase's arithmetic (its loads feeding only that arithmetic go with it), so the outputs are garbage.
 // The intra kernel's time without a phase bounds what rewriting that phase could gain.
@@ -375,11 +511,25 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const float mult = p.A_log != nullptr ? expf(__ldg(p.A_log + hv)) : 1.f;
       const float m2 = -mult * kLog2e;
       const float lb = p.lower_bound;
+      if (unbounded_form<kTuned>() && p.gate_softplus) {
+        // g = -exp(A_log) * softplus(g + dt_bias), softplus(x) = x for x > 20 (torch's threshold)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (rbase + j < L) {
+        for (int j = 0; j < 8; ++j) {
+          if (rbase + j < L) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) gv[j][i] = lb * rcp_approx(1.f + ex2_ftz((gv[j][i] + bias[i]) * m2));
+            for (int i = 0; i < 4; ++i) {
+              const float x = gv[j][i] + bias[i];
+              gv[j][i] = -mult * (x > 20.f ? x : log1pf(__expf(x)));
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (rbase + j < L) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) gv[j][i] = lb * rcp_approx(1.f + ex2_ftz((gv[j][i] + bias[i]) * m2));
+          }
         }
       }
     }
@@ -420,10 +570,25 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       sF[1 * kD + c] = ex2_full(G1);
       sF[2 * kD + c] = ex2_full(G2);
       sF[3 * kD + c] = ex2_full(G3);
-      sE[0 * kD + c] = ex2_full(GL - G0);
-      sE[1 * kD + c] = ex2_full(GL - G1);
-      sE[2 * kD + c] = ex2_full(GL - G2);
-      sE[3 * kD + c] = ex2_full(GL - G3);
+      if constexpr (unbounded_form<kTuned>()) {  // anchored at each key sub-chunk's last row
+        sE[0 * kD + c] = ex2_full(GL - sG[15 * kD + c]);
+        sE[1 * kD + c] = ex2_full(GL - sG[31 * kD + c]);
+        sE[2 * kD + c] = ex2_full(GL - sG[47 * kD + c]);
+        sE[3 * kD + c] = ex2_full(GL - sG[63 * kD + c]);
+      } else {
+        sE[0 * kD + c] = ex2_full(GL - G0);
+        sE[1 * kD + c] = ex2_full(GL - G1);
+        sE[2 * kD + c] = ex2_full(GL - G2);
+        sE[3 * kD + c] = ex2_full(GL - G3);
+      }
+    } else if constexpr (unbounded_form<kTuned>()) {
+      const float H0 = sG[15 * kD + c], H1 = sG[31 * kD + c], H2 = sG[47 * kD + c];
+      sD[pair_index(1, 0) * kD + c] = ex2_full(G1 - H0);
+      sD[pair_index(2, 0) * kD + c] = ex2_full(G2 - H0);
+      sD[pair_index(3, 0) * kD + c] = ex2_full(G3 - H0);
+      sD[pair_index(2, 1) * kD + c] = ex2_full(G2 - H1);
+      sD[pair_index(3, 1) * kD + c] = ex2_full(G3 - H1);
+      sD[pair_index(3, 2) * kD + c] = ex2_full(G3 - H2);
     } else {
       sD[pair_index(1, 0) * kD + c] = ex2_full(G1 - G0);
       sD[pair_index(2, 0) * kD + c] = ex2_full(G2 - G0);
@@ -465,6 +630,25 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       row_rsqrt8(sq8, lane, rq8);
       row_rsqrt8(sk8, lane, rk8);
     }
+    [[maybe_unused]] float qk8[8];  // "unbounded": this lane's part of q_r·k_r (Aqk's diagonal)
+    if constexpr (unbounded_form<kTuned>()) {
+      if (p.l2norm_qk) {  // normalise in place (rounded to bf16, as FLA stores them): 2d and 2a read these
+#pragma unroll
+        for (int pp = 0; pp < 8; ++pp) {
+          uint2* qp = reinterpret_cast<uint2*>(smem + kOffQ + off0 + pp * 2048);
+          uint2* kp = reinterpret_cast<uint2*>(smem + kOffK + off0 + pp * 2048);
+          const uint2 qraw = *qp, kraw = *kp;
+          const float rq = rq8[pp], rk = rk8[pp];
+          *qp = make_uint2(pack_bf16x2(bf16_lo(qraw.x) * rq, bf16_hi(qraw.x) * rq),
+                           pack_bf16x2(bf16_lo(qraw.y) * rq, bf16_hi(qraw.y) * rq));
+          *kp = make_uint2(pack_bf16x2(bf16_lo(kraw.x) * rk, bf16_hi(kraw.x) * rk),
+                           pack_bf16x2(bf16_lo(kraw.y) * rk, bf16_hi(kraw.y) * rk));
+        }
+      }
+      __syncthreads();  // (D0)
+      diagonal_levels(smem, sG, warp, lane, L);  // phase 2d
+      __syncthreads();  // (D1): q, k tiles free to be rewritten in place
+    }
 #pragma unroll
     for (int pp = 0; pp < 8; ++pp) {
       const int J = pp >> 1;
@@ -482,7 +666,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       float q[4] = {bf16_lo(qraw.x), bf16_hi(qraw.x), bf16_lo(qraw.y), bf16_hi(qraw.y)};
       float k[4] = {bf16_lo(kraw.x), bf16_hi(kraw.x), bf16_lo(kraw.y), bf16_hi(kraw.y)};
       const float v[4] = {bf16_lo(vraw.x), bf16_hi(vraw.x), bf16_lo(vraw.y), bf16_hi(vraw.y)};
-      if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
+      if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0 && !unbounded_form<kTuned>()) {
         const float rq = rq8[pp], rk = rk8[pp];
         // FLA stores the normalised q, k in bf16.
         const uint32_t q01 = pack_bf16x2(q[0] * rq, q[1] * rq), q23 = pack_bf16x2(q[2] * rq, q[3] * rq);
@@ -500,6 +684,15 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const float gn[4] = {Gn.x, Gn.y, Gn.z, Gn.w};
       const float f[4] = {F.x, F.y, F.z, F.w};
       const float ef[4] = {E.x, E.y, E.z, E.w};
+      float gl[4] = {0.f, 0.f, 0.f, 0.f};  // ("unbounded") Γ2 of the sub-chunk's last row
+      if constexpr (unbounded_form<kTuned>()) {
+        const float4 Gl = *reinterpret_cast<const float4*>(sG + (16 * J + 15) * kD + gcol);
+        gl[0] = Gl.x;
+        gl[1] = Gl.y;
+        gl[2] = Gl.z;
+        gl[3] = Gl.w;
+        qk8[pp] = q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
+      }
       float a[4], b[4], e[4], kf[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -507,7 +700,9 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
           a[i] = b[i] = 1.f + 0.f * (g[i] - gn[i]);
         } else {
           a[i] = ex2_ftz(g[i] - gn[i]);  // e^{Γ - Γn}   in [e^-75, 1]
-          if constexpr ((kTuned & kTunedBands) != 0) {
+          if constexpr (unbounded_form<kTuned>()) {
+            b[i] = ex2_ftz(gl[i] - g[i]);  // e^{Γ[16J+15] - Γ}   in [0, 1]
+          } else if constexpr ((kTuned & kTunedBands) != 0) {
             b[i] = ex2_ftz(-(g[i] - gn[i]));  // e^{Γn - Γ}   in [1, e^75]
           } else {
             b[i] = ex2_ftz(gn[i] - g[i]);
@@ -527,8 +722,10 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
           make_uint2(pack_bf16x2(q[0] * a[0], q[1] * a[1]), pack_bf16x2(q[2] * a[2], q[3] * a[3]));
       *reinterpret_cast<uint2*>(smem + kOffK + off) =
           make_uint2(pack_bf16x2(k[0] * a[0], k[1] * a[1]), pack_bf16x2(k[2] * a[2], k[3] * a[3]));
-      *reinterpret_cast<uint2*>(smem + kOffX + off) =
-          make_uint2(pack_bf16x2(k[0] * b[0], k[1] * b[1]), pack_bf16x2(k[2] * b[2], k[3] * b[3]));
+      if constexpr (!unbounded_form<kTuned>()) {  // (the diagonal blocks' column operand)
+        *reinterpret_cast<uint2*>(smem + kOffX + off) =
+            make_uint2(pack_bf16x2(k[0] * b[0], k[1] * b[1]), pack_bf16x2(k[2] * b[2], k[3] * b[3]));
+      }
       *reinterpret_cast<uint2*>(smem + kOffV + off) =
           make_uint2(pack_bf16x2(beta * v[0], beta * v[1]), pack_bf16x2(beta * v[2], beta * v[3]));
       wrhs[pp][0] = pack_bf16x2(beta * k[0] * e[0], beta * k[1] * e[1]);
@@ -536,6 +733,14 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       if (pp < 6) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) kb[pp][i] = k[i] * b[i];
+      }
+    }
+    if constexpr (unbounded_form<kTuned>()) {  // Aqk's diagonal: the fp32 dot of row r = warp + 8 pp, pp = lane >> 2
+      const float dot = row_sum8(qk8, lane);
+      if ((lane & 3) == 0) {
+        const int pp = lane >> 2;
+        const int rl = warp + 8 * (pp & 1);
+        reinterpret_cast<float*>(smem + kOffDiag)[(pp >> 1) * 256 + rl * 17] = dot;
       }
     }
   }
@@ -594,8 +799,23 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
             accQ[nt][e] = 0.f;
             accK[nt][e] = 0.f;
           }
+        if (unbounded_form<kTuned>() && J == I) {  // phase 2d's sums (Aqk's diagonal from 2a)
+          const float* sDq = reinterpret_cast<const float*>(smem + kOffDiag) + I * 256;
 #pragma unroll
-        for (int s = 0; s < ((kTuned & kAblateProducts) != 0 ? 0 : 8); ++s) {
+          for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int o = (g8 + 8 * hh) * 16 + 8 * nt + 2 * t4;
+              const float2 dq = *reinterpret_cast<const float2*>(sDq + o);
+              const float2 dk = *reinterpret_cast<const float2*>(sDq + 4 * 256 + o);
+              accQ[nt][2 * hh] = dq.x;
+              accQ[nt][2 * hh + 1] = dq.y;
+              accK[nt][2 * hh] = dk.x;
+              accK[nt][2 * hh + 1] = dk.y;
+            }
+        }
+#pragma unroll
+        for (int s = 0; s < ((kTuned & kAblateProducts) != 0 || (unbounded_form<kTuned>() && J == I) ? 0 : 8); ++s) {
           uint32_t aq[4], ak[4], bb[4];
           ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
           ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
@@ -785,10 +1005,11 @@ __global__ void __launch_bounds__(kThreads, 2) kda_intra_kernel(const KdaIntraPa
 
 template <int kTuned>
 cudaError_t launch_one_cta_per_item(const KdaIntraParams& params, cudaStream_t stream) {
-  const cudaError_t err = allow_dynamic_smem<kda_intra_kernel<kTuned>>(static_cast<int>(kSmemBytes));
+  constexpr uint32_t smem_bytes = unbounded_form<kTuned>() ? kSmemBytesUnbounded : kSmemBytes;
+  const cudaError_t err = allow_dynamic_smem<kda_intra_kernel<kTuned>>(static_cast<int>(smem_bytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(params.num_chunks), static_cast<unsigned>(params.num_value_heads));
-  kda_intra_kernel<kTuned><<<grid, kThreads, kSmemBytes, stream>>>(params);
+  kda_intra_kernel<kTuned><<<grid, kThreads, smem_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -63,6 +63,10 @@ struct KdaIntraParams {
                           //                      16 x 16 blocks on and below the diagonal are written (3 KB fewer
                           //                      bytes per chunk each way): the recurrence reads no others
   float* g_last;          // fp32 [NT, HV, K]    Γ_last / ln 2 (log2 units): the chunk's total decay exponent
+  // The in-kernel gate's form (with gate_in_kernel; last, so that the members above keep their offsets): false the
+  // lower-bound form above, true Kimi-Linear's softplus form g = -exp(A_log) * softplus(g + dt_bias) (torch's
+  // softplus: x for x > 20), unbounded below: only the "unbounded" intra form (kTunedUnbounded) serves it.
+  bool gate_softplus;
 };
 
 // Kernel 2 ("recurrence"): one CTA per (sequence, value head, V block); walks the sequence's chunks in order.
@@ -98,7 +102,9 @@ struct KdaRecurrenceParams {
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).
 // tuned: the intra kernel's form as a bit set (kda_intra_item.cuh): 11 = "tensor" (the inverse's products on the
 // tensor cores), 15 = 11 computing only the 16-row bands that hold tokens ("bands"; the shim's default "auto" picks 11
-// or 15 per call), and in a CULA_SM90_ABLATION build the timing-only forms.
+// or 15 per call), 4107 = 11 for any log-gate <= 0 ("unbounded": the diagonal blocks split by levels, KDA_SPEC §3.7;
+// the shim runs it for every call whose gate can leave [-5, 0]), and in a CULA_SM90_ABLATION build the timing-only
+// forms.
 cudaError_t launch_kda_intra(const KdaIntraParams& params, int tuned, cudaStream_t stream);
 // Whether launch_kda_intra has a kernel for `tuned` (the one list of valid forms: the extension's argument check and
 // the Python shim's form names are tested against it), and that list as text for messages.

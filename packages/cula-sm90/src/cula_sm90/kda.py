@@ -1,14 +1,16 @@
 """The sm90 backend of ``kda_prefill``: checks validated arguments, allocates through torch, launches the kernels.
 
-Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm, safe gate, cumulative gate,
+Two kernels (``csrc/kda/``): ``intra`` runs over all chunks in parallel (L2 norm, the gate, cumulative gate,
 Aqk/Akk, the fp32 inverse, w/u/kg/qg) into a bf16 workspace, one CTA per (chunk, value head), in the form
-``CULA_SM90_INTRA_TUNED`` picks ("auto": "tensor" or "bands" per call); ``recurrence`` walks each sequence's chunks
+``CULA_SM90_INTRA_TUNED`` picks ("auto": "tensor" or "bands" per call; "unbounded" for every call whose gate can
+leave [-5, 0], :func:`cula_runtime.kda_args.gate_is_bounded`); ``recurrence`` walks each sequence's chunks
 with the fp32 state in registers and writes o and the final state, its products on warpgroup MMAs at V blocks of 64
 or 128 (:func:`cula_runtime.kda_tuning.recurrence_block_v` picks one per call). Both launch on the current torch
 stream.
 
-What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, the safe gate (``safe_gate=True``,
-``lower_bound`` in [-5, 0)), fp32/bf16 g and beta, fp32/bf16 initial state, any GVA ratio, fixed or varlen.
+What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, every gate form (precomputed fp32/bf16 g, the
+in-kernel lower-bound and softplus forms), fp32/bf16 beta (values or logits), fp32/bf16 initial state, any GVA ratio,
+fixed or varlen.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ ENV_INTRA_TUNED = "CULA_SM90_INTRA_TUNED"
 # Form name -> the kernel's bit set (csrc/kda/kda_intra_item.cuh). The extension lists the codes it builds once, beside
 # its launcher (csrc/kda/kda_intra.cu, `intra_form_built`); the wheel check (tools/inspect_wheels.py) tests that every
 # code named here but "auto" and the "ablate:" ones is built.
-_TUNED_FORMS = {"tensor": 11, "bands": 15, "auto": -1,  # (-1: 11 or 15 per call, _bands_pay)
+# "unbounded" (4107): "tensor" exact for any log-gate <= 0 (the diagonal blocks split by levels, KDA_SPEC §3.7):
+# every call whose gate can leave [-5, 0] runs it whatever the knob says (the other forms would overflow); naming it
+# runs it on bounded calls too (for A/B timing).
+_TUNED_FORMS = {"tensor": 11, "bands": 15, "unbounded": 4107, "auto": -1,  # (-1: 11 or 15 per call, _bands_pay)
                 # timing-only: "tensor" without one phase's arithmetic (garbage outputs); only an extension built with
                 # CMake's CULA_SM90_ABLATION=ON launches them (others refuse with a ValueError before any launch)
                 "ablate:gate": 11 | 16, "ablate:norm-exp": 11 | 32, "ablate:products": 11 | 64,
@@ -85,8 +90,6 @@ def verify_kda_prefill(args: Any) -> tuple[bool, str]:
     reason = gpu_kernel_rejection(args, HEAD_DIM)
     if reason is not None:
         return False, reason
-    if not gate_is_bounded(args):
-        return False, "serves the bounded gate only (log-gates in [-5, 0]): the unbounded form is being written"
     if args.B * args.T * args.HV * HEAD_DIM > _INT32_MAX:
         return False, f"B*T*HV*128 = {args.B * args.T * args.HV * HEAD_DIM} exceeds 32-bit indexing"
     return True, "sm_90a kernels serve this call"
@@ -230,6 +233,8 @@ class _Launch:
         device = args.device
         if tuned is None:
             tuned = _intra_tuned()
+        if not gate_is_bounded(args):  # (only this form is exact there)
+            tuned = _TUNED_FORMS["unbounded"]
         if block_v == 0:
             block_v = recurrence_block_v(args.N * args.HV, sm_count(device))
         elif block_v not in BLOCK_V_CHOICES:  # (the warpgroup-MMA recurrence needs whole warpgroups)
@@ -243,7 +248,7 @@ class _Launch:
         self.scale = args.scale
         self.lower_bound = args.lower_bound if args.lower_bound is not None else -5.0
         self.gate_flags = (args.use_qk_l2norm_in_kernel, args.use_gate_in_kernel, args.use_beta_sigmoid_in_kernel,
-                           args.allow_neg_eigval)
+                           args.allow_neg_eigval, args.use_gate_in_kernel and args.lower_bound is None)
         self.type_codes = (_DTYPE_CODES[args.g.dtype], _DTYPE_CODES[args.beta.dtype])
         # whether the gate's parameters need an fp32 copy (the signature fixes their dtypes)
         self.gate_params_fp32 = all(x is None or x.dtype == torch.float32 for x in (args.A_log, args.dt_bias))

@@ -8,7 +8,7 @@ import importlib.util
 import torch
 
 from cula_runtime import cute
-from cula_runtime.kda_args import validate_kda_prefill
+from cula_runtime.kda_args import gate_is_bounded, validate_kda_prefill
 
 from . import dispatch
 
@@ -24,8 +24,9 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def typical_call(device: torch.device):
-    """Validated arguments of a typical serving call (bf16, K=V=128, gate/L2 norm/beta sigmoid in kernel)."""
+def typical_call(device: torch.device, **overrides):
+    """Validated arguments of a typical serving call (bf16, K=V=128, gate/L2 norm/beta sigmoid in kernel), with
+    ``overrides`` of its keyword arguments."""
     B, T, H, HV, K, V = 1, 128, 4, 4, 128, 128
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -33,12 +34,40 @@ def typical_call(device: torch.device):
     def rand(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
 
-    return validate_kda_prefill(
-        rand(B, T, H, K), rand(B, T, H, K), rand(B, T, HV, V), rand(B, T, HV, K), rand(B, T, HV, dt=torch.float32),
+    kwargs = dict(
         initial_state=rand(B, HV, K, V, dt=torch.float32), output_final_state=True, use_qk_l2norm_in_kernel=True,
         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0,
         A_log=rand(HV, dt=torch.float32), dt_bias=rand(HV * K, dt=torch.float32),
     )
+    kwargs.update(overrides)
+    g = rand(B, T, HV, K, dt=torch.float32)
+    if not kwargs["use_gate_in_kernel"]:  # a precomputed log-gate: <= 0, inside [-5, 0]
+        g = -5.0 * torch.sigmoid(g)
+    return validate_kda_prefill(rand(B, T, H, K), rand(B, T, H, K), rand(B, T, HV, V), g,
+                                rand(B, T, HV, dt=torch.float32), **kwargs)
+
+
+# The gate forms kda_prefill accepts, as overrides of typical_call's arguments: which kernel form serves each
+# (cula_runtime.kda_args.gate_is_bounded) and which backends accept it, asked of the backends themselves.
+GATE_FORMS = {
+    "lower-bound gate in kernel, lower_bound=-5 (safe_gate)": {},
+    "lower-bound gate in kernel, lower_bound=-12": {"safe_gate": False, "lower_bound": -12.0},
+    "softplus gate in kernel (Kimi-Linear)": {"safe_gate": False, "lower_bound": None},
+    "precomputed g, safe_gate=True (g in [-5, 0])": {"use_gate_in_kernel": False, "A_log": None, "dt_bias": None},
+    "precomputed g, safe_gate=False (any g <= 0)": {"use_gate_in_kernel": False, "A_log": None, "dt_bias": None,
+                                                    "safe_gate": False, "lower_bound": None},
+}
+
+
+def gate_form_support(device: torch.device) -> dict[str, str]:
+    """For each of :data:`GATE_FORMS`: the kernel form that serves it and each backend's answer on ``device``."""
+    out = {}
+    for form, overrides in GATE_FORMS.items():
+        args = typical_call(device, **overrides)
+        kernel = "bounded kernels" if gate_is_bounded(args) else "unbounded-gate kernels"
+        answers = ", ".join(f"{name} {'yes' if ask(args)[0].ok else 'no'}" for name, ask in dispatch._BACKENDS.items())
+        out[form] = f"{kernel}; {answers}"
+    return out
 
 
 def collect_info() -> dict:
@@ -62,6 +91,7 @@ def collect_info() -> dict:
     for name, ask in dispatch._BACKENDS.items():
         decision, _ = ask(args)
         info["backends"][name] = ("accepts" if decision.ok else "rejects") + f": {decision.reason}"
+    info["gate_forms"] = gate_form_support(device)
     return info
 
 
@@ -75,4 +105,6 @@ def format_info(info: dict) -> str:
     lines.append(f"  picks: {info['choice']}")
     for name, answer in info["backends"].items():
         lines.append(f"  {name:10s} {answer}")
+    lines.append("gate forms (the kernel form that serves each; the backends that take it on this device):")
+    lines += [f"  {form}: {answer}" for form, answer in info["gate_forms"].items()]
     return "\n".join(lines)

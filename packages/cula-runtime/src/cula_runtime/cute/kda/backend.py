@@ -7,6 +7,11 @@ Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules lo
 Where it has run: both kernels ran on sm_90 (H200) against the fp64 oracle (tests/cute, tests/gpu; this pair, the
 ``fused-prepare-prefetch-8warps`` intra variant of the time, is the default since 2026-11-30); they are compiled for
 sm_100a/sm_103a in CI but no Blackwell GPU has run them (the registry says so).
+
+Every gate form is served: bounded gates (:func:`cula_runtime.kda_args.gate_is_bounded`) run the intra kernel's
+safe-gate form, every other gate (the softplus form, ``lower_bound < -5``, a precomputed g without ``safe_gate``) its
+unbounded form (``KdaIntraConfig.unbounded``: the diagonal score blocks by the levels split), which ran on sm_90
+(H200) against the fp64 oracle on the 13 unbounded configs of tests/gpu (2026-12-01).
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ def verify(args: Any) -> tuple[bool, str]:
     reason = gpu_kernel_rejection(args, HEAD_DIM)
     if reason is not None:
         return False, reason
-    if not gate_is_bounded(args):
-        return False, "serves the bounded gate only (log-gates in [-5, 0]): the unbounded form is being written"
+    if not gate_is_bounded(args):  # (kda_prefill_cutedsl runs the intra kernel's unbounded form for it)
+        return True, "CuTeDSL kernels serve this call (unbounded gate)"
     return True, "CuTeDSL kernels serve this call"
 
 
@@ -145,7 +150,7 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     intra._intra_from_raw(
         args.q, args.k, args.v, args.g, args.beta, args.scale, form, A_log, dt_bias, lower_bound,
         args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices,
-        num_chunks, out=(w, u, qg, kg, Aqk, g_last),
+        num_chunks, out=(w, u, qg, kg, Aqk, g_last), unbounded=not gate_is_bounded(args),
     )
     return recurrence._run(qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu, chunk_offsets,
                            args.state_v_first, block_v, seq_order, args.N)

@@ -1,6 +1,8 @@
 """KDA "chunk intra" from the raw inputs in one CuTeDSL launch: the gate's activation and chunk-local cumsum, β and
 the q/k L2 norm, then the intra-chunk scores, the triangular inverse and W/U (KDA_SPEC.md §2, §3.1-3.4, §3.7, §3.8;
-FLA's ``chunk_kda_fwd_intra`` with ``safe_gate=True``, its inputs' preprocessing folded in).
+FLA's ``chunk_kda_fwd_intra``, its inputs' preprocessing folded in). Two compile-time forms: the safe-gate form
+(FLA's ``safe_gate=True``: every log-gate step in [-5, 0]) and the unbounded form (:attr:`KdaIntraConfig.unbounded`,
+any finite log-gate <= 0), which differ only in the diagonal 16x16 score blocks.
 
 One CTA of 256 threads (8 warps, two CTAs per SM) per (chunk, value head, batch row); value head ``hv`` reads q/k head
 ``hv // (HV // H)``. With ``Γ`` the chunk-local cumulative gate in log2 units:
@@ -18,10 +20,23 @@ One CTA of 256 threads (8 warps, two CTAs per SM) per (chunk, value head, batch 
    every sub-chunk ``I' ≥ I`` (column operands; ≤ 1 off the diagonal, ≤ 2^(15·5/ln 2) on it under the safe gate
    |g| ≤ 5 per step, inside bf16's range), stored bf16 in shared memory. ``kg = k 2^(Γ_last - Γ)`` and ``qg = q
    2^Γ`` go straight to global memory.
+
+   *Unbounded form*: the diagonal k̂ (``I' = I``, which overflows once a sub-chunk's gates sum below about -88 in
+   log2 units) is not made. A row pass is one sub-chunk, so at the end of pass ``I`` its rows' Γ (fp32), q and k
+   (bf16, as used elsewhere) go to a 16 KB staging tile (in the bytes the diagonal k̂ would have taken), and behind
+   a barrier warps 0-3 make the diagonal blocks ``(I, I)`` of Aqk and Akk by the levels split of
+   :mod:`.diag_levels`: each strict pair ``i > j`` belongs to the level ``b`` of the highest bit where ``i`` and
+   ``j`` differ, with the anchor ``m`` = ``i`` with its bits below ``b`` cleared (``j < m ≤ i``), so that ``q_i k_j
+   2^(Γi - Γj) = [q_i 2^(Γi - Γm)] [k_j 2^(Γm - Γj)]`` with both factors ≤ 1. Levels 3+2 and 1+0 pack into two 16x16xK
+   products per block (every token has one role per level); warp ``w`` builds the bf16 A and B fragments of product
+   ``w % 2`` of Aqk (``w < 2``) or Akk in registers from the staging (one exp2 per element) and keeps the outputs
+   whose row and column slots share their anchor. Aqk's diagonal entries are fp32 dot products ``q_r·k_r`` over
+   each row's 16 threads. Nothing overflows for any g ≤ 0; a factor that flushes to zero drops a product below
+   2^-126.
 2. *Scores*: the 10 lower 16x16 sub-blocks of ``Aqk`` and ``Akk`` on warp MMA (bf16 m16n8k16, fp32 accumulation,
-   operands by ldmatrix), warps 0-3 making Aqk and warps 4-7 Akk; scale, β and the causal masks are applied to the
-   fp32 results. Then the right-hand sides ``bf16(β k 2^Γ)`` and ``bf16(β v)`` are built over q̃/k̃ (k and v rows
-   read from global memory).
+   operands by ldmatrix), warps 0-3 making Aqk and warps 4-7 Akk (unbounded: the 6 below the diagonal); scale, β and
+   the causal masks are applied to the fp32 results. Then the right-hand sides ``bf16(β k 2^Γ)`` and ``bf16(β v)``
+   are built over q̃/k̃ (k and v rows read from global memory).
 3. *Inverse* ``Tinv = (I + Akk)^-1`` in fp32 on CUDA cores: forward substitution on the diagonal 16x16 blocks (one
    thread per column), then block substitution ``Tinv_IJ = -Tinv_II Σ_M A_IM Tinv_MJ`` block row by block row, with
    compile-time loop bounds (every thread runs all of a block row's terms and keeps those of its lower-triangular
@@ -30,7 +45,8 @@ One CTA of 256 threads (8 warps, two CTAs per SM) per (chunk, value head, batch 
    right-hand sides are read transposed by ldmatrix.trans), staged through shared memory and stored with 16-byte
    stores, with ``Aqk``.
 
-Shared memory (about 99 KB): buffers whose lifetimes do not overlap share bytes (:meth:`KdaIntra.smem_buffers`).
+Shared memory (about 99 KB, both forms): buffers whose lifetimes do not overlap share bytes
+(:meth:`KdaIntra.smem_buffers`).
 Registers are capped at 128 per thread so that two CTAs fit on an SM (a few values spill to local memory).
 
 Only warp-level MMA, ldmatrix and plain loads/stores: the same source runs on SM90, SM100 and SM103.
@@ -50,6 +66,7 @@ from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cut
 from ..dsl_compat import SmemAllocator
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import check_token_tensors, chunk_rows
+from .diag_levels import diag_products, pack_nibbles
 from .gate import GATE_FORMS, RCP_LN2, activate_beta, activate_gate, gate_arguments, gate_scan_segments
 from .tiles import chunk_grid_extent, chunk_span
 
@@ -108,6 +125,9 @@ class KdaIntraConfig:
         chunk_size: C; only 64.
         l2norm: q and k arrive raw and each row is L2-normalised here (the row's 16 threads, 8 values each, one fp32
             sum of squares over 16 lanes, rsqrt, rounding to bf16).
+        unbounded: the diagonal 16x16 blocks of Aqk and Akk by the binary "levels" split (:mod:`.diag_levels`),
+            exact in exponent range for every log-gate g <= 0; False: anchored at the sub-chunk's first row, which
+            needs the safe gate (every step in [-5, 0]).
     """
 
     num_heads: int
@@ -117,6 +137,7 @@ class KdaIntraConfig:
     varlen: bool = False
     chunk_size: int = 64
     l2norm: bool = False
+    unbounded: bool = False
 
 
 class KdaIntra:
@@ -265,7 +286,7 @@ class KdaIntra:
         start, valid = chunk_span(mCuSeqlens, mChunkIndices, chunk, mG.shape[1], C, c.varlen)
 
         smem = SmemAllocator()
-        sQt, sKt, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sW, sU = self.smem_buffers(smem)
+        sQt, sKt, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sW, sU, sDiag = self.smem_buffers(smem)
 
         if valid > 0:
             # β's load goes out first, ahead of the gate's loads; it is used only after them
@@ -277,8 +298,11 @@ class KdaIntra:
                                valid, tidx)
             self.store_beta(sBeta, sAqk, beta_raw, valid, tidx)
             cute.arch.sync_threads()
+            diag = None  # unbounded: the fill makes the diagonal score blocks too, sub-chunk by sub-chunk
+            if const_expr(c.unbounded):
+                diag = (block_mma, sDiag, sAqk, sA, scale)
             self.fill(mQ, mK, mV, mQg, mKg, sGa, sBeta, sQt, sKt, sKh, rGam, batch, head, hv, start, valid, tidx,
-                      operands=True)
+                      operands=True, diag=diag)
             cute.arch.sync_threads()
             self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
             cute.arch.sync_threads()
@@ -308,9 +332,22 @@ class KdaIntra:
         """Byte offsets of the two shared regions' buffers (see :meth:`smem_buffers`) and the regions' sizes."""
         C, K = self.config.chunk_size, self.config.head_dim
         tile = C * K * 2  # one bf16 [64, K] tile
-        kh = [align_up(SUB * (i + 1) * K * 2) for i in range(NUM_SUB)]
         inverse = C * C * 4 + SUB * C * 4  # sT, sS (fp32)
         off_tb = align_up(max(inverse, 2 * tile))
+        if self.config.unbounded:
+            # k̂ of anchors 1-3 only (the rows before them: off the diagonal), then one sub-chunk's staging for the
+            # diagonal block (Γ fp32, q and k bf16)
+            kh = [align_up(SUB * i * K * 2) for i in range(NUM_SUB)]
+            diag = sum(kh)
+            return {
+                "rows": 2 * tile,
+                "kh": [sum(kh[:i]) for i in range(NUM_SUB)],
+                "diag": diag,
+                "s": C * C * 4,
+                "tb": off_tb,
+                "reuse": max(diag + SUB * K * (4 + 2 + 2), off_tb + C * C * 2),
+            }
+        kh = [align_up(SUB * (i + 1) * K * 2) for i in range(NUM_SUB)]
         return {
             "rows": 2 * tile,
             "kh": [sum(kh[:i]) for i in range(NUM_SUB)],
@@ -325,11 +362,13 @@ class KdaIntra:
 
         * rows (2 tiles): q̃, k̃ until the scores; then bf16(β k 2^Γ), bf16(β v) until W/U.
         * reuse: the gate prologue's staging tile (over Tinv's fp32 buffers) until the fill; the k̂ of the four
-          anchors until the scores; then Tinv fp32 and its temporaries, and bf16(Tinv) at ``tb``; after the
-          inverse, w and u are staged over the fp32 Tinv while bf16(Tinv) stays.
+          anchors until the scores (unbounded: of anchors 1-3, then the diagonal blocks' staging ``sDiag``); then
+          Tinv fp32 and its temporaries, and bf16(Tinv) at ``tb``; after the inverse, w and u are staged over the
+          fp32 Tinv while bf16(Tinv) stays.
 
         Returns ``sQt, sKt`` (also the right-hand sides), ``sKh``, ``sAqk``, ``sTb``, ``sA``, ``sT``, ``sS``, ``sGa``,
-        ``sBeta``, ``sW``, ``sU``.
+        ``sBeta``, ``sW``, ``sU``, ``sDiag`` (unbounded: ``(Γ fp32, q, k)`` of one sub-chunk, ``[16, K]`` row-major
+        each; else None). ``sKh[0]`` is None in the unbounded form.
         """
         C, K = self.config.chunk_size, self.config.head_dim
         plan = self.smem_plan()
@@ -341,12 +380,21 @@ class KdaIntra:
         sGa, sBeta = self.small_buffers(smem)
         kc = self.smem_layout(C, K)
         sQt, sKt = carve(rows, 0, BFloat16, kc), carve(rows, tile, BFloat16, kc)
-        sKh = [carve(reuse, plan["kh"][i], BFloat16, self.smem_layout(SUB * (i + 1), K)) for i in range(NUM_SUB)]
+        sDiag = None
+        if self.config.unbounded:
+            sKh = [None] + [carve(reuse, plan["kh"][i], BFloat16, self.smem_layout(SUB * i, K))
+                            for i in range(1, NUM_SUB)]
+            row_major = cute.make_layout((SUB, K), stride=(K, 1))
+            sDiag = (carve(reuse, plan["diag"], Float32, row_major),
+                     carve(reuse, plan["diag"] + SUB * K * 4, BFloat16, row_major),
+                     carve(reuse, plan["diag"] + SUB * K * 6, BFloat16, row_major))
+        else:
+            sKh = [carve(reuse, plan["kh"][i], BFloat16, self.smem_layout(SUB * (i + 1), K)) for i in range(NUM_SUB)]
         sT = carve(reuse, 0, Float32, self.fp32_layout(C))
         sS = carve(reuse, plan["s"], Float32, self.fp32_layout(C, SUB))
         sTb = carve(reuse, plan["tb"], BFloat16, self.smem_layout(C, C))
         sW, sU = carve(reuse, 0, BFloat16, kc), carve(reuse, tile, BFloat16, kc)
-        return sQt, sKt, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sW, sU
+        return sQt, sKt, sKh, sAqk, sTb, sA, sT, sS, sGa, sBeta, sW, sU, sDiag
 
     def smem_bytes(self) -> int:
         """Shared memory one CTA allocates (bytes; an upper bound that counts 1024-byte alignment of every tile):
@@ -382,8 +430,12 @@ class KdaIntra:
             idx = tidx + i * self.num_threads
             row = idx // C
             col = idx % C
-            if col // SUB > row // SUB:
-                sAqk[row, col] = BFloat16(0.0)
+            if const_expr(self.config.unbounded):  # the diagonal blocks' upper triangles too
+                if col > row:
+                    sAqk[row, col] = BFloat16(0.0)
+            else:
+                if col // SUB > row // SUB:
+                    sAqk[row, col] = BFloat16(0.0)
 
     @cute.jit
     def gate_prologue(self, mG: cute.Tensor, mDtBias: cute.Tensor | None, mALog: cute.Tensor | None,
@@ -490,12 +542,18 @@ class KdaIntra:
     @cute.jit
     def fill(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mQg: cute.Tensor, mKg: cute.Tensor,
              sGa: cute.Tensor, sBeta: cute.Tensor, sQt: cute.Tensor, sKt: cute.Tensor, sKh: list, rGam: cute.Tensor,
-             b: Int32, h: Int32, hv: Int32, start: Int32, valid: Int32, tidx: Int32, operands: cutlass.Constexpr):
+             b: Int32, h: Int32, hv: Int32, start: Int32, valid: Int32, tidx: Int32, operands: cutlass.Constexpr,
+             diag=None):
         """Phase 1 (``operands``): the factored MMA operands q̃, k̃ (into ``sQt``, ``sKt``) and k̂ (``sKh``) into
         shared memory, and kg, qg to global memory. After the scores (not ``operands``): the right-hand sides
         bf16(β k 2^Γ), bf16(β v), over q̃ and k̃. ``rGam``: Γ of this thread's elements (:meth:`gate_prologue`).
         Each row pass's loads are issued one pass ahead: without that, a pass's loads would come after the previous
-        pass's global stores (kg, qg), which the compiler may not move them above."""
+        pass's global stores (kg, qg), which the compiler may not move them above.
+
+        ``diag`` (unbounded, with ``operands``): ``(block_mma, sDiag, sAqk, sA, scale)``. A row pass is one
+        sub-chunk: its rows' Γ, q and k go to the staging ``sDiag`` and :meth:`diag_block` makes its diagonal
+        score blocks (behind a barrier each way); Aqk's diagonal ``scale q_r·k_r`` is an fp32 dot product over the
+        row's 16 threads. No diagonal k̂ is made."""
         c = self.config
         rhs = not operands
         C, K, VEC = c.chunk_size, c.head_dim, self.vec
@@ -509,7 +567,10 @@ class KdaIntra:
         tXgKg = thr_copy.partition_D(self.chunk_rows(mKg, b, hv, start, K)) if const_expr(operands) else None
         tXsQt = thr_copy.partition_D(sQt)  # q̃, later bf16(β k 2^Γ)
         tXsKt = thr_copy.partition_D(sKt)  # k̃, later bf16(β v)
-        tXsKh = [thr_copy.partition_D(s) for s in sKh]
+        if const_expr(c.unbounded):  # (no k̂ for anchor 0: it would be a diagonal block's)
+            tXsKh = [None] + [thr_copy.partition_D(s) for s in sKh[1:]]
+        else:
+            tXsKh = [thr_copy.partition_D(s) for s in sKh]
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, K)))  # (row, column) of every element
         vec_layout = cute.make_layout(VEC)
         staged = [None] * self.passes
@@ -573,7 +634,7 @@ class KdaIntra:
                         last = cute.math.exp2(cutlass.min(sGa[NUM_SUB, col0 + j] - g, EXP2_CLAMP), fastmath=True)
                         rKg[j] = (k * last).to(BFloat16)
                         rQg[j] = (q * decay).to(BFloat16)
-                        for a in cutlass.range_constexpr(sub, NUM_SUB):
+                        for a in cutlass.range_constexpr(sub + int(c.unbounded), NUM_SUB):
                             col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
                             rKh[a][j] = (k * col_factor).to(BFloat16)
                 if const_expr(operands):
@@ -583,12 +644,109 @@ class KdaIntra:
                     cute.copy(atom, rKb, tXsQt[None, p, 0])
                     cute.copy(atom, rVb, tXsKt[None, p, 0])
                 if const_expr(operands):
-                    for a in cutlass.range_constexpr(sub, NUM_SUB):
+                    for a in cutlass.range_constexpr(sub + int(c.unbounded), NUM_SUB):
                         cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
                     if row < valid:
                         cute.copy(atom, rKg, tXgKg[None, p, 0])
                         tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
                         cute.copy(atom, rQg, tXgQg[None, p, 0])
+                if const_expr(diag is not None):
+                    self.diag_stage(diag, sBeta, rQ, rK, rG, row, col0, p, tidx)
+
+    @cute.jit
+    def diag_stage(self, diag: tuple, sBeta: cute.Tensor, rQ: cute.Tensor, rK: cute.Tensor, rG: cute.Tensor,
+                   row: Int32, col0: Int32, sub: cutlass.Constexpr, tidx: Int32):
+        """Unbounded form, end of the fill's row pass ``sub`` (this thread: row ``row``, columns ``col0 + 0..7``;
+        ``rQ``, ``rK`` bf16 as the kernel uses them, ``rG`` Γ): Aqk's diagonal entry ``bf16(scale q_r·k_r)`` (fp32
+        dot over the row's threads), then Γ, q, k of the sub-chunk into the staging ``sDiag`` and
+        :meth:`diag_block`. A barrier before the staging is written (the previous sub-chunk's is read) and one
+        after."""
+        block_mma, sDiag, sAqk, sA, scale = diag
+        sDG, sDQ, sDK = sDiag
+        dot = Float32(0.0)
+        for j in cutlass.range_constexpr(self.vec):
+            dot = dot + rQ[j].to(Float32) * rK[j].to(Float32)
+        dot = cute.arch.warp_reduction_sum(dot, threads_in_group=self.threads_per_row)
+        if tidx % self.threads_per_row == 0:
+            sAqk[row, row] = Float32(dot * scale).to(BFloat16)
+        if const_expr(sub > 0):
+            cute.arch.sync_threads()
+        r = row % SUB
+        for j in cutlass.range_constexpr(self.vec):
+            sDG[r, col0 + j] = rG[j]
+            sDQ[r, col0 + j] = rQ[j]
+            sDK[r, col0 + j] = rK[j]
+        cute.arch.sync_threads()
+        self.diag_block(block_mma, sDG, sDQ, sBeta, sAqk, sA, scale, sub, tidx)
+
+    @staticmethod
+    def diag_words() -> list:
+        """Per product of :func:`~.diag_levels.diag_products`: the packed (:func:`~.diag_levels.pack_nibbles`, as
+        signed 32-bit words) row tokens, row anchors, column tokens and column anchors."""
+        def signed(word: int) -> int:
+            return word - (1 << 32) if word >= 1 << 31 else word
+
+        return [[tuple(signed(w) for w in pack_nibbles(slot[which] for slot in slots))
+                 for slots in (rows, cols) for which in (0, 1)] for rows, cols in diag_products()]
+
+    @cute.jit
+    def diag_block(self, block_mma: cute.TiledMma, sDG: cute.Tensor, sDQ: cute.Tensor, sBeta: cute.Tensor,
+                   sAqk: cute.Tensor, sA: cute.Tensor, scale: Float32, sub: cutlass.Constexpr, tidx: Int32):
+        """Unbounded form: the strict lower part of the diagonal blocks ``(sub, sub)`` of Aqk (scaled, bf16) and
+        Akk (β-scaled, fp32) from the staging (Γ ``sDG`` fp32, then q and k bf16 ``[16, K]`` each), by the levels
+        split (:mod:`.diag_levels`): warp ``w < 4`` makes product ``w % 2`` of Aqk (``w < 2``) or Akk, its operands
+        built in registers (row slot ``(t, m)``: ``bf16(x_t 2^(Γt - Γm))``, column slot: ``bf16(k_t 2^(Γm - Γt))``,
+        exponents clamped at 0, which only rows past the end need), and writes the outputs whose row and column
+        slots share their anchor."""
+        K = self.config.head_dim
+        warp_idx = tidx // 32
+        if warp_idx < 4:
+            lane = tidx % 32
+            qk = warp_idx < 2
+            first = warp_idx % 2 == 0
+            words = self.diag_words()
+            # row tokens, row anchors, column tokens, column anchors of this warp's product
+            rtok, ranc, ctok, canc = (tuple(cutlass.select_(first, Int32(words[0][t][h]), Int32(words[1][t][h]))
+                                            for h in range(2)) for t in range(4))
+            sX = cute.make_tensor(sDQ.iterator + cutlass.select_(qk, Int32(0), Int32(SUB * K)), sDQ.layout)
+            sDK = cute.make_tensor(sDQ.iterator + SUB * K, sDQ.layout)
+            thr_mma = block_mma.get_slice(lane)
+            tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sDQ))
+            tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sDK))
+            tAc = thr_mma.partition_A(cute.make_identity_tensor((SUB, K)))
+            tBc = thr_mma.partition_B(cute.make_identity_tensor((SUB, K)))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
+            acc.fill(0.0)
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                rA, cA = tCrA[None, None, kb], tAc[None, None, kb]
+                for e in cutlass.range_constexpr(cute.size(rA)):
+                    r, kk = cA[e]
+                    t, m = self.diag_slot(rtok, r), self.diag_slot(ranc, r)
+                    d = cutlass.min(sDG[t, kk] - sDG[m, kk], Float32(0.0))
+                    rA[e] = (sX[t, kk].to(Float32) * cute.math.exp2(d, fastmath=True)).to(BFloat16)
+                rB, cB = tCrB[None, None, kb], tBc[None, None, kb]
+                for e in cutlass.range_constexpr(cute.size(rB)):
+                    c, kk = cB[e]
+                    t, m = self.diag_slot(ctok, c), self.diag_slot(canc, c)
+                    d = cutlass.min(sDG[m, kk] - sDG[t, kk], Float32(0.0))
+                    rB[e] = (sDK[t, kk].to(Float32) * cute.math.exp2(d, fastmath=True)).to(BFloat16)
+                cute.gemm(block_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                rs, cs = tCcC[e]
+                if self.diag_slot(ranc, rs) == self.diag_slot(canc, cs):
+                    row = sub * SUB + self.diag_slot(rtok, rs)
+                    col = sub * SUB + self.diag_slot(ctok, cs)
+                    if qk:
+                        sAqk[row, col] = Float32(acc[e] * scale).to(BFloat16)
+                    else:
+                        sA[row, col] = Float32(acc[e] * sBeta[row])
+
+    @staticmethod
+    def diag_slot(words: tuple, slot: Int32) -> Int32:
+        """Entry ``slot`` (0..15) of a table packed by :func:`~.diag_levels.pack_nibbles` (traced inline)."""
+        shift = (slot % 8) * 4
+        return cutlass.select_(slot < 8, (words[0] >> shift) & 15, (words[1] >> shift) & 15)
 
     @cute.jit
     def l2norm_row(self, rX: cute.Tensor):
@@ -613,8 +771,11 @@ class KdaIntra:
         copy_A = cute.make_tiled_copy_A(ld_atom, block_mma).get_slice(lane)
         copy_B = cute.make_tiled_copy_B(ld_atom, block_mma).get_slice(lane)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
-        # (I, J) blocks of warps w and w + 4: 3, 3, 2, 2 blocks
+        # (I, J) blocks of warps w and w + 4: 3, 3, 2, 2 blocks (unbounded: the 6 below the diagonal, whose
+        # diagonal blocks the fill made)
         assignment = (((0, 0), (3, 0), (3, 1)), ((1, 0), (1, 1), (3, 2)), ((2, 0), (2, 1)), ((2, 2), (3, 3)))
+        if const_expr(self.config.unbounded):
+            assignment = (((3, 0), (3, 1)), ((3, 2), (2, 0)), ((2, 1),), ((1, 0),))
         for w in cutlass.range_constexpr(self.num_threads // 32):
             qk = w < len(assignment)  # this warp's product: Aqk, else Akk
             if warp_idx == w:
@@ -750,9 +911,10 @@ _OUTPUTS = frozenset((*range(5, 10), 14))
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(H: int, HV: int, varlen: bool, l2norm: bool, gate: InKernelGate) -> tuple:
+def _plan(H: int, HV: int, varlen: bool, l2norm: bool, gate: InKernelGate, unbounded: bool) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
-    config = KdaIntraConfig(num_heads=H, num_v_heads=HV, gate=gate, varlen=varlen, l2norm=l2norm)
+    config = KdaIntraConfig(num_heads=H, num_v_heads=HV, gate=gate, varlen=varlen, l2norm=l2norm,
+                            unbounded=unbounded)
     ok, reason = KdaIntra.can_implement(config)
     if not ok:
         raise ValueError(f"KdaIntra: {reason}")
@@ -774,6 +936,7 @@ def chunk_kda_fwd_intra_from_raw(
     use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
+    safe_gate: bool = True,
     cu_seqlens=None,
     chunk_indices=None,
 ):
@@ -783,14 +946,19 @@ def chunk_kda_fwd_intra_from_raw(
     Args:
         q, k: ``[B, T, H, 128]`` bf16, raw (L2-normalised here with ``use_qk_l2norm_in_kernel``); v:
             ``[B, T, HV, 128]`` bf16.
-        g: ``[B, T, HV, 128]`` bf16 or fp32: the raw gate (``use_gate_in_kernel``) or the log-gate (every step in
-            [-5, 0]: the safe gate is assumed); its chunk-local cumsum is taken here.
+        g: ``[B, T, HV, 128]`` bf16 or fp32: the raw gate (``use_gate_in_kernel``) or the log-gate (any finite
+            value <= 0); its chunk-local cumsum is taken here.
         beta: ``[B, T, HV]`` bf16 or fp32, logits with ``use_beta_sigmoid_in_kernel``.
         scale: folded into Aqk.
         A_log: ``[HV]``; dt_bias: ``[HV * K]`` or ``[HV, K]`` (cast to fp32). Used only with ``use_gate_in_kernel``.
         lower_bound: selects the safe (lower-bound) gate form ``lower_bound * sigmoid(exp(A_log) (g + dt_bias))``
             when ``use_gate_in_kernel``; None: softplus, ``-exp(A_log) softplus(g + dt_bias)``.
         allow_neg_eigval: β = ``2 sigmoid(beta)`` (needs ``use_beta_sigmoid_in_kernel``).
+        safe_gate: a precomputed log-gate lies in [-5, 0] at every step. Which kernel form runs follows
+            :func:`cula_runtime.kda_args.gate_is_bounded`: the safe-gate form (diagonal blocks anchored at each
+            sub-chunk's first row) for the lower-bound form with ``lower_bound >= -5`` or a precomputed g with
+            ``safe_gate``; the unbounded form (:attr:`KdaIntraConfig.unbounded`) for the softplus form,
+            ``lower_bound < -5`` and a precomputed g without ``safe_gate``.
         cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1).
         chunk_indices: int32 ``[NT, 2]`` from :func:`cula_runtime.index.prepare_chunk_indices` (computed when None).
 
@@ -820,18 +988,25 @@ def chunk_kda_fwd_intra_from_raw(
     form, A_log, dt_bias = gate_arguments(use_gate_in_kernel, lower_bound, A_log, dt_bias, allow_neg_eigval,
                                           use_beta_sigmoid_in_kernel, HV, K, device)
     chunk_indices, num_chunks = chunk_rows(cu_seqlens, chunk_indices, B, T, device)
+    from ...kda_args import SAFE_GATE_LOWER_BOUND_MIN
+
+    if use_gate_in_kernel:
+        bounded = lower_bound is not None and lower_bound >= SAFE_GATE_LOWER_BOUND_MIN
+    else:
+        bounded = bool(safe_gate)
     return _intra_from_raw(q, k, v, g, beta, scale, form, A_log, dt_bias, lower_bound,
                            bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval),
-                           cu_seqlens, chunk_indices, num_chunks)
+                           cu_seqlens, chunk_indices, num_chunks, unbounded=not bounded)
 
 
 def _intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, lower_bound: float | None,
                     l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool, cu_seqlens, chunk_indices,
-                    num_chunks: int, out=None) -> tuple:
+                    num_chunks: int, out=None, unbounded: bool = False) -> tuple:
     """:func:`chunk_kda_fwd_intra_from_raw` after its argument checks (``form``, ``A_log``, ``dt_bias`` from
     :func:`~.gate.gate_arguments`; g and beta bf16 or fp32; ``chunk_indices`` and ``num_chunks`` from
-    :func:`~cula_runtime.cute.varlen.chunk_rows`): plan, allocate the outputs unless ``out`` (the caller's own,
-    unchecked: the cutedsl backend carves them from its workspace) and launch."""
+    :func:`~cula_runtime.cute.varlen.chunk_rows`; ``unbounded``: the kernel form for gates outside [-5, 0]): plan,
+    allocate the outputs unless ``out`` (the caller's own, unchecked: the cutedsl backend carves them from its
+    workspace) and launch."""
     import torch
 
     B, T, H, K = q.shape
@@ -842,7 +1017,7 @@ def _intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, l
     gate = InKernelGate(form=form, g_dtype=names[g.dtype], beta_dtype=names[beta.dtype],
                         has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, beta_sigmoid=beta_sigmoid,
                         allow_neg_eigval=allow_neg_eigval)
-    config, specs = _plan(H, HV, varlen, l2norm, gate)
+    config, specs = _plan(H, HV, varlen, l2norm, gate, bool(unbounded))
     if out is not None:
         w, u, qg, kg, Aqk, g_last = out
     else:
