@@ -480,7 +480,7 @@ def refusal(**bad):
     args.update(bad)
     try:
         extension.kda_intra(0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 100, 2, 1, 1, 1.0, -5.0, False, False, False, False,
-                            0, 0, 0, 0, 0, 0, args["tuned"], 0)
+                            False, 0, 0, 0, 0, 0, 0, args["tuned"], 0)
     except Exception as error:
         return [type(error).__name__, str(error)]
     return None

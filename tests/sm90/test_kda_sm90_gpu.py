@@ -118,13 +118,13 @@ def test_programmatic_launch_gives_the_same_bits(name: str, monkeypatch: pytest.
         assert torch.equal(o, ref[0]) and (ht is None or torch.equal(ht, ref[1]))
 
 
-@pytest.mark.parametrize("form", ["tensor", "bands"])
+@pytest.mark.parametrize("form", ["tensor", "bands", "unbounded"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_intra_tuned_matches_oracle(case: KdaCase, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each intra form the default "auto" picks from, forced (CULA_SM90_INTRA_TUNED: "tensor", the inverse's
-    products as bf16x3 tensor-core MMAs; "bands", the same computing only the 16-row bands that hold tokens): o and
-    the final state within the frozen FLA bounds against fp64, outputs poisoned first; the same bits over 5
-    replays."""
+    """Each intra form, forced (CULA_SM90_INTRA_TUNED: "tensor", the inverse's products as bf16x3 tensor-core MMAs;
+    "bands", the same computing only the 16-row bands that hold tokens; "unbounded", the form every unbounded-gate
+    call runs, here on the bounded cases): o and the final state within the frozen FLA bounds against fp64, outputs
+    poisoned first; the same bits over 5 replays."""
     kda = _sm90(monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=0)
     args = validate_kda_prefill(**kwargs)
@@ -256,17 +256,18 @@ def test_recurrence_entry_rejects_bad_scalars_before_any_launch(monkeypatch: pyt
 
 
 def test_intra_entry_refuses_the_retired_forms(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The extension builds the intra forms "tensor" (11) and "bands" (15) only: the retired codes 0-3 (and any other)
-    are ValueErrors naming the built ones, before any launch (null pointers: a launch would fault)."""
+    """The extension builds the intra forms "tensor" (11), "bands" (15) and "unbounded" (4107) only: the retired codes
+    0-3 (and any other) are ValueErrors naming the built ones, before any launch (null pointers: a launch would
+    fault)."""
     ext = _sm90(monkeypatch).load_extension()
-    assert ext.intra_form_built(11) and ext.intra_form_built(15)
-    for code in (0, 1, 2, 3, 7):
+    assert ext.intra_form_built(11) and ext.intra_form_built(15) and ext.intra_form_built(4107)
+    for code in (0, 1, 2, 3, 7, 4096):
         assert not ext.intra_form_built(code)
-        with pytest.raises(ValueError, match=f"tuned must be 11 or 15; got {code}"):
+        with pytest.raises(ValueError, match=f"tuned must be 11, 15 or 4107; got {code}"):
             # (q, k, v, g, beta, A_log, dt_bias, g type, beta type, cu_seqlens, chunk_indices, chunk_offsets, Ttot, NT,
-            # H, HV, scale, lower_bound, 4 flags, qg, kg, w, u, Aqk, g_last, tuned, stream)
+            # H, HV, scale, lower_bound, 5 flags, qg, kg, w, u, Aqk, g_last, tuned, stream)
             ext.kda_intra(0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 100, 2, 1, 1, 1.0, -5.0, False, False, False, False,
-                          0, 0, 0, 0, 0, 0, code, 0)
+                          False, 0, 0, 0, 0, 0, 0, code, 0)
 
 
 def test_dispatch_picks_sm90_without_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
