@@ -542,8 +542,9 @@ print(json.dumps({
 # chunk) | pad | chunk offsets | pad | longest first (lengths 100, 0, 128, 12)
 _VARLEN_EXPECTED = [5, 12, 20, 24, [0, 0, 0, 1, 2, 0, 2, 1, 3, 0, 0, 0, 0, 2, 2, 4, 5, 0, 0, 0, 2, 0, 3, 1]]
 # The intra forms the shim names and the wheel's extension must build (cula_sm90.kda._TUNED_FORMS without "auto",
-# a per-call choice between them, and the timing-only "ablate:" forms, never in a wheel).
-SHIM_INTRA_FORMS = ("tensor", "bands")
+# a per-call choice between them, and the timing-only "ablate:" forms, never in a wheel; "unbounded" is the form of the
+# unbounded-gate calls).
+SHIM_INTRA_FORMS = ("tensor", "bands", "unbounded")
 
 
 def load_check_sm90(path: Path, python: str = sys.executable) -> list[str]:
