@@ -15,6 +15,8 @@ _LAZY_EXPORTS = {
     "prepare_chunk_offsets": "cula_runtime.index",
     "validate_kda_prefill": "cula_runtime.kda_args",
     "KdaPrefillArgs": "cula_runtime.kda_args",
+    "validate_kda_decode": "cula_runtime.kda_decode_args",
+    "KdaDecodeArgs": "cula_runtime.kda_decode_args",
     "list_kernels": "cula_runtime.registry",
     "get_kernel": "cula_runtime.registry",
     "KERNELS": "cula_runtime.registry",

@@ -5,7 +5,11 @@ dtype) or ``ValueError`` (wrong shape, size or value) with a message that names 
 expected. It returns a frozen :class:`KdaPrefillArgs` holding the tensors (made contiguous) and the problem sizes.
 
 Strides: any strides are accepted; a non-contiguous input is copied to a contiguous tensor here, once, so every
-backend receives dense row-major tensors. Pass contiguous tensors to avoid the copy.
+backend receives dense row-major tensors. Pass contiguous tensors to avoid the copy. A state pool (``state=``) is
+never copied (it is written in place): each of its slots must be dense, the stride between slots is free.
+
+The checks that ``kda_decode``'s validator (:mod:`cula_runtime.kda_decode_args`) shares live here too: the inputs,
+flags, scale, gate parameters and the state pool.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from .index import checked_cu_seqlens_host
+from .state_pool import PoolSlots, pool_slots
 
-__all__ = ["KdaPrefillArgs", "validate_kda_prefill", "gpu_kernel_rejection", "gate_is_bounded", "empty_prefill_result",
-           "checked_boundaries", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN"]
+__all__ = ["KdaCallArgs", "KdaPrefillArgs", "validate_kda_prefill", "gpu_kernel_rejection", "gate_is_bounded",
+           "empty_prefill_result", "checked_boundaries", "check_input_types", "check_kda_inputs", "check_flags",
+           "check_devices", "check_scale", "check_gate", "check_cu_seqlens_shape", "check_state_pool",
+           "sequence_lengths", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN", "POOL_REFUSAL"]
 
 MAX_HEAD_DIM = 256
 SAFE_GATE_LOWER_BOUND_MIN = -5.0
@@ -28,14 +35,17 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 _PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # A_log, dt_bias
 
 
+#: why the GPU prefill kernels do not serve a call with a state pool yet (their ``verify`` answer)
+POOL_REFUSAL = "the state-pool form runs on the reference until the GPU kernels take slot indices (issue 26)"
+
+
 @dataclass(frozen=True)
-class KdaPrefillArgs:
-    """Validated ``kda_prefill`` arguments (tensors contiguous) and the sizes derived from them.
+class KdaCallArgs:
+    """What validated ``kda_prefill`` and ``kda_decode`` arguments have in common: the inputs (contiguous), the
+    preprocessing flags and gate parameters, and the sizes.
 
     Sizes: ``B`` batch rows, ``T`` tokens per row, ``H`` q/k heads, ``HV`` value heads (``HV % H == 0``),
     ``K``/``V`` head dims, ``N`` sequences (``B`` without ``cu_seqlens``, else ``len(cu_seqlens) - 1``).
-    ``cu_seqlens_host``: the CPU copy of ``cu_seqlens`` the validator checked (None without ``cu_seqlens``), for the
-    index helpers' ``host=`` (they then build on the host, with no further synchronisation).
     """
 
     q: torch.Tensor
@@ -44,13 +54,10 @@ class KdaPrefillArgs:
     g: torch.Tensor
     beta: torch.Tensor
     scale: float
-    initial_state: torch.Tensor | None
-    output_final_state: bool
     use_qk_l2norm_in_kernel: bool
     use_gate_in_kernel: bool
     use_beta_sigmoid_in_kernel: bool
     allow_neg_eigval: bool
-    safe_gate: bool
     lower_bound: float | None
     A_log: torch.Tensor | None
     dt_bias: torch.Tensor | None
@@ -63,11 +70,38 @@ class KdaPrefillArgs:
     K: int
     V: int
     N: int
-    cu_seqlens_host: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+    def preprocessing_kwargs(self) -> dict:
+        """The flags and gate parameters as keyword arguments of the reference's ``prepare_kda_inputs``."""
+        return dict(use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel, use_gate_in_kernel=self.use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel=self.use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound, A_log=self.A_log,
+                    dt_bias=self.dt_bias)
+
+
+@dataclass(frozen=True)
+class KdaPrefillArgs(KdaCallArgs):
+    """Validated ``kda_prefill`` arguments (tensors contiguous, except the pool) and the sizes derived from them.
+
+    ``cu_seqlens_host``: the CPU copy of ``cu_seqlens`` the validator checked (None without ``cu_seqlens``), for the
+    index helpers' ``host=`` (they then build on the host, with no further synchronisation).
+    The pool form (``state`` not None): ``state`` the pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` V-first) as passed,
+    ``state_indices`` int32 ``[N]``, ``has_initial_state`` bool ``[N]`` or None; ``pool_slots`` the slots checked on
+    the host (:func:`cula_runtime.state_pool.pool_slots`) when the indices are CPU tensors, else None.
+    """
+
+    initial_state: torch.Tensor | None
+    output_final_state: bool
+    safe_gate: bool
+    cu_seqlens_host: torch.Tensor | None = None
+    state: torch.Tensor | None = None
+    state_indices: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
+    pool_slots: PoolSlots | None = None
 
     @property
     def state_shape(self) -> tuple[int, int, int, int]:
@@ -94,10 +128,7 @@ class KdaPrefillArgs:
         return dict(
             q=self.q, k=self.k, v=self.v, g=self.g, beta=self.beta, scale=self.scale,
             initial_state=self.initial_state, output_final_state=self.output_final_state,
-            use_qk_l2norm_in_kernel=self.use_qk_l2norm_in_kernel, use_gate_in_kernel=self.use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel=self.use_beta_sigmoid_in_kernel, allow_neg_eigval=self.allow_neg_eigval,
-            lower_bound=self.lower_bound, A_log=self.A_log, dt_bias=self.dt_bias, cu_seqlens=self.cu_seqlens,
-            state_v_first=self.state_v_first,
+            cu_seqlens=self.cu_seqlens, state_v_first=self.state_v_first, **self.preprocessing_kwargs(),
         )
 
 
@@ -126,6 +157,193 @@ def _flag(name: str, x: object) -> bool:
 
 _FLAG_NAMES = ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
                "allow_neg_eigval", "safe_gate", "state_v_first")
+
+
+def check_flags(names: tuple[str, ...], flags: tuple[object, ...]) -> None:
+    """``TypeError`` naming the first of ``flags`` (called ``names``) that is not a ``bool``."""
+    for value in flags:
+        if value.__class__ is not bool:  # bool has no subclasses: the same test as isinstance(value, bool)
+            for name, flag in zip(names, flags, strict=True):
+                _flag(name, flag)
+
+
+def check_input_types(q: object, k: object, v: object, g: object, beta: object) -> None:
+    """``TypeError`` naming the first of q, k, v, g, beta that is not a tensor."""
+    Tensor = torch.Tensor
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(g, Tensor)
+            and isinstance(beta, Tensor)):
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            _tensor(name, x)
+
+
+def check_kda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     ) -> tuple[int, int, int, int, int, int]:
+    """The shapes and dtypes of q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]`` and beta
+    ``[B, T, HV]`` (tensors: :func:`check_input_types`); returns ``(B, T, H, K, HV, V)``. Their devices are
+    :func:`check_devices`' job."""
+    q_shape = q.shape
+    if len(q_shape) != 4:
+        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q_shape)}")
+    B, T, H, K = q_shape
+    if k.shape != q_shape:
+        _shape("k", k, (B, T, H, K), "the shape of q: [B, T, H, K]")
+    v_shape = v.shape
+    if len(v_shape) != 4 or v_shape[0] != B or v_shape[1] != T:
+        raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {list(v_shape)}")
+    HV, V = v_shape[2], v_shape[3]
+    if H == 0 or HV == 0 or HV % H != 0:
+        raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H} (GVA)")
+    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
+        for name, size in (("K (q.shape[-1])", K), ("V (v.shape[-1])", V)):
+            if not 1 <= size <= MAX_HEAD_DIM:
+                raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {size}")
+    if g.shape != (B, T, HV, K):
+        _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
+    if beta.shape != (B, T, HV):
+        _shape("beta", beta, (B, T, HV), "[B, T, HV]")
+
+    dtype = q.dtype
+    if dtype not in _INPUT_DTYPES:
+        _dtype("q", q, _INPUT_DTYPES)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != dtype:
+            raise TypeError(f"{name} must have the dtype of q ({dtype}), got {x.dtype}")
+    if g.dtype not in _INPUT_DTYPES:
+        _dtype("g", g, _INPUT_DTYPES)
+    if beta.dtype not in _INPUT_DTYPES:
+        _dtype("beta", beta, _INPUT_DTYPES)
+    return B, T, H, K, HV, V
+
+
+def check_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  optional: tuple[tuple[str, object], ...]) -> None:
+    """k, v, g, beta and each ``(name, tensor or None)`` of ``optional`` on q's device (``TypeError`` for an optional
+    argument that is neither a tensor nor None, ``ValueError`` naming the one on another device)."""
+    device = q.device
+    checked = (("k", k), ("v", v), ("g", g), ("beta", beta))
+    if k.device == device and v.device == device and g.device == device and beta.device == device:
+        checked = ()  # the four required tensors share q's device; only the optional ones are left
+    for name, x in (*checked, *optional):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            _tensor(name, x)
+        if x.device != device:
+            raise ValueError(f"{name} must be on q's device ({device}), got {x.device}")
+
+
+def check_scale(scale: object, K: int) -> float:
+    """``scale`` as a float (``None``: ``K ** -0.5``); ``TypeError``/``ValueError`` unless finite and positive."""
+    if scale is None:
+        return K**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None (default K**-0.5), got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive float or None (default K**-0.5), got {scale}")
+    return float(scale)
+
+
+def check_cu_seqlens_shape(cu_seqlens: torch.Tensor, B: int) -> int:
+    """``cu_seqlens`` 1-D ``[N + 1]`` with ``N >= 1`` and a packed batch (``B == 1``); returns ``N``. Its dtype and
+    values are each caller's to check."""
+    if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
+    return cu_seqlens.numel() - 1
+
+
+def check_gate(use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+               safe_gate: bool | None, lower_bound: object, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+               HV: int, K: int) -> tuple[float | None, torch.Tensor | None]:
+    """The beta and gate arguments: ``allow_neg_eigval`` needs the sigmoid; ``lower_bound``, ``A_log`` and
+    ``dt_bias`` as the gate form needs them (``safe_gate=None``: the op has no ``safe_gate`` argument, as
+    ``kda_decode``). Returns ``(lower_bound as a float or None, dt_bias flattened to [HV * K] or None)``."""
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (beta = 2*sigmoid(beta))")
+
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        if not (use_gate_in_kernel or safe_gate):
+            if safe_gate is None:
+                raise ValueError("lower_bound is only used with use_gate_in_kernel=True (the lower-bound gate form); "
+                                 f"got lower_bound={lower_bound} with use_gate_in_kernel=False")
+            raise ValueError(
+                "lower_bound is only used with use_gate_in_kernel=True (the safe gate form) or safe_gate=True; "
+                f"got lower_bound={lower_bound} with both False"
+            )
+        lower_bound = float(lower_bound)
+        if not (math.isfinite(lower_bound) and lower_bound < 0):
+            raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound}")
+    if use_gate_in_kernel:
+        if safe_gate:
+            if lower_bound is None:
+                raise ValueError("safe_gate=True with use_gate_in_kernel=True requires lower_bound in [-5, 0)")
+            if lower_bound < SAFE_GATE_LOWER_BOUND_MIN:
+                raise ValueError(f"safe_gate=True requires lower_bound in [-5, 0), got {lower_bound}")
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True requires A_log (shape [HV]) unless lower_bound is set")
+        if A_log is not None:
+            if A_log.shape != (HV,):
+                _shape("A_log", A_log, (HV,), "[HV]")
+            if A_log.dtype not in _PARAM_DTYPES:
+                _dtype("A_log", A_log, _PARAM_DTYPES)
+        if dt_bias is not None:
+            flat = dt_bias.ndim == 1
+            if not ((flat and dt_bias.numel() == HV * K) or dt_bias.shape == (HV, K)):
+                raise ValueError(f"dt_bias must have shape [HV*K]=[{HV * K}] or [HV, K]=[{HV}, {K}], got "
+                                 f"{list(dt_bias.shape)}")
+            if dt_bias.dtype not in _PARAM_DTYPES:
+                _dtype("dt_bias", dt_bias, _PARAM_DTYPES)
+            if not flat:  # a 1-D dt_bias already has the [HV*K] shape
+                dt_bias = dt_bias.reshape(HV * K)
+    else:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None:
+                raise ValueError(f"{name} is only used with use_gate_in_kernel=True; pass {name}=None or enable it")
+    return lower_bound, dt_bias
+
+
+def _slots_dense(state: torch.Tensor) -> bool:
+    """Whether each slot ``state[p]`` is dense row-major (dims of size 1 take any stride); the slot stride is free."""
+    expected = 1
+    for size, stride in zip(reversed(state.shape[1:]), reversed(state.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_state_pool(state: object, state_indices: object, N: int, HV: int, K: int, V: int, state_v_first: bool,
+                     per_token_allowed: bool) -> tuple[int, bool]:
+    """A state pool and its indices (devices checked by :func:`check_devices`): ``state`` ``[P, HV, K, V]``
+    (``[P, HV, V, K]`` with ``state_v_first``) in fp32, bf16 or fp64 with dense slots; ``state_indices`` int32
+    ``[N]``, or ``[N, W]`` (``W >= 1``) when ``per_token_allowed``. Returns ``(P, per_token)``. The index values
+    are :func:`cula_runtime.state_pool.pool_slots`' to check."""
+    if state_indices is None:
+        raise ValueError("state (the pool) needs state_indices: an int32 tensor [N] naming each sequence's slot")
+    state = _tensor("state", state)
+    state_indices = _tensor("state_indices", state_indices)
+    inner = (HV, V, K) if state_v_first else (HV, K, V)
+    if state.ndim != 4 or tuple(state.shape[1:]) != inner:
+        dims = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        raise ValueError(f"state (the pool) must have shape [P, {', '.join(map(str, inner))}] ({dims}, "
+                         f"state_v_first={state_v_first}), got {list(state.shape)}")
+    if state.dtype not in _STATE_DTYPES:
+        _dtype("state", state, _STATE_DTYPES)
+    if not _slots_dense(state):
+        raise ValueError(f"state (the pool) is written in place, so it is never copied: each slot state[p] must be "
+                         f"dense row-major (the slot stride is free), got strides {list(state.stride())}")
+    if state_indices.dtype != torch.int32:
+        raise TypeError(f"state_indices must have dtype torch.int32, got {state_indices.dtype}")
+    per_token = state_indices.ndim == 2
+    if not ((state_indices.ndim == 1 or (per_token and per_token_allowed)) and state_indices.shape[0] == N
+            and (not per_token or state_indices.shape[1] >= 1)):
+        forms = (f"[N]=[{N}] (one slot per sequence) or [N, W]=[{N}, W >= 1] (a slot per token, speculative "
+                 "verification)") if per_token_allowed else f"[N]=[{N}] (one slot per sequence)"
+        raise ValueError(f"state_indices must have shape {forms}, got {list(state_indices.shape)}")
+    return state.shape[0], per_token
 
 
 def _checked_cpu_copy(cu_seqlens_cpu: object, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -181,88 +399,34 @@ def validate_kda_prefill(
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
 ) -> KdaPrefillArgs:
     """Check every ``kda_prefill`` argument (see ``cula.kda.kda_prefill`` for their meaning).
 
     Raises ``TypeError`` or ``ValueError`` naming the argument and the expected value; returns the validated,
-    contiguous arguments.
+    contiguous arguments (the pool ``state`` as passed).
 
     Every call pays this on the host, so each check is a plain comparison on the accepting path and builds its
     message only when it fails; the checks run in a fixed order (the first failing one raises).
     """
-    Tensor = torch.Tensor
-    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(g, Tensor)
-            and isinstance(beta, Tensor)):
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            _tensor(name, x)
+    check_input_types(q, k, v, g, beta)
     flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
              allow_neg_eigval, safe_gate, state_v_first)
-    for value in flags:
-        if value.__class__ is not bool:  # bool has no subclasses: the same test as isinstance(value, bool)
-            for name, flag in zip(_FLAG_NAMES, flags, strict=True):
-                _flag(name, flag)
-
-    q_shape = q.shape
-    if len(q_shape) != 4:
-        raise ValueError(f"q must be 4-D [B, T, H, K], got shape {list(q_shape)}")
-    B, T, H, K = q_shape
-    if k.shape != q_shape:
-        _shape("k", k, (B, T, H, K), "the shape of q: [B, T, H, K]")
-    v_shape = v.shape
-    if len(v_shape) != 4 or v_shape[0] != B or v_shape[1] != T:
-        raise ValueError(f"v must have shape [B={B}, T={T}, HV, V], got {list(v_shape)}")
-    HV, V = v_shape[2], v_shape[3]
-    if H == 0 or HV == 0 or HV % H != 0:
-        raise ValueError(f"v's head count HV={HV} must be a positive multiple of q/k's head count H={H} (GVA)")
-    if not (1 <= K <= MAX_HEAD_DIM and 1 <= V <= MAX_HEAD_DIM):
-        for name, size in (("K (q.shape[-1])", K), ("V (v.shape[-1])", V)):
-            if not 1 <= size <= MAX_HEAD_DIM:
-                raise ValueError(f"head dim {name} must be in [1, {MAX_HEAD_DIM}], got {size}")
-    if g.shape != (B, T, HV, K):
-        _shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
-    if beta.shape != (B, T, HV):
-        _shape("beta", beta, (B, T, HV), "[B, T, HV]")
-
-    dtype = q.dtype
-    if dtype not in _INPUT_DTYPES:
-        _dtype("q", q, _INPUT_DTYPES)
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != dtype:
-            raise TypeError(f"{name} must have the dtype of q ({dtype}), got {x.dtype}")
-    if g.dtype not in _INPUT_DTYPES:
-        _dtype("g", g, _INPUT_DTYPES)
-    if beta.dtype not in _INPUT_DTYPES:
-        _dtype("beta", beta, _INPUT_DTYPES)
-
-    device = q.device
+    check_flags(_FLAG_NAMES, flags)
+    B, T, H, K, HV, V = check_kda_inputs(q, k, v, g, beta)
     optional = (("initial_state", initial_state), ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens))
-    checked = (("k", k), ("v", v), ("g", g), ("beta", beta))
-    if k.device == device and v.device == device and g.device == device and beta.device == device:
-        checked = ()  # the four required tensors share q's device; only the optional ones are left
-    for name, x in (*checked, *optional):
-        if x is None:
-            continue
-        if not isinstance(x, Tensor):
-            _tensor(name, x)
-        if x.device != device:
-            raise ValueError(f"{name} must be on q's device ({device}), got {x.device}")
-
-    if scale is None:
-        scale = K**-0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None (default K**-0.5), got {type(scale).__name__}")
-    elif not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite positive float or None (default K**-0.5), got {scale}")
+    if state is not None or state_indices is not None or has_initial_state is not None:
+        optional += (("state", state), ("state_indices", state_indices), ("has_initial_state", has_initial_state))
+    check_devices(q, k, v, g, beta, optional)
+    scale = check_scale(scale, K)
 
     if cu_seqlens is not None:
         if cu_seqlens.dtype != torch.int32:
             raise TypeError(f"cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
-        if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D [N+1] with N >= 1, got shape {list(cu_seqlens.shape)}")
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
+        N = check_cu_seqlens_shape(cu_seqlens, B)
         cu_host = checked_boundaries(cu_seqlens, cu_seqlens_cpu, T)
-        N = cu_seqlens.numel() - 1
     else:
         if cu_seqlens_cpu is not None:
             raise ValueError("cu_seqlens_cpu is the host copy of cu_seqlens: pass cu_seqlens (on q's device) with it")
@@ -277,58 +441,60 @@ def validate_kda_prefill(
         if initial_state.dtype not in _STATE_DTYPES:
             _dtype("initial_state", initial_state, _STATE_DTYPES)
 
-    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
-        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (beta = 2*sigmoid(beta))")
+    slots = None
+    if state is not None or state_indices is not None or has_initial_state is not None:
+        slots = _prefill_pool(state, state_indices, has_initial_state, initial_state, output_final_state, N, T, HV,
+                              K, V, state_v_first, cu_host)
 
-    if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
-        if not (use_gate_in_kernel or safe_gate):
-            raise ValueError(
-                "lower_bound is only used with use_gate_in_kernel=True (the safe gate form) or safe_gate=True; "
-                f"got lower_bound={lower_bound} with both False"
-            )
-        lower_bound = float(lower_bound)
-        if not (math.isfinite(lower_bound) and lower_bound < 0):
-            raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound}")
-    if use_gate_in_kernel:
-        if safe_gate:
-            if lower_bound is None:
-                raise ValueError("safe_gate=True with use_gate_in_kernel=True requires lower_bound in [-5, 0)")
-            if lower_bound < SAFE_GATE_LOWER_BOUND_MIN:
-                raise ValueError(f"safe_gate=True requires lower_bound in [-5, 0), got {lower_bound}")
-        if A_log is None and lower_bound is None:
-            raise ValueError("use_gate_in_kernel=True requires A_log (shape [HV]) unless lower_bound is set")
-        if A_log is not None:
-            if A_log.shape != (HV,):
-                _shape("A_log", A_log, (HV,), "[HV]")
-            if A_log.dtype not in _PARAM_DTYPES:
-                _dtype("A_log", A_log, _PARAM_DTYPES)
-        if dt_bias is not None:
-            flat = dt_bias.ndim == 1
-            if not ((flat and dt_bias.numel() == HV * K) or dt_bias.shape == (HV, K)):
-                raise ValueError(f"dt_bias must have shape [HV*K]=[{HV * K}] or [HV, K]=[{HV}, {K}], got "
-                                 f"{list(dt_bias.shape)}")
-            if dt_bias.dtype not in _PARAM_DTYPES:
-                _dtype("dt_bias", dt_bias, _PARAM_DTYPES)
-            if not flat:  # a 1-D dt_bias already has the [HV*K] shape
-                dt_bias = dt_bias.reshape(HV * K)
-    else:
-        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
-            if x is not None:
-                raise ValueError(f"{name} is only used with use_gate_in_kernel=True; pass {name}=None or enable it")
+    lower_bound, dt_bias = check_gate(use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                                      lower_bound, A_log, dt_bias, HV, K)
 
     # contiguous() returns the tensor itself when it already is (the usual case), else a dense copy
     return KdaPrefillArgs(
         q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
-        scale=float(scale), initial_state=None if initial_state is None else initial_state.contiguous(),
+        scale=scale, initial_state=None if initial_state is None else initial_state.contiguous(),
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
         A_log=None if A_log is None else A_log.contiguous(), dt_bias=None if dt_bias is None else dt_bias.contiguous(),
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.contiguous(), state_v_first=state_v_first,
-        B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_host=cu_host,
+        B=B, T=T, H=H, HV=HV, K=K, V=V, N=N, cu_seqlens_host=cu_host, state=state,
+        state_indices=None if state_indices is None else state_indices.contiguous(),
+        has_initial_state=None if has_initial_state is None else has_initial_state.contiguous(), pool_slots=slots,
     )
+
+
+def sequence_lengths(N: int, T: int, cu_host: torch.Tensor | None) -> list[int]:
+    """Each sequence's token count: ``T`` each for a fixed-length batch, else from the host boundaries."""
+    if cu_host is None:
+        return [T] * N
+    bounds = cu_host.tolist()
+    return [end - begin for begin, end in zip(bounds, bounds[1:], strict=False)]
+
+
+def _prefill_pool(state: object, state_indices: object, has_initial_state: object,
+                  initial_state: torch.Tensor | None, output_final_state: bool, N: int, T: int, HV: int, K: int,
+                  V: int, state_v_first: bool, cu_host: torch.Tensor | None) -> PoolSlots | None:
+    """The pool arguments of ``kda_prefill``; the slots checked on the host when the indices are CPU tensors."""
+    if state is None:
+        name = "state_indices" if state_indices is not None else "has_initial_state"
+        raise ValueError(f"{name} is only used with state (the pool [P, HV, K, V] it indexes); pass state too")
+    if initial_state is not None:
+        raise ValueError("initial_state and state are exclusive: with a pool (state=), each sequence starts from "
+                         "its slot state[state_indices[n]]; pass initial_state=None")
+    if output_final_state:
+        raise ValueError("output_final_state=True and state are exclusive: with a pool (state=), the final states "
+                         "are written to the pool in place; pass output_final_state=False")
+    pool_size, _ = check_state_pool(state, state_indices, N, HV, K, V, state_v_first, per_token_allowed=False)
+    if has_initial_state is not None:
+        if has_initial_state.dtype != torch.bool:
+            raise TypeError(f"has_initial_state must have dtype torch.bool, got {has_initial_state.dtype}")
+        if has_initial_state.shape != (N,):
+            _shape("has_initial_state", has_initial_state, (N,), "[N], one flag per sequence")
+    if state_indices.device.type != "cpu":
+        return None  # (reading the values would synchronise: the backend treats a slot past the pool as padding)
+    return pool_slots(state_indices.tolist(), sequence_lengths(N, T, cu_host), pool_size, per_token=False,
+                      strict=True)
 
 
 def gate_is_bounded(args: KdaPrefillArgs) -> bool:
@@ -347,8 +513,11 @@ def gpu_kernel_rejection(args: KdaPrefillArgs, head_dim: int = 128) -> str | Non
     """Why the GPU KDA kernels (bf16, K = V = ``head_dim``, fp32/bf16 g, beta and initial state) cannot serve
     ``args``, or None if they can. Every gate form passes (:func:`gate_is_bounded` tells which kernel form runs).
 
-    Shared by the sm90 and cutedsl backends' ``verify``; each adds its own device and installation checks.
+    Shared by the sm90 and cutedsl backends' ``verify``; each adds its own device and installation checks. A call
+    with a state pool (``state=``) is refused for now (:data:`POOL_REFUSAL`): it falls back to the reference.
     """
+    if args.state is not None:
+        return POOL_REFUSAL
     if args.q.dtype != torch.bfloat16:
         return f"needs bf16 q/k/v, got {args.q.dtype}"
     if (args.K, args.V) != (head_dim, head_dim):

@@ -67,9 +67,21 @@ KERNELS: tuple[KernelEntry, ...] = (
     ),
     KernelEntry(
         name="kda_prefill_reference", family="kda", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
-        features=_KDA_FEATURES, status=_REF_GPU_STATUS,
+        features=_KDA_FEATURES + ("state-pool", "padding-rows"),
+        status=_REF_GPU_STATUS + "; its state-pool form (issue 26) tested on CPU only",
         entry="cula_runtime.reference.backend:kda_prefill_reference",
-        summary="the reference backend of cula.kda.kda_prefill (validated arguments -> kda_chunked)",
+        summary="the reference backend of cula.kda.kda_prefill (validated arguments -> kda_chunked; with a state "
+                "pool, each sequence from and into its slot, in place)",
+    ),
+    KernelEntry(
+        name="kda_decode_reference", family="kda", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
+        features=("gva", "varlen", "zero-length-seqs", "gate-in-kernel", "qk-l2norm", "beta-sigmoid", "state-kv",
+                  "state-vk", "state-pool", "padding-rows", "spec-decode"),
+        status=_REF_STATUS,
+        entry="cula_runtime.reference.kda_decode:kda_decode_reference",
+        summary="the reference backend of cula.kda.kda_decode: the per-token recurrence in fp32 (fp64 for the "
+                "oracle) from and into a state pool in place; padding rows; per-token slots and accepted counts "
+                "(speculative verification)",
     ),
     KernelEntry(
         name="kda_prefill_sm90", family="kda", backend="sm90-native", archs=("sm_90a",), dtypes=("bfloat16",),

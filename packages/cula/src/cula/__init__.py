@@ -1,7 +1,7 @@
 """cuLA: fast CUDA kernels for linear attention (Kimi Delta Attention first, Lightning Attention next).
 
-Public modules, imported on first use: ``cula.kda`` (``kda_prefill`` and the varlen index helpers) and
-``cula.kernels`` (the kernel registry). ``import cula`` needs no GPU, CuTeDSL, triton or native extension.
+Public modules, imported on first use: ``cula.kda`` (``kda_prefill``, ``kda_decode`` and the varlen index helpers)
+and ``cula.kernels`` (the kernel registry). ``import cula`` needs no GPU, CuTeDSL, triton or native extension.
 """
 
 from __future__ import annotations

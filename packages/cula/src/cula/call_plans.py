@@ -12,8 +12,9 @@ What depends on values is still checked on every call: ``cu_seqlens``' boundarie
 it runs a plan (the validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`, whose host copy the
 plan receives), and each pointer's alignment inside the sm90 plan. Plans are
 made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
-holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, or flags that are not
-``bool`` are never planned: the validator sees each of them. ``CULA_CALL_PLANS=0`` turns plans off.
+holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, flags that are not
+``bool``, or a state pool (``state=``) are never planned: the validator sees each of them. ``CULA_CALL_PLANS=0``
+turns plans off.
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ def _tensor_key(x: object) -> tuple | None:
 
 def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                    use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log,
-                   dt_bias, cu_seqlens, state_v_first, cu_seqlens_cpu) -> tuple | None:
+                   dt_bias, cu_seqlens, state_v_first, cu_seqlens_cpu, state=None, state_indices=None,
+                   has_initial_state=None) -> tuple | None:
     """The signature of a ``kda_prefill`` call (its arguments in ``kda_prefill``'s order) as a hashable key, or None
-    for a call that is never planned (or with ``CULA_CALL_PLANS=0``). About 5 us."""
-    if env_value(ENV_CALL_PLANS, "1") == "0":
+    for a call that is never planned (a call with a state pool, or any with ``CULA_CALL_PLANS=0``). About 5 us."""
+    if env_value(ENV_CALL_PLANS, "1") == "0" or not (state is None and state_indices is None
+                                                      and has_initial_state is None):
         return None
     flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
              allow_neg_eigval, safe_gate, state_v_first)

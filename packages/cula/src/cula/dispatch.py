@@ -1,4 +1,4 @@
-"""Which backend serves a ``kda_prefill`` call: one table by device capability.
+"""Which backend serves a ``kda_prefill`` or ``kda_decode`` call: one table by device capability.
 
 Backends:
 
@@ -14,6 +14,10 @@ slow) and says so in a ``CulaFallbackWarning``. Other GPUs raise ``NotImplemente
 ``CULA_BACKEND=reference|cutedsl|sm90`` forces one backend; if it rejects the call, ``NotImplementedError`` says why.
 A backend may also make call plans (``register_planner``; sm90 and cutedsl do): ``cula.kda.kda_prefill`` keeps the
 plan of an accepted call and runs it for later calls of the same signature without asking again (``cula.call_plans``).
+
+``kda_decode`` is dispatched the same way over its own table (:func:`explain_decode`): only the reference serves it
+so far; on SM90/SM100/SM103 it runs on the GPU with the ``CulaFallbackWarning``, each GPU backend answering that its
+decode kernel is not written yet (issue 26).
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ from functools import cache
 import torch
 
 from cula_runtime.env import env_value
-from cula_runtime.kda_args import KdaPrefillArgs
+from cula_runtime.kda_args import KdaCallArgs, KdaPrefillArgs
+from cula_runtime.kda_decode_args import KdaDecodeArgs
 from cula_runtime.kda_tuning import device_capability
 
 from ._version import __version__
 
-__all__ = ["BACKEND_NAMES", "Choice", "Decision", "explain", "select_backend", "CulaFallbackWarning",
-           "GPU_BACKENDS_BY_ARCH", "planner_for", "register_planner"]
+__all__ = ["BACKEND_NAMES", "Choice", "Decision", "explain", "select_backend", "explain_decode",
+           "select_decode_backend", "CulaFallbackWarning", "GPU_BACKENDS_BY_ARCH", "planner_for", "register_planner",
+           "NO_DECODE_KERNEL"]
 
 BACKEND_NAMES = ("reference", "cutedsl", "sm90")
 ENV_FORCE = "CULA_BACKEND"
@@ -61,6 +67,7 @@ class Decision:
 
 
 Runner = Callable[[KdaPrefillArgs], tuple[torch.Tensor, torch.Tensor | None]]
+DecodeRunner = Callable[[KdaDecodeArgs], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -69,7 +76,7 @@ class Choice:
     and whether the choice is the reference standing in for a GPU kernel."""
 
     decisions: list[Decision]
-    runner: Runner | None
+    runner: Runner | DecodeRunner | None
     summary: str
     gpu_fallback: bool = False
 
@@ -141,6 +148,30 @@ _BACKENDS: dict[str, Callable[[KdaPrefillArgs], tuple[Decision, Runner | None]]]
     "sm90": _sm90,
 }
 
+#: what each GPU backend answers a ``kda_decode`` call until its decode kernel lands
+NO_DECODE_KERNEL = "the GPU decode kernel is not written yet (issue 26)"
+
+
+def _reference_decode(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | None]:
+    from cula_runtime.reference import backend
+
+    ok, reason = backend.verify_decode(args)
+    return Decision("reference", ok, reason), backend.kda_decode_reference if ok else None
+
+
+def _no_decode_kernel(name: str) -> Callable[[KdaDecodeArgs], tuple[Decision, DecodeRunner | None]]:
+    def ask(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | None]:
+        return Decision(name, False, NO_DECODE_KERNEL), None
+
+    return ask
+
+
+_DECODE_BACKENDS: dict[str, Callable[[KdaDecodeArgs], tuple[Decision, DecodeRunner | None]]] = {
+    "reference": _reference_decode,
+    "cutedsl": _no_decode_kernel("cutedsl"),
+    "sm90": _no_decode_kernel("sm90"),
+}
+
 
 @cache
 def _accepted_summary(arch: str, name: str, chain: tuple[str, ...]) -> str:  # formatted once, not on every call
@@ -159,13 +190,23 @@ def forced_backend() -> str | None:
 
 def explain(args: KdaPrefillArgs) -> Choice:
     """Ask the backends in dispatch order and return the :class:`Choice`."""
+    return _explain(args, _BACKENDS)
+
+
+def explain_decode(args: KdaDecodeArgs) -> Choice:
+    """:func:`explain` for a ``kda_decode`` call (its own backend table)."""
+    return _explain(args, _DECODE_BACKENDS)
+
+
+def _explain(args: KdaCallArgs, backends: dict[str, Callable]) -> Choice:
     forced = forced_backend()
     if forced is not None:
-        decision, runner = _BACKENDS[forced](args)
+        decision, runner = backends[forced](args)
         return Choice([decision], runner, f"{ENV_FORCE}={forced} forces the {forced} backend")
     device = args.device
+    reference = backends["reference"]
     if device.type == "cpu":
-        decision, runner = _reference(args)
+        decision, runner = reference(args)
         return Choice([decision], runner, "CPU tensors run on the torch reference backend")
     if device.type != "cuda":
         return Choice([], None, f"cuLA has no backend for {device.type} tensors (CPU and CUDA only)")
@@ -178,11 +219,11 @@ def explain(args: KdaPrefillArgs) -> Choice:
                                  "run the slow torch reference on this GPU, or move the tensors to the CPU"))
     decisions: list[Decision] = []
     for name in chain:
-        decision, runner = _BACKENDS[name](args)
+        decision, runner = backends[name](args)
         decisions.append(decision)
         if runner is not None:
             return Choice(decisions, runner, _accepted_summary(arch, name, chain))
-    decision, runner = _reference(args)
+    decision, runner = reference(args)
     decisions.append(decision)
     rejected = "; ".join(f"{d.backend}: {d.reason}" for d in decisions if not d.ok)
     summary = f"{arch}: no GPU kernel accepted this call ({rejected}); running the torch reference on the GPU " \
@@ -192,10 +233,18 @@ def explain(args: KdaPrefillArgs) -> Choice:
 
 def select_backend(args: KdaPrefillArgs) -> Runner:
     """The runner for ``args``; ``NotImplementedError`` naming every backend tried and why, if none serves it."""
-    choice = explain(args)
+    return _select(explain(args), "kda_prefill")
+
+
+def select_decode_backend(args: KdaDecodeArgs) -> DecodeRunner:
+    """:func:`select_backend` for a ``kda_decode`` call."""
+    return _select(explain_decode(args), "kda_decode")
+
+
+def _select(choice: Choice, op: str) -> Callable:
     if choice.runner is None:
         tried = "; ".join(f"{d.backend} rejected it: {d.reason}" for d in choice.decisions)
-        raise NotImplementedError(f"cula.kda.kda_prefill: {choice.summary}" + (f" ({tried})" if tried else ""))
-    if choice.gpu_fallback:
-        warnings.warn(f"cula.kda.kda_prefill: {choice.summary}", CulaFallbackWarning, stacklevel=3)
+        raise NotImplementedError(f"cula.kda.{op}: {choice.summary}" + (f" ({tried})" if tried else ""))
+    if choice.gpu_fallback:  # (stacklevel: the caller of cula.kda.<op>)
+        warnings.warn(f"cula.kda.{op}: {choice.summary}", CulaFallbackWarning, stacklevel=4)
     return choice.runner

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention: the public prefill API (FLA-compatible names) and the varlen index helpers."""
+"""Kimi Delta Attention: the public prefill and decode API (FLA-compatible names) and the varlen index helpers."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import torch
 
 from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_lens
 from cula_runtime.kda_args import KdaPrefillArgs, checked_boundaries, validate_kda_prefill
+from cula_runtime.kda_decode_args import validate_kda_decode
 
 from .call_plans import call_signature, lookup, remember, with_current_knobs
-from .dispatch import planner_for, select_backend
+from .dispatch import planner_for, select_backend, select_decode_backend
 
-__all__ = ["kda_prefill", "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets"]
+__all__ = ["kda_prefill", "kda_decode", "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets"]
 
 
 def kda_prefill(
@@ -33,6 +34,10 @@ def kda_prefill(
     cu_seqlens: torch.Tensor | None = None,
     state_v_first: bool = False,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    *,
+    state: torch.Tensor | None = None,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA forward over whole sequences (prefill), on the best backend for the tensors' device.
 
@@ -60,23 +65,36 @@ def kda_prefill(
             and a call with a new ``cu_seqlens`` makes no synchronising call; without it, each new ``cu_seqlens``
             is copied to the host once (one synchronisation). Its values are not compared with
             ``cu_seqlens``' (that would synchronise): they must be equal.
+        state: a state pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` if ``state_v_first``), fp32 or bf16 (fp64
+            accepted), read and written in place (never copied: each slot must be dense, the slot stride is free).
+            Sequence ``n`` starts from slot ``state_indices[n]`` and its final state (rounded to the pool's dtype)
+            is written back to that slot; the other slots are untouched. Exclusive with ``initial_state`` and
+            ``output_final_state=True`` (``ValueError``).
+        state_indices: int32 ``[N]`` on q's device, with ``state``. A negative index is a padding row: nothing is
+            read or written for it and its output rows are zero. An index ``>= P`` and a slot named twice are
+            refused (``ValueError``) for CPU tensors; on a GPU the values are not read by the validator and an index
+            ``>= P`` is treated as padding (the rules: ``cula_runtime.state_pool``).
+        has_initial_state: optional bool ``[N]`` on q's device, with ``state``: where False, sequence ``n`` starts
+            from zeros instead of its slot (its final state is still written there).
 
     Returns:
-        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 or ``None``.
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` fp32 or ``None``. With a pool:
+        ``(o, None)`` (the final states are in the pool).
 
     Any strides are accepted (non-contiguous inputs are copied once). Bad arguments raise ``TypeError`` or
     ``ValueError`` naming the argument; a call no backend can serve raises ``NotImplementedError`` saying which
     backends were tried and why. ``CULA_BACKEND=reference|cutedsl|sm90`` forces a backend. A call with the signature
     of an earlier accepted one (tensors' shapes, strides, dtypes and devices, the flags, ``scale``, ``lower_bound``,
     the ``CULA_*`` variables) runs the call plan that call's backend left, without validation and dispatch; it still
-    checks ``cu_seqlens``' values (``cula.call_plans``).
+    checks ``cu_seqlens``' values (``cula.call_plans``). Calls with a pool are never planned, and no GPU kernel
+    takes slot indices yet: on a GPU they run the reference with a ``CulaFallbackWarning`` (issue 26).
     """
     # positional: the same order as validate_kda_prefill's parameters (keywords cost a little on every call)
     signature = call_signature(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
-        state_v_first, cu_seqlens_cpu,
-    )
+        state_v_first, cu_seqlens_cpu, state, state_indices, has_initial_state,
+    )  # (None for a call with a pool: never planned)
     if signature is not None:
         plan = lookup(signature)
         if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
@@ -86,7 +104,7 @@ def kda_prefill(
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
-        state_v_first, cu_seqlens_cpu,
+        state_v_first, cu_seqlens_cpu, state, state_indices, has_initial_state,
     )
     runner = select_backend(args)
     if signature is not None and _passed_as_is(args, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
@@ -98,6 +116,78 @@ def kda_prefill(
             remember(with_current_knobs(signature), plan)
             return result
     return runner(args)
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KDA decode: the recurrence (KDA_SPEC §1.2) over ``T_n >= 0`` new tokens per sequence, from and into a state
+    pool, in place.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (bf16, fp16 or fp32; one dtype for q, k, v). v: ``[B, T, HV, V]``, ``HV`` a multiple
+            of ``H`` (GVA: value head ``hv`` reads q/k head ``hv // (HV // H)``). g: ``[B, T, HV, K]`` log-decay
+            (any value ``<= 0``: no bound is assumed), or the raw gate with ``use_gate_in_kernel``. beta:
+            ``[B, T, HV]`` (fp32 or bf16) step sizes, or logits with ``use_beta_sigmoid_in_kernel``. Without
+            ``cu_seqlens``: ``B`` sequences of ``T`` tokens each (``T = 1``: one decode step).
+        state: the pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``), fp32 or bf16 (fp64 accepted),
+            read and written in place, never copied (each slot dense; the slot stride is free). The running state is
+            fp32; a bf16 pool is rounded (to nearest) when a state is written.
+        state_indices: int32, on q's device. ``[N]``: sequence ``n`` starts from slot ``state_indices[n]`` and its
+            state after its last token is written back there. ``[N, W]`` (speculative verification, ``W >=`` every
+            ``T_n``): the state after token ``t`` is written to ``state_indices[n, t]`` (not at all where that entry
+            is negative), and the start state is read from ``state_indices[n, 0]``, or from
+            ``state_indices[n, num_accepted_tokens[n] - 1]``. A negative start slot is a padding row: nothing is read
+            or written for it and its output rows are zero. Slots no sequence names are untouched.
+        scale: query scale; ``None`` means ``K ** -0.5``.
+        A_log, dt_bias, lower_bound, use_gate_in_kernel: the in-kernel gate, as in :func:`kda_prefill`: ``A_log``
+            ``[HV]``, ``dt_bias`` ``[HV * K]`` or ``[HV, K]``; ``-exp(A_log) * softplus(g + dt_bias)``, or with
+            ``lower_bound`` (any finite negative value), ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
+        use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval: as in :func:`kda_prefill`.
+        state_v_first: the pool's layout.
+        cu_seqlens: int32 or int64 ``[N + 1]`` on q's device: ``N`` packed sequences of any lengths, zero included
+            (then ``B`` must be 1).
+        num_accepted_tokens: int32 ``[N]`` on q's device, with ``[N, W]`` indices only; each in ``[1, W]``.
+        out: the output, written in place when given: contiguous ``[B, T, HV, V]`` in q's dtype on q's device.
+
+    Returns:
+        ``o`` ``[B, T, HV, V]`` in q's dtype (``out`` when given).
+
+    Rules for the index values (``cula_runtime.state_pool``): no two sequences may use one slot; a used index
+    ``>= P``, a count outside ``[1, W]`` or ``T_n > W`` is refused. These are checked (``ValueError``) when the index
+    tensors are on the CPU; on a GPU the validator reads no value (no synchronisation) and a kernel treats what is
+    out of range as padding, so nothing outside the pool is read or written. Bad arguments raise ``TypeError`` or
+    ``ValueError`` naming the argument. Backends: only the torch reference serves decode so far; on a GPU it runs
+    there with a ``CulaFallbackWarning`` (the GPU decode kernel is issue 26's next step) and reads the index values
+    back (one synchronisation; not capturable in a CUDA graph).
+    """
+    args = validate_kda_decode(
+        q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        num_accepted_tokens=num_accepted_tokens, out=out,
+    )
+    return select_decode_backend(args)(args)
 
 
 def _passed_as_is(args: KdaPrefillArgs, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens) -> bool:

@@ -15,7 +15,29 @@ import torch
 from ..kda_args import validate_kda_prefill
 from .preprocess import expand_qk_heads, merge_sequences, prepare_kda_inputs, split_sequences
 
-__all__ = ["check_kda_shapes", "kda_naive"]
+__all__ = ["check_kda_shapes", "kda_naive", "recurrence_step"]
+
+
+def recurrence_step(
+    S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor, b_t: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token of the recurrence (KDA_SPEC §1.2) for a batch of K-first states, in their dtype.
+
+    Args:
+        S: ``[R, HV, K, V]`` states before the token. q_t, k_t: ``[R, HV, K]`` (heads expanded); v_t ``[R, HV, V]``;
+            g_t ``[R, HV, K]`` log-gate; b_t ``[R, HV]`` step size (all preprocessed).
+
+    Returns:
+        ``(S_new, o_t, v')``: the states after the token ``[R, HV, K, V]``, its output ``[R, HV, V]`` and the delta
+        residual ``[R, HV, V]``.
+    """
+    S_dec = torch.exp(g_t).unsqueeze(-1) * S  # 1. decay rows
+    kS = torch.einsum("nhk,nhkv->nhv", k_t, S_dec)
+    vp = b_t.unsqueeze(-1) * (v_t - kS)  # 2. residual against the decayed state
+    S_upd = S_dec + k_t.unsqueeze(-1) * vp.unsqueeze(-2)  # 3. rank-1 write
+    o_t = torch.einsum("nhk,nhkv->nhv", scale * q_t, S_upd)  # 4. read the updated state
+    return S_upd, o_t, vp
 
 
 def check_kda_shapes(
@@ -118,12 +140,7 @@ def kda_naive(
     for t in range(T_max):
         q_t, k_t, v_t = qs[:, t], ks[:, t], vs[:, t]  # [N, HV, K], [N, HV, K], [N, HV, V]
         g_t, b_t = gs[:, t], bs[:, t]  # [N, HV, K], [N, HV]
-        S_dec = torch.exp(g_t).unsqueeze(-1) * S  # 1. decay rows
-        kS = torch.einsum("nhk,nhkv->nhv", k_t, S_dec)
-        vp = b_t.unsqueeze(-1) * (v_t - kS)  # 2. residual against the decayed state
-        S_upd = S_dec + k_t.unsqueeze(-1) * vp.unsqueeze(-2)  # 3. rank-1 write
-        o[:, t] = torch.einsum("nhk,nhkv->nhv", scale * q_t, S_upd)  # 4. read the updated state
-        v_new[:, t] = vp
+        S_upd, o[:, t], v_new[:, t] = recurrence_step(S, q_t, k_t, v_t, g_t, b_t, scale)
         active = (lens > t).view(N, 1, 1, 1)
         S = torch.where(active, S_upd, S)
 
