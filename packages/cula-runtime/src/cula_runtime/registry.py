@@ -131,6 +131,19 @@ KERNELS: tuple[KernelEntry, ...] = (
                 "sequences launched longest first; the 2-warp form (V blocks of 32) was retired in issue 25",
     ),
     KernelEntry(
+        name="kda_decode_cutedsl", family="kda", backend="cutedsl", archs=("sm_90a", "sm_100a", "sm_103a"),
+        dtypes=("bfloat16",),
+        features=("gva", "varlen", "zero-length-seqs", "gate-in-kernel", "safe-gate", "unbounded-gate", "qk-l2norm",
+                  "beta-sigmoid", "state-kv", "state-vk", "state-pool", "speculative-slots"),
+        status="compiled for sm_90a/sm_100a/sm_103a in CI (CuTeDSL 4.6.2 and 4.8.1, machine code checked); not yet "
+               "run on any GPU, and not yet what kda_decode dispatches to (issue 26)",
+        entry="cula_runtime.cute.kda.decode:kda_decode_cutedsl",
+        summary="CuTeDSL KDA decode over an in-place state pool (fp32 or bf16 slots, either layout): one CTA per "
+                "(sequence, value head, 32-column V block), the state in fp32 registers through the sequence's "
+                "tokens, slot indices (per sequence or per token, with accepted counts) read on the device, "
+                "out-of-pool indices as padding; K = V = 128",
+    ),
+    KernelEntry(
         name="lightning_naive", family="lightning", backend="reference", archs=(ANY_ARCH,), dtypes=_REF_DTYPES,
         features=("varlen", "tail-chunks", "state-kv", "state-vk"), status=_REF_STATUS + "; the fp64 oracle itself",
         entry="cula_runtime.reference.lightning:lightning_naive",
