@@ -27,7 +27,7 @@ os.environ.setdefault("FLA_FLASH_KDA", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from bench_kda_prefill import _cula_run, environment, fla_inputs, interleaved_ms, warm_up_gpu  # noqa: E402
+from bench_kda_prefill import contenders, environment, fla_inputs, interleaved_ms, warm_up_gpu  # noqa: E402
 
 K = V = 128
 LENS = {"[8192]": (8192,), "[1000,3000,500,3692]": (1000, 3000, 500, 3692), "[32768]": (32768,),
@@ -68,20 +68,6 @@ def make_inputs(H: int, lens: tuple[int, ...], gate: str, safe: bool, seed: int 
     return kwargs
 
 
-def contenders(skip: tuple[str, ...]) -> dict:
-    from cula.kda import kda_prefill
-
-    runs = {}
-    if "fla" not in skip:
-        from fla.ops.kda import chunk_kda
-
-        runs["fla"] = lambda kw: chunk_kda(**fla_inputs(kw))
-    for backend in ("sm90", "cutedsl"):
-        if f"cula-{backend}" not in skip:
-            runs[f"cula-{backend}"] = _cula_run(kda_prefill, backend, {})
-    return runs
-
-
 def served(backend: str, kwargs: dict) -> bool:
     """Whether ``backend`` serves the call itself (a forced backend that refuses would run the reference)."""
     from cula_runtime.kda_args import validate_kda_prefill
@@ -105,7 +91,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated substrings of row names to run")
     parser.add_argument("--skip", default="", help='contenders left out: "fla", "cula-sm90", "cula-cutedsl"')
     args = parser.parse_args()
-    runs = contenders(tuple(x for x in args.skip.split(",") if x))
+    runs = contenders(skip=tuple(x for x in args.skip.split(",") if x))
     rows = []
     warmed = False
     for H in HEADS:
@@ -124,12 +110,14 @@ def main() -> None:
                             times[label] = "n/a (not served)"
                             continue
                         ctx = fn.knobs if hasattr(fn, "knobs") else contextlib.nullcontext
+                        # (FLA takes int64 boundaries: converted here once, not inside its timings)
+                        kw = fla_inputs(kwargs) if cname == "fla" else kwargs
                         start = time.perf_counter()
                         with ctx():
-                            fn(kwargs)
+                            fn(kw)
                         torch.cuda.synchronize()
                         times[label + " first-call s"] = time.perf_counter() - start
-                        ready[label] = lambda fn=fn, kw=kwargs: fn(kw)
+                        ready[label] = lambda fn=fn, kw=kw: fn(kw)
                         knobs[label] = ctx
                 if not warmed:
                     warm_up_gpu(args.warm_up_s)

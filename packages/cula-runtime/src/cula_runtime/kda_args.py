@@ -417,7 +417,8 @@ def validate_kda_prefill(
     check_flags(_FLAG_NAMES, flags)
     B, T, H, K, HV, V = check_kda_inputs(q, k, v, g, beta)
     optional = (("initial_state", initial_state), ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens))
-    if state is not None or state_indices is not None or has_initial_state is not None:
+    pooled = state is not None or state_indices is not None or has_initial_state is not None
+    if pooled:
         optional += (("state", state), ("state_indices", state_indices), ("has_initial_state", has_initial_state))
     check_devices(q, k, v, g, beta, optional)
     scale = check_scale(scale, K)
@@ -442,7 +443,7 @@ def validate_kda_prefill(
             _dtype("initial_state", initial_state, _STATE_DTYPES)
 
     slots = None
-    if state is not None or state_indices is not None or has_initial_state is not None:
+    if pooled:
         slots = _prefill_pool(state, state_indices, has_initial_state, initial_state, output_final_state, N, T, HV,
                               K, V, state_v_first, cu_host)
 
