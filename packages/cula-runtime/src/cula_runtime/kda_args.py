@@ -514,11 +514,9 @@ def gpu_kernel_rejection(args: KdaPrefillArgs, head_dim: int = 128) -> str | Non
     """Why the GPU KDA kernels (bf16, K = V = ``head_dim``, fp32/bf16 g, beta and initial state) cannot serve
     ``args``, or None if they can. Every gate form passes (:func:`gate_is_bounded` tells which kernel form runs).
 
-    Shared by the sm90 and cutedsl backends' ``verify``; each adds its own device and installation checks. A call
-    with a state pool (``state=``) is refused for now (:data:`POOL_REFUSAL`): it falls back to the reference.
+    Shared by the sm90 and cutedsl backends' ``verify``; each adds its own device and installation checks (and, until
+    its kernels take slot indices, its refusal of the state-pool form, :data:`POOL_REFUSAL`).
     """
-    if args.state is not None:
-        return POOL_REFUSAL
     if args.q.dtype != torch.bfloat16:
         return f"needs bf16 q/k/v, got {args.q.dtype}"
     if (args.K, args.V) != (head_dim, head_dim):

@@ -24,7 +24,7 @@ import torch
 
 from cula_runtime.env import env_choice
 from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
-from cula_runtime.kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
+from cula_runtime.kda_args import POOL_REFUSAL, empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from cula_runtime.kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
@@ -87,6 +87,8 @@ def verify_kda_prefill(args: Any) -> tuple[bool, str]:
     major, minor = device_capability(args.device)
     if (major, minor) != (9, 0):
         return False, f"built for sm_90a only; this GPU is sm_{major}{minor}"
+    if args.state is not None:
+        return False, POOL_REFUSAL
     reason = gpu_kernel_rejection(args, HEAD_DIM)
     if reason is not None:
         return False, reason

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...index import prepare_varlen_launch
-from ...kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
+from ...kda_args import POOL_REFUSAL, empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from ...kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
 from .. import is_available, unavailable_reason
 
@@ -43,6 +43,8 @@ def verify(args: Any) -> tuple[bool, str]:
     capability = device_capability(args.device)
     if capability not in _CAPABILITIES:
         return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    if args.state is not None:
+        return False, POOL_REFUSAL
     reason = gpu_kernel_rejection(args, HEAD_DIM)
     if reason is not None:
         return False, reason
