@@ -68,6 +68,17 @@ def make_inputs(H: int, lens: tuple[int, ...], gate: str, safe: bool, seed: int 
     return kwargs
 
 
+def row_inputs(row: str) -> dict:
+    """The inputs of one row named as in the table (``"H32 [8192] fp32 g"``), or of its safe-gate twin (the name
+    followed by ``" safe"``); for the profilers (``profile_kda.py --kimi``, ``tools/ncu_kda.py --kimi``)."""
+    safe = row.endswith(" safe")
+    head, lens_name, gate = row.removesuffix(" safe").split(" ", 2)
+    if not head.startswith("H") or lens_name not in LENS or gate not in GATES:
+        raise ValueError(f"row {row!r}: expected 'H<heads> <lens> <gate>[ safe]' with lens in {list(LENS)} and gate "
+                         f"in {GATES}")
+    return make_inputs(int(head[1:]), LENS[lens_name], gate, safe)
+
+
 def served(backend: str, kwargs: dict) -> bool:
     """Whether ``backend`` serves the call itself (a forced backend that refuses would run the reference)."""
     from cula_runtime.kda_args import validate_kda_prefill

@@ -82,7 +82,12 @@ def main() -> None:
     parser.add_argument("--block-v", default="64,128", help="comma-separated recurrence block sizes to time (64, 128)")
     parser.add_argument("--configs", default=",".join(PICK),
                         help="comma-separated config names of bench_kda_prefill.configs() (default: a few)")
+    parser.add_argument("--kimi", default="",
+                        help='comma-separated rows of bench_kda_unbounded.py instead ("H32 [8192] fp32 g", each '
+                             'optionally followed by " safe"): the unbounded gate\'s calls and their safe twins')
     opts = parser.parse_args()
+    if opts.kimi:
+        return profile_kimi_rows(opts)
     picked = named_configs(opts.configs)
     block_vs = tuple(int(x) for x in opts.block_v.split(","))
     backends = tuple(STAGES) if opts.backend == "all" else (opts.backend,)
@@ -100,6 +105,25 @@ def main() -> None:
                       f"{intra_bytes / intra / 1e3 if intra else 0:5.0f} {recur:9.1f} "
                       f"{recur_bytes / recur / 1e3 if recur else 0:5.0f} {t['other']:8.1f} {sum(t.values()):9.1f}",
                       flush=True)
+
+
+def profile_kimi_rows(opts) -> None:
+    """Stage times of bench_kda_unbounded.py's rows (``--kimi``); bytes as for a fixed config of the same tokens."""
+    from bench_kda_unbounded import row_inputs
+
+    from cula_runtime.kda_args import validate_kda_prefill
+
+    block_vs = tuple(int(x) for x in opts.block_v.split(","))
+    backends = tuple(STAGES) if opts.backend == "all" else (opts.backend,)
+    print(f"{'backend':8s} {'row':36s} {'BV':>3s} {'intra us':>9s} {'recur us':>9s} {'other us':>8s} {'total us':>9s}")
+    for backend in backends:
+        run = runner(backend)
+        for row in opts.kimi.split(","):
+            args = validate_kda_prefill(**row_inputs(row))
+            for block_v in block_vs:
+                t = stage_times(run, args, block_v, opts.reps, STAGES[backend])
+                print(f"{backend:8s} {row:36s} {block_v:3d} {t['intra']:9.1f} {t['recurrence']:9.1f} "
+                      f"{t['other']:8.1f} {sum(t.values()):9.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("sm90", "cutedsl"), required=True)
     parser.add_argument("--config", default="fixed B1 T16384", help="a config name of bench_kda_prefill.configs()")
+    parser.add_argument("--kimi", default="",
+                        help="a row of bench_kda_unbounded.py instead (\"H32 [8192] fp32 g\"[ safe])")
     opts = parser.parse_args()
     os.environ["CULA_BACKEND"] = opts.backend
 
@@ -30,9 +32,14 @@ def main() -> None:
     from cula.kda import kda_prefill
 
     by_name = {cfg.name: cfg for cfg in configs()}
-    if opts.config not in by_name:
+    if opts.kimi:
+        from bench_kda_unbounded import row_inputs
+
+        kwargs, opts.config = row_inputs(opts.kimi), opts.kimi
+    elif opts.config not in by_name:
         raise SystemExit(f"--config {opts.config!r}: expected one of {sorted(by_name)}")
-    kwargs = make_inputs(by_name[opts.config])
+    else:
+        kwargs = make_inputs(by_name[opts.config])
     kda_prefill(**kwargs)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()

@@ -1,10 +1,11 @@
 """Dispatch of ``kda_decode`` and of ``kda_prefill`` with a state pool: CPU -> reference; on SM90/SM100/SM103 the
-reference with a ``CulaFallbackWarning`` (no GPU decode kernel yet; the GPU prefill kernels refuse the pool form
-through the shared ``gpu_kernel_rejection``, issue 26); forced backends."""
+CuTeDSL decode kernel (cula-sm90 has none), the reference with a ``CulaFallbackWarning`` for calls outside it; the
+pool form of the prefill; forced backends."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -47,18 +48,100 @@ def test_cpu_decode_runs_the_reference(monkeypatch) -> None:
     assert choice.summary == "CPU tensors run on the torch reference backend"
 
 
-@pytest.mark.parametrize("cap,expected", CHAINS, ids=["sm90", "sm100", "sm103"])
-def test_gpu_decode_falls_back_to_the_reference_saying_the_kernel_is_not_written(cap, expected, monkeypatch) -> None:
+def _gpu_decode_call(**changes) -> SimpleNamespace:
+    """Validated decode arguments the CuTeDSL kernel takes (bf16, K = V = 128), as if on a GPU."""
+    gen = torch.Generator().manual_seed(4)
+    B, H, HV, K = 3, 2, 4, 128
+    kwargs = dict(q=torch.randn(B, 1, H, K, generator=gen).bfloat16(),
+                  k=torch.randn(B, 1, H, K, generator=gen).bfloat16(),
+                  v=torch.randn(B, 1, HV, K, generator=gen).bfloat16(), g=-torch.rand(B, 1, HV, K, generator=gen),
+                  beta=torch.rand(B, 1, HV, generator=gen), state=torch.zeros(5, HV, K, K),
+                  state_indices=torch.tensor([4, -1, 0], dtype=torch.int32))
+    kwargs.update(changes)
+    args = validate_kda_decode(**kwargs)
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+    return SimpleNamespace(**fields, device=torch.device("cuda", 0))
+
+
+@pytest.fixture
+def cutedsl_decode(monkeypatch):
+    """The CuTeDSL decode backend as if CuTeDSL were installed (nothing compiles: verify only)."""
+    from cula_runtime.cute.kda import decode_backend
+
     monkeypatch.delenv("CULA_BACKEND", raising=False)
+    monkeypatch.setattr(decode_backend, "is_available", lambda: True)
+    return decode_backend
+
+
+@pytest.mark.parametrize("cap,expected", CHAINS, ids=["sm90", "sm100", "sm103"])
+def test_gpu_decode_runs_the_cutedsl_kernel(cap, expected, monkeypatch, cutedsl_decode) -> None:
     monkeypatch.setattr(dispatch, "device_capability", lambda device: cap)
-    call = SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(cutedsl_decode, "device_capability", lambda device: cap)
+    choice = dispatch.explain_decode(_gpu_decode_call())
+    assert [d.backend for d in choice.decisions] == expected[:-1] and not choice.gpu_fallback
+    assert choice.runner is cutedsl_decode.kda_decode_cutedsl_backend
+    if cap == (9, 0):  # (Hopper: the portable kernel, cula-sm90 has none)
+        assert choice.decisions[0].reason == dispatch.NO_DECODE_KERNEL and "CuTeDSL" in dispatch.NO_DECODE_KERNEL
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(q="fp16"), "needs bf16 q/k/v, got torch.float16"),
+    (dict(state="fp64"), "needs an fp32 or bf16 state pool, got torch.float64"),
+    (dict(state="misaligned"), r"needs each pool head a dense \[128, 128\] block, 16-byte aligned"),
+    (dict(K=64), "needs K = V = 128, got K=64 V=64"),
+], ids=["fp16", "fp64-pool", "misaligned-pool", "K64"])
+def test_gpu_decode_outside_the_kernel_falls_back_with_the_reason(change, reason, monkeypatch, cutedsl_decode) -> None:
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr(cutedsl_decode, "device_capability", lambda device: (10, 0))
+    call = _gpu_decode_call()
+    if "q" in change:
+        call = _gpu_decode_call(q=call.q.half(), k=call.k.half(), v=call.v.half())
+    elif change.get("state") == "fp64":
+        call = _gpu_decode_call(state=torch.zeros(5, 4, 128, 128, dtype=torch.float64))
+    elif change.get("state") == "misaligned":  # a pool starting 4 bytes into its storage
+        call = _gpu_decode_call(state=torch.zeros(5 * 4 * 128 * 128 + 1)[1:].view(5, 4, 128, 128))
+    else:
+        gen = torch.Generator().manual_seed(5)
+        call = _gpu_decode_call(q=torch.randn(3, 1, 2, 64, generator=gen).bfloat16(),
+                                k=torch.randn(3, 1, 2, 64, generator=gen).bfloat16(),
+                                v=torch.randn(3, 1, 4, 64, generator=gen).bfloat16(),
+                                g=-torch.rand(3, 1, 4, 64, generator=gen), state=torch.zeros(5, 4, 64, 64))
     choice = dispatch.explain_decode(call)
-    assert [d.backend for d in choice.decisions] == expected
     assert choice.gpu_fallback and choice.runner is reference.kda_decode_reference
-    assert all(d.reason == dispatch.NO_DECODE_KERNEL for d in choice.decisions[:-1])
-    with pytest.warns(dispatch.CulaFallbackWarning,
-                      match=r"cula\.kda\.kda_decode: .*not written yet \(issue 26\).*torch reference on the GPU"):
+    assert choice.decisions[0].backend == "cutedsl"
+    assert re.search(reason, choice.decisions[0].reason)
+    with pytest.warns(dispatch.CulaFallbackWarning, match=r"cula\.kda\.kda_decode: .*cutedsl: .*torch reference"):
         assert dispatch.select_decode_backend(call) is reference.kda_decode_reference
+
+
+def test_gpu_decode_without_cutedsl_falls_back_naming_why(monkeypatch) -> None:
+    from cula_runtime.cute.kda import decode_backend
+
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    monkeypatch.setattr(decode_backend, "is_available", lambda: False)
+    monkeypatch.setattr(decode_backend, "unavailable_reason", lambda: "CuTeDSL is not installed")
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (10, 3))
+    choice = dispatch.explain_decode(_gpu_decode_call())
+    assert choice.gpu_fallback and choice.decisions[0].reason == "needs CuTeDSL and TVM-FFI: CuTeDSL is not installed"
+
+
+def test_cutedsl_decode_runner_passes_the_call_through(monkeypatch, cutedsl_decode) -> None:
+    """The runner hands the kernel wrapper the validated tensors, with an int64 cu_seqlens narrowed to int32 and the
+    gate parameters in fp32."""
+    seen = {}
+    monkeypatch.setattr(cutedsl_decode, "_kernel", lambda: lambda *a, **kw: seen.update(args=a, **kw) or "o")
+    gen = torch.Generator().manual_seed(6)
+    call = _gpu_decode_call(q=torch.randn(1, 3, 2, 128, generator=gen).bfloat16(),
+                            k=torch.randn(1, 3, 2, 128, generator=gen).bfloat16(),
+                            v=torch.randn(1, 3, 4, 128, generator=gen).bfloat16(),
+                            g=torch.randn(1, 3, 4, 128, generator=gen), beta=torch.rand(1, 3, 4, generator=gen),
+                            cu_seqlens=torch.tensor([0, 1, 1, 3]), use_gate_in_kernel=True,
+                            A_log=torch.zeros(4, dtype=torch.bfloat16), dt_bias=torch.zeros(4, 128).bfloat16())
+    assert cutedsl_decode.kda_decode_cutedsl_backend(call) == "o"
+    assert seen["args"] == (call.q, call.k, call.v, call.g, call.beta) and seen["state"] is call.state
+    assert seen["cu_seqlens"].dtype == torch.int32 and seen["cu_seqlens"].tolist() == [0, 1, 1, 3]
+    assert seen["A_log"].dtype == torch.float32 and seen["dt_bias"].dtype == torch.float32
+    assert seen["state_indices"] is call.state_indices and seen["out"] is None and seen["scale"] == call.scale
 
 
 def test_decode_on_an_unsupported_gpu_raises_with_the_fix(monkeypatch) -> None:
@@ -68,10 +151,11 @@ def test_decode_on_an_unsupported_gpu_raises_with_the_fix(monkeypatch) -> None:
         dispatch.select_decode_backend(SimpleNamespace(device=torch.device("cuda", 0)))
 
 
-@pytest.mark.parametrize("name", ["sm90", "cutedsl"])
-def test_forced_gpu_backend_refuses_decode(name: str, monkeypatch) -> None:
+@pytest.mark.parametrize("name,reason", [("sm90", "cula-sm90 has no decode kernel"),
+                                         ("cutedsl", "needs (CuTeDSL|CUDA tensors)")])
+def test_forced_gpu_backend_refuses_cpu_decode(name: str, reason: str, monkeypatch) -> None:
     monkeypatch.setenv("CULA_BACKEND", name)
-    with pytest.raises(NotImplementedError, match=f"CULA_BACKEND={name}.*{name} rejected it: the GPU decode kernel"):
+    with pytest.raises(NotImplementedError, match=f"CULA_BACKEND={name}.*{name} rejected it: {reason}"):
         kda_decode(**_decode_inputs())
 
 

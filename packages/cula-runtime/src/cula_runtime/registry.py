@@ -135,8 +135,10 @@ KERNELS: tuple[KernelEntry, ...] = (
         dtypes=("bfloat16",),
         features=("gva", "varlen", "zero-length-seqs", "gate-in-kernel", "safe-gate", "unbounded-gate", "qk-l2norm",
                   "beta-sigmoid", "state-kv", "state-vk", "state-pool", "speculative-slots"),
-        status="compiled for sm_90a/sm_100a/sm_103a in CI (CuTeDSL 4.6.2 and 4.8.1, machine code checked); not yet "
-               "run on any GPU, and not yet what kda_decode dispatches to (issue 26)",
+        status="ran on sm_90 (H200, 2026-12-02: tests/cute/test_kda_decode_gpu.py against a float64 loop, "
+               "tests/gpu/test_kda_decode_gpu.py through cula.kda.kda_decode); compiled for sm_100a/sm_103a in CI "
+               "(CuTeDSL 4.6.2 and 4.8.1, machine code checked), never run on Blackwell; what kda_decode runs on "
+               "SM90/SM100/SM103",
         entry="cula_runtime.cute.kda.decode:kda_decode_cutedsl",
         summary="CuTeDSL KDA decode over an in-place state pool (fp32 or bf16 slots, either layout): one CTA per "
                 "(sequence, value head, 32-column V block), the state in fp32 registers through the sequence's "

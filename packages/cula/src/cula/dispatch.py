@@ -148,8 +148,9 @@ _BACKENDS: dict[str, Callable[[KdaPrefillArgs], tuple[Decision, Runner | None]]]
     "sm90": _sm90,
 }
 
-#: what each GPU backend answers a ``kda_decode`` call until its decode kernel lands
-NO_DECODE_KERNEL = "the GPU decode kernel is not written yet (issue 26)"
+#: what the sm90 backend answers a ``kda_decode`` call: the portable CuTeDSL decode serves Hopper (issue 26 item 4:
+#: a native one only if that one misses the goals)
+NO_DECODE_KERNEL = "cula-sm90 has no decode kernel: the CuTeDSL decode kernel serves SM90"
 
 
 def _reference_decode(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | None]:
@@ -159,17 +160,21 @@ def _reference_decode(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | Non
     return Decision("reference", ok, reason), backend.kda_decode_reference if ok else None
 
 
-def _no_decode_kernel(name: str) -> Callable[[KdaDecodeArgs], tuple[Decision, DecodeRunner | None]]:
-    def ask(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | None]:
-        return Decision(name, False, NO_DECODE_KERNEL), None
+def _cutedsl_decode(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | None]:
+    from cula_runtime.cute.kda import decode_backend
 
-    return ask
+    ok, reason = decode_backend.verify_decode(args)
+    return Decision("cutedsl", ok, reason), decode_backend.kda_decode_cutedsl_backend if ok else None
+
+
+def _sm90_decode(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | None]:
+    return Decision("sm90", False, NO_DECODE_KERNEL), None
 
 
 _DECODE_BACKENDS: dict[str, Callable[[KdaDecodeArgs], tuple[Decision, DecodeRunner | None]]] = {
     "reference": _reference_decode,
-    "cutedsl": _no_decode_kernel("cutedsl"),
-    "sm90": _no_decode_kernel("sm90"),
+    "cutedsl": _cutedsl_decode,
+    "sm90": _sm90_decode,
 }
 
 

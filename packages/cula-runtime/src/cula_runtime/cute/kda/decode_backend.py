@@ -1,0 +1,89 @@
+"""The ``cutedsl`` backend of ``kda_decode``: one launch of the decode kernel (:mod:`.decode`) over the pool, in
+place. Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel module loads on the first call.
+
+Where it has run: the kernel ran on sm_90 (H200) against a float64 loop (``tests/cute/test_kda_decode_gpu.py``,
+2026-12-02) and through ``cula.kda.kda_decode`` (``tests/gpu/test_kda_decode_gpu.py``); it is compiled for
+sm_100a/sm_103a in CI, where no GPU has run it.
+
+What it serves: bf16 q/k/v with K = V = 128, fp32 or bf16 g and β, every gate form, fp32 or bf16 pools whose heads
+are dense ``[128, 128]`` blocks (16-byte aligned; the slot stride is free). Everything else goes to the reference,
+with the reason. An int64 ``cu_seqlens`` is narrowed to int32 (one small copy per call; int32 is the zero-allocation
+form a CUDA graph wants).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...kda_decode_args import KdaDecodeArgs
+from ...kda_tuning import device_capability
+from .. import is_available, unavailable_reason
+
+__all__ = ["verify_decode", "kda_decode_cutedsl_backend"]
+
+HEAD_DIM = 128
+_CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def verify_decode(args: KdaDecodeArgs) -> tuple[bool, str]:
+    """Whether the CuTeDSL decode kernel serves these validated ``kda_decode`` arguments, and if not, why."""
+    if not is_available():
+        return False, f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
+    if args.device.type != "cuda":
+        return False, f"needs CUDA tensors, got {args.device.type}"
+    capability = device_capability(args.device)
+    if capability not in _CAPABILITIES:
+        return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    if args.q.dtype != torch.bfloat16:
+        return False, f"needs bf16 q/k/v, got {args.q.dtype}"
+    if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):
+        return False, f"needs K = V = {HEAD_DIM}, got K={args.K} V={args.V}"
+    for name in ("g", "beta"):
+        dtype = getattr(args, name).dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return False, f"needs {name} in fp32 or bf16, got {dtype}"
+    return _pool_rejection(args.state)
+
+
+def _pool_rejection(state: torch.Tensor) -> tuple[bool, str]:
+    """The pool's layout promises of the kernel (dense heads, 16-byte vectors), as a verify answer."""
+    if state.dtype not in _STATE_DTYPES:
+        return False, f"needs an fp32 or bf16 state pool, got {state.dtype}"
+    vec = 16 // state.element_size()
+    strides = state.stride()
+    if strides[-2:] != (HEAD_DIM, 1) or any(s % vec for s in strides[:-1]) or state.data_ptr() % 16:
+        return False, (f"needs each pool head a dense [{HEAD_DIM}, {HEAD_DIM}] block, 16-byte aligned, got strides "
+                       f"{list(strides)}")
+    return True, "the CuTeDSL decode kernel serves this call"
+
+
+@functools.cache
+def _kernel() -> object:
+    """``kda_decode_cutedsl``, imported on the first call (importing it imports CuTeDSL)."""
+    from .decode import kda_decode_cutedsl
+
+    return kda_decode_cutedsl
+
+
+def _fp32(x: torch.Tensor | None) -> torch.Tensor | None:
+    """A gate parameter (``A_log``, ``dt_bias``; fp32, bf16 or fp64) in the fp32 the kernel reads."""
+    return x if x is None or x.dtype == torch.float32 else x.float()
+
+
+def kda_decode_cutedsl_backend(args: KdaDecodeArgs) -> torch.Tensor:
+    """Run validated ``kda_decode`` arguments (accepted by :func:`verify_decode`) on the CuTeDSL kernel: ``o``
+    ``[B, T, HV, V]`` bf16 (``args.out`` when given), the pool updated in place."""
+    cu = args.cu_seqlens
+    if cu is not None and cu.dtype != torch.int32:
+        cu = cu.to(torch.int32)
+    return _kernel()(
+        args.q, args.k, args.v, args.g, args.beta, state=args.state, state_indices=args.state_indices,
+        scale=args.scale, A_log=_fp32(args.A_log), dt_bias=_fp32(args.dt_bias), lower_bound=args.lower_bound,
+        use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, use_gate_in_kernel=args.use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
+        state_v_first=args.state_v_first, cu_seqlens=cu, num_accepted_tokens=args.num_accepted_tokens,
+        out=args.out,
+    )
