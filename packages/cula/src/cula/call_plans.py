@@ -25,7 +25,8 @@ import torch
 
 from cula_runtime.env import env_snapshot, env_value
 
-__all__ = ["ENV_CALL_PLANS", "call_signature", "clear_call_plans", "lookup", "remember", "with_current_knobs"]
+__all__ = ["ENV_CALL_PLANS", "call_signature", "clear_call_plans", "decode_call_signature", "lookup", "remember",
+           "with_current_knobs"]
 
 #: "0" turns call plans off: every call is validated and dispatched (for debugging; read on every call).
 ENV_CALL_PLANS = "CULA_CALL_PLANS"
@@ -73,6 +74,38 @@ def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, u
     except (_Unplannable, RuntimeError):  # (RuntimeError: a layout without strides)
         return None
     return tensors, flags, scale, lower_bound, env_snapshot()
+
+
+def decode_call_signature(q, k, v, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound,
+                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                          state_v_first, cu_seqlens, num_accepted_tokens, out) -> tuple | None:
+    """The signature of a ``kda_decode`` call (its arguments in ``kda_decode``'s order), or None for a call that is
+    never planned (``CULA_CALL_PLANS=0``, a flag that is not ``bool``, a ``scale``/``lower_bound`` that is not a
+    number, a tensor subclass, or index tensors on the CPU, whose values the validator checks on every call). A
+    decode signature never equals a prefill one (its first element is ``"decode"``)."""
+    if env_value(ENV_CALL_PLANS, "1") == "0" or state_indices.__class__ is not _Tensor \
+            or indices_checked_on_host(state_indices):
+        return None
+    flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+             state_v_first)
+    for flag in flags:
+        if flag.__class__ is not bool:
+            return None
+    if not ((scale is None or scale.__class__ in _NUMBERS)
+            and (lower_bound is None or lower_bound.__class__ in _NUMBERS)):
+        return None
+    try:
+        tensors = tuple(map(_tensor_key, (q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens,
+                                          num_accepted_tokens, out)))
+    except (_Unplannable, RuntimeError):
+        return None
+    return "decode", tensors, flags, scale, lower_bound, env_snapshot()
+
+
+def indices_checked_on_host(state_indices: torch.Tensor) -> bool:
+    """Whether the validator reads a decode call's index values (CPU tensors: it checks them on every call, so such
+    a call is never planned; on a GPU it reads none)."""
+    return state_indices.device.type == "cpu"
 
 
 def with_current_knobs(signature: tuple) -> tuple:

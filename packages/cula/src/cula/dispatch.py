@@ -164,6 +164,8 @@ def _cutedsl_decode(args: KdaDecodeArgs) -> tuple[Decision, DecodeRunner | None]
     from cula_runtime.cute.kda import decode_backend
 
     ok, reason = decode_backend.verify_decode(args)
+    if ok and decode_backend.kda_decode_cutedsl_backend not in _planners:
+        register_planner(decode_backend.kda_decode_cutedsl_backend, decode_backend.plan_kda_decode)
     return Decision("cutedsl", ok, reason), decode_backend.kda_decode_cutedsl_backend if ok else None
 
 

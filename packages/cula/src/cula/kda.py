@@ -8,7 +8,7 @@ from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, pre
 from cula_runtime.kda_args import KdaPrefillArgs, checked_boundaries, validate_kda_prefill
 from cula_runtime.kda_decode_args import validate_kda_decode
 
-from .call_plans import call_signature, lookup, remember, with_current_knobs
+from .call_plans import call_signature, decode_call_signature, lookup, remember, with_current_knobs
 from .dispatch import planner_for, select_backend, select_decode_backend
 
 __all__ = ["kda_prefill", "kda_decode", "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets"]
@@ -176,10 +176,23 @@ def kda_decode(
     ``>= P``, a count outside ``[1, W]`` or ``T_n > W`` is refused. These are checked (``ValueError``) when the index
     tensors are on the CPU; on a GPU the validator reads no value (no synchronisation) and a kernel treats what is
     out of range as padding, so nothing outside the pool is read or written. Bad arguments raise ``TypeError`` or
-    ``ValueError`` naming the argument. Backends: only the torch reference serves decode so far; on a GPU it runs
-    there with a ``CulaFallbackWarning`` (the GPU decode kernel is issue 26's next step) and reads the index values
-    back (one synchronisation; not capturable in a CUDA graph).
+    ``ValueError`` naming the argument. Backends: on SM90/SM100/SM103 the CuTeDSL decode kernel (bf16 inputs,
+    K = V = 128, fp32 or bf16 pools): no host synchronisation and nothing allocated but ``o`` (nothing with ``out``
+    and an int32 ``cu_seqlens``), so a call can be captured in a CUDA graph; a GPU call outside it runs the torch
+    reference with a ``CulaFallbackWarning`` (which reads the index values back: not capturable). A call with the
+    signature of an earlier one served by the kernel (tensors' shapes, strides, dtypes, devices; flags, ``scale``,
+    ``lower_bound``; the ``CULA_*`` variables) runs the plan that call left, without validation and dispatch
+    (``cula.call_plans``).
     """
+    signature = decode_call_signature(
+        q, k, v, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
+        num_accepted_tokens, out,
+    )
+    if signature is not None:
+        plan = lookup(signature)
+        if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
+            return plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out)
     args = validate_kda_decode(
         q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -187,7 +200,20 @@ def kda_decode(
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         num_accepted_tokens=num_accepted_tokens, out=out,
     )
-    return select_decode_backend(args)(args)
+    runner = select_decode_backend(args)
+    passed_as_is = (args.q is q and args.k is k and args.v is v and args.g is g and args.beta is beta
+                    and args.state_indices is state_indices and args.A_log is A_log and args.cu_seqlens is cu_seqlens
+                    and args.num_accepted_tokens is num_accepted_tokens
+                    and (dt_bias is None or args.dt_bias is dt_bias or dt_bias.is_contiguous()))
+    if signature is not None and passed_as_is:
+        planner = planner_for(runner)
+        plan = None if planner is None else planner(args)
+        if plan is not None:
+            result = plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens,
+                          out)
+            remember(with_current_knobs(signature), plan)
+            return result
+    return runner(args)
 
 
 def _passed_as_is(args: KdaPrefillArgs, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens) -> bool:

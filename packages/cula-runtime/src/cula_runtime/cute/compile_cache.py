@@ -32,6 +32,7 @@ from . import INSTALL_HINT, unavailable_reason
 from .arch import CUTE_DSL_ARCH_ENV, compile_target, launch_target, normalize_target
 
 __all__ = [
+    "bound_launch",
     "INSTALL_HINT",
     "CacheInfo",
     "CompileRecord",
@@ -285,6 +286,35 @@ def fake_call_arguments(specs: tuple, *scalars: Any) -> tuple:
     """``compile_arguments()`` of a kernel family whose ``__call__`` takes the tensors of ``specs`` (a
     :class:`TensorSpec`, or None for an absent optional tensor), then ``scalars``, then the stream."""
     return (*(None if spec is None else spec.fake() for spec in specs), *scalars, fake_stream())
+
+
+def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
+                 device: Any) -> Any:
+    """:func:`launch` bound to one call signature, for call plans: ``run(tensors, scalars)`` calls the compiled
+    kernel (looked up, or compiled, here, once) on ``tensors`` and ``scalars``.
+
+    The caller promises that every later call passes tensors of the shapes, strides and dtypes of the call the plan
+    was made from (a call plan's signature), so of the layout promises only the data pointers' alignment can differ:
+    ``run`` checks it, and a misaligned tensor sends the call through :func:`launch` (which copies an input or
+    refuses an output). A tensor at a position whose spec is None is not passed (the kernel's configuration has no
+    such argument)."""
+    index = device.index
+    key = (kernel_cls, config, index, env_value(CUTE_DSL_ARCH_ENV, "") or None)
+    compiled = _launchable.get(key)
+    if compiled is None:
+        compiled = compile_kernel(kernel_cls, config, target=launch_target(index))
+        _launchable[key] = compiled
+    present = tuple(spec is not None for spec in specs)
+    aligned = tuple((i, spec.align) for i, spec in enumerate(specs) if spec is not None and spec.align > 1)
+
+    def run(tensors: tuple, scalars: tuple) -> None:
+        for i, align in aligned:
+            if tensors[i].data_ptr() % align:
+                return launch(kernel_cls, config, specs, tensors, outputs, device, *scalars)
+        compiled(*[t if p else None for t, p in zip(tensors, present, strict=True)], *scalars)
+        return None
+
+    return run
 
 
 def launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, tensors: tuple,

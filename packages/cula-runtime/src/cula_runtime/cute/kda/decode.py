@@ -50,7 +50,7 @@ SM103):
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from .gate import GATE_FORMS, activate_beta, activate_gate
 from .intra import L2NORM_EPS, InKernelGate
 
@@ -544,6 +544,22 @@ def kda_decode_cutedsl(
     N = state_indices.shape[0]
     if N == 0 or T == 0:
         return out
+    config, specs, A_log, dt_bias, scalars = _launch_args(
+        H, HV, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
+        num_accepted_tokens)
+    tensors = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, num_accepted_tokens, cu_seqlens, out)
+    launch(KdaDecode, config, specs, tensors, _OUTPUTS, q.device, *scalars)
+    return out
+
+
+def _launch_args(H: int, HV: int, g, beta, state, state_indices, scale: float | None, A_log, dt_bias,
+                 lower_bound: float | None, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+                 use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, state_v_first: bool, cu_seqlens,
+                 num_accepted_tokens) -> tuple:
+    """``(config, specs, A_log, dt_bias, scalars)`` of one call: the kernel's configuration and argument specs, the
+    gate parameters its form reads (``dt_bias`` as ``[HV, K]``; None where unused) and the scalar arguments."""
+    K = state.shape[-1]
     if use_gate_in_kernel:
         form = "softplus" if lower_bound is None else "safe"
     else:
@@ -556,7 +572,35 @@ def kda_decode_cutedsl(
     flags = (bool(use_qk_l2norm_in_kernel), _DTYPE_NAMES[str(state.dtype)], bool(state_v_first),
              cu_seqlens is not None, state_indices.dim() == 2, num_accepted_tokens is not None)
     config, specs = _plan(H, HV, gate, flags)
-    tensors = (q, k, v, g, beta, A_log, dt_bias, state, state_indices, num_accepted_tokens, cu_seqlens, out)
-    launch(KdaDecode, config, specs, tensors, _OUTPUTS, q.device, float(K**-0.5 if scale is None else scale),
-           float(lower_bound) if form == "safe" else 0.0)
-    return out
+    scalars = (float(K**-0.5 if scale is None else scale), float(lower_bound) if form == "safe" else 0.0)
+    return config, specs, A_log, dt_bias, scalars
+
+
+def plan_kda_decode_launch(q, v, g, beta, *, state, state_indices, scale: float | None = None, A_log=None,
+                           dt_bias=None, lower_bound: float | None = None, use_qk_l2norm_in_kernel: bool = False,
+                           use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                           allow_neg_eigval: bool = False, state_v_first: bool = False, cu_seqlens=None,
+                           num_accepted_tokens=None):
+    """:func:`kda_decode_cutedsl` for a call plan: ``run(q, k, v, g, beta, A_log, dt_bias, state, state_indices,
+    num_accepted_tokens, cu_seqlens, out) -> out`` runs every later call whose tensors have the shapes, strides and
+    dtypes of these (and the same flags and scalars: the plan's signature) with the kernel looked up once
+    (:func:`~cula_runtime.compile_cache.bound_launch`). ``out`` is required (``[B, T, HV, 128]`` bf16, contiguous);
+    ``dt_bias`` may be ``[HV * K]`` or ``[HV, K]``; ``A_log`` and ``dt_bias`` fp32. Compiles the kernel now if
+    no launch did yet. Holds no tensor of this call."""
+    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    HV = v.shape[2]
+    if state_indices.shape[0] == 0 or T == 0:
+        return lambda q, k, v, g, beta, A_log, dt_bias, state, idx, accepted, cu, out: out
+    config, specs, A_log_used, dt_used, scalars = _launch_args(
+        H, HV, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
+        num_accepted_tokens)
+    run = bound_launch(KdaDecode, config, specs, _OUTPUTS, q.device)
+    with_A_log, with_dt_bias = A_log_used is not None, dt_used is not None
+
+    def launch_planned(q, k, v, g, beta, A_log, dt_bias, state, idx, accepted, cu, out):
+        dt = dt_bias.view(HV, K) if with_dt_bias else None
+        run((q, k, v, g, beta, A_log if with_A_log else None, dt, state, idx, accepted, cu, out), scalars)
+        return out
+
+    return launch_planned

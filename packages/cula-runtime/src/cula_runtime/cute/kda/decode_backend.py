@@ -21,7 +21,7 @@ from ...kda_decode_args import KdaDecodeArgs
 from ...kda_tuning import device_capability
 from .. import is_available, unavailable_reason
 
-__all__ = ["verify_decode", "kda_decode_cutedsl_backend"]
+__all__ = ["verify_decode", "kda_decode_cutedsl_backend", "plan_kda_decode"]
 
 HEAD_DIM = 128
 _CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
@@ -68,6 +68,14 @@ def _kernel() -> object:
     return kda_decode_cutedsl
 
 
+@functools.cache
+def _planner() -> object:
+    """``plan_kda_decode_launch``, imported on the first plan."""
+    from .decode import plan_kda_decode_launch
+
+    return plan_kda_decode_launch
+
+
 def _fp32(x: torch.Tensor | None) -> torch.Tensor | None:
     """A gate parameter (``A_log``, ``dt_bias``; fp32, bf16 or fp64) in the fp32 the kernel reads."""
     return x if x is None or x.dtype == torch.float32 else x.float()
@@ -87,3 +95,38 @@ def kda_decode_cutedsl_backend(args: KdaDecodeArgs) -> torch.Tensor:
         state_v_first=args.state_v_first, cu_seqlens=cu, num_accepted_tokens=args.num_accepted_tokens,
         out=args.out,
     )
+
+
+def plan_kda_decode(args: KdaDecodeArgs):
+    """A call plan (``cula.call_plans``) for every later ``kda_decode`` call with the signature of ``args``
+    (validated arguments :func:`verify_decode` accepted, every tensor passed as it is): ``plan(q, k, v, g, beta,
+    state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out) -> o`` launches the kernel with
+    nothing validated or dispatched and the compiled kernel looked up once; it converts what the validator would
+    have converted (an int64 ``cu_seqlens``, non-fp32 gate parameters) and allocates ``o`` when ``out`` is None.
+    Holds no tensor of the call it was made from (the pool, the indices and every input come with each call)."""
+    cu = args.cu_seqlens
+    narrow_cu = cu is not None and cu.dtype != torch.int32
+    A_log, dt_bias = _fp32(args.A_log), _fp32(args.dt_bias)
+    widen_A_log = A_log is not args.A_log
+    widen_dt_bias = dt_bias is not args.dt_bias
+    launch = _planner()(
+        args.q, args.v, args.g, args.beta, state=args.state, state_indices=args.state_indices, scale=args.scale,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=args.lower_bound,
+        use_qk_l2norm_in_kernel=args.use_qk_l2norm_in_kernel, use_gate_in_kernel=args.use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
+        state_v_first=args.state_v_first, cu_seqlens=None if cu is None else cu.to(torch.int32),
+        num_accepted_tokens=args.num_accepted_tokens)
+    out_shape, out_dtype, device = (args.B, args.T, args.HV, args.V), args.q.dtype, args.device
+
+    def plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out):
+        if out is None:
+            out = torch.empty(out_shape, dtype=out_dtype, device=device)
+        if narrow_cu:
+            cu_seqlens = cu_seqlens.to(torch.int32)
+        if widen_A_log:
+            A_log = A_log.float()
+        if widen_dt_bias:
+            dt_bias = dt_bias.float()
+        return launch(q, k, v, g, beta, A_log, dt_bias, state, state_indices, num_accepted_tokens, cu_seqlens, out)
+
+    return plan
