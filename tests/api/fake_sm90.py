@@ -22,9 +22,13 @@ def read_values(ptr: int, ctype, count: int) -> list:
 class FakeExtension:
     """Stands in for ``cula_sm90._C``: records each launch; the "intra kernel" fills each workspace region with its
     own byte through the raw pointers; the "recurrence" fills o and the final state (``o_bytes`` and
-    ``state_bytes``, set by the test, say how many bytes)."""
+    ``state_bytes``, set by the test, say how many bytes), and in the state-pool form (its arguments after the
+    stream) reads the slot indices and ``has_initial_state`` through their pointers and fills each named slot of the
+    pool in place: ``POOL_BYTE`` where the sequence reads its slot, zeros where ``has_initial_state`` is False;
+    padding rows (a slot outside ``[0, P)``) are left alone."""
 
-    O_BYTE, STATE_BYTE = 0x3C, 0x41
+    O_BYTE, STATE_BYTE, POOL_BYTE = 0x3C, 0x41, 0x5A
+    SLOT_ELEMENTS = 128 * 128  # per value head: K = V = 128
 
     def __init__(self) -> None:
         self.intra: tuple = ()
@@ -65,8 +69,21 @@ class FakeExtension:
     def kda_recurrence(self, *a) -> int:
         self.recurrence = a
         self.order = read_values(a[8], ctypes.c_int32, a[13]) if a[8] else None  # the sequences' launch order
+        self.bounds = read_values(a[6], ctypes.c_int32, a[13] + 1) if a[6] else None  # cu_seqlens, as launched
         o_ptr, state_ptr = a[12], a[11]
-        ctypes.memset(o_ptr, self.O_BYTE, self.o_bytes)
+        if o_ptr:  # (none for a state-pool call without tokens)
+            ctypes.memset(o_ptr, self.O_BYTE, self.o_bytes)
         if state_ptr:
             ctypes.memset(state_ptr, self.STATE_BYTE, self.state_bytes)
+        self.pool_read = None
+        if len(a) > 21 and a[22]:  # the state-pool form: (pool, indices, has_initial_state, P, slot stride)
+            pool, indices, has_initial, size, stride = a[21:26]
+            N, HV, itemsize = a[13], a[14], 4 if a[10] == 0 else 2
+            slots = read_values(indices, ctypes.c_int32, N)
+            reads = [bool(x) for x in read_values(has_initial, ctypes.c_uint8, N)] if has_initial else [True] * N
+            self.pool_read = (slots, reads if has_initial else None)
+            for slot, read in zip(slots, reads, strict=True):
+                if 0 <= slot < size:
+                    ctypes.memset(pool + slot * stride * itemsize, self.POOL_BYTE if read else 0,
+                                  HV * self.SLOT_ELEMENTS * itemsize)
         return 0

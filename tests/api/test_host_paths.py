@@ -180,7 +180,7 @@ def test_sm90_shim_passes_every_pointer_and_scalar(name: str, entry: str, fake_s
     assert all(ptr % 256 == workspace[0] % 256 and ptr % 16 == 0 for ptr in workspace)
 
     r = fake.recurrence
-    assert len(r) == 21
+    assert len(r) == 26 and r[21:] == (0, 0, 0, 0, 0)  # (after the stream: the state-pool form's, unused here)
     assert r[:6] == workspace and r[6] == a[9] and r[7] == a[11]
     if case.cu is None:  # equal lengths: slot order
         assert r[8] == 0 and fake.order is None
@@ -536,6 +536,137 @@ def test_sm90_stream_and_device_helpers(monkeypatch: pytest.MonkeyPatch) -> None
     assert kda._device_guard(1) is kda._SAME_DEVICE
     guard = kda._device_guard(0)
     assert isinstance(guard, torch.cuda.device) and guard.idx == 0
+
+
+# ---- the sm90 shim's state-pool form (issue 26), through the fake extension
+
+POOL_CU = [0, 70, 70, 75, 205, 206]  # packed: 5 sequences, the second empty
+POOL_SLOTS = [4, 0, -1, 2, 6]  # the third a padding row
+POOL_HAS = [True, False, True, False, True]
+POOL_P, POOL_H, POOL_HV = 8, 2, 4
+
+
+def _pool_kwargs(*, varlen: bool, dtype: torch.dtype, v_first: bool, has: bool, spread: int = 1, T: int = 67,
+                 seed: int = 11) -> tuple[dict, torch.Tensor]:
+    """A pool-form call's arguments (bf16 q/k/v, K = V = 128, GVA 2) and the storage its pool is a view of: slots
+    ``spread`` apart (the slot stride is free), the storage between them never to be touched."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T = (1, POOL_CU[-1]) if varlen else (len(POOL_SLOTS), T)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    storage = rand(POOL_P * spread, POOL_HV, 128, 128).to(dtype)
+    kwargs = dict(q=rand(B, T, POOL_H, 128).bfloat16(), k=rand(B, T, POOL_H, 128).bfloat16(),
+                  v=rand(B, T, POOL_HV, 128).bfloat16(), g=-torch.rand(B, T, POOL_HV, 128, generator=gen),
+                  beta=torch.rand(B, T, POOL_HV, generator=gen), safe_gate=True, state_v_first=v_first,
+                  state=storage[::spread], state_indices=torch.tensor(POOL_SLOTS, dtype=torch.int32),
+                  has_initial_state=torch.tensor(POOL_HAS) if has else None)
+    if varlen:
+        kwargs["cu_seqlens"] = torch.tensor(POOL_CU, dtype=torch.int32)
+    return kwargs, storage
+
+
+def _expected_storage(fake, before: torch.Tensor, spread: int, slots: list[int], has: list[bool] | None,
+                      ) -> torch.Tensor:
+    """``before`` with each named slot as the fake recurrence writes it (its start state read: POOL_BYTE; from zeros
+    where has_initial_state is False: 0); padding rows and the other slots bit-unchanged."""
+    expected = before.clone()
+    slot_views = expected[::spread]
+    for n, slot in enumerate(slots):
+        if slot >= 0:
+            slot_views[slot].view(torch.uint8).fill_(fake.POOL_BYTE if has is None or has[n] else 0)
+    return expected
+
+
+POOL_FORMS = {  # name: (varlen, pool dtype, state_v_first, has_initial_state given, slot spread)
+    "varlen-fp32-kv-has": (True, torch.float32, False, True, 1),
+    "varlen-bf16-vk": (True, torch.bfloat16, True, False, 1),
+    "fixed-fp32-vk-has-spread2": (False, torch.float32, True, True, 2),
+    "fixed-bf16-kv-spread3": (False, torch.bfloat16, False, False, 3),
+}
+
+
+@pytest.mark.parametrize("entry", ["kda_prefill", "run_kernels", "plan"])
+@pytest.mark.parametrize("form", list(POOL_FORMS), ids=list(POOL_FORMS))
+def test_sm90_shim_passes_the_state_pool_in_place(form: str, entry: str, fake_sm90) -> None:
+    """The recurrence gets the caller's pool itself (its address, P and slot stride: no gather or scatter copy), the
+    slot indices and has_initial_state (or 0) as the validator left them, the pool's dtype code and no initial or
+    final state tensor; its writes land in the caller's pool in place, and the call returns (o, None)."""
+    kda, fake = fake_sm90
+    varlen, dtype, v_first, has, spread = POOL_FORMS[form]
+    kwargs, storage = _pool_kwargs(varlen=varlen, dtype=dtype, v_first=v_first, has=has, spread=spread)
+    args = validate_kda_prefill(**kwargs)
+    before = storage.clone()
+    fake.o_bytes, fake.state_bytes = args.B * args.T * POOL_HV * 128 * 2, 0
+    if entry == "kda_prefill":
+        o, ht = kda.kda_prefill(args)
+    elif entry == "run_kernels":
+        o, ht, workspace = kda.run_kernels(args)
+        assert list(workspace) == ["qg", "kg", "w", "u", "Aqk", "g_last"]
+    else:
+        plan = kda.plan_kda_prefill(args)
+        o, ht = plan(args.q, args.k, args.v, args.g, args.beta, None, None, None, args.cu_seqlens,
+                     args.cu_seqlens_host, state=args.state, state_indices=args.state_indices,
+                     has_initial_state=args.has_initial_state)
+    assert ht is None and o.shape == (args.B, args.T, POOL_HV, 128) and o.dtype == torch.bfloat16
+    r = fake.recurrence
+    assert len(r) == 26 and r[9] == 0 and r[11] == 0  # no initial or final state tensor
+    assert r[10] == (0 if dtype == torch.float32 else 1) and r[16] is v_first
+    assert r[18] is True and r[20] == 777  # (programmatic after the intra kernel: "auto", one wave)
+    has_ptr = args.has_initial_state.data_ptr() if has else 0
+    assert r[21:26] == (storage.data_ptr(), args.state_indices.data_ptr(), has_ptr, POOL_P,
+                        spread * POOL_HV * 128 * 128)
+    assert fake.pool_read == (POOL_SLOTS, POOL_HAS if has else None)
+    expected = _expected_storage(fake, before, spread, POOL_SLOTS, POOL_HAS if has else None)
+    assert torch.equal(storage.view(torch.uint8), expected.view(torch.uint8))
+    assert fake.intra[12] == args.B * args.T  # (the intra launch as for any call)
+
+
+def test_sm90_launches_refuse_a_pool_they_were_not_made_for(fake_sm90) -> None:
+    """A plan made for a pool-form signature needs the pool, and one made without a pool refuses one: ValueError,
+    before any launch."""
+    kda, fake = fake_sm90
+    kwargs, _ = _pool_kwargs(varlen=True, dtype=torch.float32, v_first=False, has=True)
+    pooled = validate_kda_prefill(**kwargs)
+    fake.o_bytes, fake.state_bytes = pooled.T * POOL_HV * 128 * 2, 0
+    plan = kda.plan_kda_prefill(pooled)
+    tensors = (pooled.q, pooled.k, pooled.v, pooled.g, pooled.beta, None, None, None, pooled.cu_seqlens,
+               pooled.cu_seqlens_host)
+    with pytest.raises(ValueError, match="state-pool call"):
+        plan(*tensors)
+    dense = kda.plan_kda_prefill(dataclasses.replace(pooled, state=None, state_indices=None, has_initial_state=None,
+                                                     pool_slots=None))
+    with pytest.raises(ValueError, match="without a state pool"):
+        dense(*tensors, state=pooled.state, state_indices=pooled.state_indices)
+    assert fake.intra == () and fake.recurrence == ()
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_sm90_pool_call_without_tokens_passes_the_start_states_to_their_slots(varlen: bool, fake_sm90) -> None:
+    """B * T == 0 with N > 0 zero-length sequences: no intra launch; the recurrence alone, in stream order (nothing
+    before it to depend on), on all-zero boundaries and no workspace or o, writes each start state (zeros where
+    has_initial_state is False) back to its slot, as the reference does; the padding row's slot is untouched."""
+    kda, fake = fake_sm90
+    slots, has = [2, -1, 0], [False, True, True]
+    B, N = (1, 3) if varlen else (3, 3)
+    pool = torch.randn(4, POOL_HV, 128, 128)
+    before = pool.clone()
+    q = torch.zeros(B, 0, POOL_H, 128, dtype=torch.bfloat16)
+    v = torch.zeros(B, 0, POOL_HV, 128, dtype=torch.bfloat16)
+    args = validate_kda_prefill(q, q, v, torch.zeros(B, 0, POOL_HV, 128), torch.zeros(B, 0, POOL_HV), safe_gate=True,
+                                cu_seqlens=torch.zeros(N + 1, dtype=torch.int32) if varlen else None, state=pool,
+                                state_indices=torch.tensor(slots, dtype=torch.int32),
+                                has_initial_state=torch.tensor(has))
+    fake.o_bytes = fake.state_bytes = 0
+    o, ht = kda.kda_prefill(args)
+    assert o.shape == (B, 0, POOL_HV, 128) and ht is None and fake.intra == ()
+    r = fake.recurrence
+    assert len(r) == 26 and r[:6] == (0,) * 6 and r[6] == r[7] and fake.bounds == [0] * (N + 1)
+    assert r[8:10] == (0, 0) and r[11:15] == (0, 0, N, POOL_HV) and r[18:21] == (False, 0, 777)
+    assert r[21:26] == (pool.data_ptr(), args.state_indices.data_ptr(), args.has_initial_state.data_ptr(), 4,
+                        POOL_HV * 128 * 128)
+    assert torch.equal(pool.view(torch.uint8), _expected_storage(fake, before, 1, slots, has).view(torch.uint8))
 
 
 # ---- on the GPU

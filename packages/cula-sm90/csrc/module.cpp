@@ -69,11 +69,14 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
   return check_launch("kda_intra", code);
 }
 
+// The state-pool form's arguments come after the stream (with defaults: the dense form's calls keep their shape).
 int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk,
                    std::uintptr_t g_last, std::uintptr_t cu_seqlens, std::uintptr_t chunk_offsets,
                    std::uintptr_t seq_order, std::uintptr_t initial_state, int state_type, std::uintptr_t final_state, std::uintptr_t o,
                    int num_seqs, int num_value_heads, float scale, bool state_v_first, int block_v,
-                   bool programmatic_launch, int num_tokens, std::uintptr_t stream) {
+                   bool programmatic_launch, int num_tokens, std::uintptr_t stream, std::uintptr_t state_pool,
+                   std::uintptr_t state_indices, std::uintptr_t has_initial_state, int pool_size,
+                   std::int64_t pool_slot_stride) {
   if (num_tokens < 0) {
     throw std::invalid_argument("cula_sm90.kda_recurrence: num_tokens must be >= 0, got " + std::to_string(num_tokens));
   }
@@ -81,9 +84,19 @@ int kda_recurrence(std::uintptr_t qg, std::uintptr_t kg, std::uintptr_t w, std::
     throw std::invalid_argument("cula_sm90.kda_recurrence: block_v must be 64 or 128, got " +
                                 std::to_string(block_v));
   }
+  if (state_indices == 0 && (state_pool != 0 || has_initial_state != 0)) {
+    throw std::invalid_argument("cula_sm90.kda_recurrence: state_pool and has_initial_state need state_indices");
+  }
+  if (state_indices != 0 && (initial_state != 0 || final_state != 0 || pool_size < 0 || pool_slot_stride < 0 ||
+                             (pool_size > 0 && state_pool == 0))) {
+    throw std::invalid_argument("cula_sm90.kda_recurrence: with state_indices (the pool form) initial_state and "
+                                "final_state must be 0, pool_size and pool_slot_stride >= 0, and state_pool set for "
+                                "pool_size > 0");
+  }
   const cula_sm90::KdaRecurrenceArgs args{qg, kg, w, u, Aqk, g_last, cu_seqlens, chunk_offsets, seq_order, initial_state,
                                           state_type, final_state, o, num_seqs, num_value_heads, scale,
-                                          state_v_first, block_v, programmatic_launch, num_tokens};
+                                          state_v_first, block_v, programmatic_launch, num_tokens, state_pool,
+                                          state_indices, has_initial_state, pool_size, pool_slot_stride};
   int code;
   {
     py::gil_scoped_release release;
@@ -144,6 +157,13 @@ PYBIND11_MODULE(_C, m) {
       py::arg("cu"), py::arg("n"), py::arg("chunk"),
       "The 16-row bands without a token in the sequences' partial last chunks, from host boundaries cu[0..n] "
       "(-1 for decreasing ones).");
-  m.def("kda_recurrence", &kda_recurrence,
-        "KDA state recurrence + output kernel (see cula_sm90/kda.py); raises RuntimeError on a CUDA error.");
+  m.def("kda_recurrence", &kda_recurrence, py::arg("qg"), py::arg("kg"), py::arg("w"), py::arg("u"), py::arg("Aqk"),
+        py::arg("g_last"), py::arg("cu_seqlens"), py::arg("chunk_offsets"), py::arg("seq_order"),
+        py::arg("initial_state"), py::arg("state_type"), py::arg("final_state"), py::arg("o"), py::arg("num_seqs"),
+        py::arg("num_value_heads"), py::arg("scale"), py::arg("state_v_first"), py::arg("block_v"),
+        py::arg("programmatic_launch"), py::arg("num_tokens"), py::arg("stream"), py::arg("state_pool") = 0,
+        py::arg("state_indices") = 0, py::arg("has_initial_state") = 0, py::arg("pool_size") = 0,
+        py::arg("pool_slot_stride") = 0,
+        "KDA state recurrence + output kernel (see cula_sm90/kda.py); with state_indices, the state-pool form "
+        "(kda_params.h). Raises RuntimeError on a CUDA error.");
 }

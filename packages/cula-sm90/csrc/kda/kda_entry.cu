@@ -76,6 +76,11 @@ int kda_recurrence(const KdaRecurrenceArgs& a, std::uintptr_t stream) {
   p.scale = a.scale;
   p.state_v_first = a.state_v_first;
   p.programmatic_launch = a.programmatic_launch;
+  p.state_indices = as_ptr<const int32_t>(a.state_indices);
+  p.has_initial_state = as_ptr<const uint8_t>(a.has_initial_state);
+  p.state_pool = as_ptr<void>(a.state_pool);
+  p.pool_size = a.pool_size;
+  p.pool_slot_stride = a.pool_slot_stride;
   return static_cast<int>(
       cula::sm90::launch_kda_recurrence(p, a.block_v, reinterpret_cast<cudaStream_t>(stream)));
 }

@@ -27,6 +27,10 @@ struct KdaRecurrenceArgs {
   int block_v;  // 64 or 128 (warpgroup MMAs)
   bool programmatic_launch;  // launch as a programmatic dependent of the intra kernel (kda_params.h)
   int num_tokens;            // Ttot (kda_params.h)
+  // the state-pool form (kda_params.h), when state_indices is not 0: then initial_state and final_state are 0
+  std::uintptr_t state_pool, state_indices, has_initial_state;
+  int pool_size;                   // P
+  std::int64_t pool_slot_stride;   // elements
 };
 
 int kda_intra(const KdaIntraArgs& args, std::uintptr_t stream);

@@ -83,7 +83,7 @@ struct KdaRecurrenceParams {
   const int32_t* chunk_offsets;
   const int32_t* seq_order;   // [N] or nullptr (slot order)
   const void* initial_state;  // [N, HV, K, V] (or [N, HV, V, K] if state_v_first), dtype state_type, or nullptr
-  ScalarType state_type;
+  ScalarType state_type;      // (of the pool in the state-pool form below)
   float* final_state;         // fp32, same layout, or nullptr
   void* o;                    // bf16 [Ttot, HV, V]
   int num_seqs;               // N
@@ -97,6 +97,23 @@ struct KdaRecurrenceParams {
   // Ttot: the workspace's and o's token rows (for TMA descriptors of the workspace; last, so that the other members
   // keep their offsets: inserted before num_seqs it changed the warpgroup-MMA kernels' register allocation)
   int num_tokens;
+  // The state-pool form (issue 26; after the members above, which keep their offsets; its own kernel,
+  // kda_recurrence_kernel_pool), taken when state_indices is not null; initial_state and final_state are null then.
+  // The CTAs of sequence n read its start state from slot s = state_indices[n] of state_pool ([P, HV, K, V], or
+  // [P, HV, V, K] if state_v_first; dtype state_type; slot p at p * pool_slot_stride elements, each slot dense; only
+  // element-aligned) and write its final state back there in place (bf16: rounded to nearest even). A slot outside
+  // [0, pool_size) makes n a padding row: nothing read or written in the pool, its o rows zeros. has_initial_state[n]
+  // == 0: n starts from zeros (its final state is still written).
+  // The in-place update needs no barrier: each CTA owns one (slot, head, V block) piece, each thread reads its
+  // elements of it first and writes the same elements at the end, and no other CTA touches the piece as long as no
+  // two sequences share a slot (the host refuses duplicates where it sees the values). Like initial_state, the
+  // index arrays and the start state are read before the programmatic wait (written before the intra kernel was
+  // launched); the final state is written after it.
+  const int32_t* state_indices;        // [N] or nullptr (the dense form above)
+  const uint8_t* has_initial_state;    // bool [N] (one byte each) or nullptr (every sequence reads its slot)
+  void* state_pool;                    // [P, HV, K, V] or [P, HV, V, K] (unused when pool_size == 0)
+  int pool_size;                       // P
+  int64_t pool_slot_stride;            // elements from slot p to slot p + 1
 };
 
 // Launchers: enqueue on `stream`, return the launch's cudaError_t (cudaGetLastError after the launch).

@@ -6,6 +6,8 @@
 //   v_new = bf16(u - w . S_bf)                                  [64, kBV]
 //   o     = bf16(scale * (qg . S_bf) + Aqk . v_new)             [64, kBV]
 //   S     = exp2(g_last)[:, None] * S + kg^T . v_new            (fp32)
+// The state-pool form (KdaRecurrenceParams::state_indices) is a kernel of its own, kda_recurrence_kernel_pool: the
+// same CTA code with S read from and written back to the sequence's pool slot, and zeros in a padding row's o.
 //
 // Everything is computed transposed, so the state is the A operand (M = V rows) and the products chain in registers:
 //   v_new^T [kBV x 64]  = u^T - S^T_bf . w^T          A = S^T (registers)       B = w^T   (shared memory, K-major)
@@ -149,6 +151,50 @@ __device__ __forceinline__ void load_state(float (&S)[16][4], const T* h0, bool 
   }
 }
 
+// The state-pool form's accesses (KdaRecurrenceParams::state_indices): the same fragment as load_state, from and to
+// one slot's head, one element at a time (so that a pool whose data or slot stride is only element-aligned is read
+// and written in place: no aligned copy can be made of it). Element (k, v) is at k * k_stride + v * v_stride: (128, 1)
+// for [K, V], (1, 128) for [V, K]. Each lane reads and writes the same elements, and no other lane touches them.
+__device__ __forceinline__ void put_state(float* dst, float x) { *dst = x; }
+__device__ __forceinline__ void put_state(__nv_bfloat16* dst, float x) { *dst = __float2bfloat16_rn(x); }
+
+template <typename T>
+__device__ __forceinline__ void load_slot_state(float (&S)[16][4], const T* h0, int k_stride, int v_stride, int vr,
+                                                int t4) {
+  const T* base = h0 + 2 * t4 * k_stride + vr * v_stride;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      S[j][e] = state_value(base[(8 * j + (e & 1)) * k_stride + 8 * (e >> 1) * v_stride]);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_slot_state(T* ht, const float (&S)[16][4], int k_stride, int v_stride, int vr,
+                                                 int t4) {
+  T* base = ht + 2 * t4 * k_stride + vr * v_stride;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) put_state(base + (8 * j + (e & 1)) * k_stride + 8 * (e >> 1) * v_stride, S[j][e]);
+  }
+}
+
+// A padding row's output (state-pool form): zeros in this CTA's kBV columns of the sequence's len token rows from bos.
+template <int kBV>
+__device__ __forceinline__ void zero_output(__nv_bfloat16* out, int64_t bos, int64_t len, int64_t HV, int hv, int v0,
+                                            int tid) {
+  using C = RecurrenceConfig<kBV>;
+  constexpr int kRowsPerPass = C::kThreads / C::kChunksU;
+  const int ch = tid % C::kChunksU;
+#pragma unroll 1
+  for (int64_t row = tid / C::kChunksU; row < len; row += kRowsPerPass) {
+    st_global_u4(out + ((bos + row) * HV + hv) * kHeadDim + v0 + ch * 8, make_uint4(0u, 0u, 0u, 0u));
+  }
+}
+
 // k16 step ks of S^T_bf as an A fragment (mma.m16n8k16 and wgmma register-A layout): the state's K tiles 2ks, 2ks+1.
 __device__ __forceinline__ void state_a_fragment(const float (&S)[16][4], int ks, uint32_t (&a)[4]) {
   a[0] = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
@@ -244,9 +290,10 @@ __device__ __forceinline__ void load_chunk(const KdaRecurrenceParams& p, uint32_
 // The kernel
 // ------------------------------------------------------------------------------------------------------------------
 
-template <int kBV>
-__global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
-    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
+// One CTA's work; kPool: the state-pool form (KdaRecurrenceParams::state_indices), a kernel of its own so that the
+// dense form's machine code stays what it was.
+template <int kBV, bool kPool>
+__device__ __forceinline__ void recurrence_cta(const KdaRecurrenceParams& p) {
   using C = RecurrenceConfig<kBV>;
   extern __shared__ __align__(1024) uint8_t smem[];
 
@@ -285,13 +332,32 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
 
   // ---- S^T in registers: S[j][e], j = n8 tile over K (k = 8j + 2*t4 + (e & 1)), row v = vr + 8*(e >> 1).
   const int vr = v0 + warp * 16 + g;
-  const int64_t state_base = (static_cast<int64_t>(n) * HV + hv) * kHeadDim * kHeadDim;
   float S[16][4];
-  if (p.initial_state == nullptr) {
+  // (the pool form: the slot, and whether it lies in the pool; a slot outside it is a padding row)
+  int64_t state_base;
+  bool in_pool = true;
+  if constexpr (kPool) {
+    const int pool_slot = p.state_indices[n];
+    in_pool = pool_slot >= 0 && pool_slot < p.pool_size;
+    state_base = (in_pool ? pool_slot : 0) * p.pool_slot_stride + static_cast<int64_t>(hv) * kHeadDim * kHeadDim;
+  } else {
+    state_base = (static_cast<int64_t>(n) * HV + hv) * kHeadDim * kHeadDim;
+  }
+  const bool reads_state =
+      kPool ? in_pool && (p.has_initial_state == nullptr || p.has_initial_state[n] != 0) : p.initial_state != nullptr;
+  if (!reads_state) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) S[j][e] = 0.f;
+    }
+  } else if constexpr (kPool) {
+    const int k_stride = p.state_v_first ? 1 : kHeadDim;
+    const int v_stride = p.state_v_first ? kHeadDim : 1;
+    if (p.state_type == ScalarType::kFloat32) {
+      load_slot_state(S, static_cast<const float*>(p.state_pool) + state_base, k_stride, v_stride, vr, t4);
+    } else {
+      load_slot_state(S, static_cast<const __nv_bfloat16*>(p.state_pool) + state_base, k_stride, v_stride, vr, t4);
     }
   } else if (p.state_type == ScalarType::kFloat32) {
     load_state(S, static_cast<const float*>(p.initial_state) + state_base, p.state_v_first, vr, t4);
@@ -305,6 +371,12 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
   // 6% faster end to end, B2 T512 3%, the same bits); the workspace below is the intra kernel's output, read only
   // once that grid has finished and its writes are visible. (Without a programmatic launch the wait returns at once.)
   ptx::grid_dependency_wait();
+  if constexpr (kPool) {
+    if (!in_pool) {  // a padding row: its output is zeros (written after the wait, like every o store)
+      zero_output<kBV>(static_cast<__nv_bfloat16*>(p.o), bos, len, HV, hv, v0, tid);
+      return;
+    }
+  }
 
   // Prefetch chunk 0 while the initial state's loads are in flight.
   if (num_chunks > 0) {
@@ -436,8 +508,16 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
     }
   }
 
-  // ---- final state (fp32, same layout as the initial state)
-  if (p.final_state != nullptr) {
+  // ---- final state: back into the pool slot (its dtype), or fp32 in the initial state's layout
+  if constexpr (kPool) {
+    const int k_stride = p.state_v_first ? 1 : kHeadDim;
+    const int v_stride = p.state_v_first ? kHeadDim : 1;
+    if (p.state_type == ScalarType::kFloat32) {
+      store_slot_state(static_cast<float*>(p.state_pool) + state_base, S, k_stride, v_stride, vr, t4);
+    } else {
+      store_slot_state(static_cast<__nv_bfloat16*>(p.state_pool) + state_base, S, k_stride, v_stride, vr, t4);
+    }
+  } else if (p.final_state != nullptr) {
     float* ht = p.final_state + state_base;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -458,14 +538,29 @@ __global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
 }
 
 template <int kBV>
+__global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
+    kda_recurrence_kernel(const __grid_constant__ KdaRecurrenceParams p) {
+  recurrence_cta<kBV, false>(p);
+}
+
+// The state-pool form (KdaRecurrenceParams::state_indices not null).
+template <int kBV>
+__global__ void __launch_bounds__(RecurrenceConfig<kBV>::kThreads, 1)
+    kda_recurrence_kernel_pool(const __grid_constant__ KdaRecurrenceParams p) {
+  recurrence_cta<kBV, true>(p);
+}
+
+template <int kBV>
 cudaError_t launch_recurrence_bv(const KdaRecurrenceParams& p, cudaStream_t stream) {
   using C = RecurrenceConfig<kBV>;
   const int64_t blocks = static_cast<int64_t>(p.num_seqs) * p.num_value_heads * C::kVBlocks;
   if (blocks <= 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const auto kernel = kda_recurrence_kernel<kBV>;
+  const bool pool = p.state_indices != nullptr;
+  const auto kernel = pool ? kda_recurrence_kernel_pool<kBV> : kda_recurrence_kernel<kBV>;
   if (C::kSmemBytes > 48 * 1024) {
-    const cudaError_t err = allow_dynamic_smem<kda_recurrence_kernel<kBV>>(C::kSmemBytes);
+    const cudaError_t err = pool ? allow_dynamic_smem<kda_recurrence_kernel_pool<kBV>>(C::kSmemBytes)
+                                 : allow_dynamic_smem<kda_recurrence_kernel<kBV>>(C::kSmemBytes);
     if (err != cudaSuccess) return err;
   }
   cudaLaunchConfig_t config{};

@@ -10,7 +10,10 @@ stream.
 
 What it serves (``verify``): an SM90 GPU, bf16 q/k/v, K = V = 128, every gate form (precomputed fp32/bf16 g, the
 in-kernel lower-bound and softplus forms), fp32/bf16 beta (values or logits), fp32/bf16 initial state, any GVA ratio,
-fixed or varlen.
+fixed or varlen; and the state-pool form (``state=``, ``state_indices=``, ``has_initial_state=``) on an fp32 or bf16
+pool whose slots do not overlap: the recurrence reads each sequence's start state from its slot and writes the final
+state back in place (no gather or scatter copy; the index values are read on the GPU only: a slot outside the pool
+is a padding row there), and the call returns ``(o, None)``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from cula_runtime.env import env_choice
 from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
-from cula_runtime.kda_args import POOL_REFUSAL, empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
+from cula_runtime.kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from cula_runtime.kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
 
 from . import load_extension
@@ -36,6 +39,7 @@ CHUNK = 64
 HEAD_DIM = 128
 _INT32_MAX = 2**31 - 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_NO_POOL = (0, 0, 0, 0, 0)  # the recurrence's state-pool arguments of a call without a pool
 # The intra kernel's form: "tensor" the L2 norms' row sums by one transposed reduction per tensor and warp, the
 # off-diagonal inverse by recursive doubling, its products as bf16x3 tensor-core MMAs (each fp32 operand kept as two
 # bf16 parts: about fp32 accuracy); "bands" "tensor" computing only the 16-row bands that hold valid rows (the same
@@ -87,14 +91,36 @@ def verify_kda_prefill(args: Any) -> tuple[bool, str]:
     major, minor = device_capability(args.device)
     if (major, minor) != (9, 0):
         return False, f"built for sm_90a only; this GPU is sm_{major}{minor}"
-    if args.state is not None:
-        return False, POOL_REFUSAL
     reason = gpu_kernel_rejection(args, HEAD_DIM)
+    if reason is None and args.state is not None:
+        reason = _pool_rejection(args.state, args.HV)
     if reason is not None:
         return False, reason
     if args.B * args.T * args.HV * HEAD_DIM > _INT32_MAX:
         return False, f"B*T*HV*128 = {args.B * args.T * args.HV * HEAD_DIM} exceeds 32-bit indexing"
     return True, "sm_90a kernels serve this call"
+
+
+def _pool_rejection(pool: torch.Tensor, HV: int) -> str | None:
+    """Why the recurrence cannot update this (validated) state pool in place, or None if it can: it reads and writes
+    fp32 or bf16 slots (one element at a time: any element-aligned data pointer and slot stride), and slots that
+    overlap would be written by two sequences at once."""
+    if pool.dtype not in _DTYPE_CODES:
+        return f"needs the state pool in fp32 or bf16, got {pool.dtype}"
+    if pool.shape[0] > 1 and pool.stride(0) < HV * HEAD_DIM * HEAD_DIM:
+        return (f"needs the state pool's slots apart (slot stride {pool.stride(0)} < {HV * HEAD_DIM * HEAD_DIM} "
+                "elements per slot): overlapping slots would be written by two sequences at once")
+    return None
+
+
+def _pool_arguments(pool: tuple | None) -> tuple[int, int, int, int, int]:
+    """The recurrence's state-pool arguments (pool address, slot indices, has_initial_state or 0, P, slot stride in
+    elements) of ``pool`` = ``(state, state_indices, has_initial_state)``, or :data:`_NO_POOL`. The pool is passed as
+    it is (written in place: never copied); the validator made the index tensors contiguous."""
+    if pool is None:
+        return _NO_POOL
+    state, indices, has_initial = pool
+    return state.data_ptr(), indices.data_ptr(), _ptr(has_initial), state.shape[0], state.stride(0)
 
 
 def _aligned(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -254,7 +280,9 @@ class _Launch:
         self.type_codes = (_DTYPE_CODES[args.g.dtype], _DTYPE_CODES[args.beta.dtype])
         # whether the gate's parameters need an fp32 copy (the signature fixes their dtypes)
         self.gate_params_fp32 = all(x is None or x.dtype == torch.float32 for x in (args.A_log, args.dt_bias))
-        h0 = args.initial_state
+        # (the state-pool form: the pool's dtype; the validator refuses initial_state and output_final_state with it)
+        self.pooled = args.state is not None
+        h0 = args.state if self.pooled else args.initial_state
         self.state_code = 0 if h0 is None else _DTYPE_CODES[h0.dtype]
         self.state_shape = args.state_shape if args.output_final_state else None
         self.state_v_first = args.state_v_first
@@ -279,10 +307,12 @@ class _Launch:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  h0: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
                  cu_seqlens: torch.Tensor | None, cu_host: torch.Tensor | None, keep_workspace: bool = False,
+                 pool: tuple | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple[WorkspaceRegion, ...]]:
         """Launch on contiguous tensors of the signature it was built for (``cu_host``: the checked host copy of
-        ``cu_seqlens``). Returns o, the final state (or None), the workspace buffer (None unless ``keep_workspace``)
-        and its regions.
+        ``cu_seqlens``; ``pool``: ``(state, state_indices, has_initial_state)`` of a state-pool signature, else
+        None). Returns o, the final state (or None; always None with a pool), the workspace buffer (None unless
+        ``keep_workspace``) and its regions.
 
         Without ``keep_workspace`` the workspace is a raw block of torch's caching allocator on the current stream,
         returned to it once both kernels are queued: the same stream-ordered reuse as a tensor that goes out of scope
@@ -291,6 +321,9 @@ class _Launch:
         # Host order: only what the intra kernel needs comes before its launch; o and the final state are allocated
         # while it runs (at small T the host time before the first launch is GPU idle).
         ext, device, HV, total = self.ext, self.device, self.HV, self.total
+        if (pool is not None) != self.pooled:
+            raise ValueError("this launch is for a state-pool call: pass its state and state_indices" if self.pooled
+                             else "this launch is for a call without a state pool: pass no state")
         fixed, intra_form = self.fixed, self.intra_form
         if fixed is not None:
             # (cu_seqlens, chunk indices, chunk offsets) addresses
@@ -323,7 +356,8 @@ class _Launch:
                 raw = base
             try:
                 o, final_state = self._launch(ext, inputs, index_ptrs, num_chunks, intra_form, order, h0,
-                                              tuple(base + region.offset for region in regions), stream)
+                                              tuple(base + region.offset for region in regions), stream,
+                                              _pool_arguments(pool))
             finally:
                 if raw:
                     _raw_delete(raw)
@@ -331,9 +365,12 @@ class _Launch:
 
     def _launch(self, ext: Any, inputs: tuple[int, ...], index_ptrs: tuple[int, int, int], num_chunks: int,
                 intra_form: int, order: torch.Tensor | None, h0: torch.Tensor | None,
-                workspace: tuple[int, ...], stream: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                workspace: tuple[int, ...], stream: int, pool_args: tuple[int, ...] = _NO_POOL,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Both launches on ``stream`` (the call's device current), with the workspace at the addresses
-        ``workspace`` (qg, kg, w, u, Aqk, g_last). Returns o and the final state (or None)."""
+        ``workspace`` (qg, kg, w, u, Aqk, g_last) and the state-pool arguments ``pool_args``
+        (:func:`_pool_arguments`). Returns o and the final state (or None). Nothing is enqueued between the two
+        launches: the recurrence's programmatic launch depends on the kernel just before it."""
         device, HV, total = self.device, self.HV, self.total
         ext.kda_intra(
             *inputs, *self.type_codes, *index_ptrs, total, num_chunks, *self.intra_shape, *workspace, intra_form,
@@ -347,22 +384,44 @@ class _Launch:
         ext.kda_recurrence(
             qg, kg, w, u, Aqk, g_last, index_ptrs[0], index_ptrs[2], _ptr(order),
             _ptr(_aligned(h0)), self.state_code, _ptr(final_state), o.data_ptr(), self.N, HV, self.scale,
-            self.state_v_first, self.block_v, self.programmatic, total, stream,
+            self.state_v_first, self.block_v, self.programmatic, total, stream, *pool_args,
         )
         return o, final_state
+
+    def pass_states(self, args: Any) -> None:
+        """A state-pool call without tokens (``B * T == 0``, ``N > 0``): as in the reference, each sequence's start
+        state (zeros where ``has_initial_state`` is False) is written back to its slot; padding rows are untouched.
+        The recurrence alone, on zero-length sequences (every boundary and chunk offset 0: no workspace, no o), in
+        stream order (no intra kernel before it to depend on)."""
+        zeros = torch.zeros(args.N + 1, dtype=torch.int32, device=self.device)  # (the boundaries of no tokens)
+        pool_args = _pool_arguments((args.state, args.state_indices, args.has_initial_state))
+        index = self.index
+        with _device_guard(index):
+            self.ext.kda_recurrence(
+                0, 0, 0, 0, 0, 0, zeros.data_ptr(), zeros.data_ptr(), 0, 0, self.state_code, 0, 0, self.N, self.HV,
+                self.scale, self.state_v_first, self.block_v, False, 0, _current_stream(index), *pool_args,
+            )
 
 
 def kda_prefill(args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run KDA prefill on the sm_90a kernels. ``args``: validated ``KdaPrefillArgs`` that ``verify`` accepted.
 
-    Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (``[N, HV, K, V]`` or ``[N, HV, V, K]``) or None.
+    Returns ``o`` bf16 ``[B, T, HV, V]`` and the fp32 final state (``[N, HV, K, V]`` or ``[N, HV, V, K]``) or None;
+    with a state pool ``(o, None)``, the final states written to their slots in place.
     """
     launch = _Launch(args)  # (knobs checked first: a bad one raises even for a call without tokens)
-    if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
+    if args.B * args.T == 0:  # no intra launch: empty o, and each sequence's state passes through
+        if launch.pooled and args.N:
+            launch.pass_states(args)
         return empty_prefill_result(args)
     o, final_state, _, _ = launch(args.q, args.k, args.v, args.g, args.beta, args.initial_state, args.A_log,
-                                  args.dt_bias, args.cu_seqlens, args.cu_seqlens_host)
+                                  args.dt_bias, args.cu_seqlens, args.cu_seqlens_host, pool=_pool_of(args))
     return o, final_state
+
+
+def _pool_of(args: Any) -> tuple | None:
+    """``(state, state_indices, has_initial_state)`` of validated arguments with a state pool, else None."""
+    return None if args.state is None else (args.state, args.state_indices, args.has_initial_state)
 
 
 Plan = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -374,16 +433,20 @@ def plan_kda_prefill(args: Any) -> Plan | None:
 
     The plan takes the call's tensors in the order ``(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
     cu_seqlens_host)``, the last the checked host copy of ``cu_seqlens``
-    (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and returns what :func:`kda_prefill`
-    returns. It resolves the knobs and launch shapes once (``cula.call_plans`` keys plans on the knobs' values) and
-    holds no tensor of the call it was made from.
+    (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and for a state-pool signature the
+    keywords ``state``, ``state_indices`` and ``has_initial_state`` (the pool written in place; ``cula.call_plans``
+    plans no such call, the validator sees each), and returns what :func:`kda_prefill` returns. It resolves the knobs
+    and launch shapes once (``cula.call_plans`` keys plans on the knobs' values) and holds no tensor of the call it
+    was made from.
     """
     if args.B * args.T == 0:
         return None
     launch = _Launch(args)
 
-    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host):
-        o, final_state, _, _ = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
+    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, *, state=None,
+             state_indices=None, has_initial_state=None):
+        pool = None if state is None else (state, state_indices, has_initial_state)
+        o, final_state, _, _ = launch(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, pool=pool)
         return o, final_state
 
     return plan
@@ -406,9 +469,11 @@ def run_kernels(args: Any, block_v: int = 0, intra_tuned: str | None = None,
     tuned = None if intra_tuned is None else _TUNED_FORMS[intra_tuned]
     launch = _Launch(args, block_v, tuned=tuned)  # (knobs checked before the empty case: a bad one raises either way)
     if args.B * args.T == 0:
+        if launch.pooled and args.N:
+            launch.pass_states(args)
         return *empty_prefill_result(args), {}
     o, final_state, buffer, regions = launch(args.q, args.k, args.v, args.g, args.beta, args.initial_state,
                                              args.A_log, args.dt_bias, args.cu_seqlens, args.cu_seqlens_host,
-                                             keep_workspace=True)
+                                             keep_workspace=True, pool=_pool_of(args))
     views = {r.name: buffer[r.offset:r.offset + r.nbytes].view(r.dtype).view(r.shape) for r in regions}
     return o, final_state, views
