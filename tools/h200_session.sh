@@ -77,10 +77,24 @@ for step in "$@"; do
     profile:short) timeout 200 python3 benchmarks/profile_kda.py --backend sm90 --block-v 64,128 --reps 10 \
                      --configs "${PROFILE_CONFIGS:-fixed B2 T4096,fixed B2 T8192,varlen T4096 10xuniform,varlen T4096 20xrandom,varlen T8192 10xuniform,varlen T16384 10xuniform}" \
                      | tee "$OUT/profile_kda_short.txt" ;;
+    # serving (issue 26): the pool forms of the prefill and the decode, against fp64 and each other
+    tests:pool) GPU_LOG_TAG=_pool timeout 400 bash tools/h200_tests.sh -q tests/gpu/test_kda_prefill_pool_gpu.py \
+                  tests/sm90/test_kda_sm90_pool_gpu.py ;;
+    tests:decode) GPU_LOG_TAG=_decode timeout 300 bash tools/h200_tests.sh -q tests/cute/test_kda_decode_gpu.py \
+                    tests/gpu/test_kda_decode_gpu.py ;;
+    # the decode against FLA (DECODE_ONLY: bench_kda_decode.py --only), then the pool-form prefill
+    bench:decode) timeout 420 python3 benchmarks/bench_kda_decode.py ${DECODE_ONLY:+--only "$DECODE_ONLY"} \
+                    --out "$OUT/kda_decode_h200.md" ;;
+    bench:pool-prefill) timeout 300 python3 benchmarks/bench_kda_decode.py --pool-prefill \
+                          --out "$OUT/kda_pool_prefill_h200.md" ;;
+    # the unbounded gate's Kimi rows against FLA (UNB_ONLY: bench_kda_unbounded.py --only)
+    bench:unbounded) timeout 560 python3 benchmarks/bench_kda_unbounded.py ${UNB_ONLY:+--only "$UNB_ONLY"} \
+                       --out "$OUT/kda_unbounded_h200.md" ;;
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
-          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap)" ;;
+          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap tests:pool tests:decode bench:decode" \
+          "bench:pool-prefill bench:unbounded)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -62,8 +62,8 @@ class Case:
 CASES = [
     Case("T1-fp32-kv-loggate", B=6),
     Case("T1-fp32-vk-loggate-bf16g-bf16beta", B=6, v_first=True, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16),
-    Case("T1-bf16pool-kv-softplus-l2-sigmoid", B=5, gate="softplus", l2norm=True, beta="sigmoid",
-         pool_dtype=torch.bfloat16),
+    Case("T1-bf16pool-kv-softplus-l2-sigmoid-bf16g", B=5, gate="softplus", l2norm=True, beta="sigmoid",
+         pool_dtype=torch.bfloat16, g_dtype=torch.bfloat16),
     Case("T1-bf16pool-vk-safe-l2-negeig", B=5, gate="safe", l2norm=True, beta="sigmoid-neg",
          pool_dtype=torch.bfloat16, v_first=True),
     Case("T3-fp32-vk-safe-noalog-MHA", H=4, HV=4, B=5, T=3, gate="safe-noalog", beta="sigmoid", v_first=True),

@@ -14,30 +14,49 @@ does):
   reductions over K of a token run in one pass over the state.
 
 Design (bandwidth first; only plain loads/stores, shuffles and FMAs, no MMA: the same source runs on SM90, SM100 and
-SM103):
+SM103). Every state access is a 16-byte vector and every warp-wide state access covers whole 128-byte lines (HBM
+and L2 move sector pairs at best: a lone 32-byte sector per line wastes part of each fetch); each element is read
+once and written once per call (per token with ``[N, W]`` indices, whose every token's state is an output). Lane
+``l`` holds 8 K rows × ``cols`` value columns of ``S`` in fp32 registers (32 values with an fp32 pool, 64 with a
+bf16 pool) and sums its rows; the two layouts then reduce over K differently (:meth:`KdaDecode.lane_layout`):
 
-* **CTA = one (sequence, value head, 32-column V block)**, 4 CTAs per head. Each warp owns ``warp_cols`` value
-  columns for all 128 K rows: 8 columns (32 bytes of a K-first fp32 row) with an fp32 pool, 16 (32 bytes) with a bf16
-  pool, so a CTA is 4 (fp32) or 2 (bf16) warps. Both reductions over K stay inside the warp (no shared memory, no
-  barrier): lane ``l`` holds 8 K rows × ``warp_cols / 2`` columns of ``S`` in fp32 registers (32 values fp32 pool,
-  64 bf16 pool), sums its rows, and a 4-step ``shfl.bfly`` all-reduce over the 16 lanes sharing its columns gives
-  every lane ``a``, ``b`` (and ``q·k``, ``Σq²``, ``Σk²``) for its columns.
-* **Every state access is a 16-byte vector**, coalesced into whole 32-byte sectors: K-first (``[K, V]``): a lane
-  holds rows ``8 r .. 8 r + 7`` (``r = l // 2``) and the 16 bytes of columns ``(l % 2) · vec ..``: one instruction of
-  the warp reads 16 rows × 32 contiguous bytes. V-first (``[V, K]``): lane ``r = l % 16`` holds K rows ``4r ..`` and
-  ``64 + 4r ..`` (fp32) or ``8r ..`` (bf16), and columns ``(l // 16) · warp_cols / 2 ..``: one instruction reads 256
-  contiguous bytes of each of two columns. Each element is read once and written once per call (per token with
-  ``[N, W]`` indices, whose every token's state is an output).
+* **V-first** (``[V, K]``, a column's K rows contiguous): CTA = one (sequence, value head, 32-column V block), 4
+  CTAs per head; each warp owns 8 (fp32 pool) or 16 (bf16) columns for all 128 K rows, so a CTA is 4 or 2 warps.
+  The 16 lanes ``r = l % 16`` of a column group (``l // 16``) hold rows ``4 r ..`` and ``64 + 4 r ..`` (fp32) or
+  ``8 r ..`` (bf16): one instruction reads 256 contiguous bytes (two lines) of each of two columns. Both
+  reductions stay in the warp: a 4-step ``shfl.bfly`` all-reduce over those 16 lanes gives every lane ``a``, ``b``
+  (and ``q·k``, ``Σq²``, ``Σk²``) for its columns; no shared memory, no barrier.
+* **K-first** (``[K, V]``, a row's V columns contiguous; FLA's and vLLM's layout): CTA = one (sequence, value head,
+  V block of one 128-byte line per row: 32 fp32 or 64 bf16 columns), 4 (fp32) or 2 (bf16) CTAs per head, 4 warps
+  of 32 K rows each. 8 lanes cover a row's line: lane ``l`` of warp ``w`` holds rows ``32 w + 8 (l // 8) .. + 7``
+  and the 16 bytes at ``(l % 8) · vec`` (columns ``col0 ..``), so instruction ``p`` reads rows ``32 w + 8 r + p``
+  (``r = 0..3``): 4 whole lines. The lane's 8 rows are contiguous, so its q, k (and bf16 g) rows are one 16-byte
+  load each. The reductions over K: the lane's rows, a 2-step ``shfl.bfly`` over the warp's 4 row groups (``kᵀS``,
+  ``qᵀS`` of the lane's columns and ``q·k``), then one shared-memory exchange per token (:meth:`KdaDecode.cta_publish`,
+  :meth:`KdaDecode.cta_gather`): row group 0 of each warp writes its warp's sums, one barrier, every thread adds the
+  4 warps' ``kᵀS`` of its columns in warp order (the same bits in every thread), and warp 0, whose row group 0 holds
+  each column once, adds ``qᵀS`` and ``q·k`` and writes o. The exchange is double-buffered by token parity (2 KB
+  for an fp32 pool, 4 KB for bf16), so one barrier per token suffices for T > 1: a warp writes token ``t + 1``'s
+  sums only after every warp passed token ``t``'s barrier, hence finished reading token ``t - 1``'s from that
+  buffer. With the L2 norm each warp sums ``q²`` and ``k²`` over all 128 rows itself (4 elements per lane, a 5-step
+  all-reduce over the warp), which keeps it off the exchange. Inside the token loop the token index is clamped into
+  ``[0, T)`` (it is already), which keeps the compiler from carrying a strength-reduced pointer and stride per
+  input tensor across iterations (on SM90 at 96 registers: 12 spill instructions instead of 51 in the compile
+  tests' T = 1 fp32 configuration, 25 instead of 37 with per-token slots and the lower-bound gate).
 * **Bytes per step** (T = 1, fp32 pool, HV = 32): ``N · HV · 2 · 64 KB`` of state plus ``≈ 1.3 KB`` of inputs and
   output per (sequence, head): N = 128 moves 537 MB, a floor of 125 us at 4.3 TB/s (bf16 pool: 268 MB, 62 us).
-  Little's law at 4.3 TB/s and ≈ 1 us of loaded DRAM latency wants ≈ 33 KB in flight per SM; a CTA issues all its
-  16 KB (fp32) of state loads at once, and an SM holds 5 such CTAs at 96 registers per thread (bf16 pool: 8 CTAs of
-  8 KB at 128 registers; :data:`MIN_BLOCKS_PER_SM`), so the loads of some CTAs overlap the math and stores of
-  others.
-* **Small N**: 4 CTAs per head fills the machine early: N = 1, HV = 32 is 128 CTAs for 132 SMs (bf16 too: its CTAs
-  are 2 warps). The critical path is the index load, then the state loads (the token's q/k/v/g/β loads are issued
-  before the state's, to overlap them), one all-reduce, and the stores. Later tokens' inputs are loaded one token
-  ahead.
+  Little's law at 4.3 TB/s and ≈ 1 us of loaded DRAM latency wants ≈ 33 KB in flight per SM, more counting the
+  part of a CTA's life spent on its index load, its math and its stores; a CTA issues all its 16 KB (fp32 pool;
+  bf16 V-first: 8 KB) of state loads at once, and an SM holds 5 fp32 CTAs at 96 registers per thread (80 KB), 8
+  bf16 V-first CTAs of 64 threads or 4 bf16 K-first CTAs of 128 threads at 128 registers (64 KB)
+  (:data:`MIN_BLOCKS_PER_SM`, :data:`MIN_BLOCKS_PER_SM_K_FIRST`), so the loads of some CTAs overlap the math and
+  stores of others. K-first CTAs ask for a shared-memory carveout that keeps this occupancy (3-5 KB per CTA with
+  the driver's reserved 1 KB).
+* **Small N**: 4 CTAs per head fills the machine early: N = 1, HV = 32 is 128 CTAs for 132 SMs (bf16 V-first too:
+  its CTAs are 2 warps; bf16 K-first: 64 CTAs of 4 warps, each lane the same 64 values). The critical path is the
+  index load, then the state loads (the token's q/k/v/g/β loads are issued before the state's, to overlap them),
+  the reductions (K-first: plus the exchange and its barrier, ≈ 0.1 us), and the stores. A later token's inputs are
+  loaded at the top of its iteration.
 * Nothing is allocated, nothing is read on the host: every index is read on the device, so a call is
   CUDA-graph-capturable. A start slot outside ``[0, P)`` (negative: padding), a ``num_accepted_tokens[n]`` outside
   ``[1, W]`` or ``W = 0`` make a padding row (nothing read or written, zero outputs); a per-token slot outside
@@ -51,6 +70,7 @@ import dataclasses
 import functools
 
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
+from ..dsl_compat import SmemAllocator
 from .gate import GATE_FORMS, activate_beta, activate_gate
 from .intra import L2NORM_EPS, InKernelGate
 
@@ -65,14 +85,19 @@ except ImportError as exc:
 __all__ = ["KdaDecode", "KdaDecodeConfig", "kda_decode_cutedsl"]
 
 _DTYPES = {"float32": Float32, "bfloat16": BFloat16}
-BLOCK_V = 32  # value columns per CTA: 4 CTAs per head (see the module docstring)
+BLOCK_V = 32  # V-first: value columns per CTA, 4 CTAs per head (see the module docstring)
+LINE_BYTES = 128  # K-first: a CTA's value columns are one 128-byte line of each K row (32 fp32 or 64 bf16 columns)
+K_FIRST_WARPS = 4  # K-first: 32 K rows per warp
 # Register budget (min CTAs per SM, hence registers per thread): the state bytes resident per SM must cover what
 # 4.3 TB/s needs in flight (≈ 33-40 KB per SM at ≈ 1 us of loaded latency), with margin for the CTAs that are in
-# their math or store phase. Unconstrained, ptxas takes ≈ 102 (fp32 pool, 128 threads) and ≈ 134 (bf16 pool, 64
-# threads) registers: 4 fp32 CTAs (64 KB of state) or 7 bf16 CTAs (57 KB) per SM. Capping at 96 registers (fp32: 5
-# CTAs, 80 KB, a handful of spilled values outside the token math) and 128 (bf16: 8 CTAs, 64 KB, no spills) keeps
-# each phase overlapped; 80 registers (6 fp32 CTAs) spilled inside the token math.
+# their math or store phase. V-first: unconstrained, ptxas takes ≈ 102 (fp32 pool, 128 threads) and ≈ 134 (bf16
+# pool, 64 threads) registers: 4 fp32 CTAs (64 KB of state) or 7 bf16 CTAs (57 KB) per SM. Capping at 96 registers
+# (fp32: 5 CTAs, 80 KB, a handful of spilled values outside the token math) and 128 (bf16: 8 CTAs, 64 KB) keeps
+# each phase overlapped; 80 registers (6 fp32 CTAs) spilled inside the token math. K-first: 128 threads either way
+# (16 KB of state per CTA), 96 registers (fp32: 5 CTAs, 80 KB) or 128 (bf16: 4 CTAs, 64 KB).
 MIN_BLOCKS_PER_SM = {"float32": 5, "bfloat16": 8}
+MIN_BLOCKS_PER_SM_K_FIRST = {"float32": 5, "bfloat16": 4}
+WARP_MASKS = (1, 2, 4, 8, 16)  # shfl.bfly masks of an all-reduce over the warp
 NO_GATE = InKernelGate(form="none", has_A_log=False, has_dt_bias=False, beta_sigmoid=False)
 
 
@@ -141,24 +166,46 @@ class KdaDecode:
         self.config = config
         state_bytes = 4 if config.state_dtype == "float32" else 2
         self.vec = 16 // state_bytes  # state elements per 16-byte access
-        self.warp_cols = 32 // state_bytes  # a warp's value columns: 32 bytes of a K-first row (one sector)
-        self.cols = self.warp_cols // 2  # value columns per lane
-        self.num_warps = BLOCK_V // self.warp_cols  # 4 (fp32 pool) or 2 (bf16 pool)
+        if config.state_v_first:
+            self.block_v = BLOCK_V  # a CTA's value columns
+            self.warp_cols = 32 // state_bytes  # a warp's value columns (all 128 K rows of them)
+            self.cols = self.warp_cols // 2  # value columns per lane
+            self.num_warps = BLOCK_V // self.warp_cols  # 4 (fp32 pool) or 2 (bf16 pool)
+            self.min_blocks_per_sm = MIN_BLOCKS_PER_SM[config.state_dtype]
+            # lanes sharing a lane's columns (the reduction over K): the other 16 of its column group
+            self.reduce_masks = (1, 2, 4, 8)
+            self.smem_carveout = 0  # no shared memory
+        else:
+            self.block_v = LINE_BYTES // state_bytes  # 32 (fp32 pool) or 64 (bf16 pool)
+            self.cols = self.vec  # value columns per lane: one 16-byte vector of each of its rows
+            self.num_warps = K_FIRST_WARPS
+            self.min_blocks_per_sm = MIN_BLOCKS_PER_SM_K_FIRST[config.state_dtype]
+            # lanes sharing a lane's columns within its warp: the 4 row groups (l // 8); the warps then exchange
+            # their sums through shared memory
+            self.reduce_masks = (8, 16)
+            # percent of the SM's 228 KB of shared memory: the K-first CTAs need 3-5 KB each (their exchange
+            # buffers and the 1 KB the driver reserves per CTA), ≤ 21 KB per SM at min_blocks_per_sm; 25 % (57 KB,
+            # rounded up to the next carveout the SM has) leaves room to spare, so that shared memory never
+            # limits the CTAs per SM (a carveout of 0 might pick 8 KB: 2 CTAs)
+            self.smem_carveout = 25
         self.num_threads = 32 * self.num_warps
-        self.v_blocks = config.head_dim // BLOCK_V
-        self.min_blocks_per_sm = MIN_BLOCKS_PER_SM[config.state_dtype]
-        # lanes sharing a lane's columns (the reduction over K): the other 16 of its column group
-        self.reduce_masks = (1, 2, 4, 8) if config.state_v_first else (2, 4, 8, 16)
+        self.v_blocks = config.head_dim // self.block_v
+        # K-first L2 norm: each warp sums q², k² over all 128 K rows itself (4 elements per lane), so that no
+        # second exchange between the warps is needed
+        self.warp_norms = config.l2norm and not config.state_v_first
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
         """Layout promises of the twelve tensor arguments of ``__call__``, in order (None: argument absent)."""
         c, gate = self.config, self.config.gate
         index = TensorSpec(Int32, 1)
+        # K-first: a lane's 8 K rows are contiguous, so its q, k (and bf16 g) rows are one 16-byte vector
+        qk_vec = 4 if c.state_v_first else 8
+        g_vec = 8 if not c.state_v_first and gate.g_dtype == "bfloat16" else 4
         return (
-            TensorSpec(BFloat16, 4, 4),  # q [B, T, H, K]: 4-element (8-byte) row pieces
-            TensorSpec(BFloat16, 4, 4),  # k [B, T, H, K]
+            TensorSpec(BFloat16, 4, qk_vec),  # q [B, T, H, K]: 4-element (8-byte) row pieces (K-first: 8, 16 bytes)
+            TensorSpec(BFloat16, 4, qk_vec),  # k [B, T, H, K]
             TensorSpec(BFloat16, 4, 8),  # v [B, T, HV, V]
-            TensorSpec(_DTYPES[gate.g_dtype], 4, 4),  # g [B, T, HV, K]
+            TensorSpec(_DTYPES[gate.g_dtype], 4, g_vec),  # g [B, T, HV, K]: 8- or 16-byte row pieces
             TensorSpec(_DTYPES[gate.beta_dtype], 3),  # beta [B, T, HV]
             TensorSpec(Float32, 1) if gate.has_A_log else None,  # A_log [HV]
             TensorSpec(Float32, 2, 4) if gate.has_dt_bias else None,  # dt_bias [HV, K]
@@ -200,7 +247,7 @@ class KdaDecode:
         self.kernel(
             mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mAccepted, mCuSeqlens, mO, scale, lower_bound,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream,
-                 min_blocks_per_mp=self.min_blocks_per_sm, preferred_smem_carveout=0)
+                 min_blocks_per_mp=self.min_blocks_per_sm, preferred_smem_carveout=self.smem_carveout)
 
     # ------------------------------------------------------------------------------------------------------------
     # Device side
@@ -234,19 +281,17 @@ class KdaDecode:
         h = hv // (HV // c.num_heads)
         warp_idx = tidx // 32
         lane = tidx % 32
-        # this lane's K-row group r and column group (16 lanes each), its first value column and K rows
-        if const_expr(c.state_v_first):
-            r = lane % 16
-            col0 = vb * BLOCK_V + warp_idx * self.warp_cols + (lane // 16) * VC
-            if const_expr(self.vec == 4):  # fp32: rows 4r.. and 64 + 4r.. (each instruction: 256 B per column)
-                bases = (4 * r, 64 + 4 * r)
-            else:  # bf16: rows 8r .. 8r + 7, one 16-byte vector
-                bases = (8 * r, 8 * r + 4)
-        else:
-            r = lane // 2
-            col0 = vb * BLOCK_V + warp_idx * self.warp_cols + (lane % 2) * VC
-            bases = (8 * r, 8 * r + 4)
-        stores_o = r == 0  # one lane per column group writes o
+        r, col0, bases = self.lane_layout(warp_idx, lane, vb)
+        stores_o = self.stores_o(r, tidx)
+        red = None
+        if const_expr(not c.state_v_first):
+            # the exchange of the warps' sums over their K rows, double-buffered by token parity (one barrier per
+            # token: a warp writes token t + 1's sums only after every warp passed token t's barrier, hence read
+            # token t - 1's)
+            smem = SmemAllocator()
+            sRed = smem.allocate_tensor(Float32, self.exchange_layout(), 16)
+            sQk = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 2)), 16)
+            red = (sRed, sQk, warp_idx, lane)
 
         # ---- the sequence: batch row b, first token bos, length tokens (cu_seqlens clamped into [0, T])
         T = mQ.shape[1]
@@ -275,7 +320,7 @@ class KdaDecode:
         if length > 0:
             if slot >= 0:
                 self.run_sequence(mQ, mK, mV, mG, mBeta, mALog, mDtBias, mState, mIdx, mO, scale, lower_bound,
-                                  b, bos, length, n, h, hv, slot, col0, bases, stores_o)
+                                  b, bos, length, n, h, hv, slot, col0, bases, stores_o, red)
             else:
                 rZero = cute.make_rmem_tensor(cute.make_layout(VC), BFloat16)
                 rZero.fill(0.0)
@@ -288,11 +333,12 @@ class KdaDecode:
     def run_sequence(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                      mALog: cute.Tensor | None, mDtBias: cute.Tensor | None, mState: cute.Tensor, mIdx: cute.Tensor,
                      mO: cute.Tensor, scale: Float32, lower_bound: Float32, b: Int32, bos: Int32, length: Int32,
-                     n: Int32, h: Int32, hv: Int32, slot: Int32, col0: Int32, bases: tuple, stores_o):
+                     n: Int32, h: Int32, hv: Int32, slot: Int32, col0: Int32, bases: tuple, stores_o, red):
         """The tokens ``bos .. bos + length - 1`` (``length >= 1``) of one (sequence, head, V block) from pool slot
         ``slot``. Token 0 is peeled so that its inputs are loaded before the state (the two latencies overlap);
         a later token's inputs are loaded at the top of its iteration (a register prefetch of the next token would
-        cost ≈ 19 registers across the whole loop, half the occupancy the bandwidth needs at T = 1)."""
+        cost ≈ 19 registers across the whole loop, half the occupancy the bandwidth needs at T = 1). ``red``:
+        K-first, the warps' exchange (shared memory, warp and lane: :meth:`cta_publish`); None in V-first."""
         c = self.config
         VC, VEC = self.cols, self.vec
         state_type = _DTYPES[c.state_dtype]
@@ -303,7 +349,10 @@ class KdaDecode:
             cute.make_rmem_tensor(cute.make_layout(VC), BFloat16),  # v: the lane's columns
             cute.make_rmem_tensor(cute.make_layout(1), mBeta.element_type),  # beta
         )
-        self.load_token(mQ, mK, mV, mG, mBeta, frags, b, bos, h, hv, col0, bases)
+        if const_expr(self.warp_norms):  # q and k elements 4 l .. 4 l + 3 (the warp's view of all 128)
+            frags = frags + (cute.make_rmem_tensor(cute.make_layout(4), BFloat16),
+                             cute.make_rmem_tensor(cute.make_layout(4), BFloat16))
+        self.load_token(mQ, mK, mV, mG, mBeta, frags, b, bos, h, hv, col0, bases, red)
 
         # ---- the start state: 8 16-byte vectors per lane, issued right after token 0's inputs
         s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), state_type, num_bits_per_copy=128)
@@ -328,11 +377,14 @@ class KdaDecode:
         consts = (a_scale, rBias, scale, lower_bound)
 
         self.token_step(mState, mIdx, mO, frags, rS, rRaw, s_atom, consts, b, bos, Int32(0), n, hv, col0, bases,
-                        stores_o)
+                        stores_o, red)
         for t in cutlass.range(1, length, unroll=1):
-            self.load_token(mQ, mK, mV, mG, mBeta, frags, b, bos + t, h, hv, col0, bases)
-            self.token_step(mState, mIdx, mO, frags, rS, rRaw, s_atom, consts, b, bos + t, t, n, hv, col0, bases,
-                            stores_o)
+            tok = bos + t
+            if const_expr(red is not None):
+                tok = cutlass.min(tok, mQ.shape[1] - 1)
+            self.load_token(mQ, mK, mV, mG, mBeta, frags, b, tok, h, hv, col0, bases, red)
+            self.token_step(mState, mIdx, mO, frags, rS, rRaw, s_atom, consts, b, tok, t, n, hv, col0, bases,
+                            stores_o, red)
 
         if const_expr(not c.per_token_slots):  # back to the start slot
             self.store_state(head, rS, rRaw, s_atom, col0, bases)
@@ -340,12 +392,12 @@ class KdaDecode:
     @cute.jit
     def token_step(self, mState: cute.Tensor, mIdx: cute.Tensor, mO: cute.Tensor, frags: tuple, rS: cute.Tensor,
                    rRaw: cute.Tensor, s_atom, consts: tuple, b: Int32, tok: Int32, t: Int32, n: Int32, hv: Int32,
-                   col0: Int32, bases: tuple, stores_o):
+                   col0: Int32, bases: tuple, stores_o, red):
         """One token (its inputs in ``frags``) applied to the lane's fp32 state ``rS``; writes o (and, with per-token
         slots, the state after the token)."""
         c, gate = self.config, self.config.gate
         VC, VEC = self.cols, self.vec
-        rQ, rK, rG, rV, rB = frags
+        rQ, rK, rG, rV, rB = frags[:5]
         a_scale, rBias, scale, lower_bound = consts
         step_slot = Int32(-1)
         if const_expr(c.per_token_slots):  # the state after this token goes to state_indices[n, t] (if in the pool)
@@ -354,16 +406,26 @@ class KdaDecode:
 
         q = rQ.load().to(Float32)
         k = rK.load().to(Float32)
-        if const_expr(c.l2norm):  # fp32 sums of squares over the 16 lanes of the column group; bf16 result
+        if const_expr(c.l2norm and not self.warp_norms):  # fp32 sums of squares over the 16 lanes of the column
+            # group; bf16 result
             sums_sq = self.lane_sum([(q * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
                                      (k * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)])
+            q = (q * cute.math.rsqrt(sums_sq[0] + L2NORM_EPS)).to(BFloat16).to(Float32)
+            k = (k * cute.math.rsqrt(sums_sq[1] + L2NORM_EPS)).to(BFloat16).to(Float32)
+        if const_expr(self.warp_norms):  # K-first: from the warp's view of q and k (4 elements per lane), summed
+            # over the warp; every warp gets the same bits, so every lane holding a row rounds it alike
+            qw = frags[5].load().to(Float32)
+            kw = frags[6].load().to(Float32)
+            sums_sq = self.lane_sum([(qw * qw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                                     (kw * kw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)], WARP_MASKS)
             q = (q * cute.math.rsqrt(sums_sq[0] + L2NORM_EPS)).to(BFloat16).to(Float32)
             k = (k * cute.math.rsqrt(sums_sq[1] + L2NORM_EPS)).to(BFloat16).to(Float32)
         rQf = cute.make_rmem_tensor(cute.make_layout((4, 2)), Float32)
         rKf = cute.make_rmem_tensor(cute.make_layout((4, 2)), Float32)
         rQf.store(q)
         rKf.store(k)
-        qk = self.lane_sum([(q * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)])[0]
+        if const_expr(red is None):
+            qk = self.lane_sum([(q * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)])[0]
         beta = activate_beta(rB[0].to(Float32), gate.beta_sigmoid, gate.allow_neg_eigval)
 
         # S <- diag(α) S over the lane's 8 K rows (α = exp of the log-gate or of its in-kernel activation)
@@ -379,14 +441,20 @@ class KdaDecode:
                     if const_expr(self.element(e, p)[0] == i):
                         rS[e, p] = alpha * rS[e, p]
 
-        # kᵀS and qᵀS of the decayed state: the lane's rows, then the 16 lanes of its column group
+        # kᵀS and qᵀS of the decayed state: the lane's rows, then (V-first) the 16 lanes of its column group or
+        # (K-first) the warp's 4 row groups and the 4 warps
         part = [Float32(0.0)] * (2 * VC)
         for p in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(VEC):
                 i, j = self.element(e, p)
                 part[j] = part[j] + rKf[i % 4, i // 4] * rS[e, p]
                 part[VC + j] = part[VC + j] + rQf[i % 4, i // 4] * rS[e, p]
-        sums = self.lane_sum(part)
+        if const_expr(red is None):
+            sums = self.lane_sum(part)
+        else:  # K-first: the warp's 32 rows (with q·k), then the 4 warps' sums through shared memory
+            buf = t % 2
+            self.cta_publish(red, buf, self.lane_sum(part + [(q * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)]))
+            sums = self.cta_gather(red, buf, 0)
 
         # v' = β (v - kᵀS);  S += k v'ᵀ;  o = scale (qᵀS + (q·k) v'), the read of the updated state
         vnew = [beta * (rV[j].to(Float32) - sums[j]) for j in range(VC)]
@@ -394,12 +462,12 @@ class KdaDecode:
             for e in cutlass.range_constexpr(VEC):
                 i, j = self.element(e, p)
                 rS[e, p] = rS[e, p] + rKf[i % 4, i // 4] * vnew[j]
-        rO = cute.make_rmem_tensor(cute.make_layout(VC), BFloat16)
-        for j in cutlass.range_constexpr(VC):
-            rO[j] = (scale * (sums[VC + j] + qk * vnew[j])).to(BFloat16)
-        if stores_o:
-            o_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * VC)
-            cute.copy(o_atom, rO, cute.local_tile(mO[b, tok, hv, None], (VC,), (col0 // VC,)))
+        if const_expr(red is None):
+            self.store_output(mO, sums[VC:], qk, vnew, scale, b, tok, hv, col0, stores_o)
+        else:  # K-first: warp 0 (its row group 0 holds each column once) gathers qᵀS and q·k and writes o
+            if red[2] == 0:
+                self.store_output(mO, self.cta_gather(red, buf, 1), self.cta_gather(red, buf, 2)[0], vnew, scale, b,
+                                  tok, hv, col0, stores_o)
 
         if const_expr(c.per_token_slots):
             if cutlass.min(step_slot, mState.shape[0] - 1 - step_slot) >= 0:
@@ -407,20 +475,141 @@ class KdaDecode:
 
     @cute.jit
     def load_token(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-                   frags: tuple, b: Int32, tok: Int32, h: Int32, hv: Int32, col0: Int32, bases: tuple):
-        """Issue the loads of token ``tok``'s q, k, g (the lane's 8 K rows), v (its columns) and β into ``frags``."""
+                   frags: tuple, b: Int32, tok: Int32, h: Int32, hv: Int32, col0: Int32, bases: tuple, red):
+        """Issue the loads of token ``tok``'s q, k, g (the lane's 8 K rows), v (its columns) and β into ``frags``
+        (K-first with the L2 norm: also the warp's view of q and k)."""
         qk_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=64)
         g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mG.element_type,
                                      num_bits_per_copy=4 * mG.element_type.width)
         v_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * self.cols)
-        rQ, rK, rG, rV, rB = frags
-        for p in cutlass.range_constexpr(2):
-            piece = (bases[p] // 4,)
-            cute.copy(qk_atom, cute.local_tile(mQ[b, tok, h, None], (4,), piece), rQ[None, p])
-            cute.copy(qk_atom, cute.local_tile(mK[b, tok, h, None], (4,), piece), rK[None, p])
-            cute.copy(g_atom, cute.local_tile(mG[b, tok, hv, None], (4,), piece), rG[None, p])
+        rQ, rK, rG, rV, rB = frags[:5]
+        if const_expr(self.config.state_v_first):
+            for p in cutlass.range_constexpr(2):
+                piece = (bases[p] // 4,)
+                cute.copy(qk_atom, cute.local_tile(mQ[b, tok, h, None], (4,), piece), rQ[None, p])
+                cute.copy(qk_atom, cute.local_tile(mK[b, tok, h, None], (4,), piece), rK[None, p])
+                cute.copy(g_atom, cute.local_tile(mG[b, tok, hv, None], (4,), piece), rG[None, p])
+        else:  # rows bases[0] .. bases[0] + 7 are contiguous: one 16-byte vector of q, of k, of bf16 g (fp32 g: two)
+            row_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+            piece = (bases[0] // 8,)
+            cute.copy(row_atom, cute.local_tile(mQ[b, tok, h, None], (8,), piece), self.flat(rQ))
+            cute.copy(row_atom, cute.local_tile(mK[b, tok, h, None], (8,), piece), self.flat(rK))
+            if const_expr(mG.element_type.width == 16):
+                cute.copy(row_atom, cute.local_tile(mG[b, tok, hv, None], (8,), piece), self.flat(rG))
+            else:
+                for p in cutlass.range_constexpr(2):
+                    cute.copy(g_atom, cute.local_tile(mG[b, tok, hv, None], (4,), (bases[p] // 4,)), rG[None, p])
+            if const_expr(self.warp_norms):
+                lane = red[3]
+                cute.copy(qk_atom, cute.local_tile(mQ[b, tok, h, None], (4,), (lane,)), frags[5])
+                cute.copy(qk_atom, cute.local_tile(mK[b, tok, h, None], (4,), (lane,)), frags[6])
         cute.copy(v_atom, cute.local_tile(mV[b, tok, hv, None], (self.cols,), (col0 // self.cols,)), rV)
         rB[0] = mBeta[b, tok, hv]
+
+    def lane_layout(self, warp_idx, lane, vb) -> tuple:
+        """``(r, col0, bases)`` of a lane: its K-row group ``r``, its first value column ``col0`` (its columns are
+        ``col0 .. col0 + cols - 1``) and the K rows of its row index ``i`` (0..7), ``bases[i // 4] + i % 4``.
+        Plain arithmetic: the kernel calls it on device values, the tests on Python ints.
+
+        V-first: the 16 lanes ``r = l % 16`` of each column group (``l // 16``) hold rows ``4 r ..`` and
+        ``64 + 4 r ..`` (fp32) or ``8 r ..`` (bf16): each instruction reads 256 contiguous bytes of each of two
+        columns. K-first: 8 lanes per 128-byte line, lane ``l`` of warp ``w`` holds rows ``32 w + 8 (l // 8) ..
+        + 7`` and the 16 bytes at ``(l % 8) · vec`` of the CTA's line of each: instruction ``p`` reads rows
+        ``32 w + 8 r + p`` (r = 0..3), four whole lines."""
+        VC = self.cols
+        if self.config.state_v_first:
+            r = lane % 16
+            col0 = vb * BLOCK_V + warp_idx * self.warp_cols + (lane // 16) * VC
+            if self.vec == 4:  # fp32: rows 4r.. and 64 + 4r.. (each instruction: 256 B per column)
+                bases = (4 * r, 64 + 4 * r)
+            else:  # bf16: rows 8r .. 8r + 7, one 16-byte vector
+                bases = (8 * r, 8 * r + 4)
+        else:
+            r = lane // 8
+            col0 = vb * self.block_v + (lane % 8) * VC
+            row0 = 32 * warp_idx + 8 * r
+            bases = (row0, row0 + 4)
+        return r, col0, bases
+
+    def stores_o(self, r, tidx):
+        """Whether thread ``tidx`` (row group ``r``) writes o: one lane per column. V-first: row group 0 of each
+        column group; K-first: warp 0's row group 0 (threads 0..7: every warp holds every column)."""
+        if self.config.state_v_first:
+            return r == 0
+        return tidx < 8
+
+    @staticmethod
+    def flat(frag: cute.Tensor) -> cute.Tensor:
+        """A register fragment as one flat mode (a (4, 2) row fragment as its 8 rows in order)."""
+        return cute.make_tensor(frag.iterator, cute.make_layout(cute.size(frag)))
+
+    def exchange_shape_stride(self) -> tuple:
+        """K-first: shape and strides (fp32 elements) of the warps' column sums in shared memory, modes ``(e, m, c,
+        half, w, buf)``: element ``4 m + e`` of column group ``c``'s ``kᵀS`` (half 0) or ``qᵀS`` (half 1) of warp
+        ``w`` in buffer ``buf``, so that piece ``m`` of the 8 column groups is 128 contiguous bytes (one
+        wavefront per warp access)."""
+        VC, NW = self.cols, self.num_warps
+        return (4, VC // 4, 8, 2, NW, 2), (1, 32, 4, 8 * VC, 16 * VC, 16 * VC * NW)
+
+    def exchange_layout(self):
+        """The layout of :meth:`exchange_shape_stride`."""
+        shape, stride = self.exchange_shape_stride()
+        return cute.make_layout(shape, stride=stride)
+
+    @cute.jit
+    def cta_publish(self, red: tuple, buf: Int32, sums: list):
+        """K-first: row group 0 of each warp writes its warp's ``sums`` (the lane's ``cols`` sums of ``kᵀS``, then of
+        ``qᵀS``, then q·k, each over the warp's 32 rows, as :meth:`lane_sum` leaves them) into buffer ``buf`` of
+        the exchange; then the CTA's barrier."""
+        VC = self.cols
+        sRed, sQk, warp_idx, lane = red
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        rOut = cute.make_rmem_tensor(cute.make_layout((4, VC // 4, 2)), Float32)
+        for x in cutlass.range_constexpr(2 * VC):
+            rOut[x % 4, (x % VC) // 4, x // VC] = sums[x]
+        if lane < 8:
+            for half in cutlass.range_constexpr(2):
+                for m in cutlass.range_constexpr(VC // 4):
+                    cute.copy(atom, rOut[None, m, half], sRed[None, m, lane, half, warp_idx, buf])
+            if lane == 0:
+                sQk[warp_idx, buf] = sums[2 * VC]
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def cta_gather(self, red: tuple, buf: Int32, half: cutlass.Constexpr) -> list:
+        """K-first, after :meth:`cta_publish`: the CTA's sums over all 128 K rows, added in warp order (every thread
+        gets the same bits) from buffer ``buf``: ``kᵀS`` (``half`` 0) or ``qᵀS`` (1) of the lane's columns, or
+        ``[q·k]`` (2)."""
+        VC, NW = self.cols, self.num_warps
+        sRed, sQk, warp_idx, lane = red
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        if const_expr(half == 2):
+            rQk = cute.make_rmem_tensor(cute.make_layout(NW), Float32)
+            cute.copy(atom, sQk[None, buf], rQk)
+            qk = rQk[0]
+            for w in cutlass.range_constexpr(1, NW):
+                qk = qk + rQk[w]
+            return [qk]
+        sums = [None] * VC
+        for w in cutlass.range_constexpr(NW):
+            rIn = cute.make_rmem_tensor(cute.make_layout((4, VC // 4)), Float32)
+            for m in cutlass.range_constexpr(VC // 4):
+                cute.copy(atom, sRed[None, m, lane % 8, half, w, buf], rIn[None, m])
+            for j in cutlass.range_constexpr(VC):
+                sums[j] = rIn[j % 4, j // 4] if w == 0 else sums[j] + rIn[j % 4, j // 4]
+        return sums
+
+    @cute.jit
+    def store_output(self, mO: cute.Tensor, q_sums: list, qk: Float32, vnew: list, scale: Float32, b: Int32,
+                     tok: Int32, hv: Int32, col0: Int32, stores_o):
+        """o of the lane's columns, ``scale (qᵀS + (q·k) v')`` rounded to bf16, written by the ``stores_o`` lanes."""
+        VC = self.cols
+        rO = cute.make_rmem_tensor(cute.make_layout(VC), BFloat16)
+        for j in cutlass.range_constexpr(VC):
+            rO[j] = (scale * (q_sums[j] + qk * vnew[j])).to(BFloat16)
+        if stores_o:
+            o_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=16 * VC)
+            cute.copy(o_atom, rO, cute.local_tile(mO[b, tok, hv, None], (VC,), (col0 // VC,)))
 
     def element(self, e: int, p: int) -> tuple[int, int]:
         """(K row index among the lane's 8, column among its ``cols``) of state vector ``p``'s element ``e``."""
@@ -457,11 +646,11 @@ class KdaDecode:
         for p in cutlass.range_constexpr(8):
             cute.copy(s_atom, rRaw[None, p], self.state_vector(head, p, col0, bases))
 
-    def lane_sum(self, values: list) -> list:
-        """Each value summed over the 16 lanes sharing this lane's columns (``shfl.bfly`` all-reduce: every lane
-        gets the same bits, as fp32 addition is commutative)."""
+    def lane_sum(self, values: list, masks: tuple | None = None) -> list:
+        """Each value summed over the lanes sharing this lane's columns (``shfl.bfly`` all-reduce over
+        ``reduce_masks``, or ``masks``: every lane gets the same bits, as fp32 addition is commutative)."""
         out = list(values)
-        for mask in self.reduce_masks:
+        for mask in self.reduce_masks if masks is None else masks:
             out = [x + cute.arch.shuffle_sync_bfly(x, offset=mask) for x in out]
         return out
 
