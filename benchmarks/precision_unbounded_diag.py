@@ -23,6 +23,11 @@ scores), three forms of the scores:
   Aqk as the fp32 dot product q_i·k_i. Exact in exponent range for every gate g <= 0; on the tensor cores the four
   levels pack into two 16 x 16 x K products per block (levels 3 and 2 in one, 1 and 0 in the other: every token has
   one role per level).
+- "levels-f16" (the sm90 form "unbounded" with the q/k L2 norm in kernel): "levels" with the normalised q, k rounded
+  to fp16 instead of bf16 (for the whole chunk: the kernel keeps them in fp16 tiles) and every score product in fp16
+  (fp16 MMAs): each diagonal operand and each row operand below the diagonal the fp16 product of the fp16 q or k and
+  the fp16-rounded fp32 factor, fp16(x fp16(e^{...})); each column operand below the diagonal fp16(k e^{..} e^{..})
+  (its two factors multiplied in fp32); the stores bf16 as in "levels". Without the norm in kernel it is "levels".
 
 Reported: each form's rel-L2 error of o and the final state against the fp64 recurrence, and whether any output is
 not finite. fp32 matmuls on the CPU sum in another order than the tensor cores: compare forms with each other.
@@ -39,12 +44,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.precision_split_wu import bf, emulate, pairwise_scores, write_report  # noqa: E402
+from benchmarks.precision_split_wu import CHUNK, bf, chunk_step, emulate, pairwise_scores, write_report  # noqa: E402
+from cula_runtime.reference.preprocess import expand_qk_heads, prepare_kda_inputs  # noqa: E402
 from tests.helpers import rel_l2  # noqa: E402
 from tests.kda_cases import CASES, UNBOUNDED_CASES, make_inputs, oracle  # noqa: E402
 
 SUB = 16
-FORMS = ("pairwise", "anchored", "levels")
+FORMS = ("pairwise", "anchored", "levels", "levels-f16")
+
+
+def half(x: torch.Tensor) -> torch.Tensor:
+    """Round to fp16 and back (subnormals kept, as the fp16 arithmetic of the tensor cores and HFMA2 keeps them)."""
+    return x.to(torch.float16).float()
 
 
 def _blocks(q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, diagonal) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +68,14 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, diagonal) -> tu
     gp = torch.cat([gam, gam[:, -1:].expand(HV, P - L, K)], dim=1)  # past the end: Γ stays at Γ_last
     qk, kk = q.new_zeros(HV, P, P), q.new_zeros(HV, P, P)
     starts = list(range(0, P, SUB))
+    f16 = diagonal == "levels-f16"
     for block, n in enumerate(starts):
         rows = slice(n, n + SUB)
         row_factor = torch.exp(gp[:, rows] - gp[:, n:n + 1])  # e^{Γi - Γn_I} <= 1
-        rq, rk = bf(qp[:, rows] * row_factor), bf(kp[:, rows] * row_factor)
+        if f16:
+            rq, rk = half(qp[:, rows] * half(row_factor)), half(kp[:, rows] * half(row_factor))
+        else:
+            rq, rk = bf(qp[:, rows] * row_factor), bf(kp[:, rows] * row_factor)
         for J in range(block):
             m = starts[J]
             cols = slice(m, m + SUB)
@@ -70,7 +85,7 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, gam: torch.Tensor, diagonal) -> tu
                 nxt = m + SUB
                 col = (kp[:, cols] * torch.exp(gp[:, nxt:nxt + 1] - gp[:, cols])
                        * torch.exp(gp[:, n:n + 1] - gp[:, nxt:nxt + 1]))
-            col = bf(col)
+            col = half(col) if f16 else bf(col)
             qk[:, rows, cols] = rq @ col.transpose(1, 2)
             kk[:, rows, cols] = rk @ col.transpose(1, 2)
         dq, dk = _diagonal_block(diagonal, qp[:, rows], kp[:, rows], gp[:, rows], rq, rk)
@@ -85,6 +100,7 @@ def _diagonal_block(form: str, q: torch.Tensor, k: torch.Tensor, gam: torch.Tens
     if form == "anchored":
         col = bf(k * torch.exp(gam[:, :1] - gam))  # e^{Γn - Γj}: >= 1, overflows for unbounded gates
         return rq @ col.transpose(1, 2), rk @ col.transpose(1, 2)
+    operand = (lambda x, f: half(x * half(f))) if form == "levels-f16" else (lambda x, f: bf(x * f))
     HV, n, K = q.shape
     idx = torch.arange(n)
     qk, kk = q.new_zeros(HV, n, n), q.new_zeros(HV, n, n)
@@ -94,7 +110,7 @@ def _diagonal_block(form: str, q: torch.Tensor, k: torch.Tensor, gam: torch.Tens
         anchor = torch.where(is_row, idx & ~(bit - 1), (idx | bit) & ~(bit - 1))  # (for a row, its bits < b cleared)
         g_anchor = gam[:, anchor]
         factor = torch.exp(torch.where(is_row[None, :, None], gam - g_anchor, g_anchor - gam))  # <= 1 both ways
-        row_q, row_k, col = bf(q * factor), bf(k * factor), bf(k * factor)
+        row_q, row_k, col = operand(q, factor), operand(k, factor), operand(k, factor)
         pair = (is_row[:, None] & ~is_row[None, :]) & ((idx[:, None] >> (b + 1)) == (idx[None, :] >> (b + 1)))
         qk = qk + torch.where(pair, row_q @ col.transpose(1, 2), 0.0)
         kk = kk + torch.where(pair, row_k @ col.transpose(1, 2), 0.0)
@@ -109,6 +125,39 @@ def scores_of(form: str):
     return lambda q, k, gam: _blocks(q, k, gam, form)
 
 
+def emulate_half_qk(kwargs: dict, scores) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~benchmarks.precision_split_wu.emulate` ("fla" recipe) with the normalised q, k rounded to fp16 instead
+    of bf16 (the sm90 form "unbounded" with the norm in kernel)."""
+    q, k, g, beta = prepare_kda_inputs(
+        kwargs["q"], kwargs["k"], kwargs["g"], kwargs["beta"], dtype=torch.float32,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=kwargs["use_gate_in_kernel"],
+        use_beta_sigmoid_in_kernel=kwargs["use_beta_sigmoid_in_kernel"], lower_bound=kwargs.get("lower_bound"),
+        A_log=kwargs.get("A_log"), dt_bias=kwargs.get("dt_bias"))
+    q, k = half(q), half(k)
+    v = kwargs["v"].float()
+    B, T, HV, V = v.shape
+    q, k = expand_qk_heads(q, HV), expand_qk_heads(k, HV)
+    K = q.shape[-1]
+    scale = kwargs["scale"] if kwargs["scale"] is not None else K ** -0.5
+    cu = kwargs.get("cu_seqlens")
+    spans = [(b, 0, T) for b in range(B)] if cu is None else [(0, a, e) for a, e in zip(cu[:-1].tolist(),
+                                                                                          cu[1:].tolist(), strict=True)]
+    h0 = kwargs.get("initial_state")
+    o = torch.zeros(B, T, HV, V)
+    states = []
+    for n, (b, start, end) in enumerate(spans):
+        S = torch.zeros(HV, K, V) if h0 is None else h0[n].float()
+        if h0 is not None and kwargs["state_v_first"]:
+            S = S.transpose(-1, -2)
+        for c0 in range(start, end, CHUNK):
+            sl = (b, slice(c0, min(c0 + CHUNK, end)))
+            o_c, S = chunk_step("fla", S, q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
+                                g[sl].transpose(0, 1), beta[sl].transpose(0, 1), scale, scores)
+            o[b, sl[1]] = o_c.transpose(0, 1)
+        states.append(S)
+    return o, torch.stack(states)
+
+
 def measure(case) -> dict[str, tuple[float, float, bool]]:
     """form -> (o error, final-state error, every output finite) on ``case`` against the fp64 oracle."""
     kwargs = make_inputs(case, "cpu", seed=0)
@@ -117,7 +166,10 @@ def measure(case) -> dict[str, tuple[float, float, bool]]:
         ht_ref = ht_ref.transpose(-1, -2)
     out = {}
     for form in FORMS:
-        o, ht = emulate(kwargs, "fla", scores_of(form))
+        if form == "levels-f16" and kwargs["use_qk_l2norm_in_kernel"]:
+            o, ht = emulate_half_qk(kwargs, scores_of(form))
+        else:
+            o, ht = emulate(kwargs, "fla", scores_of("levels" if form == "levels-f16" else form))
         finite = bool(torch.isfinite(o).all() and torch.isfinite(ht).all())
         out[form] = (rel_l2(o, o_ref) if finite else math.inf,
                      (rel_l2(ht, ht_ref) if finite else math.inf) if ht_ref is not None else 0.0, finite)
@@ -130,9 +182,11 @@ def main() -> None:
     parser.add_argument("--safe", type=int, default=6, help="how many of the safe-gate cases to run beside them")
     opts = parser.parse_args()
     torch.manual_seed(0)
-    lines = ["| case | gate | " + " | ".join(f"{f}: o, state" for f in FORMS) + " | levels / pairwise: o, state |",
-             "|---|---|" + "---|" * (len(FORMS) + 1)]
+    lines = ["| case | gate | " + " | ".join(f"{f}: o, state" for f in FORMS)
+             + " | levels / pairwise: o, state | levels-f16 / pairwise: o, state |",
+             "|---|---|" + "---|" * (len(FORMS) + 2)]
     worst = [0.0, 0.0]
+    worst_half = [0.0, 0.0]
     for case in [*UNBOUNDED_CASES, *CASES[: opts.safe]]:
         errs = measure(case)
         cells = [f"{o:.3e}, {h:.3e}" if ok else "not finite" for o, h, ok in (errs[f] for f in FORMS)]
@@ -140,9 +194,14 @@ def main() -> None:
         lo, lh, _ = errs["levels"]
         ratio = (lo / po, lh / ph if ph else 0.0)
         worst = [max(worst[0], ratio[0]), max(worst[1], ratio[1])]
-        lines.append(f"| {case.name} | {case.gate} | " + " | ".join(cells) + f" | {ratio[0]:.3f}, {ratio[1]:.3f} |")
+        ho, hh, _ = errs["levels-f16"]
+        ratio_half = (ho / po, hh / ph if ph else 0.0)
+        worst_half = [max(worst_half[0], ratio_half[0]), max(worst_half[1], ratio_half[1])]
+        lines.append(f"| {case.name} | {case.gate} | " + " | ".join(cells) + f" | {ratio[0]:.3f}, {ratio[1]:.3f} | "
+                     f"{ratio_half[0]:.3f}, {ratio_half[1]:.3f} |")
         print(lines[-1], flush=True)
-    summary = (f"\nWorst levels/pairwise error ratio: o {worst[0]:.3f}x, final state {worst[1]:.3f}x (the bar against "
+    summary = (f"\nWorst levels/pairwise error ratio: o {worst[0]:.3f}x, final state {worst[1]:.3f}x; "
+               f"levels-f16/pairwise: o {worst_half[0]:.3f}x, final state {worst_half[1]:.3f}x (the bar against "
                "FLA's own error is 1.25x).")
     print(summary)
     if opts.out:

@@ -245,123 +245,280 @@ __device__ __forceinline__ bool band_live(int band, int bands) {
 //   * the column factor b = 2^{Γ2[16J+15] - Γ2} (<= 1: the key sub-chunk's last row as anchor) in place of
 //     2^{Γ2[16J] - Γ2} (>= 1), with the tables E = 2^{Γ2[L-1] - Γ2[16J+15]} and D = 2^{Γ2[16I] - Γ2[16J+15]} (both
 //     <= 1): kg and the off-diagonal column operands are the same products of factors <= 1;
-//   * q and k are L2-normalised in place before 2d (2a then reads them normalised), and the in-kernel gate may be
-//     the softplus form (KdaIntraParams::gate_softplus).
+//   * with the L2 norm in the kernel, q and k are normalised in place before 2d and rounded to fp16 there (not bf16:
+//     2d and 2a read them so, every later use included), and every score product runs in fp16 (2d's, and phase 3's
+//     below the diagonal: its operands q·a, k·a and k·b·D all <= 1 in magnitude); the in-kernel gate may be the
+//     softplus form (KdaIntraParams::gate_softplus); the Γ2 tile is swizzled (gam_col).
 // Rows, kg, qg and the right-hand sides were already safe for any gate. 8 KiB more shared memory and two barriers.
 constexpr int kTunedUnbounded = 4096;
 template <int kTuned>
 __device__ __forceinline__ constexpr bool unbounded_form() {
   return (kTuned & kTunedUnbounded) != 0;
 }
+// The "unbounded" form's Γ2 tile is swizzled: channel c of row r lives at column c ^ 16 gam_key(r) (the two 64-byte
+// halves of each 128-byte bank row swapped in rows with key 1). Phase 2d's lanes g = 2q and 2q + 1 (one quarter-warp
+// of a 16-byte load) read two different rows at the same channels; every pair of rows its slot tables put there
+// differs in bit 0 or bit 1 (not both), hence in the key, so the two land in different banks (a quarter-warp load of
+// two rows is one wavefront, not two). The rows the other phases read whole are unaffected (their chunks permuted
+// within a row); rows 16J, 16J + 15 (and 8, 4, 12: 2d's anchors) have key 0.
+// Whether the "unbounded" form's products below the diagonal run in fp16 (with the L2 norm in the kernel: phase 2a's
+// row operands, phase 2b's column operands and phase 3's MMAs), as a type.
+template <bool kHalf>
+struct HalfOps {
+  static constexpr bool value = kHalf;
+};
+__device__ __forceinline__ int gam_key(int row) { return (row ^ (row >> 1)) & 1; }
+template <int kTuned>
+__device__ __forceinline__ int gam_col(int row, int c) {
+  if constexpr (unbounded_form<kTuned>()) {
+    return c ^ (gam_key(row) << 4);
+  } else {
+    return c;
+  }
+}
 
 // ---- Phase 2d ("unbounded" only): the diagonal blocks by levels. In diagonal block I (local token indices 0..15) a
-// pair i > j whose indices first differ in bit b is anchored at m = i with the bits below b cleared (j < m <= i):
-// q_i k_j 2^{Γi-Γj} = [q_i 2^{Γi-Γm}] [k_j 2^{Γm-Γj}], both factors <= 1, so nothing overflows and a flush to zero
-// only drops a product below 2^-126. At level b each token has one role: a row (bit b set) or a column, with the
-// anchor ((l >> b) | 1) << b. Two levels share one 16x16 MMA product through "slots" (the A operand's rows, the B
-// operand's columns), P = 0 for levels 3 and 2, P = 1 for levels 1 and 0; of each product's 256 outputs 96 (P = 0) or
-// 24 (P = 1) are pairs, every strict pair exactly once over the two. The slots' (token, anchor):
-__device__ __forceinline__ void level_row_slot(int P, int r, int& tok, int& anc) {
-  if (P == 0) {  // rows 0-3: tokens 12-15 at level 2 (anchor 12); 4-7: level 2 (anchor 4); 8-15: level 3 (anchor 8)
-    tok = r < 4 ? 12 + r : r;
-    anc = r < 4 ? 12 : (r < 8 ? 4 : 8);
-  } else {  // bit 1 set: level 1 (anchor r & ~1); else level 0 (factor 1): odd r itself, even r for token r + 3
-    tok = (r & 3) == 0 ? r + 3 : r;
-    anc = (r & 2) != 0 ? (r & ~1) : tok;
+// pair i > j whose indices first differ in bit b ("level" b) is anchored at an m with j <= m <= i:
+// q_i k_j 2^{Γi-Γj} = [q_i 2^{Γi-Γm}] [k_j 2^{Γm-Γj}], both factors <= 1, so nothing overflows. Levels 3-1 take for m
+// i with the bits below b cleared (the first of the pair's upper half), level 0 takes j. At level b each token has
+// one role, a row (bit b set) or a column, its factor against its group's anchor. Two levels share one 16x16 MMA
+// product through "slots" (the A operand's rows, the B operand's columns): product P = 0 holds levels 3 and 2, P = 1
+// levels 1 and 0; of its 256 outputs 96 (P = 0) or 24 (P = 1) are pairs, every strict pair of the block exactly once
+// over the two. Lane (g = lane >> 2, t) holds A rows g ("R1") and g + 8 ("R2"), and column g of B's n-tiles 0 ("C1")
+// and 1 ("C2"); the slots' local (token, anchor), with h = g >> 2 and pi = 2 (g & 3) + h:
+//   P = 0:  R1 (4 + g + 4h, 4 + 8h) level 2        R2 (8 + pi, 8) level 3
+//           C1 (pi, 8) level 3                      C2 (g + 4h, 4 + 8h) level 2
+//   P = 1:  R1 (2g + 1, 2g) level 0                 R2 (4(g>>1) + 2 + (g&1), 4(g>>1) + 2) level 1
+//           C1 (2g, itself) level 0: factor 1       C2 (4(g>>1) + (g&1), 4(g>>1) + 2) level 1
+// (level 0's factor on its row: an unscaled B operand is the 8 bytes of one load, where an unscaled A operand would
+// need moves); so R1 and C2 of P = 0 share their anchor, as do R2 and C1 (8), and R2 and C2 of P = 1. The pairs
+// (diagonal_product's epilogue): P = 0: n-tile 0 rows 8..15 (level 3, all 64 outputs) and n-tile 1 rows 0..7 where
+// t >> 1 == h (level 2); P = 1: the lanes with t == g >> 1, n-tile 0 output (g, g) (level 0) and n-tile 1 rows g + 8
+// (level 1). The MMA's k index of a lane's four values {2t, 2t + 1, 2t + 8, 2t + 9} stands for the channels
+// c0 .. c0 + 3 (c0 = 16 s + 4 t in k-step s; the same map on both operands), so each lane reads 4 consecutive
+// channels: 8 bytes of a tile, 16 of Γ2 (gam_col's swizzle keeps those 16-byte loads free of bank conflicts).
+// Two arithmetics, chosen per call: with the L2 norm in the kernel the q and k tiles hold the normalised values in
+// fp16 (phase 2a's in-place pass writes them so), and each operand is the fp16 product of the tile value and the
+// factor rounded to fp16 (mul.rn.f16x2; the MMAs fp16 with fp32 accumulation): |x| <= 1 and every factor <= 1, so
+// nothing overflows, a rounding is at most 2^-11 relative (2^-25 absolute below fp16's normal range: far below the
+// bf16 roundings downstream), and one packed multiply scales two channels. Without the norm the tiles hold the raw
+// bf16 inputs (unbounded in magnitude): each operand is bf16(x * factor) in fp32, as in the other forms.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ float f16_lo(uint32_t w) {
+  float f;
+  asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %1;\ncvt.f32.f16 %0, l;\n}\n" : "=f"(f) : "r"(w));
+  return f;
+}
+__device__ __forceinline__ float f16_hi(uint32_t w) {
+  float f;
+  asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %1;\ncvt.f32.f16 %0, h;\n}\n" : "=f"(f) : "r"(w));
+  return f;
+}
+// D += A · B with fp16 operands (fragments as mma_bf16_16816's).
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// One slot's factors 2^{later - earlier} (<= 1: Γ2 never increases along a chunk) over the lane's 4 channels, from
+// the Γ2 of the later and of the earlier token, kept in fp32 and (kHalf) as two packed fp16 pairs.
+template <bool kHalf>
+struct LevelFactor {
+  float f[4];
+  uint32_t h[2];
+};
+template <bool kHalf>
+__device__ __forceinline__ LevelFactor<kHalf> level_factor(const float4& later, const float4& earlier) {
+  LevelFactor<kHalf> r;
+  r.f[0] = ex2_ftz(later.x - earlier.x);
+  r.f[1] = ex2_ftz(later.y - earlier.y);
+  r.f[2] = ex2_ftz(later.z - earlier.z);
+  r.f[3] = ex2_ftz(later.w - earlier.w);
+  if constexpr (kHalf) {
+    r.h[0] = pack_f16x2(r.f[0], r.f[1]);
+    r.h[1] = pack_f16x2(r.f[2], r.f[3]);
+  }
+  return r;
+}
+// A slot's operand registers (channels c0, c0 + 1) and (c0 + 2, c0 + 3): the tile's 4 values x times the factors.
+template <bool kHalf>
+__device__ __forceinline__ void level_scale(const uint2& x, const LevelFactor<kHalf>& fa, uint32_t& lo, uint32_t& hi) {
+  if constexpr (kHalf) {
+    lo = mul_f16x2(x.x, fa.h[0]);
+    hi = mul_f16x2(x.y, fa.h[1]);
+  } else {
+    lo = pack_bf16x2(bf16_lo(x.x) * fa.f[0], bf16_hi(x.x) * fa.f[1]);
+    hi = pack_bf16x2(bf16_lo(x.y) * fa.f[2], bf16_hi(x.y) * fa.f[3]);
   }
 }
-__device__ __forceinline__ void level_col_slot(int P, int c, int& tok, int& anc) {
-  if (P == 0) {  // 0-7: level 3 (anchor 8); 8-11: level 2 (anchor 12); 12-15: tokens 0-3 at level 2 (anchor 4)
-    tok = c < 12 ? c : c - 12;
-    anc = c < 8 ? 8 : (c < 12 ? 12 : 4);
-  } else {  // bit 1 clear: level 1 (anchor (c | 2) & ~1); else level 0: even c itself, odd c for token c - 3
-    tok = (c & 3) == 3 ? c - 3 : c;
-    anc = (c & 2) == 0 ? ((c | 2) & ~1) : tok + 1;
+template <bool kHalf>
+__device__ __forceinline__ void level_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kHalf) {
+    mma_f16_16816(d, a, b0, b1);
+  } else {
+    mma_bf16_16816(d, a, b0, b1);
   }
 }
-// The pair (i, j) that output (row slot rs, column slot cs) of product P holds, if any.
-__device__ __forceinline__ bool level_output(int P, int rs, int cs, int& i, int& j) {
-  if (P == 0) {
-    i = rs < 4 ? rs + 12 : rs;
-    j = (rs >= 4 && rs < 8) ? cs - 12 : cs;
-    return (rs >= 8 && cs < 8) || (rs >= 4 && rs < 8 && cs >= 12) || (rs < 4 && cs >= 8 && cs < 12);
-  }
-  const bool level1 = (rs & 2) != 0 && (cs & 2) == 0 && (rs >> 2) == (cs >> 2);
-  const bool level0 = (rs & 2) == 0 && cs == rs + 2;
-  i = (level0 && (rs & 1) == 0) ? rs + 3 : rs;
-  j = level1 ? cs : ((rs & 1) != 0 ? rs - 1 : rs + 2);
-  return level1 || level0;
+// Byte offset, in a swz256 tile, of the lane's 4 values of row `row` in k-step 0; the k-step s ones are at
+// offset ^ (32 s): with c0 = 16 s + 4 t the 16-byte chunk is (2 s + (t >> 1)) ^ (row & 7), whose bits 1-2 are
+// s ^ ((row >> 1) & 3) and bit 0 is (t >> 1) ^ (row & 1), so only bits 5-7 of the offset depend on s.
+__device__ __forceinline__ uint32_t level_tile_base(int row, int t) {
+  return static_cast<uint32_t>(row * 256 + ((row & 6) << 4) + ((((t >> 1) ^ row) & 1) << 4) + ((t & 1) << 3));
 }
-// A slot's operand over the 4 channels c0 .. c0 + 3 (c0 = 16 s + 4 t): x = the bf16 tile, rows 16 I + tok / anc of
-// Γ2; sign +1: a row (2^{Γ2[tok] - Γ2[anc]}), -1: a column (2^{Γ2[anc] - Γ2[tok]}). The MMA's k index of this lane's
-// four values {2t, 2t + 1, 2t + 8, 2t + 9} stands for channels c0 .. c0 + 3 (the same map on both operands: the k sum
-// is over all 16 channels of the step either way), so each lane reads 4 consecutive channels: 8 bytes of the tile,
-// 16 of Γ2. Returns the two packed registers (channels c0, c0 + 1) and (c0 + 2, c0 + 3).
-__device__ __forceinline__ void level_operand(const uint8_t* smem, uint32_t tile, const float* sG, int row, int arow,
-                                              int c0, bool is_row, uint32_t& lo, uint32_t& hi, float (&f)[4]) {
-  const uint2 x = *reinterpret_cast<const uint2*>(smem + tile + swz256(row, c0 >> 3) + (c0 & 7) * 2);
-  const float4 gt = *reinterpret_cast<const float4*>(sG + row * kD + c0);
-  const float4 ga = *reinterpret_cast<const float4*>(sG + arow * kD + c0);
-  const float d[4] = {gt.x - ga.x, gt.y - ga.y, gt.z - ga.z, gt.w - ga.w};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) f[e] = ex2_ftz(is_row ? d[e] : -d[e]);
-  lo = pack_bf16x2(bf16_lo(x.x) * f[0], bf16_hi(x.x) * f[1]);
-  hi = pack_bf16x2(bf16_lo(x.y) * f[2], bf16_hi(x.y) * f[3]);
-}
-// Warp w computes product P = w & 1 of diagonal block I = w >> 1 (skipped past the last valid row) over the q and k
-// tiles (L2-normalised, bf16) and Γ2, and writes its pairs' fp32 sums to the scratch: sDq[I][i][j] (Aqk, unscaled),
-// sDk[I][i][j] (Akk, without β). Called with the whole CTA in step; reads only (the caller's barriers order it).
-__device__ __forceinline__ void diagonal_levels(uint8_t* smem, const float* sG, int warp, int lane, int L) {
-  const int I = warp >> 1, P = warp & 1;
-  if (16 * I >= L) return;
-  const int g8 = lane >> 2, t4 = lane & 3;
-  int rtok[2], ranc[2], ctok[2], canc[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    level_row_slot(P, g8 + 8 * hh, rtok[hh], ranc[hh]);  // A rows g8, g8 + 8
-    level_col_slot(P, 8 * hh + g8, ctok[hh], canc[hh]);  // B n-tile hh, column g8
-    rtok[hh] += 16 * I;
-    ranc[hh] += 16 * I;
-    ctok[hh] += 16 * I;
-    canc[hh] += 16 * I;
+// The lane's 4 Γ2 values of a row in k-step s (channels 16 s + 4 t .., at columns 16 (s ^ gam_key(row)) + 4 t ..):
+// two pointers, so that every step's address is one of them plus a constant.
+struct LevelGamRow {
+  const float* even;  // (s even)
+  const float* odd;
+  __device__ __forceinline__ LevelGamRow(const float* sG, int row, int t, int key) {  // (key = gam_key(row))
+    even = sG + row * kD + 4 * t + 16 * key;
+    odd = sG + row * kD + 4 * t - 16 * key;
   }
+  __device__ __forceinline__ float4 at(int s) const {
+    return *reinterpret_cast<const float4*>(((s & 1) != 0 ? odd : even) + 16 * s);
+  }
+};
+// Product P of diagonal block I (warp-uniform), over the q and k tiles (fp16 if kHalf, else bf16) and Γ2; writes its
+// pairs' fp32 sums to the scratch: sDq[I][i][j] (Aqk, unscaled), sDk[I][i][j] (Akk, without β).
+// P = 0 puts its level 3 slots in the order pi(g) = 2 (g & 3) + (g >> 2) (rows 8 + pi(g), columns pi(g)): each half
+// warp then reads 4 rows of distinct (row & 6), which an 8-byte load of a swz256 tile takes without a bank conflict
+// (the level 2 slots and P = 1's R2, C2 hold only 2 such classes: 2-way conflicts, whatever the order).
+// P = 1 needs two factors per lane and channel, not three: its R2 factor is 1 for even g (token = anchor) and R1's
+// for odd g (both 2^{Γ[2g+1] - Γ[2g]}).
+template <bool kHalf, int P>
+__device__ __forceinline__ void diagonal_product(uint8_t* smem, const float* sG, int I, int lane) {
+  const int g = lane >> 2, t = lane & 3, h = g >> 2;
+  const int pi = 2 * (g & 3) + h;
+  // Local tokens: rows r1, r2, columns c1, c2; the anchor a of R1 and C2 (P = 0) or of R2 and C2 (P = 1).
+  const int r1 = P == 0 ? 4 + g + 4 * h : 2 * g + 1;
+  const int r2 = P == 0 ? 8 + pi : 4 * (g >> 1) + 2 + (g & 1);
+  const int c1 = P == 0 ? pi : 2 * g;
+  const int c2 = P == 0 ? g + 4 * h : 4 * (g >> 1) + (g & 1);
+  const int a = P == 0 ? 4 + 8 * h : 4 * (g >> 1) + 2;
+  const bool odd = (g & 1) != 0;
+  const int n = 16 * I;
+  const uint8_t* tq = smem + kOffQ;
+  const uint8_t* tk = smem + kOffK;
+  const uint32_t o_r1 = level_tile_base(n + r1, t), o_r2 = level_tile_base(n + r2, t);
+  const uint32_t o_c1 = level_tile_base(n + c1, t), o_c2 = level_tile_base(n + c2, t);
+  // The rows' Γ2 keys (n = 16 I has key 0): P = 0: gam_key(g) for r1 and c2, gam_key(pi) = h ^ (g & 1) for r2 and
+  // c1; P = 1: 1 ^ (g & 1) for r1, g & 1 for c1 and c2.
+  const int key_g = P == 0 ? gam_key(g) : 1 ^ (g & 1);
+  const int key_pi = P == 0 ? h ^ (g & 1) : g & 1;
+  const LevelGamRow g_r1(sG, n + r1, t, key_g);
+  const LevelGamRow g_c1(sG, n + c1, t, key_pi);
+  const LevelGamRow g_c2(sG, n + c2, t, P == 0 ? key_g : key_pi);
+  // the anchors' keys: rows 4, 12 and 8 (P = 0) have 0, rows 4m + 2 (P = 1) 1
+  const float* g_a = sG + (n + a) * kD + 4 * t;
   float accQ[2][4], accK[2][4];
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) accQ[nt][e] = accK[nt][e] = 0.f;
-#pragma unroll 2
+  // (fully unrolled on the fp16 path, so that every Γ2 address is a register plus a constant; the bf16 path, taken
+  // only without the norm in the kernel, by two steps: a third of the code)
+#pragma unroll(kHalf ? 8 : 2)
   for (int s = 0; s < 8; ++s) {
-    const int c0 = 16 * s + 4 * t4;
-    uint32_t aq[4], ak[4], b[2][2];
-    float f[4];
+    const uint32_t x = 32u * s;
+    uint32_t aq[4], ak[4], b0[2], b1[2];
+    const uint2 q1 = *reinterpret_cast<const uint2*>(tq + (o_r1 ^ x));
+    const uint2 k1 = *reinterpret_cast<const uint2*>(tk + (o_r1 ^ x));
+    const uint2 q2 = *reinterpret_cast<const uint2*>(tq + (o_r2 ^ x));
+    const uint2 k2 = *reinterpret_cast<const uint2*>(tk + (o_r2 ^ x));
+    const uint2 kc1 = *reinterpret_cast<const uint2*>(tk + (o_c1 ^ x));
+    const uint2 kc2 = *reinterpret_cast<const uint2*>(tk + (o_c2 ^ x));
+    const float4 G_r1 = g_r1.at(s);
+    const float4 G_c1 = g_c1.at(s);
+    const float4 G_c2 = g_c2.at(s);
+    if constexpr (P == 0) {
+      const float4 G_a = *reinterpret_cast<const float4*>(g_a + 16 * s);
+      const float4 G_8 = *reinterpret_cast<const float4*>(sG + (n + 8) * kD + 4 * t + 16 * s);
+      const float4 G_r2 = LevelGamRow(sG, n + r2, t, key_pi).at(s);
+      const LevelFactor<kHalf> f_r1 = level_factor<kHalf>(G_r1, G_a);
+      const LevelFactor<kHalf> f_r2 = level_factor<kHalf>(G_r2, G_8);
+      const LevelFactor<kHalf> f_c1 = level_factor<kHalf>(G_8, G_c1);
+      const LevelFactor<kHalf> f_c2 = level_factor<kHalf>(G_a, G_c2);
+      level_scale<kHalf>(q1, f_r1, aq[0], aq[2]);
+      level_scale<kHalf>(k1, f_r1, ak[0], ak[2]);
+      level_scale<kHalf>(q2, f_r2, aq[1], aq[3]);
+      level_scale<kHalf>(k2, f_r2, ak[1], ak[3]);
+      level_scale<kHalf>(kc1, f_c1, b0[0], b0[1]);
+      level_scale<kHalf>(kc2, f_c2, b1[0], b1[1]);
+    } else {
+      const float4 G_a = *reinterpret_cast<const float4*>(g_a + 16 * (s ^ 1));
+      const LevelFactor<kHalf> f_r1 = level_factor<kHalf>(G_r1, G_c1);
+      const LevelFactor<kHalf> f_c2 = level_factor<kHalf>(G_a, G_c2);
+      LevelFactor<kHalf> f_r2;
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      // A registers: {row g8 k 2t..2t+1, row g8+8 k 2t.., row g8 k 2t+8.., row g8+8 k 2t+8..}
-      level_operand(smem, kOffQ, sG, rtok[hh], ranc[hh], c0, true, aq[hh], aq[hh + 2], f);
-      const uint2 kx = *reinterpret_cast<const uint2*>(smem + kOffK + swz256(rtok[hh], c0 >> 3) + (c0 & 7) * 2);
-      ak[hh] = pack_bf16x2(bf16_lo(kx.x) * f[0], bf16_hi(kx.x) * f[1]);
-      ak[hh + 2] = pack_bf16x2(bf16_lo(kx.y) * f[2], bf16_hi(kx.y) * f[3]);
-      level_operand(smem, kOffK, sG, ctok[hh], canc[hh], c0, false, b[hh][0], b[hh][1], f);
+      for (int e = 0; e < 4; ++e) f_r2.f[e] = odd ? f_r1.f[e] : 1.f;
+      if constexpr (kHalf) {
+        f_r2.h[0] = odd ? f_r1.h[0] : 0x3c003c00u;  // (fp16 1.0, 1.0)
+        f_r2.h[1] = odd ? f_r1.h[1] : 0x3c003c00u;
+      }
+      level_scale<kHalf>(q1, f_r1, aq[0], aq[2]);
+      level_scale<kHalf>(k1, f_r1, ak[0], ak[2]);
+      level_scale<kHalf>(q2, f_r2, aq[1], aq[3]);
+      level_scale<kHalf>(k2, f_r2, ak[1], ak[3]);
+      b0[0] = kc1.x;  // (level 0 columns: the tile values themselves)
+      b0[1] = kc1.y;
+      level_scale<kHalf>(kc2, f_c2, b1[0], b1[1]);
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      mma_bf16_16816(accQ[nt], aq, b[nt][0], b[nt][1]);
-      mma_bf16_16816(accK[nt], ak, b[nt][0], b[nt][1]);
-    }
+    level_mma<kHalf>(accQ[0], aq, b0[0], b0[1]);
+    level_mma<kHalf>(accQ[1], aq, b1[0], b1[1]);
+    level_mma<kHalf>(accK[0], ak, b0[0], b0[1]);
+    level_mma<kHalf>(accK[1], ak, b1[0], b1[1]);
   }
   float* sDq = reinterpret_cast<float*>(smem + kOffDiag) + I * 256;
   float* sDk = sDq + 4 * 256;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      int i, j;
-      if (level_output(P, g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1), i, j)) {
-        sDq[i * 16 + j] = accQ[nt][e];
-        sDk[i * 16 + j] = accK[nt][e];
-      }
+  if constexpr (P == 0) {
+    {  // level 3: D[8 + g][2t + e] of n-tile 0, the pairs (8 + pi(g), pi(2t + e)): pi(2t) = 4 (t & 1) + (t >> 1)
+      const int o = (8 + pi) * 16 + 4 * (t & 1) + (t >> 1);
+      sDq[o] = accQ[0][2];
+      sDq[o + 2] = accQ[0][3];
+      sDk[o] = accK[0][2];
+      sDk[o + 2] = accK[0][3];
     }
+    if ((t >> 1) == h) {  // level 2: D[g][2t .. 2t + 1] of n-tile 1, columns 2t + e: tokens 2t + e + 4h
+      const int o = r1 * 16 + 2 * t + 4 * h;
+      *reinterpret_cast<float2*>(sDq + o) = make_float2(accQ[1][0], accQ[1][1]);
+      *reinterpret_cast<float2*>(sDk + o) = make_float2(accK[1][0], accK[1][1]);
+    }
+  } else if (t == (g >> 1)) {
+    {  // level 0: D[g][g] of n-tile 0 (element g & 1 of row g), the pair (2g + 1, 2g)
+      const int o = (2 * g + 1) * 16 + 2 * g;
+      sDq[o] = odd ? accQ[0][1] : accQ[0][0];
+      sDk[o] = odd ? accK[0][1] : accK[0][0];
+    }
+    {  // level 1: D[g + 8][2t .. 2t + 1] of n-tile 1, columns 2t + e: tokens 4t + e
+      const int o = r2 * 16 + 4 * t;
+      *reinterpret_cast<float2*>(sDq + o) = make_float2(accQ[1][2], accQ[1][3]);
+      *reinterpret_cast<float2*>(sDk + o) = make_float2(accK[1][2], accK[1][3]);
+    }
+  }
+}
+// Warp w computes product P = w >> 2 of diagonal block I = w & 3 (skipped past the last valid row): each SM
+// sub-partition (warps w and w + 4) gets one product of each kind, so the exponentials (MUFU) are spread evenly.
+// Called with the whole CTA in step; reads only the tiles and Γ2 (the caller's barriers order it).
+template <bool kHalf>
+__device__ __forceinline__ void diagonal_levels(uint8_t* smem, const float* sG, int warp, int lane, int L) {
+  const int I = warp & 3;
+  if (16 * I >= L) return;
+  if (warp < 4) {
+    diagonal_product<kHalf, 0>(smem, sG, I, lane);
+  } else {
+    diagonal_product<kHalf, 1>(smem, sG, I, lane);
+  }
 }
 
 // Timing-only ablations, compiled only in builds with CULA_SM90_ABLATION (kda_intra_ablation.cu; never in a wheel):
@@ -409,6 +566,8 @@ __device__ __forceinline__ float activated_beta(const KdaIntraParams& p, uint32_
 template <int kTuned>
 __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* smem, const int ci, const int hv) {
   static_assert((kTuned & kTunedTensor) == kTunedTensor, "every built intra form has the bits of \"tensor\"");
+  static_assert(!unbounded_form<kTuned>() || (kTuned & (kTunedBands | kAblateNormExp)) == 0,
+                "the \"unbounded\" form computes every band and keeps the norms (its in-place normalisation)");
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -551,7 +710,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // FLA: cumsum in natural units, then * RCP_LN2.
-      *reinterpret_cast<float4*>(sG + (rbase + j) * kD + c0) =
+      *reinterpret_cast<float4*>(sG + (rbase + j) * kD + gam_col<kTuned>(j, c0)) =  // (key(8w + j) = key(j))
           make_float4((gv[j][0] + off[0]) * kRcpLn2, (gv[j][1] + off[1]) * kRcpLn2, (gv[j][2] + off[2]) * kRcpLn2,
                       (gv[j][3] + off[3]) * kRcpLn2);
     }
@@ -564,7 +723,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     const int c = tid & 127;
     const float G0 = sG[0 * kD + c], G1 = sG[16 * kD + c], G2 = sG[32 * kD + c], G3 = sG[48 * kD + c];
     if (tid < 128) {
-      const float GL = sG[(L - 1) * kD + c];
+      const float GL = sG[(L - 1) * kD + gam_col<kTuned>(L - 1, c)];  // (the other rows read here have key 0)
       if (writes_workspace<kTuned>(p)) p.g_last[(static_cast<int64_t>(ci) * HV + hv) * kD + c] = GL;  // Γ_last / ln 2
       sF[0 * kD + c] = ex2_full(G0);
       sF[1 * kD + c] = ex2_full(G1);
@@ -612,6 +771,7 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     __nv_bfloat16* gkg = static_cast<__nv_bfloat16*>(p.kg);
     // All 8 rows' norms first, by one transposed reduction per tensor (the rows are re-read below).
     float rq8[8], rk8[8];
+    [[maybe_unused]] uint2 qraw8[8], kraw8[8];  // ("unbounded") the raw rows, kept for the in-place normalisation
     if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0) {
       float sq8[8], sk8[8];
 #pragma unroll
@@ -622,6 +782,10 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         }
         const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off0 + pp * 2048);
         const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off0 + pp * 2048);
+        if constexpr (unbounded_form<kTuned>()) {
+          qraw8[pp] = qraw;
+          kraw8[pp] = kraw;
+        }
         const float q0 = bf16_lo(qraw.x), q1 = bf16_hi(qraw.x), q2 = bf16_lo(qraw.y), q3 = bf16_hi(qraw.y);
         const float k0 = bf16_lo(kraw.x), k1 = bf16_hi(kraw.x), k2 = bf16_lo(kraw.y), k3 = bf16_hi(kraw.y);
         sq8[pp] = q0 * q0 + q1 * q1 + q2 * q2 + q3 * q3;
@@ -632,21 +796,25 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
     }
     [[maybe_unused]] float qk8[8];  // "unbounded": this lane's part of q_r·k_r (Aqk's diagonal)
     if constexpr (unbounded_form<kTuned>()) {
-      if (p.l2norm_qk) {  // normalise in place (rounded to bf16, as FLA stores them): 2d and 2a read these
+      if (p.l2norm_qk) {  // normalise in place, rounded to fp16 (|x| <= 1): 2d and 2a read these
 #pragma unroll
         for (int pp = 0; pp < 8; ++pp) {
           uint2* qp = reinterpret_cast<uint2*>(smem + kOffQ + off0 + pp * 2048);
           uint2* kp = reinterpret_cast<uint2*>(smem + kOffK + off0 + pp * 2048);
-          const uint2 qraw = *qp, kraw = *kp;
+          const uint2 qraw = qraw8[pp], kraw = kraw8[pp];
           const float rq = rq8[pp], rk = rk8[pp];
-          *qp = make_uint2(pack_bf16x2(bf16_lo(qraw.x) * rq, bf16_hi(qraw.x) * rq),
-                           pack_bf16x2(bf16_lo(qraw.y) * rq, bf16_hi(qraw.y) * rq));
-          *kp = make_uint2(pack_bf16x2(bf16_lo(kraw.x) * rk, bf16_hi(kraw.x) * rk),
-                           pack_bf16x2(bf16_lo(kraw.y) * rk, bf16_hi(kraw.y) * rk));
+          *qp = make_uint2(pack_f16x2(bf16_lo(qraw.x) * rq, bf16_hi(qraw.x) * rq),
+                           pack_f16x2(bf16_lo(qraw.y) * rq, bf16_hi(qraw.y) * rq));
+          *kp = make_uint2(pack_f16x2(bf16_lo(kraw.x) * rk, bf16_hi(kraw.x) * rk),
+                           pack_f16x2(bf16_lo(kraw.y) * rk, bf16_hi(kraw.y) * rk));
         }
       }
       __syncthreads();  // (D0)
-      diagonal_levels(smem, sG, warp, lane, L);  // phase 2d
+      if (p.l2norm_qk) {  // phase 2d
+        diagonal_levels<true>(smem, sG, warp, lane, L);
+      } else {
+        diagonal_levels<false>(smem, sG, warp, lane, L);
+      }
       __syncthreads();  // (D1): q, k tiles free to be rewritten in place
     }
 #pragma unroll
@@ -658,13 +826,23 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const uint2 qraw = *reinterpret_cast<const uint2*>(smem + kOffQ + off);
       const uint2 kraw = *reinterpret_cast<const uint2*>(smem + kOffK + off);
       const uint2 vraw = *reinterpret_cast<const uint2*>(smem + kOffV + off);
-      const float4 G = *reinterpret_cast<const float4*>(sG + r * kD + gcol);
+      // (gam_col: r & 3 = warp & 3; rows 16 J and 16 J + 15 have key 0)
+      const float4 G = *reinterpret_cast<const float4*>(sG + r * kD + gam_col<kTuned>(warp, gcol));
       const float4 Gn = *reinterpret_cast<const float4*>(sG + (16 * J) * kD + gcol);
       const float4 F = *reinterpret_cast<const float4*>(sF + J * kD + gcol);
       const float4 E = *reinterpret_cast<const float4*>(sE + J * kD + gcol);
       const float beta = sBeta[r];
-      float q[4] = {bf16_lo(qraw.x), bf16_hi(qraw.x), bf16_lo(qraw.y), bf16_hi(qraw.y)};
-      float k[4] = {bf16_lo(kraw.x), bf16_hi(kraw.x), bf16_lo(kraw.y), bf16_hi(kraw.y)};
+      float q[4], k[4];  // ("unbounded": read below, with its tiles' format)
+      if constexpr (!unbounded_form<kTuned>()) {
+        q[0] = bf16_lo(qraw.x);
+        q[1] = bf16_hi(qraw.x);
+        q[2] = bf16_lo(qraw.y);
+        q[3] = bf16_hi(qraw.y);
+        k[0] = bf16_lo(kraw.x);
+        k[1] = bf16_hi(kraw.x);
+        k[2] = bf16_lo(kraw.y);
+        k[3] = bf16_hi(kraw.y);
+      }
       const float v[4] = {bf16_lo(vraw.x), bf16_hi(vraw.x), bf16_lo(vraw.y), bf16_hi(vraw.y)};
       if (p.l2norm_qk && (kTuned & kAblateNormExp) == 0 && !unbounded_form<kTuned>()) {
         const float rq = rq8[pp], rk = rk8[pp];
@@ -691,7 +869,6 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         gl[1] = Gl.y;
         gl[2] = Gl.z;
         gl[3] = Gl.w;
-        qk8[pp] = q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
       }
       float a[4], b[4], e[4], kf[4];
 #pragma unroll
@@ -711,6 +888,38 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         e[i] = f[i] * a[i];            // e^{Γ}
         kf[i] = ef[i] * b[i];          // e^{Γlast - Γ}
       }
+      if constexpr (unbounded_form<kTuned>()) {
+        // q, k and phase 3's row operands q·a, k·a: fp16 with the norm in the kernel (its tiles, and phase 3's MMAs,
+        // are fp16: fp16(x fp16(a)), |x| <= 1, a <= 1), else bf16 as in the other forms
+        uint2 qa, ka;
+        if (p.l2norm_qk) {
+          q[0] = f16_lo(qraw.x);
+          q[1] = f16_hi(qraw.x);
+          q[2] = f16_lo(qraw.y);
+          q[3] = f16_hi(qraw.y);
+          k[0] = f16_lo(kraw.x);
+          k[1] = f16_hi(kraw.x);
+          k[2] = f16_lo(kraw.y);
+          k[3] = f16_hi(kraw.y);
+          const uint32_t a01 = pack_f16x2(a[0], a[1]), a23 = pack_f16x2(a[2], a[3]);
+          qa = make_uint2(mul_f16x2(qraw.x, a01), mul_f16x2(qraw.y, a23));
+          ka = make_uint2(mul_f16x2(kraw.x, a01), mul_f16x2(kraw.y, a23));
+        } else {
+          q[0] = bf16_lo(qraw.x);
+          q[1] = bf16_hi(qraw.x);
+          q[2] = bf16_lo(qraw.y);
+          q[3] = bf16_hi(qraw.y);
+          k[0] = bf16_lo(kraw.x);
+          k[1] = bf16_hi(kraw.x);
+          k[2] = bf16_lo(kraw.y);
+          k[3] = bf16_hi(kraw.y);
+          qa = make_uint2(pack_bf16x2(q[0] * a[0], q[1] * a[1]), pack_bf16x2(q[2] * a[2], q[3] * a[3]));
+          ka = make_uint2(pack_bf16x2(k[0] * a[0], k[1] * a[1]), pack_bf16x2(k[2] * a[2], k[3] * a[3]));
+        }
+        *reinterpret_cast<uint2*>(smem + kOffQ + off) = qa;
+        *reinterpret_cast<uint2*>(smem + kOffK + off) = ka;
+        qk8[pp] = q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
+      }
       if (r < L && writes_workspace<kTuned>(p)) {
         const int64_t o = (static_cast<int64_t>(t0 + r) * HV + hv) * kD + gcol;
         *reinterpret_cast<uint2*>(gqg + o) =
@@ -718,11 +927,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
         *reinterpret_cast<uint2*>(gkg + o) =
             make_uint2(pack_bf16x2(k[0] * kf[0], k[1] * kf[1]), pack_bf16x2(k[2] * kf[2], k[3] * kf[3]));
       }
-      *reinterpret_cast<uint2*>(smem + kOffQ + off) =
-          make_uint2(pack_bf16x2(q[0] * a[0], q[1] * a[1]), pack_bf16x2(q[2] * a[2], q[3] * a[3]));
-      *reinterpret_cast<uint2*>(smem + kOffK + off) =
-          make_uint2(pack_bf16x2(k[0] * a[0], k[1] * a[1]), pack_bf16x2(k[2] * a[2], k[3] * a[3]));
-      if constexpr (!unbounded_form<kTuned>()) {  // (the diagonal blocks' column operand)
+      if constexpr (!unbounded_form<kTuned>()) {
+        *reinterpret_cast<uint2*>(smem + kOffQ + off) =
+            make_uint2(pack_bf16x2(q[0] * a[0], q[1] * a[1]), pack_bf16x2(q[2] * a[2], q[3] * a[3]));
+        *reinterpret_cast<uint2*>(smem + kOffK + off) =
+            make_uint2(pack_bf16x2(k[0] * a[0], k[1] * a[1]), pack_bf16x2(k[2] * a[2], k[3] * a[3]));
+        // (the diagonal blocks' column operand)
         *reinterpret_cast<uint2*>(smem + kOffX + off) =
             make_uint2(pack_bf16x2(k[0] * b[0], k[1] * b[1]), pack_bf16x2(k[2] * b[2], k[3] * b[3]));
       }
@@ -747,7 +957,33 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   __syncthreads();  // (D): Γ2 no longer needed
 
   // Phase 2b: off-diagonal column operands bf16(k_j e^{Γ_{n_I} - Γ_j}) for key sub-chunk J < I, tile rows 0..15.
-  {
+  if constexpr (unbounded_form<kTuned>()) {  // (the same, in fp16 with the norm in the kernel)
+    const auto columns = [&](auto half) {
+      const int gcol = 4 * lane;
+#pragma unroll
+      for (int pp = 0; pp < 6; ++pp) {
+        const int J = pp >> 1;
+        const uint32_t off = quad_off(warp + 8 * (pp & 1), lane);
+#pragma unroll
+        for (int I = J + 1; I < 4; ++I) {
+          const int pi = pair_index(I, J);
+          const float4 Dv = *reinterpret_cast<const float4*>(sD + pi * kD + gcol);
+          const float x0 = kb[pp][0] * Dv.x, x1 = kb[pp][1] * Dv.y, x2 = kb[pp][2] * Dv.z, x3 = kb[pp][3] * Dv.w;
+          uint2* dst = reinterpret_cast<uint2*>(smem + kOffKoff + pi * 4096 + off);
+          if constexpr (decltype(half)::value) {
+            *dst = make_uint2(pack_f16x2(x0, x1), pack_f16x2(x2, x3));
+          } else {
+            *dst = make_uint2(pack_bf16x2(x0, x1), pack_bf16x2(x2, x3));
+          }
+        }
+      }
+    };
+    if (p.l2norm_qk) {
+      columns(HalfOps<true>{});
+    } else {
+      columns(HalfOps<false>{});
+    }
+  } else {
     const int gcol = 4 * lane;
 #pragma unroll
     for (int pp = 0; pp < 6; ++pp) {
@@ -814,16 +1050,39 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
               accK[nt][2 * hh + 1] = dk.y;
             }
         }
+        if constexpr (unbounded_form<kTuned>()) {  // (below the diagonal only; fp16 with the norm in the kernel)
+          const auto products = [&](auto half) {
 #pragma unroll
-        for (int s = 0; s < ((kTuned & kAblateProducts) != 0 || (unbounded_form<kTuned>() && J == I) ? 0 : 8); ++s) {
-          uint32_t aq[4], ak[4], bb[4];
-          ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
-          ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
-          ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
-          mma_bf16_16816(accQ[0], aq, bb[0], bb[1]);
-          mma_bf16_16816(accQ[1], aq, bb[2], bb[3]);
-          mma_bf16_16816(accK[0], ak, bb[0], bb[1]);
-          mma_bf16_16816(accK[1], ak, bb[2], bb[3]);
+            for (int s = 0; s < 8; ++s) {
+              uint32_t aq[4], ak[4], bb[4];
+              ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
+              ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
+              ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
+              level_mma<decltype(half)::value>(accQ[0], aq, bb[0], bb[1]);
+              level_mma<decltype(half)::value>(accQ[1], aq, bb[2], bb[3]);
+              level_mma<decltype(half)::value>(accK[0], ak, bb[0], bb[1]);
+              level_mma<decltype(half)::value>(accK[1], ak, bb[2], bb[3]);
+            }
+          };
+          if (J < I) {
+            if (p.l2norm_qk) {
+              products(HalfOps<true>{});
+            } else {
+              products(HalfOps<false>{});
+            }
+          }
+        } else {
+#pragma unroll
+          for (int s = 0; s < ((kTuned & kAblateProducts) != 0 ? 0 : 8); ++s) {
+            uint32_t aq[4], ak[4], bb[4];
+            ldsm_x4(aq, sbase + kOffQ + swz256(arow, 2 * s + achk));
+            ldsm_x4(ak, sbase + kOffK + swz256(arow, 2 * s + achk));
+            ldsm_x4(bb, bbase + swz256(brow, 2 * s + bchk));
+            mma_bf16_16816(accQ[0], aq, bb[0], bb[1]);
+            mma_bf16_16816(accQ[1], aq, bb[2], bb[3]);
+            mma_bf16_16816(accK[0], ak, bb[0], bb[1]);
+            mma_bf16_16816(accK[1], ak, bb[2], bb[3]);
+          }
         }
         // Epilogue: Aqk -> bf16 staging (scale folded, j <= i, rows < L); Akk masked (j < i, rows < L), * β_i.
 #pragma unroll
