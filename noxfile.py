@@ -29,6 +29,9 @@ CUOBJDUMP = "nvidia-cuda-cuobjdump>=13.2,<14"
 NVDISASM = "nvidia-cuda-nvdisasm>=13,<14"
 # The oldest CuTeDSL cula-runtime admits; `tests` compiles against the newest (what a plain install resolves to).
 OLDEST_CUTEDSL = "nvidia-cutlass-dsl==4.6.2"
+# FLA for the `fla` session: the release whose backend registry cula.integrations.fla plugs into, and what its KDA ops
+# import (triton at module level, einops; packaging for its version checks).
+FLA = ("fla-core==0.6.0", "einops", "triton", "packaging")
 
 
 def install_torch_cpu(session: nox.Session, *others: str) -> None:
@@ -67,6 +70,21 @@ def tests(session: nox.Session) -> None:
     # most of the time is CuTeDSL compiles, which do not always use both of CI's cores.
     workers = os.environ.get("CULA_TEST_WORKERS") or str(min(os.cpu_count() or 1, 4))
     session.run("pytest", "-q", "-n", workers, *session.posargs, env={"PYTHONPATH": shim})
+
+
+@nox.session(python=PYTHON)
+def fla(session: nox.Session) -> None:
+    """cuLA as a backend of FLA's registry, on the CPU: tests/integrations with fla-core 0.6.0 installed beside cula
+    (never in `tests`, which checks that cula needs no FLA). CULA_REQUIRE_FLA=1 makes the FLA tests import FLA
+    instead of skipping without it, so this session fails rather than skipping them all. cula and cula-runtime come
+    without their dependencies beyond torch: CuTeDSL, which a plain install brings, serves no CPU call (a minute of
+    installation saved; `wheel_inspect` checks the plain install)."""
+    install_torch_cpu(session, "pytest", *FLA)
+    session.install("--no-deps", "-e", PURE_PACKAGES[0], "-e", PURE_PACKAGES[1])
+    session.run("python", "-c", "import importlib.metadata as m; print('fla-core', m.version('fla-core'), 'triton', "
+                "m.version('triton'))")
+    session.run("pytest", "-q", "-p", "no:cacheprovider", "tests/integrations", *session.posargs,
+                env={"CULA_REQUIRE_FLA": "1"})
 
 
 @nox.session(python=PYTHON)

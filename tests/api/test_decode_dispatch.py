@@ -175,30 +175,55 @@ def test_the_shared_kernel_checks_pass_the_pool_form() -> None:
     assert "issue 26" in POOL_REFUSAL and "reference" in POOL_REFUSAL
 
 
-def test_sm90_verify_refuses_the_pool_form(monkeypatch) -> None:
+def test_sm90_verify_serves_the_pool_form(monkeypatch) -> None:
+    """The sm90 recurrence updates fp32 and bf16 pools in place (any slot stride that keeps slots apart); an fp64
+    pool, or one whose slots overlap, is refused with the reason; on a (stand-in) SM90 the call runs on sm90."""
     kda = shim()
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
     monkeypatch.setattr(kda, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(dispatch, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(dispatch, "_sm90_found", (kda.verify_kda_prefill, kda.kda_prefill))
     args = _pool_prefill_args()
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    on_gpu = SimpleNamespace(**fields, device=torch.device("cuda", 0))
-    assert kda.verify_kda_prefill(on_gpu) == (False, POOL_REFUSAL)
-    assert kda.verify_kda_prefill(SimpleNamespace(**{**fields, "state": None}, device=on_gpu.device))[0]
+
+    def on_gpu(**changes) -> SimpleNamespace:
+        return SimpleNamespace(**{**fields, **changes}, device=torch.device("cuda", 0))
+
+    assert kda.verify_kda_prefill(on_gpu()) == (True, "sm_90a kernels serve this call")
+    assert kda.verify_kda_prefill(on_gpu(state=args.state.bfloat16()))[0]
+    assert kda.verify_kda_prefill(on_gpu(state=torch.zeros(6, 2, 128, 128)[::2]))[0]  # (slots apart: a free stride)
+    assert kda.verify_kda_prefill(on_gpu(state=args.state.double())) == (
+        False, "needs the state pool in fp32 or bf16, got torch.float64")
+    ok, reason = kda.verify_kda_prefill(on_gpu(state=torch.zeros(1, 2, 128, 128).expand(3, -1, -1, -1)))
+    assert not ok and reason.startswith("needs the state pool's slots apart (slot stride 0 < 32768")
+    assert kda.verify_kda_prefill(on_gpu(state=None))[0]
+    choice = dispatch.explain(on_gpu())
+    assert [d.backend for d in choice.decisions] == ["sm90"] and choice.runner is kda.kda_prefill
+    assert not choice.gpu_fallback
 
 
-def test_cutedsl_verify_refuses_the_pool_form(monkeypatch) -> None:
+def test_cutedsl_verify_serves_the_pool_form(monkeypatch) -> None:
+    """The CuTeDSL recurrence reads and writes fp32 and bf16 pools in place; an fp64 pool is refused with the
+    reason."""
     from cula_runtime.cute.kda import backend
 
     monkeypatch.setattr(backend, "is_available", lambda: True)  # (CuTeDSL need not be installed: nothing compiles)
     monkeypatch.setattr(backend, "device_capability", lambda device: (10, 0))
     args = _pool_prefill_args()
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-    assert backend.verify(SimpleNamespace(**fields, device=torch.device("cuda", 0))) == (False, POOL_REFUSAL)
+
+    def verify(**changes) -> tuple[bool, str]:
+        return backend.verify(SimpleNamespace(**{**fields, **changes}, device=torch.device("cuda", 0)))
+
+    assert verify() == (True, "CuTeDSL kernels serve this call (unbounded gate)")
+    assert verify(state=args.state.bfloat16())[0]
+    assert verify(state=args.state.double()) == (False, "needs the state pool in fp32 or bf16, got torch.float64")
 
 
-@pytest.mark.parametrize("cap,expected", CHAINS, ids=["sm90", "sm100", "sm103"])
-def test_gpu_pool_prefill_falls_back_to_the_reference_with_the_reason(cap, expected, monkeypatch) -> None:
-    """On a (stand-in) GPU whose backends are installed, a pool-form prefill reaches the reference with a warning
-    that gives the shared refusal."""
+@pytest.mark.parametrize("cap,expected", CHAINS[1:], ids=["sm100", "sm103"])  # (sm90 serves it: above)
+def test_gpu_pool_prefill_runs_on_the_cutedsl_kernels(cap, expected, monkeypatch) -> None:
+    """On a (stand-in) SM100/SM103 whose backends are installed, a pool-form prefill runs on cutedsl, the first
+    backend of the chain, without a fallback."""
     kda = shim()
     from cula_runtime.cute.kda import backend
 
@@ -212,10 +237,8 @@ def test_gpu_pool_prefill_falls_back_to_the_reference_with_the_reason(cap, expec
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     call = SimpleNamespace(**fields, device=torch.device("cuda", 0))
     choice = dispatch.explain(call)
-    assert [d.backend for d in choice.decisions] == expected and choice.gpu_fallback
-    assert all(d.reason == POOL_REFUSAL for d in choice.decisions[:-1])
-    with pytest.warns(dispatch.CulaFallbackWarning, match=r"cula\.kda\.kda_prefill: .*state-pool form"):
-        assert dispatch.select_backend(call) is reference.kda_prefill_reference
+    assert [d.backend for d in choice.decisions] == expected[:1] == ["cutedsl"] and not choice.gpu_fallback
+    assert choice.runner is backend.kda_prefill_cutedsl
 
 
 def test_pool_prefill_calls_are_never_planned(monkeypatch) -> None:

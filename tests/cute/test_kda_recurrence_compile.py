@@ -1,7 +1,9 @@
 """CuTeDSL compilation of the fused delta-h + output kernel (KdaRecurrence) on the CPU, for sm_90a, sm_100a and
 sm_103a: the machine code holds exactly the warp-level bf16 MMAs, ldmatrix/stmatrix and cp.async traffic of one
 64-token chunk in its (not unrolled) chunk loop, and its local-memory spills are the ones measured with the installed
-CuTeDSL (none).
+CuTeDSL (none). The state-pool configurations (the slot read on the device, fp32 or bf16, the per-sequence
+``has_initial_state`` byte) add no MMA and no shared-memory traffic: only the pool's loads and stores, at the width
+of the state's element pairs, and the padding row's zero o rows.
 
 Needs CuTeDSL and TVM-FFI (cula-runtime brings them on Linux x86_64/aarch64); skips cleanly without them.
 """
@@ -28,17 +30,29 @@ C, K = 64, 128
 
 # KdaRecurrenceConfig fields of the compiled configurations: together both block_v (64, 128), fixed and varlen
 # (sequences longest first), with and without h0 and the final state, both state layouts
-CONFIGS = {
+PLAIN_CONFIGS = {
     "fixed-bv64-HV4": dict(num_v_heads=4),
     "varlen-bv64-HV4-h0-ht-vk": dict(num_v_heads=4, varlen=True, has_initial_state=True, output_final_state=True,
                                      state_v_first=True),
     "fixed-bv128-HV2-h0-ht-kv": dict(num_v_heads=2, block_v=128, has_initial_state=True, output_final_state=True),
     "varlen-bv128-HV8-ht-kv": dict(num_v_heads=8, block_v=128, varlen=True, output_final_state=True),
 }
+# the state pool: together both dtypes, both layouts, both block_v, fixed and varlen, with and without the flags
+POOL_CONFIGS = {
+    "pool-varlen-bv64-HV4-fp32-vk-flags": dict(num_v_heads=4, varlen=True, state_pool=True, state_v_first=True,
+                                               initial_state_flags=True),
+    "pool-fixed-bv128-HV2-bf16-kv-flags": dict(num_v_heads=2, block_v=128, state_pool=True, state_dtype="bfloat16",
+                                               initial_state_flags=True),
+    "pool-varlen-bv64-HV8-bf16-vk": dict(num_v_heads=8, varlen=True, state_pool=True, state_dtype="bfloat16",
+                                         state_v_first=True),
+}
+CONFIGS = {**PLAIN_CONFIGS, **POOL_CONFIGS}
 # compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
-DSL_FLOOR = "varlen-bv64-HV4-h0-ht-vk"
-# Local-memory spill instructions per CuTeDSL minor version, configuration and target, as measured: none.
-SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in CONFIGS} for version in ("4.6", "4.7", "4.8")}
+DSL_FLOOR = ("varlen-bv64-HV4-h0-ht-vk", "pool-varlen-bv64-HV4-fp32-vk-flags")
+# Local-memory spill instructions per CuTeDSL minor version, configuration and target, as measured: none (the pool
+# configurations were measured with 4.6 and 4.8 only).
+SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in (PLAIN_CONFIGS if version == "4.7" else CONFIGS)}
+          for version in ("4.6", "4.7", "4.8")}
 
 # Per chunk and warp (16 value rows): w·S 8 k-blocks x 8 token tiles, qg·S the same, kgᵀ·v_new 4 x 16 K tiles,
 # and the causal Aqk·v_new 2 x (4 + 3 + 2 + 1) tiles.
@@ -58,7 +72,7 @@ def _config(config_id: str):
 
 @pytest.mark.parametrize(("config_id", "target"), [
     pytest.param(config_id, target, id=f"{config_id}-{target}",
-                 marks=[pytest.mark.dsl_floor] if config_id == DSL_FLOOR else [])
+                 marks=[pytest.mark.dsl_floor] if config_id in DSL_FLOOR else [])
     for config_id in CONFIGS for target in SM
 ])
 def test_kda_recurrence_machine_code(config_id: str, target: str) -> None:
@@ -90,6 +104,20 @@ def test_kda_recurrence_machine_code(config_id: str, target: str) -> None:
     if config.output_final_state:
         store = "STG.E.64" if config.state_v_first else "STG.E"  # K-contiguous pairs, or single V-strided floats
         assert code.opcodes[store] >= K // 8 * 2
+    if config.state_pool:
+        # The thread's 64 state elements, read once from the slot and written once back: 32 K-contiguous pairs
+        # (V-first: 8 bytes fp32, 4 bytes bf16) or 64 V-strided single elements.
+        pairs = config.state_v_first
+        width = {("float32", True): ".64", ("float32", False): "", ("bfloat16", True): "",
+                 ("bfloat16", False): ".U16"}[(config.state_dtype, pairs)]
+        accesses = K // 8 * (2 if pairs else 4)
+        assert code.opcodes["LDG.E" + width] >= accesses and code.opcodes["STG.E" + width] >= accesses
+        if config.state_dtype == "bfloat16":  # every fp32 store is a state store of another width: none here
+            assert code.opcodes["STG.E.64"] == 0 and (pairs or code.opcodes["STG.E"] == 0)
+        assert code.opcodes["LDG.E.U8"] == (1 if config.initial_state_flags else 0)  # the has_initial_state byte
+        assert code.opcodes["STG.E.128"] == 2 * C // 16  # o rows, and a padding row's zero rows
+    else:
+        assert code.opcodes["LDG.E.U8"] == 0
 
 
 def test_one_binary_serves_every_length() -> None:
@@ -114,6 +142,11 @@ def test_one_binary_serves_every_length() -> None:
         ({"block_v": 16}, "block_v"),
         ({"block_v": 32}, "block_v=32: expected one of (64, 128)"),  # the retired 2-warp form
         ({"num_v_heads": 0}, "num_v_heads"),
+        ({"state_dtype": "bfloat16"}, "a bf16 state needs state_pool"),
+        ({"initial_state_flags": True}, "needs state_pool"),
+        ({"state_pool": True, "has_initial_state": True}, "has_initial_state and output_final_state must be False"),
+        ({"state_pool": True, "output_final_state": True}, "has_initial_state and output_final_state must be False"),
+        ({"state_pool": True, "state_dtype": "float16"}, "state_dtype='float16': expected one of"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:

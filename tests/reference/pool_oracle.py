@@ -84,7 +84,7 @@ def oracle(kwargs: dict, pool: torch.Tensor, indices: list, lens: list[int], *, 
     ``cula_runtime.state_pool`` for in-range values); ``indices`` ``[N]`` or ``[N][W]`` as Python ints."""
     flags = {key: kwargs[key] for key in _NAIVE_KEYS if key in kwargs}
     B, T = kwargs["q"].shape[:2]
-    o = torch.zeros(B, T, kwargs["v"].shape[2], V, dtype=torch.float64)
+    o = torch.zeros(B, T, *kwargs["v"].shape[2:], dtype=torch.float64)
     before = pool.double()
     after = before.clone()
     cu = kwargs.get("cu_seqlens")

@@ -12,6 +12,12 @@ Every gate form is served: bounded gates (:func:`cula_runtime.kda_args.gate_is_b
 safe-gate form, every other gate (the softplus form, ``lower_bound < -5``, a precomputed g without ``safe_gate``) its
 unbounded form (``KdaIntraConfig.unbounded``: the diagonal score blocks by the levels split), which ran on sm_90
 (H200) against the fp64 oracle on the 13 unbounded configs of tests/gpu (2026-12-01).
+
+The state-pool form (``state=``, ``state_indices=``, ``has_initial_state=``; issue 26): the recurrence kernel reads
+each sequence's slot index (and flag) on the device, starts from that slot of the fp32 or bf16 pool and writes the
+final state back in place (``KdaRecurrenceConfig.state_pool``); a slot outside the pool is a padding row, whose o rows
+are zeros. No gather or scatter copy and no host read of the index values. Compiled for the three targets in CI; not
+yet run on a GPU (tests/gpu/test_kda_prefill_pool_gpu.py).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...index import prepare_varlen_launch
-from ...kda_args import POOL_REFUSAL, empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
+from ...kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from ...kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
 from .. import is_available, unavailable_reason
 
@@ -43,14 +49,29 @@ def verify(args: Any) -> tuple[bool, str]:
     capability = device_capability(args.device)
     if capability not in _CAPABILITIES:
         return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
-    if args.state is not None:
-        return False, POOL_REFUSAL
     reason = gpu_kernel_rejection(args, HEAD_DIM)
+    if reason is None and args.state is not None:
+        reason = pool_rejection(args.state)
     if reason is not None:
         return False, reason
     if not gate_is_bounded(args):  # (kda_prefill_cutedsl runs the intra kernel's unbounded form for it)
         return True, "CuTeDSL kernels serve this call (unbounded gate)"
     return True, "CuTeDSL kernels serve this call"
+
+
+def pool_rejection(pool: Any) -> str | None:
+    """Why the recurrence kernel cannot take this (validated) state pool in place, or None: it needs fp32 or bf16,
+    and, for its paired accesses, the slot stride even and the data aligned to two elements (what its
+    ``TensorSpec`` promises; a pool is never copied)."""
+    import torch
+
+    if pool.dtype not in (torch.float32, torch.bfloat16):
+        return f"needs the state pool in fp32 or bf16, got {pool.dtype}"
+    if pool.data_ptr() % (2 * pool.element_size()) or (pool.shape[0] > 1 and pool.stride(0) % 2):
+        return (f"needs the state pool's slot stride even and its data {2 * pool.element_size()}-byte aligned (the "
+                f"kernel writes it in place, never copies it), got stride {pool.stride(0)} at address "
+                f"{pool.data_ptr():#x}")
+    return None
 
 
 @functools.cache
@@ -117,6 +138,12 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     own allocation. The intermediates (w, u, qg, kg, Aqk, g_last) are views of one workspace buffer
     (:func:`carve_workspace`), alive until the call returns.
 
+    The pool form (``args.state``: the pool ``[P, HV, K, V]`` or ``[P, HV, V, K]`` in fp32 or bf16;
+    ``args.state_indices`` int32 ``[N]``; ``args.has_initial_state`` bool ``[N]`` or None; all on the device)
+    returns ``(o, None)``: the recurrence kernel writes each sequence's final state to its slot in place, and a
+    padding row's (slot outside ``[0, P)``) o rows are zeros. A call with no tokens still launches the recurrence:
+    each named slot gets its start state back, or zeros where ``has_initial_state`` is False, as in the reference.
+
     Host path: ``validate_kda_prefill`` and ``verify`` have checked everything the kernel wrappers would (shapes,
     dtypes, one CUDA device, K = V = 128, g and beta bf16 or fp32, ``cu_seqlens``), so the wrappers' checks are
     skipped: each kernel is planned and launched by the same internal function its public wrapper uses
@@ -128,7 +155,8 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     if block_v != 0 and block_v not in BLOCK_V_CHOICES:
         raise ValueError(f"block_v must be 0 (the per-call choice), 64 or 128, got {block_v!r}")
     gate, intra, recurrence = _kernel_modules()
-    if args.B * args.T == 0:  # nothing to launch: empty o, and each sequence's state passes through
+    pool = args.state
+    if args.B * args.T == 0 and (pool is None or args.N == 0):  # nothing to launch: empty o, the states pass through
         return empty_prefill_result(args)
     B, T, HV, K = args.B, args.T, args.HV, args.K
     device = args.device
@@ -149,13 +177,19 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     rows = num_chunks if cu is not None else -(-T // CHUNK)  # g_last: one row per chunk
     w, u, qg, kg, Aqk, g_last = carve_workspace(
         device, ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, rows, HV, K), fp32)))
-    intra._intra_from_raw(
-        args.q, args.k, args.v, args.g, args.beta, args.scale, form, A_log, dt_bias, lower_bound,
-        args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices,
-        num_chunks, out=(w, u, qg, kg, Aqk, g_last), unbounded=not gate_is_bounded(args),
-    )
-    return recurrence._run(qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu, chunk_offsets,
-                           args.state_v_first, block_v, seq_order, args.N)
+    if num_chunks:  # (a pool-form call without tokens runs the recurrence alone: its states pass through the pool)
+        intra._intra_from_raw(
+            args.q, args.k, args.v, args.g, args.beta, args.scale, form, A_log, dt_bias, lower_bound,
+            args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel, args.allow_neg_eigval, cu, chunk_indices,
+            num_chunks, out=(w, u, qg, kg, Aqk, g_last), unbounded=not gate_is_bounded(args),
+        )
+    if pool is None:
+        return recurrence._run(qg, kg, w, u, Aqk, g_last, args.scale, h0, args.output_final_state, cu,
+                               chunk_offsets, args.state_v_first, block_v, seq_order, args.N)
+    o, _ = recurrence._run(qg, kg, w, u, Aqk, g_last, args.scale, None, False, cu, chunk_offsets, args.state_v_first,
+                           block_v, seq_order, args.N, pool=pool, state_indices=args.state_indices,
+                           has_initial_state=args.has_initial_state)
+    return o, None
 
 
 def plan_kda_prefill(args: Any) -> Callable[..., tuple[Any, Any]] | None:
@@ -163,7 +197,13 @@ def plan_kda_prefill(args: Any) -> Callable[..., tuple[Any, Any]] | None:
     ``verify`` accepted, passed contiguous): it takes the call's tensors in the order ``(q, k, v, g, beta,
     initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_host)``, the last the checked host copy of ``cu_seqlens``
     (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and runs :func:`kda_prefill_cutedsl`
-    on them, skipping validation and dispatch. Holds no tensor of the call it was made from."""
+    on them, skipping validation and dispatch. Holds no tensor of the call it was made from.
+
+    None for a pool-form call (``args.state``): a plan's arguments carry no pool, indices or flags, and
+    ``cula.call_plans`` never plans such a call (each one is validated and dispatched, and
+    :func:`kda_prefill_cutedsl` takes the pool from the validated arguments)."""
+    if args.state is not None:
+        return None
     template = args.with_tensors(*(None,) * 10)
 
     def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host):

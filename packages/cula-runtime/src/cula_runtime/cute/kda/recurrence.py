@@ -30,6 +30,17 @@ Grid ``(N, HV, 128 / block_v)``, ``block_v / 16`` warps per CTA; about 131 KB of
 Varlen: one linear grid index instead, and the sequences launch longest first, so the longest chains start in the
 first wave.
 
+The state pool (``KdaRecurrenceConfig.state_pool``; KDA_SPEC §10, the rules of :mod:`cula_runtime.state_pool`): the
+states live in a pool ``[P, HV, K, V]`` (``[P, HV, V, K]``) of fp32 or bf16, and sequence n's CTAs read the int32
+``state_indices[n]`` on the device. A slot in ``[0, P)`` is read (zeros where the optional ``has_initial_state[n]`` is
+False; bf16 widened exactly) and the final state is written back to it in place (bf16: rounded to nearest even). A
+slot outside ``[0, P)`` (negative: padding; ``>= P``: what the host validator refuses for CPU indices) makes the
+sequence a padding row: the pool is neither read nor written, no chunk is loaded or computed, and its o rows are
+written with zeros. Race-free in place: a CTA's piece of the state (its head, its ``block_v`` value columns) belongs
+to no other CTA, and each thread loads its elements of that piece into registers before the chunk loop and stores
+the same elements after it. Two sequences naming one slot (refused on the host for CPU indices; not checked on the
+device) race: the slot ends with a mix of their final states, and either may start from the other's.
+
 :func:`chunk_kda_fwd_recurrence` is the host wrapper (FLA layouts in, ``(o, final_state)`` out). (The kernel's
 retired modes, which only reproduced its bits, are in the repository's history: the delta-h primitive writing
 per-chunk states ``h`` and ``v_new`` for a separate output kernel, the token-major gate ``g_cum`` read at each
@@ -48,7 +59,7 @@ try:
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass import BFloat16, Float32, Int32, Uint8, const_expr
     from cutlass.cute.nvgpu import cpasync, warp
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
@@ -67,7 +78,14 @@ class KdaRecurrenceConfig:
         varlen: packed sequences (B = 1, ``cu_seqlens``).
         has_initial_state: an fp32 initial state is read (else the state starts at zero).
         output_final_state: the fp32 final state is written.
-        state_v_first: the states are ``[N, HV, V, K]`` (else ``[N, HV, K, V]``).
+        state_v_first: the states are ``[N, HV, V, K]`` (else ``[N, HV, K, V]``); the pool ``[P, HV, V, K]`` (else
+            ``[P, HV, K, V]``).
+        state_pool: the states live in a pool read and written in place at each sequence's slot
+            ``state_indices[n]`` (module docstring); excludes ``has_initial_state`` and ``output_final_state``.
+        state_dtype: the pool's dtype, ``"float32"`` or ``"bfloat16"`` (the running state is fp32 either way);
+            only ``"float32"`` without a pool.
+        initial_state_flags: (pool only) a ``has_initial_state`` ``[N]`` byte per sequence is read: where 0, the
+            sequence starts from zeros instead of its slot (the final state is still written there).
         chunk_size: C; only 64.
 
     The gate argument holds each chunk's decay row: ``[B, NT, HV, K]``, varlen ``[1, NC, HV, K]`` with sequence n's
@@ -83,7 +101,13 @@ class KdaRecurrenceConfig:
     has_initial_state: bool = False
     output_final_state: bool = False
     state_v_first: bool = False
+    state_pool: bool = False
+    state_dtype: str = "float32"
+    initial_state_flags: bool = False
     chunk_size: int = 64
+
+
+_STATE_DTYPES = {"float32": Float32, "bfloat16": BFloat16}
 
 
 class KdaRecurrence(ChunkTiles):
@@ -98,14 +122,24 @@ class KdaRecurrence(ChunkTiles):
         reason = ChunkTiles.common_rejection(c)
         if reason is not None:
             return False, reason
+        if c.state_dtype not in _STATE_DTYPES:
+            return False, f"state_dtype={c.state_dtype!r}: expected one of {tuple(_STATE_DTYPES)}"
+        if not c.state_pool:
+            if c.state_dtype != "float32":
+                return False, f"state_dtype={c.state_dtype!r}: h0 and ht are fp32 (a bf16 state needs state_pool)"
+            if c.initial_state_flags:
+                return False, "initial_state_flags (has_initial_state per sequence) needs state_pool"
+        elif c.has_initial_state or c.output_final_state:
+            return False, "state_pool reads and writes the pool: has_initial_state and output_final_state must be False"
         return True, ""
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
-        """Layout promises of the twelve tensor arguments of ``__call__``, in order (None: argument absent)."""
+        """Layout promises of the fifteen tensor arguments of ``__call__``, in order (None: argument absent)."""
         c = self.config
         bf16 = TensorSpec(BFloat16, 4, 8)  # 16-byte rows segments for cp.async and the o store
         state = TensorSpec(Float32, 4, 2)
         index = TensorSpec(Int32, 1) if c.varlen else None
+        pool = c.state_pool
         return (
             bf16,  # qg [B, T, HV, K]
             bf16,  # kg [B, T, HV, K]
@@ -119,6 +153,9 @@ class KdaRecurrence(ChunkTiles):
             index,  # cu_seqlens [N + 1]
             index,  # chunk_offsets [N + 1]
             index,  # seq_order [N]
+            TensorSpec(_STATE_DTYPES[c.state_dtype], 4, 2) if pool else None,  # the pool [P, HV, K, V] / [P, HV, V, K]
+            TensorSpec(Int32, 1) if pool else None,  # state_indices [N]
+            TensorSpec(Uint8, 1) if c.initial_state_flags else None,  # has_initial_state [N] (a bool as a byte)
         )
 
     def compile_arguments(self) -> tuple:
@@ -143,6 +180,9 @@ class KdaRecurrence(ChunkTiles):
         mCuSeqlens: cute.Tensor | None,
         mChunkOffsets: cute.Tensor | None,
         mSeqOrder: cute.Tensor | None,
+        mPool: cute.Tensor | None,
+        mStateIdx: cute.Tensor | None,
+        mHasInit: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -168,8 +208,8 @@ class KdaRecurrence(ChunkTiles):
         else:
             grid = [mW.shape[0], c.num_v_heads, K // BV]
         self.kernel(
-            mQg, mKg, mW, mU, mAqk, mG, mH0, mO, mHt, mCuSeqlens, mChunkOffsets, mSeqOrder, scale,
-            sK_layout, sU_layout, sA_layout, tiled_mma, SharedStorage,
+            mQg, mKg, mW, mU, mAqk, mG, mH0, mO, mHt, mCuSeqlens, mChunkOffsets, mSeqOrder, mPool, mStateIdx, mHasInit,
+            scale, sK_layout, sU_layout, sA_layout, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -190,6 +230,9 @@ class KdaRecurrence(ChunkTiles):
         mCuSeqlens: cute.Tensor | None,
         mChunkOffsets: cute.Tensor | None,
         mSeqOrder: cute.Tensor | None,
+        mPool: cute.Tensor | None,
+        mStateIdx: cute.Tensor | None,
+        mHasInit: cute.Tensor | None,
         scale: Float32,
         sK_layout: cute.ComposedLayout,
         sU_layout: cute.ComposedLayout,
@@ -219,6 +262,11 @@ class KdaRecurrence(ChunkTiles):
             bos = Int32(0)
             seqlen = mW.shape[1]
         num_chunks = (seqlen + (C - 1)) // C
+        run_chunks = num_chunks  # the chunks computed (a padding row of the pool computes none)
+        if const_expr(c.state_pool):  # the slot; -1 outside [0, P) (negative: padding; >= P: treated as padding)
+            slot = mStateIdx[n]
+            slot = cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
+            run_chunks = cutlass.select_(slot >= 0, num_chunks, Int32(0))
 
         # ---- shared memory
         smem = SmemAllocator()
@@ -277,7 +325,15 @@ class KdaRecurrence(ChunkTiles):
         tSsGamma = thr_mma.partition_C(sGamma)
 
         # ---- initial state (fp32) into the accumulator layout of Sᵀ
-        if const_expr(c.has_initial_state):
+        if const_expr(c.state_pool):  # from the slot (widened to fp32), else zeros; this thread's elements only
+            tSrS.fill(0.0)
+            if slot >= 0:
+                read = Int32(1)
+                if const_expr(c.initial_state_flags):
+                    read = Int32(mHasInit[n])
+                if read != 0:
+                    tSrS.store(self._pool_tile(thr_mma, mPool, slot, hv, vb).load().to(Float32))
+        elif const_expr(c.has_initial_state):
             tSgH0 = thr_mma.partition_C(self._state_tile(mH0[n, hv, None, None], vb))
             tSrS.store(tSgH0.load())
         else:
@@ -295,17 +351,17 @@ class KdaRecurrence(ChunkTiles):
         gate_row0 = Int32(0)
         if const_expr(c.varlen):
             gate_row0 = mChunkOffsets[n]
-        if num_chunks > 0:
+        if run_chunks > 0:
             self.load_chunk(loader, mQg, mKg, mW, mU, mAqk, mG, sW, sQ, sKg, sU, sA, sG, b, hv, vb, bos,
                             cutlass.min(seqlen, C), Int32(0), tidx, gate_row0)
             cute.arch.cp_async_commit_group()
 
-        for chunk in cutlass.range(num_chunks, unroll=1):
+        for chunk in cutlass.range(run_chunks, unroll=1):
             stage = chunk % 2
             length = cutlass.min(seqlen - chunk * C, C)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # chunk's tiles visible; everyone is done with the other stage
-            if chunk + 1 < num_chunks:
+            if chunk + 1 < run_chunks:
                 self.load_chunk(loader, mQg, mKg, mW, mU, mAqk, mG, sW, sQ, sKg, sU, sA, sG, b, hv, vb,
                                 bos + (chunk + 1) * C, cutlass.min(seqlen - (chunk + 1) * C, C), 1 - stage, tidx,
                                 gate_row0 + chunk + 1)
@@ -365,6 +421,31 @@ class KdaRecurrence(ChunkTiles):
         if const_expr(c.output_final_state):
             tSgHt = thr_mma.partition_C(self._state_tile(mHt[n, hv, None, None], vb))
             tSgHt.store(tSrS.load())
+        if const_expr(c.state_pool):
+            if slot >= 0:  # back into the slot, in place: the elements this thread read (rounded to the pool's dtype)
+                self._pool_tile(thr_mma, mPool, slot, hv, vb).store(tSrS.load().to(mPool.element_type))
+            else:  # a padding row: its o rows are zeros (nothing was loaded or computed)
+                for chunk in cutlass.range(num_chunks, unroll=1):
+                    self.store_zero_rows(mO, b, hv, vb, bos + chunk * C, cutlass.min(seqlen - chunk * C, C), tidx)
+
+    @cute.jit
+    def store_zero_rows(self, mO: cute.Tensor, b: Int32, hv: Int32, vb: Int32, tok0: Int32, length: Int32,
+                        tidx: Int32):
+        """Zeros into rows ``< length`` of ``mO[b, tok0 + row, hv, block vb]`` (a padding row's o), one 16-byte
+        segment per copy, straight from registers."""
+        C, BV = self.config.chunk_size, self.config.block_v
+        per_row = BV // 8
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
+        thr = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8))).get_slice(tidx)
+        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, BV), (0, vb))
+        tOgO = thr.partition_D(gO)  # (CPY, passes, 1)
+        tOcO = thr.partition_D(cute.make_identity_tensor((C, BV)))
+        rZero = cute.make_fragment_like(tOgO[None, 0, None])
+        rZero.fill(0.0)
+        for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[(0, 0), p, 0][0] < length:
+                cute.copy(atom, rZero, tOgO[None, p, None])
 
     @cute.jit
     def _state_tile(self, head: cute.Tensor, vb: Int32) -> cute.Tensor:
@@ -375,6 +456,10 @@ class KdaRecurrence(ChunkTiles):
                 (head.shape[1], head.shape[0]), stride=(head.stride[1], head.stride[0])
             ))
         return cute.local_tile(head, (c.block_v, c.head_dim), (vb, 0))
+
+    def _pool_tile(self, thr_mma, mPool: cute.Tensor, slot: Int32, hv: Int32, vb: Int32) -> cute.Tensor:
+        """This thread's elements of the CTA's block of ``Sᵀ`` in pool slot ``slot``, in accumulator layout."""
+        return thr_mma.partition_C(self._state_tile(mPool[slot, hv, None, None], vb))
 
     @staticmethod
     def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
@@ -411,16 +496,19 @@ class KdaRecurrence(ChunkTiles):
 @functools.lru_cache(maxsize=256)
 def _plan(HV: int, K: int, block_v: int, flags: tuple) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
-    varlen, has_h0, want_ht, v_first = flags
+    varlen, has_h0, want_ht, v_first, pool_dtype, has_flags = flags
     config = KdaRecurrenceConfig(num_v_heads=HV, head_dim=K, block_v=block_v, varlen=varlen,
-                                 has_initial_state=has_h0, output_final_state=want_ht, state_v_first=v_first)
+                                 has_initial_state=has_h0, output_final_state=want_ht, state_v_first=v_first,
+                                 state_pool=pool_dtype is not None, state_dtype=pool_dtype or "float32",
+                                 initial_state_flags=has_flags)
     ok, reason = KdaRecurrence.can_implement(config)
     if not ok:
         raise ValueError(f"KdaRecurrence: {reason}")
     return config, KdaRecurrence(config).argument_specs()
 
 
-_OUTPUTS = frozenset({7, 8})  # o, ht among the tensor arguments
+_OUTPUTS = frozenset({7, 8, 12})  # o, ht and the pool (written in place) among the tensor arguments
+_POOL_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}
 
 
 def chunk_kda_fwd_recurrence(
@@ -439,6 +527,9 @@ def chunk_kda_fwd_recurrence(
     *,
     block_v: int = 64,
     seq_order=None,
+    state=None,
+    state_indices=None,
+    has_initial_state=None,
 ):
     """Fused inter-chunk recurrence and chunk output of KDA on the GPU: ``(o, final_state or None)``.
 
@@ -460,10 +551,20 @@ def chunk_kda_fwd_recurrence(
         seq_order: with ``cu_seqlens``: int32 ``[N]``, the order in which the sequences' CTAs are launched; None:
             :func:`~cula_runtime.index.prepare_sequence_order` (longest first, so that the longest chains start in
             the first wave). Any order gives the same bits.
+        state: a state pool instead of ``initial_state`` / ``output_final_state``: fp32 or bf16 ``[P, HV, K, V]``
+            (``[P, HV, V, K]`` with ``state_v_first``) on the device, unit last stride, the other strides even and
+            the data 8-byte (fp32) or 4-byte (bf16) aligned; read and written in place, never copied.
+        state_indices: int32 ``[N]`` on the device, with ``state``: sequence n starts from slot
+            ``state_indices[n]`` and its final state (rounded to the pool's dtype) is written back there; a slot
+            outside ``[0, P)`` is a padding row (nothing read or written, o rows zero). The values are not read on
+            the host; two sequences naming one slot race (the module docstring).
+        has_initial_state: bool ``[N]`` on the device or None, with ``state``: where False, the sequence starts from
+            zeros instead of its slot (its final state is still written there).
 
     Returns:
-        ``o`` bf16 ``[B, T, HV, 128]`` and the final state (or None). Launched on the current stream; the first call
-        per configuration compiles (:func:`cula_runtime.cute.compile_cache.compile_records`).
+        ``o`` bf16 ``[B, T, HV, 128]`` and the final state (or None; None with ``state``). Launched on the current
+        stream; the first call per configuration compiles
+        (:func:`cula_runtime.cute.compile_cache.compile_records`).
     """
     import torch
 
@@ -484,6 +585,10 @@ def chunk_kda_fwd_recurrence(
                              f"{tuple(initial_state.shape)}")
         if initial_state.device != device:
             raise ValueError(f"initial_state must be on {device}")
+    if state is not None:
+        _check_pool(state, state_indices, has_initial_state, initial_state, output_final_state, N, HV, K, device)
+    elif state_indices is not None or has_initial_state is not None:
+        raise ValueError("state_indices and has_initial_state index a state pool: pass state (the pool) too")
     rows = "NC" if varlen else -(-T // 64)
     if (g_last.dim() != 4 or g_last.dtype != torch.float32 or g_last.device != device or g_last.shape[0] != B
             or (not varlen and g_last.shape[1] != rows) or tuple(g_last.shape[2:]) != (HV, K)):
@@ -506,25 +611,56 @@ def chunk_kda_fwd_recurrence(
     elif seq_order is not None:
         raise ValueError("seq_order orders the sequences of a packed batch: it needs cu_seqlens")
     return _run(qg, kg, w, u, Aqk, g_last, scale, initial_state, bool(output_final_state), cu_seqlens,
-                chunk_offsets, bool(state_v_first), block_v, seq_order, N)
+                chunk_offsets, bool(state_v_first), block_v, seq_order, N, pool=state, state_indices=state_indices,
+                has_initial_state=has_initial_state)
+
+
+def _check_pool(pool, state_indices, has_initial_state, initial_state, output_final_state: bool, N: int, HV: int,
+                K: int, device) -> None:
+    """:func:`chunk_kda_fwd_recurrence`'s checks of its pool arguments (the layout promises are the launch's)."""
+    import torch
+
+    if initial_state is not None or output_final_state:
+        raise ValueError("state (the pool) excludes initial_state and output_final_state: the states are read from "
+                         "and written to the pool")
+    if (pool.dim() != 4 or tuple(pool.shape[1:]) != (HV, K, K) or pool.dtype not in (torch.float32, torch.bfloat16)
+            or pool.device != device):
+        raise ValueError(f"state must be a float32 or bfloat16 pool [P, {HV}, {K}, {K}] on {device}, got "
+                         f"{pool.dtype} {tuple(pool.shape)} on {pool.device}")
+    if (state_indices is None or state_indices.dtype != torch.int32 or tuple(state_indices.shape) != (N,)
+            or state_indices.device != device):
+        got = "None" if state_indices is None else \
+            f"{state_indices.dtype} {tuple(state_indices.shape)} on {state_indices.device}"
+        raise ValueError(f"state needs state_indices: int32 [{N}] on {device}, got {got}")
+    if has_initial_state is not None and (has_initial_state.dtype != torch.bool
+                                          or tuple(has_initial_state.shape) != (N,)
+                                          or has_initial_state.device != device):
+        raise ValueError(f"has_initial_state must be bool [{N}] on {device}, got {has_initial_state.dtype} "
+                         f"{tuple(has_initial_state.shape)} on {has_initial_state.device}")
 
 
 def _run(qg, kg, w, u, Aqk, g_last, scale: float, initial_state, output_final_state: bool, cu_seqlens,
-         chunk_offsets, state_v_first: bool, block_v: int, seq_order, N: int) -> tuple:
+         chunk_offsets, state_v_first: bool, block_v: int, seq_order, N: int, *, pool=None, state_indices=None,
+         has_initial_state=None) -> tuple:
     """:func:`chunk_kda_fwd_recurrence` after its checks (``N`` sequences; with ``cu_seqlens``, ``chunk_offsets``
-    and ``seq_order`` given): plan, allocate ``o`` and the final state, launch: ``(o, ht or None)``. The cutedsl
-    backend calls it directly: :func:`~cula_runtime.kda_args.validate_kda_prefill` and the intra kernel's outputs
+    and ``seq_order`` given; with ``pool``, ``state_indices`` and optionally ``has_initial_state``): plan, allocate
+    ``o`` and the final state, launch: ``(o, ht or None)``. The cutedsl backend calls it directly:
+    :func:`~cula_runtime.kda_args.validate_kda_prefill`, the backend's ``verify`` and the intra kernel's outputs
     meet what the wrapper checks."""
     import torch
 
     B, T, HV, K = w.shape
     device = w.device
     varlen = cu_seqlens is not None
-    config, specs = _plan(HV, K, block_v, (varlen, initial_state is not None, output_final_state, state_v_first))
+    pool_dtype = None if pool is None else _POOL_DTYPES[str(pool.dtype)]
+    config, specs = _plan(HV, K, block_v, (varlen, initial_state is not None, output_final_state, state_v_first,
+                                           pool_dtype, has_initial_state is not None))
     o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device)
     ht = torch.empty((N, HV, K, K), dtype=torch.float32, device=device) if output_final_state else None
     if N == 0:
         return o, ht
-    tensors = (qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_offsets, seq_order)
+    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)  # (a view: no copy)
+    tensors = (qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_offsets, seq_order, pool,
+               state_indices, flag_bytes)
     launch(KdaRecurrence, config, specs, tensors, _OUTPUTS, device, float(scale))
     return o, ht
