@@ -1,0 +1,183 @@
+"""cuLA's KDA calls as torch custom ops: ``torch.ops.cula.kda_prefill``, ``kda_prefill_pool``, ``kda_decode`` and
+``kda_decode_out``, registered once when ``cula`` is imported (no GPU code, CuTeDSL or native extension is imported).
+
+Why: ``torch.compile(fullgraph=True)`` cannot trace into the GPU backends (raw pointers handed to a native
+extension or a CuTeDSL kernel), and a serving engine wraps every kernel in an op that the compiler keeps as one node
+and CUDA graphs capture. Each op has a fake (meta) implementation that gives its outputs' exact shapes, dtypes and
+devices without running anything, so the compiler traces the model around it. The real implementation calls the
+Python API (:func:`cula.kda.kda_prefill`, :func:`cula.kda.kda_decode`): validation, dispatch and call plans are the
+same for both doors, and a model may call either.
+
+The ops (arguments in the order and with the defaults of the Python API; every argument may be passed by name):
+
+- ``kda_prefill(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, ...,
+  cu_seqlens_cpu=None) -> (o, final_state)``: :func:`cula.kda.kda_prefill`'s plain form. A custom op cannot return
+  ``None``, so with ``output_final_state=False`` ``final_state`` is an **empty fp32 tensor** (shape ``[0]``, on q's
+  device): test ``final_state.numel() == 0``. With it, ``final_state`` is fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]``
+  with ``state_v_first``), ``N`` = ``len(cu_seqlens) - 1`` or ``B``.
+- ``kda_prefill_pool(q, k, v, g, beta, state, state_indices, has_initial_state=None, scale=None, ...) -> o``: the pool
+  form (``state=`` in the Python API): the final states are written into ``state`` in place (declared mutated).
+- ``kda_decode(q, k, v, g, beta, state, state_indices, scale=None, ...) -> o``: :func:`cula.kda.kda_decode`, the pool
+  ``state`` mutated in place; ``o`` is a new tensor.
+- ``kda_decode_out(q, k, v, g, beta, state, state_indices, out, scale=None, ...) -> ()``: the same writing ``o`` into
+  ``out`` (both ``state`` and ``out`` declared mutated, nothing returned). An op may not return one of its inputs, so
+  the ``out=`` form of the Python API is an op of its own, as the out-forms of a serving engine's ops are.
+
+``o`` is always ``[B, T, HV, V]`` in q's dtype on q's device, contiguous. Bad arguments raise the Python API's
+``TypeError``/``ValueError`` naming the argument.
+
+No op registers a backward (cuLA serves inference): gradients flow through an op exactly where they flow through the
+Python API (the CPU reference is torch code, whose ops record the graph under torch's autograd fallback; the GPU
+kernels record nothing), and torch warns on a backward through an op that it has no autograd kernel.
+
+Registered with ``torch.library.Library`` (``define``; ``impl`` at ``CompositeExplicitAutograd``, i.e. every device)
+and ``torch.library.register_fake``, not with ``torch.library.custom_op``: the latter's autograd wrapper runs on every
+call outside inference mode and cost about 30 us more per eager call here (50 us against 20 us for an op of these
+19 arguments doing nothing, a 2-core CPU, torch 2.13), more than the goal of 10 us over a plain call; so did a Python
+guard at the Autograd key refusing inputs that require grad (+13 us).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kda import kda_decode, kda_prefill
+
+__all__ = ["NAMESPACE", "OPS"]
+
+NAMESPACE = "cula"
+#: the ops this module defines, in ``torch.ops.cula``
+OPS = ("kda_prefill", "kda_prefill_pool", "kda_decode", "kda_decode_out")
+
+# The arguments every op shares after the inputs, in the Python API's names and defaults.
+_GATE_FLAGS = ("bool use_qk_l2norm_in_kernel=False, bool use_gate_in_kernel=False, "
+               "bool use_beta_sigmoid_in_kernel=False, bool allow_neg_eigval=False")
+_PREFILL_TAIL = (f"{_GATE_FLAGS}, bool safe_gate=False, float? lower_bound=None, Tensor? A_log=None, "
+                 "Tensor? dt_bias=None, Tensor? cu_seqlens=None, bool state_v_first=False, Tensor? cu_seqlens_cpu=None")
+_DECODE_TAIL = (f"float? scale=None, Tensor? A_log=None, Tensor? dt_bias=None, float? lower_bound=None, {_GATE_FLAGS}, "
+                "bool state_v_first=False, Tensor? cu_seqlens=None, Tensor? num_accepted_tokens=None")
+_INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta"
+
+SCHEMAS = {
+    "kda_prefill": f"({_INPUTS}, float? scale=None, Tensor? initial_state=None, bool output_final_state=False, "
+                   f"{_PREFILL_TAIL}) -> (Tensor, Tensor)",
+    "kda_prefill_pool": f"({_INPUTS}, Tensor(a!) state, Tensor state_indices, Tensor? has_initial_state=None, "
+                        f"float? scale=None, {_PREFILL_TAIL}) -> Tensor",
+    "kda_decode": f"({_INPUTS}, Tensor(a!) state, Tensor state_indices, {_DECODE_TAIL}) -> Tensor",
+    "kda_decode_out": f"({_INPUTS}, Tensor(a!) state, Tensor state_indices, Tensor(b!) out, {_DECODE_TAIL}) -> ()",
+}
+
+
+def _no_final_state(q: torch.Tensor) -> torch.Tensor:
+    """What ``kda_prefill`` returns for the final state with ``output_final_state=False``: fp32 ``[0]``."""
+    return torch.empty(0, dtype=torch.float32, device=q.device)
+
+
+def _output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An empty ``o``: ``[B, T, HV, V]`` in q's dtype on q's device (the fake implementations' output)."""
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2], v.shape[3]))
+
+
+# ---- real implementations: the Python API -------------------------------------------------------------------------
+
+def _kda_prefill(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                 allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, cu_seqlens=None,
+                 state_v_first=False, cu_seqlens_cpu=None):
+    o, final_state = kda_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
+                                 lower_bound, A_log, dt_bias, cu_seqlens, state_v_first, cu_seqlens_cpu)
+    return o, _no_final_state(q) if final_state is None else final_state
+
+
+def _kda_prefill_pool(q, k, v, g, beta, state, state_indices, has_initial_state=None, scale=None,
+                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                      allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None,
+                      cu_seqlens=None, state_v_first=False, cu_seqlens_cpu=None):
+    o, _ = kda_prefill(q, k, v, g, beta, scale, None, False, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                       use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias,
+                       cu_seqlens, state_v_first, cu_seqlens_cpu, state=state, state_indices=state_indices,
+                       has_initial_state=has_initial_state)
+    return o
+
+
+def _kda_decode(q, k, v, g, beta, state, state_indices, scale=None, A_log=None, dt_bias=None, lower_bound=None,
+                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, num_accepted_tokens=None):
+    return kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log,
+                      dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                      num_accepted_tokens=num_accepted_tokens)
+
+
+def _kda_decode_out(q, k, v, g, beta, state, state_indices, out, scale=None, A_log=None, dt_bias=None,
+                    lower_bound=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+                    num_accepted_tokens=None):
+    kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log, dt_bias=dt_bias,
+               lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+               use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+               allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+               num_accepted_tokens=num_accepted_tokens, out=out)
+
+
+# ---- fake implementations: shapes, dtypes and devices only ------------------------------------------------------
+
+def _kda_prefill_fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                      allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None,
+                      cu_seqlens=None, state_v_first=False, cu_seqlens_cpu=None):
+    o = _output_like(q, v)
+    if not output_final_state:
+        return o, _no_final_state(q)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    return o, q.new_empty(shape, dtype=torch.float32)
+
+
+def _kda_prefill_pool_fake(q, k, v, g, beta, state, state_indices, *args):
+    return _output_like(q, v)
+
+
+def _kda_decode_fake(q, k, v, g, beta, state, state_indices, *args):
+    return _output_like(q, v)
+
+
+def _kda_decode_out_fake(q, k, v, g, beta, state, state_indices, out, *args):
+    return None
+
+
+_IMPLEMENTATIONS = {
+    "kda_prefill": (_kda_prefill, _kda_prefill_fake),
+    "kda_prefill_pool": (_kda_prefill_pool, _kda_prefill_pool_fake),
+    "kda_decode": (_kda_decode, _kda_decode_fake),
+    "kda_decode_out": (_kda_decode_out, _kda_decode_out_fake),
+}
+
+
+def _defined(name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _register() -> torch.library.Library | None:
+    """Define and implement the ops (once per process: a second import of this module finds them defined)."""
+    if _defined(OPS[0]):
+        return None
+    library = torch.library.Library(NAMESPACE, "DEF")
+    for name in OPS:
+        library.define(name + SCHEMAS[name])
+        real, fake = _IMPLEMENTATIONS[name]
+        # every device: the real implementation dispatches by the tensors' device itself (cula.dispatch)
+        library.impl(name, real, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=library)
+    return library
+
+
+# kept for the life of the process: dropping the Library object would remove the ops
+_LIBRARY = _register()
