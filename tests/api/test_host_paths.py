@@ -723,3 +723,37 @@ def test_sm90_workspace_blocks_follow_stream_order_and_go_back(monkeypatch: pyte
     del out_side, out_main, o, ht
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+def test_a_pool_call_through_the_api_is_planned_and_its_plan_writes_the_pool(fake_sm90, monkeypatch) -> None:
+    """``cula.kda.kda_prefill`` with a pool whose indices are GPU tensors (stood in for by CPU ones here: the host
+    check of their values is what keeps CPU calls unplanned) leaves a plan; the second call of the signature runs it
+    without validation and its writes land in that call's pool."""
+    import cula.kda
+    from cula import call_plans, dispatch
+
+    kda, fake = fake_sm90
+    validations = []
+
+    def counted(*a):
+        validations.append(1)
+        return validate_kda_prefill(*a)
+
+    monkeypatch.setattr(cula.kda, "validate_kda_prefill", counted)
+    monkeypatch.setattr(cula.kda, "select_backend", lambda args: kda.kda_prefill)
+    monkeypatch.setattr(dispatch, "_planners", {kda.kda_prefill: kda.plan_kda_prefill})
+    monkeypatch.setattr(call_plans, "indices_checked_on_host", lambda idx: False)
+    call_plans.clear_call_plans()
+    try:
+        for attempt in range(2):
+            kwargs, storage = _pool_kwargs(varlen=True, dtype=torch.float32, v_first=False, has=True)
+            args = validate_kda_prefill(**kwargs)
+            fake.o_bytes, fake.state_bytes = args.B * args.T * POOL_HV * 128 * 2, 0
+            before = storage.clone()
+            o, ht = cula.kda.kda_prefill(**kwargs)
+            assert ht is None and validations == [1], f"call {attempt}: validated {len(validations)} times"
+            assert fake.recurrence[21] == storage.data_ptr()
+            expected = _expected_storage(fake, before, 1, POOL_SLOTS, POOL_HAS)
+            assert torch.equal(storage.view(torch.uint8), expected.view(torch.uint8))
+    finally:
+        call_plans.clear_call_plans()

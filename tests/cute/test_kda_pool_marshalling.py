@@ -110,10 +110,29 @@ def test_a_pool_call_without_tokens_still_runs_the_recurrence(cu, launches: list
     assert rec_args[12] is args.state and all(t.numel() == 0 for t in rec_args[:6])
 
 
-def test_a_pool_call_plans_nothing() -> None:
-    from cula_runtime.cute.kda.backend import plan_kda_prefill
+def test_a_pool_plan_launches_what_the_unplanned_call_launches(launches: list, monkeypatch) -> None:
+    """A plan made from a pool-form call takes the pool, indices and flags with each call and launches the kernels
+    with exactly the arguments of the unplanned path."""
+    from cula_runtime.cute.kda import backend
+    from cula_runtime.cute.kda.backend import kda_prefill_cutedsl, plan_kda_prefill
 
-    assert plan_kda_prefill(_pool_args(CU)) is None
+    monkeypatch.setattr(backend, "sm_count", lambda device: 132)  # (the V block's choice asks the GPU)
+    args = _pool_args(CU)
+    plan = plan_kda_prefill(args)
+    o_planned, final = plan(args.q, args.k, args.v, args.g, args.beta, None, None, None, args.cu_seqlens,
+                            args.cu_seqlens_host, state=args.state, state_indices=args.state_indices,
+                            has_initial_state=args.has_initial_state)
+    assert final is None
+    planned = list(launches)
+    launches.clear()
+    kda_prefill_cutedsl(args)
+    assert [(cls, config) for cls, config, _ in planned] == [(cls, config) for cls, config, _ in launches]
+    for (_, _, a), (_, _, b) in zip(planned, launches, strict=True):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):  # the call's own tensors are the same objects; workspaces alike
+            assert (x is y) if x is args.state or x is args.state_indices else type(x) is type(y)
+    rec_args = planned[-1][2]
+    assert rec_args[12] is args.state and rec_args[13] is args.state_indices
 
 
 def test_a_pool_breaking_the_kernels_promise_is_refused_not_copied(launches: list) -> None:

@@ -110,16 +110,21 @@ class KdaPrefillArgs(KdaCallArgs):
 
     def with_tensors(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      initial_state: torch.Tensor | None, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
-                     cu_seqlens: torch.Tensor | None, cu_seqlens_host: torch.Tensor | None) -> KdaPrefillArgs:
+                     cu_seqlens: torch.Tensor | None, cu_seqlens_host: torch.Tensor | None, *,
+                     state: torch.Tensor | None = None, state_indices: torch.Tensor | None = None,
+                     has_initial_state: torch.Tensor | None = None) -> KdaPrefillArgs:
         """These arguments with another call's tensors, for a call plan (``cula.call_plans``): the tensors must have
         this call's signature, contiguous, and ``cu_seqlens_host`` must be their checked host copy
-        (:func:`checked_boundaries`). A ``[HV, K]`` ``dt_bias`` is flattened as the validator does. No check runs."""
+        (:func:`checked_boundaries`); a pool-form call's pool, indices and flags (on the GPU: no slot is checked on
+        the host, ``pool_slots`` stays None). A ``[HV, K]`` ``dt_bias`` is flattened as the validator does. No check
+        runs."""
         if dt_bias is not None and dt_bias.ndim != 1:
             dt_bias = dt_bias.view(-1)
         args = copy.copy(self)  # (a frozen dataclass: its fields are set the way its own __init__ sets them)
         for name, value in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
                             ("A_log", A_log), ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
-                            ("cu_seqlens_host", cu_seqlens_host)):
+                            ("cu_seqlens_host", cu_seqlens_host), ("state", state), ("state_indices", state_indices),
+                            ("has_initial_state", has_initial_state)):
             object.__setattr__(args, name, value)
         return args
 

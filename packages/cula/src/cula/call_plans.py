@@ -13,8 +13,9 @@ it runs a plan (the validator's cached check, :func:`cula_runtime.kda_args.check
 plan receives), and each pointer's alignment inside the sm90 plan. Plans are
 made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
 holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, flags that are not
-``bool``, or a state pool (``state=``) are never planned: the validator sees each of them. ``CULA_CALL_PLANS=0``
-turns plans off.
+``bool``, or index tensors on the CPU (a pool-form prefill's or a decode's: the validator checks their values) are
+never planned: the validator sees each of them. A planned pool-form call takes its pool, indices and flags as it
+comes (``kda_decode`` likewise). ``CULA_CALL_PLANS=0`` turns plans off.
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, u
                    dt_bias, cu_seqlens, state_v_first, cu_seqlens_cpu, state=None, state_indices=None,
                    has_initial_state=None) -> tuple | None:
     """The signature of a ``kda_prefill`` call (its arguments in ``kda_prefill``'s order) as a hashable key, or None
-    for a call that is never planned (a call with a state pool, or any with ``CULA_CALL_PLANS=0``). About 5 us."""
-    if env_value(ENV_CALL_PLANS, "1") == "0" or not (state is None and state_indices is None
-                                                      and has_initial_state is None):
+    for a call that is never planned (a pool-form call whose indices are on the CPU, whose slots the validator checks
+    on every call, or any with ``CULA_CALL_PLANS=0``). About 5 us."""
+    if env_value(ENV_CALL_PLANS, "1") == "0":
         return None
+    pooled = not (state is None and state_indices is None and has_initial_state is None)
+    if pooled and (state_indices.__class__ is not _Tensor or indices_checked_on_host(state_indices)):
+        return None  # (the validator checks CPU slots on every call; a bad pool call is its to refuse)
     flags = (output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
              allow_neg_eigval, safe_gate, state_v_first)
     for flag in flags:
@@ -71,9 +75,10 @@ def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, u
     try:
         tensors = tuple(map(_tensor_key, (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                           cu_seqlens_cpu)))
+        pool = tuple(map(_tensor_key, (state, state_indices, has_initial_state))) if pooled else None
     except (_Unplannable, RuntimeError):  # (RuntimeError: a layout without strides)
         return None
-    return tensors, flags, scale, lower_bound, env_snapshot()
+    return tensors, pool, flags, scale, lower_bound, env_snapshot()
 
 
 def decode_call_signature(q, k, v, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound,

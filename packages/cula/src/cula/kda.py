@@ -86,32 +86,39 @@ def kda_prefill(
     backends were tried and why. ``CULA_BACKEND=reference|cutedsl|sm90`` forces a backend. A call with the signature
     of an earlier accepted one (tensors' shapes, strides, dtypes and devices, the flags, ``scale``, ``lower_bound``,
     the ``CULA_*`` variables) runs the call plan that call's backend left, without validation and dispatch; it still
-    checks ``cu_seqlens``' values (``cula.call_plans``). Calls with a pool are never planned, and no GPU kernel
-    takes slot indices yet: on a GPU they run the reference with a ``CulaFallbackWarning`` (issue 26).
+    checks ``cu_seqlens``' values (``cula.call_plans``). Pool-form calls run on both GPU backends (the slots read
+    on the device); those with CPU index tensors are validated on every call (their slots are checked on the host)
+    and never planned.
     """
     # positional: the same order as validate_kda_prefill's parameters (keywords cost a little on every call)
     signature = call_signature(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
         state_v_first, cu_seqlens_cpu, state, state_indices, has_initial_state,
-    )  # (None for a call with a pool: never planned)
+    )  # (None for a call never planned: e.g. a pool with CPU indices)
     if signature is not None:
         plan = lookup(signature)
         if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
             # cu_seqlens' values are checked on every call, as the validator does (ValueError before any launch)
             cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
-            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
+            if state is None:
+                return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
+            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, state=state,
+                        state_indices=state_indices, has_initial_state=has_initial_state)
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
         state_v_first, cu_seqlens_cpu, state, state_indices, has_initial_state,
     )
     runner = select_backend(args)
-    if signature is not None and _passed_as_is(args, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens):
+    if signature is not None and _passed_as_is(args, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                                               state_indices, has_initial_state):
         planner = planner_for(runner)
         plan = None if planner is None else planner(args)
         if plan is not None:
-            result = plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, args.cu_seqlens_host)
+            pool = {} if state is None else dict(state=state, state_indices=state_indices,
+                                                 has_initial_state=has_initial_state)
+            result = plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, args.cu_seqlens_host, **pool)
             # kept under the knobs as they are after its first run (which may read a knob for the first time)
             remember(with_current_knobs(signature), plan)
             return result
@@ -216,9 +223,11 @@ def kda_decode(
     return runner(args)
 
 
-def _passed_as_is(args: KdaPrefillArgs, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens) -> bool:
+def _passed_as_is(args: KdaPrefillArgs, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                  state_indices, has_initial_state) -> bool:
     """Whether the validator kept every tensor as passed (contiguous: no copy), which a plan relies on (it takes
-    the call's tensors; a flattened ``dt_bias`` is a view of the same memory)."""
+    the call's tensors; a flattened ``dt_bias`` is a view of the same memory; the pool is never copied)."""
     return (args.q is q and args.k is k and args.v is v and args.g is g and args.beta is beta
             and args.initial_state is initial_state and args.A_log is A_log and args.cu_seqlens is cu_seqlens
+            and args.state_indices is state_indices and args.has_initial_state is has_initial_state
             and (dt_bias is None or dt_bias.is_contiguous()))

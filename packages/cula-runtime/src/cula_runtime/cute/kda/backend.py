@@ -196,19 +196,17 @@ def plan_kda_prefill(args: Any) -> Callable[..., tuple[Any, Any]] | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     ``verify`` accepted, passed contiguous): it takes the call's tensors in the order ``(q, k, v, g, beta,
     initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_host)``, the last the checked host copy of ``cu_seqlens``
-    (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and runs :func:`kda_prefill_cutedsl`
-    on them, skipping validation and dispatch. Holds no tensor of the call it was made from.
-
-    None for a pool-form call (``args.state``): a plan's arguments carry no pool, indices or flags, and
-    ``cula.call_plans`` never plans such a call (each one is validated and dispatched, and
-    :func:`kda_prefill_cutedsl` takes the pool from the validated arguments)."""
-    if args.state is not None:
-        return None
+    (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and for a pool-form signature the
+    keywords ``state``, ``state_indices`` and ``has_initial_state`` (GPU index tensors: ``cula.call_plans`` plans
+    no call whose slots the validator reads on the host), and runs :func:`kda_prefill_cutedsl` on them, skipping
+    validation and dispatch. Holds no tensor of the call it was made from."""
     template = args.with_tensors(*(None,) * 10)
 
-    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host):
+    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, *, state=None,
+             state_indices=None, has_initial_state=None):
         return kda_prefill_cutedsl(template.with_tensors(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
-                                                         cu_host))
+                                                         cu_host, state=state, state_indices=state_indices,
+                                                         has_initial_state=has_initial_state))
 
     return plan
 
