@@ -133,6 +133,7 @@ def test_one_binary_serves_every_length(varlen: bool) -> None:
             torch.empty(N, HV, K, K), cu_seqlens,
             prepare_chunk_offsets(cu_seqlens, 64) if varlen else None,
             prepare_sequence_order(cu_seqlens) if varlen else None,
+            None, None, None,  # (no state pool, slot indices or has_initial_state flags)
         )
         for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True)):
             assert (spec is None) == (tensor is None)

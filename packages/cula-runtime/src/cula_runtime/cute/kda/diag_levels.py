@@ -12,13 +12,19 @@ MMA's A operand) and 16 column slots (its B operand) hold the two levels' rows a
 An anchor names its level (level ``b``'s anchors are the odd multiples of ``2^b``), so a product's output ``(row
 slot, column slot)`` is one of the block's pairs exactly when the two slots share their anchor; the pair is then
 ``(row token, column token)``.
+
+The kernel builds the products' operands from the tokens' side (:func:`level_slots`): the threads holding token ``l``
+write, for each level, its row (``x_l 2^(Γl - Γm)``, of q and of k) or its column (``k_l 2^(Γm - Γl)``) into the
+slot that level gives it, so every factor is made once and shared by Aqk and Akk.
 """
 
 from __future__ import annotations
 
-__all__ = ["DIAG_SIZE", "diag_products", "pack_nibbles", "useful_outputs"]
+__all__ = ["DIAG_SIZE", "LEVELS", "diag_products", "level_anchor", "level_product", "level_slots", "pack_nibbles",
+           "useful_outputs"]
 
 DIAG_SIZE = 16  # tokens of a sub-chunk: the M = N of one diagonal block
+LEVELS = 4  # bits of a local index: levels 0..3
 
 
 def _row_slot(product: int, r: int) -> tuple[int, int]:
@@ -59,6 +65,32 @@ def useful_outputs(product: int) -> dict[tuple[int, int], tuple[int, int]]:
     rows, cols = diag_products()[product]
     return {(rs, cs): (rows[rs][0], cols[cs][0])
             for rs in range(DIAG_SIZE) for cs in range(DIAG_SIZE) if rows[rs][1] == cols[cs][1]}
+
+
+def level_product(level: int) -> int:
+    """The product holding ``level``'s pairs: 0 for levels 3 and 2, 1 for levels 1 and 0."""
+    return 0 if level >= 2 else 1
+
+
+def level_anchor(token: int, level: int) -> int:
+    """Token ``token``'s anchor at ``level``: ``((token >> level) | 1) << level``; the token is a row of it (anchor
+    ``<= token``) when bit ``level`` of the token is set, else a column (anchor ``> token``)."""
+    return ((token >> level) | 1) << level
+
+
+def level_slots() -> tuple[tuple[int, ...], ...]:
+    """Per level 0..3, the slot of each token 0..15 in :func:`level_product`'s row slots (bit ``level`` of the
+    token set) or column slots (clear): the inverse of :func:`diag_products`'s tables."""
+    tables = diag_products()
+    slots = []
+    for level in range(LEVELS):
+        rows, cols = tables[level_product(level)]
+        per_token = []
+        for token in range(DIAG_SIZE):
+            side = rows if token >> level & 1 else cols
+            per_token.append(side.index((token, level_anchor(token, level))))
+        slots.append(tuple(per_token))
+    return tuple(slots)
 
 
 def pack_nibbles(values) -> tuple[int, int]:

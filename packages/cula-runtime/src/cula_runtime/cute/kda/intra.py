@@ -22,21 +22,24 @@ One CTA of 256 threads (8 warps, two CTAs per SM) per (chunk, value head, batch 
    2^Γ`` go straight to global memory.
 
    *Unbounded form*: the diagonal k̂ (``I' = I``, which overflows once a sub-chunk's gates sum below about -88 in
-   log2 units) is not made. A row pass is one sub-chunk, so at the end of pass ``I`` its rows' Γ (fp32), q and k
-   (bf16, as used elsewhere) go to a 16 KB staging tile (in the bytes the diagonal k̂ would have taken), and behind
-   a barrier warps 0-3 make the diagonal blocks ``(I, I)`` of Aqk and Akk by the levels split of
+   log2 units) is not made, nor q̃, k̃ of sub-chunk 0 (no score block reads them). A row pass is one sub-chunk, and
+   at its end all 8 warps make the diagonal blocks ``(I, I)`` of Aqk and Akk by the levels split of
    :mod:`.diag_levels`: each strict pair ``i > j`` belongs to the level ``b`` of the highest bit where ``i`` and
    ``j`` differ, with the anchor ``m`` = ``i`` with its bits below ``b`` cleared (``j < m ≤ i``), so that ``q_i k_j
-   2^(Γi - Γj) = [q_i 2^(Γi - Γm)] [k_j 2^(Γm - Γj)]`` with both factors ≤ 1. Levels 3+2 and 1+0 pack into two 16x16xK
-   products per block (every token has one role per level); warp ``w`` builds the bf16 A and B fragments of product
-   ``w % 2`` of Aqk (``w < 2``) or Akk in registers from the staging (one exp2 per element) and keeps the outputs
-   whose row and column slots share their anchor. Aqk's diagonal entries are fp32 dot products ``q_r·k_r`` over
-   each row's 16 threads. Nothing overflows for any g ≤ 0; a factor that flushes to zero drops a product below
-   2^-126.
+   2^(Γi - Γj) = [q_i 2^(Γi - Γm)] [k_j 2^(Γm - Γj)]`` with both factors ≤ 1. Levels 3+2 and 1+0 pack into two
+   16x16xK products per block (every token has one role per level). The rows' Γ go to a staging tile; behind a
+   barrier the 16 threads of each token write its role at each level (a runtime loop over the levels) into its slot
+   of the products' operands (bf16 ``[16, K]`` tiles: q and k rows ``x_r 2^-|Γr - Γm|``, k columns
+   ``k_r 2^-|Γr - Γm|``; the k columns, shared by Aqk and Akk, in the bytes of sub-chunk 0's q̃ and k̃), one exp2 per
+   token, level and column; behind a second barrier each warp makes 8 column slots of one product of Aqk or Akk (16 x
+   8 x K on warp MMA) and keeps the outputs whose row and column slots share their anchor. Aqk's diagonal entries are
+   fp32 dot products ``q_r·k_r`` over each row's 16 threads. Nothing overflows for any g ≤ 0; a factor that flushes
+   to zero drops a product below 2^-126.
 2. *Scores*: the 10 lower 16x16 sub-blocks of ``Aqk`` and ``Akk`` on warp MMA (bf16 m16n8k16, fp32 accumulation,
-   operands by ldmatrix), warps 0-3 making Aqk and warps 4-7 Akk (unbounded: the 6 below the diagonal); scale, β and
-   the causal masks are applied to the fp32 results. Then the right-hand sides ``bf16(β k 2^Γ)`` and ``bf16(β v)``
-   are built over q̃/k̃ (k and v rows read from global memory).
+   operands by ldmatrix), warps 0-3 making Aqk and warps 4-7 Akk (unbounded: the 6 below the diagonal, as 12 column
+   halves of 16 x 8 per matrix, three per warp in one runtime loop); scale, β and the causal masks are applied to
+   the fp32 results. Then the right-hand sides ``bf16(β k 2^Γ)`` and ``bf16(β v)`` are built over q̃/k̃ (k and v
+   rows read from global memory).
 3. *Inverse* ``Tinv = (I + Akk)^-1`` in fp32 on CUDA cores: forward substitution on the diagonal 16x16 blocks (one
    thread per column), then block substitution ``Tinv_IJ = -Tinv_II Σ_M A_IM Tinv_MJ`` block row by block row, with
    compile-time loop bounds (every thread runs all of a block row's terms and keeps those of its lower-triangular
@@ -45,7 +48,7 @@ One CTA of 256 threads (8 warps, two CTAs per SM) per (chunk, value head, batch 
    right-hand sides are read transposed by ldmatrix.trans), staged through shared memory and stored with 16-byte
    stores, with ``Aqk``.
 
-Shared memory (about 99 KB, both forms): buffers whose lifetimes do not overlap share bytes
+Shared memory (about 99 KB; the unbounded form about 108 KB): buffers whose lifetimes do not overlap share bytes
 (:meth:`KdaIntra.smem_buffers`).
 Registers are capped at 128 per thread so that two CTAs fit on an SM (a few values spill to local memory).
 
@@ -56,7 +59,9 @@ a negative sequence id is padding and does nothing. Rows past a sequence's end a
 :func:`chunk_kda_fwd_intra_from_raw` is the host wrapper. (The forms this kernel superseded, each measured slower or
 only reproducing its bits on the H200 — the separate ``KdaPrepare`` kernel before an intra kernel reading a
 precomputed ``g_cum``, the wide shared-memory plan, the looped inverse, 4-warp CTAs, loads not issued ahead, the
-three-launch modular path and K = 64 — are in the repository's history.)
+three-launch modular path, K = 64, and the unbounded form's diagonal blocks on warps 0-3 alone, each warp building
+its operands slot by slot from a staging of q, k and Γ (one exp2 per operand element) — are in the repository's
+history.)
 """
 
 import dataclasses
@@ -66,7 +71,7 @@ from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cut
 from ..dsl_compat import SmemAllocator
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import check_token_tensors, chunk_rows
-from .diag_levels import diag_products, pack_nibbles
+from .diag_levels import LEVELS, diag_products, level_product, level_slots, pack_nibbles
 from .gate import GATE_FORMS, RCP_LN2, activate_beta, activate_gate, gate_arguments, gate_scan_segments
 from .tiles import chunk_grid_extent, chunk_span
 
@@ -300,11 +305,16 @@ class KdaIntra:
             cute.arch.sync_threads()
             diag = None  # unbounded: the fill makes the diagonal score blocks too, sub-chunk by sub-chunk
             if const_expr(c.unbounded):
-                diag = (block_mma, sDiag, sAqk, sA, scale)
+                sDiag[3][0, tidx] = self.diag_pairs(tidx)  # (each entry read back by its own thread only)
+                sDiag[3][1, tidx] = self.diag_slots(tidx)
+                diag = (sDiag, sAqk, sA, scale)
             self.fill(mQ, mK, mV, mQg, mKg, sGa, sBeta, sQt, sKt, sKh, rGam, batch, head, hv, start, valid, tidx,
                       operands=True, diag=diag)
             cute.arch.sync_threads()
-            self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
+            if const_expr(c.unbounded):
+                self.scores_below(sQt, sKh, sBeta, sAqk, sA, scale, tidx)
+            else:
+                self.scores(block_mma, sQt, sKt, sKh, sBeta, sAqk, sA, scale, tidx)
             cute.arch.sync_threads()
             # the right-hand sides, over q̃/k̃ (free since the barrier)
             self.fill(mQ, mK, mV, mQg, mKg, sGa, sBeta, sQt, sKt, sKh, rGam, batch, head, hv, start, valid, tidx,
@@ -336,16 +346,18 @@ class KdaIntra:
         off_tb = align_up(max(inverse, 2 * tile))
         if self.config.unbounded:
             # k̂ of anchors 1-3 only (the rows before them: off the diagonal), then one sub-chunk's staging for the
-            # diagonal block (Γ fp32, q and k bf16)
+            # diagonal blocks: Γ (fp32), then the four A operands (bf16 [16, K] each; the two B operands lie in the
+            # rows region, over q̃ and k̃ of sub-chunk 0, which no score block reads)
             kh = [align_up(SUB * i * K * 2) for i in range(NUM_SUB)]
             diag = sum(kh)
             return {
                 "rows": 2 * tile,
                 "kh": [sum(kh[:i]) for i in range(NUM_SUB)],
                 "diag": diag,
+                "diag_a": diag + SUB * K * 4,
                 "s": C * C * 4,
                 "tb": off_tb,
-                "reuse": max(diag + SUB * K * (4 + 2 + 2), off_tb + C * C * 2),
+                "reuse": max(diag + SUB * K * (4 + 4 * 2), off_tb + C * C * 2),
             }
         kh = [align_up(SUB * (i + 1) * K * 2) for i in range(NUM_SUB)]
         return {
@@ -367,8 +379,12 @@ class KdaIntra:
           fp32 Tinv while bf16(Tinv) stays.
 
         Returns ``sQt, sKt`` (also the right-hand sides), ``sKh``, ``sAqk``, ``sTb``, ``sA``, ``sT``, ``sS``, ``sGa``,
-        ``sBeta``, ``sW``, ``sU``, ``sDiag`` (unbounded: ``(Γ fp32, q, k)`` of one sub-chunk, ``[16, K]`` row-major
-        each; else None). ``sKh[0]`` is None in the unbounded form.
+        ``sBeta``, ``sW``, ``sU``, ``sDiag`` (unbounded: ``(sDG, sDA, sDB, sWords)``: for one sub-chunk, Γ fp32
+        ``[16, K]`` row-major; the first of the four bf16 A operands ``[16, K]`` (q rows of products 0 and 1, then k
+        rows of products 0 and 1, ``SUB * K`` elements apart); the first B operand ``[16, K]`` (product 0, rows 0-15
+        of ``sQt``; product 1's is rows 0-15 of ``sKt``, ``C * K`` elements on); then each thread's
+        :meth:`diag_pairs` and :meth:`diag_slots` words (Int32 ``[2, 256]``, after the small buffers); else None).
+        ``sKh[0]`` is None in the unbounded form, and ``sKh[a]`` is a list of ``a`` tiles ``[16, K]``.
         """
         C, K = self.config.chunk_size, self.config.head_dim
         plan = self.smem_plan()
@@ -382,12 +398,14 @@ class KdaIntra:
         sQt, sKt = carve(rows, 0, BFloat16, kc), carve(rows, tile, BFloat16, kc)
         sDiag = None
         if self.config.unbounded:
-            sKh = [None] + [carve(reuse, plan["kh"][i], BFloat16, self.smem_layout(SUB * i, K))
-                            for i in range(1, NUM_SUB)]
-            row_major = cute.make_layout((SUB, K), stride=(K, 1))
-            sDiag = (carve(reuse, plan["diag"], Float32, row_major),
-                     carve(reuse, plan["diag"] + SUB * K * 4, BFloat16, row_major),
-                     carve(reuse, plan["diag"] + SUB * K * 6, BFloat16, row_major))
+            # k̂ of anchor a: one [16, K] tile per sub-chunk j < a (block (a, j)'s B operand, tile a (a - 1) / 2 + j)
+            sKh = [None] + [[carve(reuse, plan["kh"][a] + j * SUB * K * 2, BFloat16, self.smem_layout(SUB, K))
+                             for j in range(a)] for a in range(1, NUM_SUB)]
+            sDiag = (carve(reuse, plan["diag"], Float32, cute.make_layout((SUB, K), stride=(K, 1))),
+                     carve(reuse, plan["diag_a"], BFloat16, self.smem_layout(SUB, K)),
+                     cute.local_tile(sQt, (SUB, K), (0, 0)),
+                     smem.allocate_tensor(Int32, cute.make_layout((2, self.num_threads), stride=(self.num_threads, 1)),
+                                          16))
         else:
             sKh = [carve(reuse, plan["kh"][i], BFloat16, self.smem_layout(SUB * (i + 1), K)) for i in range(NUM_SUB)]
         sT = carve(reuse, 0, Float32, self.fp32_layout(C))
@@ -400,7 +418,7 @@ class KdaIntra:
         """Shared memory one CTA allocates (bytes; an upper bound that counts 1024-byte alignment of every tile):
         what decides how many CTAs fit on an SM."""
         C, K = self.config.chunk_size, self.config.head_dim
-        small = (NUM_SUB + 1) * K * 4 + C * 4  # sGa, sBeta
+        small = (NUM_SUB + 1) * K * 4 + C * 4 + 2 * self.num_threads * 4 * self.config.unbounded  # sGa, sBeta, sWords
         plan = self.smem_plan()
         return align_up(plan["rows"]) + align_up(plan["reuse"]) + align_up(C * C * 2) + C * C * 4 + small
 
@@ -550,10 +568,9 @@ class KdaIntra:
         Each row pass's loads are issued one pass ahead: without that, a pass's loads would come after the previous
         pass's global stores (kg, qg), which the compiler may not move them above.
 
-        ``diag`` (unbounded, with ``operands``): ``(block_mma, sDiag, sAqk, sA, scale)``. A row pass is one
-        sub-chunk: its rows' Γ, q and k go to the staging ``sDiag`` and :meth:`diag_block` makes its diagonal
-        score blocks (behind a barrier each way); Aqk's diagonal ``scale q_r·k_r`` is an fp32 dot product over the
-        row's 16 threads. No diagonal k̂ is made."""
+        ``diag`` (unbounded, with ``operands``): ``(sDiag, sAqk, sA, scale)``. A row pass is one sub-chunk:
+        :meth:`diag_stage` makes its diagonal score blocks from the pass's registers. No diagonal k̂ is made, nor
+        q̃, k̃ of sub-chunk 0."""
         c = self.config
         rhs = not operands
         C, K, VEC = c.chunk_size, c.head_dim, self.vec
@@ -568,7 +585,7 @@ class KdaIntra:
         tXsQt = thr_copy.partition_D(sQt)  # q̃, later bf16(β k 2^Γ)
         tXsKt = thr_copy.partition_D(sKt)  # k̃, later bf16(β v)
         if const_expr(c.unbounded):  # (no k̂ for anchor 0: it would be a diagonal block's)
-            tXsKh = [None] + [thr_copy.partition_D(s) for s in sKh[1:]]
+            tXsKh = [None] + [[thr_copy.partition_D(t) for t in s] for s in sKh[1:]]
         else:
             tXsKh = [thr_copy.partition_D(s) for s in sKh]
         tXcX = thr_copy.partition_S(cute.make_identity_tensor((C, K)))  # (row, column) of every element
@@ -599,6 +616,9 @@ class KdaIntra:
                 rQ, rK, rV, rG = staged[p]
                 row, col0 = tXcX[(0, 0), p, 0]
                 sub = p * self.rows_per_pass // SUB  # the row's sub-chunk (compile-time: rows_per_pass divides 16)
+                # q̃, k̃ of this pass (unbounded: not for sub-chunk 0, which no score block reads; its bytes hold the
+                # diagonal blocks' B operands)
+                tilde = operands and not (c.unbounded and sub == 0)
                 # Γ of the pass (zero past the end) copied into a zeroed register tile before the L2 norm: the same
                 # values as rGam, but the order of the traced operations decides the SASS, and this is the order of
                 # the kernel that ran on the H200 (when Γ could also be loaded from a precomputed g_cum here)
@@ -621,10 +641,10 @@ class KdaIntra:
                     if const_expr(operands):
                         q = rQ[j].to(Float32)
                     k = rK[j].to(Float32)
-                    if const_expr(operands):
+                    if const_expr(tilde):
                         row_factor = cute.math.exp2(cutlass.min(g - sGa[sub, col0 + j], EXP2_CLAMP), fastmath=True)
                     decay = cute.math.exp2(g, fastmath=True)
-                    if const_expr(operands):
+                    if const_expr(tilde):
                         rQt[j] = (q * row_factor).to(BFloat16)
                         rKt[j] = (k * row_factor).to(BFloat16)
                     if const_expr(rhs):
@@ -637,7 +657,7 @@ class KdaIntra:
                         for a in cutlass.range_constexpr(sub + int(c.unbounded), NUM_SUB):
                             col_factor = cute.math.exp2(cutlass.min(sGa[a, col0 + j] - g, EXP2_CLAMP), fastmath=True)
                             rKh[a][j] = (k * col_factor).to(BFloat16)
-                if const_expr(operands):
+                if const_expr(tilde):
                     cute.copy(atom, rQt, tXsQt[None, p, 0])
                     cute.copy(atom, rKt, tXsKt[None, p, 0])
                 if const_expr(rhs):
@@ -645,7 +665,10 @@ class KdaIntra:
                     cute.copy(atom, rVb, tXsKt[None, p, 0])
                 if const_expr(operands):
                     for a in cutlass.range_constexpr(sub + int(c.unbounded), NUM_SUB):
-                        cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
+                        if const_expr(c.unbounded):  # (sub-chunk p's own tile: its only pass)
+                            cute.copy(atom, rKh[a], tXsKh[a][p][None, 0, 0])
+                        else:
+                            cute.copy(atom, rKh[a], tXsKh[a][None, p, 0])
                     if row < valid:
                         cute.copy(atom, rKg, tXgKg[None, p, 0])
                         tXgQg = thr_copy.partition_D(self.chunk_rows(mQg, b, hv, start, K))
@@ -656,91 +679,165 @@ class KdaIntra:
     @cute.jit
     def diag_stage(self, diag: tuple, sBeta: cute.Tensor, rQ: cute.Tensor, rK: cute.Tensor, rG: cute.Tensor,
                    row: Int32, col0: Int32, sub: cutlass.Constexpr, tidx: Int32):
-        """Unbounded form, end of the fill's row pass ``sub`` (this thread: row ``row``, columns ``col0 + 0..7``;
-        ``rQ``, ``rK`` bf16 as the kernel uses them, ``rG`` Γ): Aqk's diagonal entry ``bf16(scale q_r·k_r)`` (fp32
-        dot over the row's threads), then Γ, q, k of the sub-chunk into the staging ``sDiag`` and
-        :meth:`diag_block`. A barrier before the staging is written (the previous sub-chunk's is read) and one
-        after."""
-        block_mma, sDiag, sAqk, sA, scale = diag
-        sDG, sDQ, sDK = sDiag
+        """Unbounded form, end of the fill's row pass ``sub`` (this thread: token ``r = row % 16`` of the sub-chunk,
+        columns ``col0 + 0..7``; ``rQ``, ``rK`` bf16 as the kernel uses them, ``rG`` Γ). Aqk's diagonal entry
+        ``bf16(scale q_r·k_r)`` (fp32 dot over the row's threads); Γ of the row into the staging ``sDG``; behind a
+        barrier, the token's role at each level (:func:`~.diag_levels.level_slots`) into the products' operands:
+        as a row of its anchor ``m``, ``bf16(q_r 2^(Γr - Γm))`` and ``bf16(k_r 2^(Γr - Γm))`` (A operands of Aqk and
+        Akk), as a column ``bf16(k_r 2^(Γm - Γr))`` (the B operand both share), each factor made once as
+        ``2^-|Γr - Γm|``, in a runtime loop over the 4 levels (its slots from :meth:`diag_slots`; unrolled, the
+        levels' code was 4 times larger and, interleaved with the fill's, spilled); behind a second barrier,
+        :meth:`diag_block`. The staging and the operands are written again only after the next sub-chunk's first
+        barrier, which every thread reaches after its products: two barriers per sub-chunk."""
+        (sDG, sDA, sDB, sWords), sAqk, sA, scale = diag
+        VEC, K = self.vec, self.config.head_dim
         dot = Float32(0.0)
-        for j in cutlass.range_constexpr(self.vec):
+        for j in cutlass.range_constexpr(VEC):
             dot = dot + rQ[j].to(Float32) * rK[j].to(Float32)
         dot = cute.arch.warp_reduction_sum(dot, threads_in_group=self.threads_per_row)
         if tidx % self.threads_per_row == 0:
             sAqk[row, row] = Float32(dot * scale).to(BFloat16)
-        if const_expr(sub > 0):
-            cute.arch.sync_threads()
         r = row % SUB
-        for j in cutlass.range_constexpr(self.vec):
-            sDG[r, col0 + j] = rG[j]
-            sDQ[r, col0 + j] = rQ[j]
-            sDK[r, col0 + j] = rK[j]
+        group = col0 // VEC
+        vec_layout = cute.make_layout((1, VEC))
+        cute.local_tile(sDG, (1, VEC), (r, group)).store(cute.make_tensor(rG.iterator, vec_layout).load())
         cute.arch.sync_threads()
-        self.diag_block(block_mma, sDG, sDQ, sBeta, sAqk, sA, scale, sub, tidx)
+        tile = SUB * K
+        b_stride = self.config.chunk_size * K  # product 1's B operand: rows 0-15 of sKt, which follows sQt
+        slots = sWords[1, tidx]
+        for level in cutlass.range(LEVELS, unroll=1):
+            product = cutlass.select_(level < 2, Int32(level_product(0)), Int32(level_product(LEVELS - 1)))
+            slot = (slots >> (4 * level)) & 15
+            is_row = (r >> level) & 1 == 1
+            anchor = ((r >> level) | 1) << level
+            rM = cute.local_tile(sDG, (1, VEC), (anchor, group)).load()
+            rF = cute.make_rmem_tensor(vec_layout, Float32)
+            rKf = cute.make_rmem_tensor(vec_layout, BFloat16)  # k_r's row or column
+            for j in cutlass.range_constexpr(VEC):
+                # a row's exponent Γr - Γm and a column's Γm - Γr are both -|Γr - Γm| for a non-increasing Γ;
+                # past the end (Γ = 0) the factor multiplies a zero q and k, and it is <= 1 for any Γ
+                rF[0, j] = cute.math.exp2(-abs(rG[j] - rM[0, j]), fastmath=True)
+                rKf[0, j] = (rK[j].to(Float32) * rF[0, j]).to(BFloat16)
+            if is_row:
+                rQf = cute.make_rmem_tensor(vec_layout, BFloat16)
+                for j in cutlass.range_constexpr(VEC):
+                    rQf[0, j] = (rQ[j].to(Float32) * rF[0, j]).to(BFloat16)
+                sAq = cute.make_tensor(sDA.iterator + cute.assume(product * tile, divby=tile), sDA.layout)
+                sAk = cute.make_tensor(sDA.iterator + cute.assume((2 + product) * tile, divby=tile), sDA.layout)
+                cute.local_tile(sAq, (1, VEC), (slot, group)).store(rQf.load())
+                cute.local_tile(sAk, (1, VEC), (slot, group)).store(rKf.load())
+            else:
+                sB = cute.make_tensor(sDB.iterator + cute.assume(product * b_stride, divby=b_stride), sDB.layout)
+                cute.local_tile(sB, (1, VEC), (slot, group)).store(rKf.load())
+        cute.arch.sync_threads()
+        self.diag_block(sDA, sDB, sBeta, sAqk, sA, scale, sWords[0, tidx], sub, tidx)
+
+    @staticmethod
+    def signed_words(values) -> tuple[int, int]:
+        """:func:`~.diag_levels.pack_nibbles` of ``values`` as signed 32-bit words."""
+        return tuple(w - (1 << 32) if w >= 1 << 31 else w for w in pack_nibbles(values))
 
     @staticmethod
     def diag_words() -> list:
         """Per product of :func:`~.diag_levels.diag_products`: the packed (:func:`~.diag_levels.pack_nibbles`, as
         signed 32-bit words) row tokens, row anchors, column tokens and column anchors."""
-        def signed(word: int) -> int:
-            return word - (1 << 32) if word >= 1 << 31 else word
+        return [[KdaIntra.signed_words(slot[which] for slot in slots) for slots in (rows, cols) for which in (0, 1)]
+                for rows, cols in diag_products()]
 
-        return [[tuple(signed(w) for w in pack_nibbles(slot[which] for slot in slots))
-                 for slots in (rows, cols) for which in (0, 1)] for rows, cols in diag_products()]
+    @staticmethod
+    def diag_mma() -> cute.TiledMma:
+        """The diagonal blocks' product tile: one bf16 m16n8k16 atom (16 x 8 outputs per warp)."""
+        return cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1))
 
     @cute.jit
-    def diag_block(self, block_mma: cute.TiledMma, sDG: cute.Tensor, sDQ: cute.Tensor, sBeta: cute.Tensor,
-                   sAqk: cute.Tensor, sA: cute.Tensor, scale: Float32, sub: cutlass.Constexpr, tidx: Int32):
-        """Unbounded form: the strict lower part of the diagonal blocks ``(sub, sub)`` of Aqk (scaled, bf16) and
-        Akk (β-scaled, fp32) from the staging (Γ ``sDG`` fp32, then q and k bf16 ``[16, K]`` each), by the levels
-        split (:mod:`.diag_levels`): warp ``w < 4`` makes product ``w % 2`` of Aqk (``w < 2``) or Akk, its operands
-        built in registers (row slot ``(t, m)``: ``bf16(x_t 2^(Γt - Γm))``, column slot: ``bf16(k_t 2^(Γm - Γt))``,
-        exponents clamped at 0, which only rows past the end need), and writes the outputs whose row and column
-        slots share their anchor."""
-        K = self.config.head_dim
+    def diag_slots(self, tidx: Int32) -> Int32:
+        """Unbounded form: the slot (:func:`~.diag_levels.level_slots`) of this thread's token of a sub-chunk
+        (``tidx // 16``) at each level, 4 bits per level (level ``b`` in bits ``4 b``)."""
+        r = (tidx // self.threads_per_row) % SUB
+        slots = Int32(0)
+        for level in cutlass.range_constexpr(LEVELS):
+            table = level_slots()[level]
+            slot = r
+            if const_expr(table != tuple(range(SUB))):
+                slot = self.diag_slot(tuple(Int32(w) for w in self.signed_words(table)), r)
+            slots = slots | (slot << (4 * level))
+        return slots
+
+    @cute.jit
+    def diag_pairs(self, tidx: Int32) -> Int32:
+        """Unbounded form: which pair of a diagonal block each of this thread's four accumulator elements in
+        :meth:`diag_block` is, packed (element ``e`` in bits ``8 e``: row token ``<< 4 |`` column token), 0 for an
+        output that is no pair (a pair has row token > column token). The same for every sub-chunk: made once,
+        before the fill, and kept in shared memory (``sWords``), each sub-chunk reading it back behind its barriers
+        (a value kept in a register across the fill made the compiler keep, and spill, the addresses derived from
+        it)."""
         warp_idx = tidx // 32
-        if warp_idx < 4:
-            lane = tidx % 32
-            qk = warp_idx < 2
-            first = warp_idx % 2 == 0
-            words = self.diag_words()
-            # row tokens, row anchors, column tokens, column anchors of this warp's product
-            rtok, ranc, ctok, canc = (tuple(cutlass.select_(first, Int32(words[0][t][h]), Int32(words[1][t][h]))
-                                            for h in range(2)) for t in range(4))
-            sX = cute.make_tensor(sDQ.iterator + cutlass.select_(qk, Int32(0), Int32(SUB * K)), sDQ.layout)
-            sDK = cute.make_tensor(sDQ.iterator + SUB * K, sDQ.layout)
-            thr_mma = block_mma.get_slice(lane)
-            tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sDQ))
-            tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sDK))
-            tAc = thr_mma.partition_A(cute.make_identity_tensor((SUB, K)))
-            tBc = thr_mma.partition_B(cute.make_identity_tensor((SUB, K)))
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
-            acc.fill(0.0)
-            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
-                rA, cA = tCrA[None, None, kb], tAc[None, None, kb]
-                for e in cutlass.range_constexpr(cute.size(rA)):
-                    r, kk = cA[e]
-                    t, m = self.diag_slot(rtok, r), self.diag_slot(ranc, r)
-                    d = cutlass.min(sDG[t, kk] - sDG[m, kk], Float32(0.0))
-                    rA[e] = (sX[t, kk].to(Float32) * cute.math.exp2(d, fastmath=True)).to(BFloat16)
-                rB, cB = tCrB[None, None, kb], tBc[None, None, kb]
-                for e in cutlass.range_constexpr(cute.size(rB)):
-                    c, kk = cB[e]
-                    t, m = self.diag_slot(ctok, c), self.diag_slot(canc, c)
-                    d = cutlass.min(sDG[m, kk] - sDG[t, kk], Float32(0.0))
-                    rB[e] = (sDK[t, kk].to(Float32) * cute.math.exp2(d, fastmath=True)).to(BFloat16)
-                cute.gemm(block_mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                rs, cs = tCcC[e]
-                if self.diag_slot(ranc, rs) == self.diag_slot(canc, cs):
-                    row = sub * SUB + self.diag_slot(rtok, rs)
-                    col = sub * SUB + self.diag_slot(ctok, cs)
-                    if qk:
-                        sAqk[row, col] = Float32(acc[e] * scale).to(BFloat16)
-                    else:
-                        sA[row, col] = Float32(acc[e] * sBeta[row])
+        product = (warp_idx // 2) % 2
+        half = warp_idx % 2
+        words = self.diag_words()
+        # row tokens, row anchors, column tokens, column anchors of this warp's product
+        rtok, ranc, ctok, canc = (tuple(cutlass.select_(product == 0, Int32(words[0][t][h]), Int32(words[1][t][h]))
+                                        for h in range(2)) for t in range(4))
+        tCcC = self.diag_mma().get_slice(tidx % 32).partition_C(cute.make_identity_tensor((SUB, SUB // 2)))
+        packed = Int32(0)
+        for e in cutlass.range_constexpr(cute.size(tCcC)):
+            rs, cs = tCcC[e]
+            cs = cs + half * (SUB // 2)
+            pair = (self.diag_slot(rtok, rs) << 4) | self.diag_slot(ctok, cs)
+            pair = cutlass.select_(self.diag_slot(ranc, rs) == self.diag_slot(canc, cs), pair, Int32(0))
+            packed = packed | (pair << (8 * e))
+        return packed
+
+    @cute.jit
+    def diag_block(self, sDA: cute.Tensor, sDB: cute.Tensor, sBeta: cute.Tensor, sAqk: cute.Tensor,
+                   sA: cute.Tensor, scale: Float32, pairs: Int32, sub: cutlass.Constexpr, tidx: Int32):
+        """Unbounded form: the strict lower part of the diagonal blocks ``(sub, sub)`` of Aqk (scaled, bf16) and Akk
+        (β-scaled, fp32) from the operands :meth:`diag_stage` built, on all 8 warps, one code path: warp ``w`` makes
+        the 8 column slots ``8 (w % 2) ..`` of product ``(w // 2) % 2`` of Aqk (``w < 4``) or Akk (16 x 8 x K, bf16
+        m16n8k16 from ldmatrix, fp32 accumulation) and writes the outputs that are pairs of the block (``pairs``,
+        from :meth:`diag_pairs`)."""
+        C, K = self.config.chunk_size, self.config.head_dim
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        qk = warp_idx < 4
+        product = (warp_idx // 2) % 2
+        half = warp_idx % 2
+        # the A operand: q rows (Aqk) or k rows (Akk) of the product; the B operand: 8 column slots of the product's
+        # (rows 8 half.. of a swizzled tile: an offset of whole 8-row atoms, outside the swizzle's bits)
+        offset_A = (cutlass.select_(qk, Int32(0), Int32(2)) + product) * (SUB * K)
+        sX = cute.make_tensor(sDA.iterator + cute.assume(offset_A, divby=SUB * K), sDA.layout)
+        half_layout = cute.local_tile(sDB, (SUB // 2, K), (0, 0)).layout
+        offset_B = product * (C * K) + half * (SUB // 2 * 64)
+        sY = cute.make_tensor(sDB.iterator + cute.assume(offset_B, divby=SUB // 2 * 64), half_layout)
+        mma = self.diag_mma()
+        thr_mma = mma.get_slice(lane)
+        copy_A = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16), mma
+        ).get_slice(lane)
+        copy_B = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=2), BFloat16), mma
+        ).get_slice(lane)
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sX))
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sY))
+        tCsA, tCrA_view = copy_A.partition_S(sX), copy_A.retile(tCrA)
+        tCsB, tCrB_view = copy_B.partition_S(sY), copy_B.retile(tCrB)
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB // 2)), Float32)
+        acc.fill(0.0)
+        for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+            cute.copy(copy_A, tCsA[None, None, kb], tCrA_view[None, None, kb])
+            cute.copy(copy_B, tCsB[None, None, kb], tCrB_view[None, None, kb])
+            cute.gemm(mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            pair = (pairs >> (8 * e)) & 255
+            i = pair >> 4
+            j = pair & 15
+            if i > j:
+                row = sub * SUB + i
+                col = sub * SUB + j
+                if qk:
+                    sAqk[row, col] = Float32(acc[e] * scale).to(BFloat16)
+                else:
+                    sA[row, col] = Float32(acc[e] * sBeta[row])
 
     @staticmethod
     def diag_slot(words: tuple, slot: Int32) -> Int32:
@@ -771,11 +868,8 @@ class KdaIntra:
         copy_A = cute.make_tiled_copy_A(ld_atom, block_mma).get_slice(lane)
         copy_B = cute.make_tiled_copy_B(ld_atom, block_mma).get_slice(lane)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
-        # (I, J) blocks of warps w and w + 4: 3, 3, 2, 2 blocks (unbounded: the 6 below the diagonal, whose
-        # diagonal blocks the fill made)
+        # (I, J) blocks of warps w and w + 4: 3, 3, 2, 2 blocks
         assignment = (((0, 0), (3, 0), (3, 1)), ((1, 0), (1, 1), (3, 2)), ((2, 0), (2, 1)), ((2, 2), (3, 3)))
-        if const_expr(self.config.unbounded):
-            assignment = (((3, 0), (3, 1)), ((3, 2), (2, 0)), ((2, 1),), ((1, 0),))
         for w in cutlass.range_constexpr(self.num_threads // 32):
             qk = w < len(assignment)  # this warp's product: Aqk, else Akk
             if warp_idx == w:
@@ -803,6 +897,65 @@ class KdaIntra:
                             if const_expr(bi == bj):
                                 akk = Float32(cutlass.select_(j < i, akk, Float32(0.0)))
                             sA[row, col] = akk
+
+    @cute.jit
+    def scores_below(self, sQt: cute.Tensor, sKh: list, sBeta: cute.Tensor, sAqk: cute.Tensor, sA: cute.Tensor,
+                     scale: Float32, tidx: Int32):
+        """Unbounded form, phase 2: the 6 blocks below the diagonal (the fill made the diagonal ones) of Aqk (bf16,
+        scaled; warps 0-3) and Akk (fp32, β-scaled; warps 4-7), each as 12 products of 16 x 8 x K (a block's two
+        column halves, :meth:`diag_mma`), three per warp in a runtime loop, one code path for all warps. Block
+        ``b`` = (I, J) (``I(I - 1)/2 + J = b``) takes q̃ or k̃ rows of sub-chunk I and k̂ tile ``b``
+        (:meth:`smem_buffers`): every operand a runtime offset of one tile layout."""
+        C, K = self.config.chunk_size, self.config.head_dim
+        warp_idx = tidx // 32
+        lane = tidx % 32
+        qk = warp_idx < 4
+        blocks = NUM_SUB * (NUM_SUB - 1) // 2
+        # sub-chunk I's rows of q̃ (Aqk) or k̃ (Akk, in sKt, C x K elements on): 2 I row atoms of 8 x 64 on
+        rows_layout = cute.local_tile(sQt, (SUB, K), (0, 0)).layout
+        sKh0 = sKh[1][0]  # k̂ tile 0; tile b lies SUB x K elements after tile b - 1
+        half_layout = cute.local_tile(sKh0, (SUB // 2, K), (0, 0)).layout
+        mma = self.diag_mma()
+        thr_mma = mma.get_slice(lane)
+        copy_A = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16), mma
+        ).get_slice(lane)
+        copy_B = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=2), BFloat16), mma
+        ).get_slice(lane)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB // 2)))
+        per_warp = 2 * blocks // (self.num_threads // 64)
+        for t in cutlass.range(per_warp, unroll=1):
+            item = (warp_idx % 4) * per_warp + t
+            b = item // 2
+            half = item % 2
+            # b = I (I - 1) / 2 + J (arithmetic: offsets from a shifted table word lose their known alignment)
+            bi = Int32(1)
+            for i in cutlass.range_constexpr(2, NUM_SUB):
+                bi = bi + cutlass.select_(b >= i * (i - 1) // 2, Int32(1), Int32(0))
+            bj = b - bi * (bi - 1) // 2
+            offset_A = cutlass.select_(qk, Int32(0), Int32(C * K)) + bi * (2 * 8 * 64)
+            sX = cute.make_tensor(sQt.iterator + cute.assume(offset_A, divby=2 * 8 * 64), rows_layout)
+            offset_B = b * (SUB * K) + half * (8 * 64)
+            sY = cute.make_tensor(sKh0.iterator + cute.assume(offset_B, divby=8 * 64), half_layout)
+            tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sX))
+            tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sY))
+            tCsA, tCrA_view = copy_A.partition_S(sX), copy_A.retile(tCrA)
+            tCsB, tCrB_view = copy_B.partition_S(sY), copy_B.retile(tCrB)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB // 2)), Float32)
+            acc.fill(0.0)
+            for kb in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+                cute.copy(copy_A, tCsA[None, None, kb], tCrA_view[None, None, kb])
+                cute.copy(copy_B, tCsB[None, None, kb], tCrB_view[None, None, kb])
+                cute.gemm(mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, j = tCcC[e]
+                row = bi * SUB + i
+                col = bj * SUB + half * (SUB // 2) + j
+                if qk:
+                    sAqk[row, col] = Float32(acc[e] * scale).to(BFloat16)
+                else:
+                    sA[row, col] = Float32(acc[e] * sBeta[row])
 
     @cute.jit
     def inverse(self, sA: cute.Tensor, sT: cute.Tensor, sS: cute.Tensor, sTb: cute.Tensor, tidx: Int32):
