@@ -64,6 +64,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 os.environ.setdefault("FLA_FLASH_KDA", "0")
+# FLA's own kernels: cuLA registers itself as a backend of FLA's registry, which would make "FLA" run cuLA
+os.environ["FLA_CULA"] = "0"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

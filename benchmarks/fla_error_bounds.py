@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 os.environ["FLA_FLASH_KDA"] = "0"
+os.environ["FLA_CULA"] = "0"  # (FLA's own kernels, not cuLA through FLA's registry)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
