@@ -288,6 +288,23 @@ def fake_call_arguments(specs: tuple, *scalars: Any) -> tuple:
     return (*(None if spec is None else spec.fake() for spec in specs), *scalars, fake_stream())
 
 
+def _launchable_for(kernel_cls: type[CuteKernelFamily], config: Hashable, index: int | None, *,
+                    count_hit: bool = False) -> Any:
+    """The compiled callable of ``(kernel_cls, config)`` for device ``index`` under the current ``CUTE_DSL_ARCH``:
+    looked up in the launch table, or compiled for the device (:func:`compile_kernel`) and kept there. ``count_hit``:
+    count a lookup that found it as a compile-cache hit (as :func:`compile_kernel` would)."""
+    global _hits
+    key = (kernel_cls, config, index, env_value(CUTE_DSL_ARCH_ENV, "") or None)
+    compiled = _launchable.get(key)
+    if compiled is None:
+        compiled = compile_kernel(kernel_cls, config, target=launch_target(index))
+        _launchable[key] = compiled
+    elif count_hit:
+        with _lock:
+            _hits += 1
+    return compiled
+
+
 def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
                  device: Any) -> Any:
     """:func:`launch` bound to one call signature, for call plans: ``run(tensors, scalars)`` calls the compiled
@@ -298,12 +315,7 @@ def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tu
     ``run`` checks it, and a misaligned tensor sends the call through :func:`launch` (which copies an input or
     refuses an output). A tensor at a position whose spec is None is not passed (the kernel's configuration has no
     such argument)."""
-    index = device.index
-    key = (kernel_cls, config, index, env_value(CUTE_DSL_ARCH_ENV, "") or None)
-    compiled = _launchable.get(key)
-    if compiled is None:
-        compiled = compile_kernel(kernel_cls, config, target=launch_target(index))
-        _launchable[key] = compiled
+    compiled = _launchable_for(kernel_cls, config, device.index)
     present = tuple(spec is not None for spec in specs)
     aligned = tuple((i, spec.align) for i, spec in enumerate(specs) if spec is not None and spec.align > 1)
 
@@ -336,7 +348,6 @@ def launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, t
         TypeError: a wrapper passed None where this configuration declares a tensor (a wrapper bug, named here
             rather than failing inside TVM-FFI).
     """
-    global _hits
     if len(specs) != len(tensors):
         list(zip(specs, tensors, strict=True))  # raises zip's ValueError (a wrapper bug)
     args = list(tensors)
@@ -351,13 +362,5 @@ def launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, t
         if tensor is None:
             raise TypeError(f"{kernel_cls.__name__}: tensor argument {i} is required by {config}, got None")
         args[i] = spec.launch_arg(tensor, output=i in outputs)
-    index = device.index
-    key = (kernel_cls, config, index, env_value(CUTE_DSL_ARCH_ENV, "") or None)
-    compiled = _launchable.get(key)
-    if compiled is None:
-        compiled = compile_kernel(kernel_cls, config, target=launch_target(index))
-        _launchable[key] = compiled
-    else:
-        with _lock:
-            _hits += 1  # a compile-cache hit, as compile_kernel would count it
+    compiled = _launchable_for(kernel_cls, config, device.index, count_hit=True)
     compiled(*args, *scalars)  # TVM-FFI: the tensors' device, current stream
