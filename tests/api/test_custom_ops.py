@@ -277,11 +277,14 @@ def test_import_cula_registers_the_ops_without_gpu_modules() -> None:
 
 
 def test_every_op_is_registered_once_with_the_python_api_defaults() -> None:
-    assert cula.ops.OPS == OPS
+    assert cula.ops.OPS == OPS == cula.ops.KDA_OPS + cula.ops.LIGHTNING_OPS
     for name in OPS:
         schema = getattr(torch.ops.cula, name).default._schema
-        assert str(schema).startswith(f"cula::{name}(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta")
+        inputs = "Tensor q, Tensor k, Tensor v" + (", Tensor g, Tensor beta" if name.startswith("kda_") else "")
+        assert str(schema).startswith(f"cula::{name}({inputs}")
     mutated = {name: [a.name for a in getattr(torch.ops.cula, name).default._schema.arguments
                       if a.alias_info is not None and a.alias_info.is_write] for name in OPS}
     assert mutated == {"kda_prefill": [], "kda_prefill_pool": ["state"], "kda_decode": ["state"],
-                       "kda_decode_out": ["state", "out"]}
+                       "kda_decode_out": ["state", "out"], "lightning_prefill": [],
+                       "lightning_prefill_pool": ["state"], "lightning_decode": ["state"],
+                       "lightning_decode_out": ["state", "out"]}

@@ -163,6 +163,25 @@ KERNELS: tuple[KernelEntry, ...] = (
         entry="cula_runtime.reference.lightning:lightning_decode",
         summary="single-token Lightning Attention decode step",
     ),
+    KernelEntry(
+        name="lightning_prefill_reference", family="lightning", backend="reference", archs=(ANY_ARCH,),
+        dtypes=("float32", "bfloat16", "float16"),
+        features=("varlen", "tail-chunks", "zero-length-seqs", "state-kv", "state-vk", "initial-state", "final-state",
+                  "state-pool", "padding-rows", "layer-decay"),
+        status=_REF_STATUS,
+        entry="cula_runtime.reference.lightning_backend:lightning_prefill_reference",
+        summary="the reference backend of cula.lightning.lightning_prefill (validated arguments -> lightning_chunked; "
+                "with a state pool, each sequence from and into its slot, in place)",
+    ),
+    KernelEntry(
+        name="lightning_decode_reference", family="lightning", backend="reference", archs=(ANY_ARCH,),
+        dtypes=("float32", "bfloat16", "float16"),
+        features=("varlen", "zero-length-seqs", "state-kv", "state-vk", "state-pool", "padding-rows", "layer-decay"),
+        status=_REF_STATUS,
+        entry="cula_runtime.reference.lightning_backend:lightning_decode_reference",
+        summary="the reference backend of cula.lightning.lightning_decode: the per-token recurrence in fp32 (fp64 "
+                "for the oracle) over T_n >= 0 tokens per sequence, from and into a state pool in place; padding rows",
+    ),
 )
 
 _BY_NAME = {entry.name: entry for entry in KERNELS}

@@ -16,6 +16,11 @@ holds no tensor of the call that made it. Calls with non-tensor arguments, tenso
 ``bool``, or index tensors on the CPU (a pool-form prefill's or a decode's: the validator checks their values) are
 never planned: the validator sees each of them. A planned pool-form call takes its pool, indices and flags as it
 comes (``kda_decode`` likewise). ``CULA_CALL_PLANS=0`` turns plans off.
+
+``cula.lightning``'s calls are planned by the same rules (:func:`lightning_prefill_call_signature`,
+:func:`lightning_decode_call_signature`): the decay is part of the signature as ``g_gamma``'s tensor key, or as the
+``layer_idx`` / ``num_layers`` ints; a call with a CPU ``g_gamma`` (the validator checks its values) or CPU index
+tensors is never planned. A planned prefill still checks ``cu_seqlens``' values on every call, as ``kda_prefill``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from cula_runtime.env import env_snapshot, env_value
 
 __all__ = ["ENV_CALL_PLANS", "call_signature", "clear_call_plans", "decode_call_signature", "lookup", "remember",
-           "with_current_knobs"]
+           "with_current_knobs", "lightning_prefill_call_signature", "lightning_decode_call_signature"]
 
 #: "0" turns call plans off: every call is validated and dispatched (for debugging; read on every call).
 ENV_CALL_PLANS = "CULA_CALL_PLANS"
@@ -105,6 +110,60 @@ def decode_call_signature(q, k, v, g, beta, state, state_indices, scale, A_log, 
     except (_Unplannable, RuntimeError):
         return None
     return "decode", tensors, flags, scale, lower_bound, env_snapshot()
+
+
+def _decay_key(g_gamma: object, layer_idx: object, num_layers: object) -> tuple:
+    """The decay's part of a Lightning signature; ``_Unplannable`` for one the validator must see (a CPU
+    ``g_gamma``, whose values it checks; ``layer_idx`` / ``num_layers`` that are not both ints)."""
+    if g_gamma is not None:
+        if g_gamma.__class__ is not _Tensor or g_gamma.device.type == "cpu":
+            raise _Unplannable
+        return _tensor_key(g_gamma), None, None
+    if layer_idx.__class__ is not int or num_layers.__class__ is not int:
+        raise _Unplannable
+    return None, layer_idx, num_layers
+
+
+def lightning_prefill_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, initial_state,
+                                     output_final_state, cu_seqlens, state_v_first, state=None, state_indices=None,
+                                     has_initial_state=None) -> tuple | None:
+    """The signature of a ``lightning_prefill`` call (its arguments in ``lightning_prefill``'s order), or None for
+    one that is never planned (``CULA_CALL_PLANS=0``, a flag that is not ``bool``, a ``scale`` that is not a number,
+    a tensor subclass, a CPU ``g_gamma``, a pool-form call with CPU indices). Its first element is
+    ``"lightning_prefill"``: it never equals another op's."""
+    if env_value(ENV_CALL_PLANS, "1") == "0":
+        return None
+    pooled = not (state is None and state_indices is None and has_initial_state is None)
+    if pooled and (state_indices.__class__ is not _Tensor or indices_checked_on_host(state_indices)):
+        return None
+    if output_final_state.__class__ is not bool or state_v_first.__class__ is not bool:
+        return None
+    if not (scale is None or scale.__class__ in _NUMBERS):
+        return None
+    try:
+        decay = _decay_key(g_gamma, layer_idx, num_layers)
+        tensors = tuple(map(_tensor_key, (q, k, v, initial_state, cu_seqlens)))
+        pool = tuple(map(_tensor_key, (state, state_indices, has_initial_state))) if pooled else None
+    except (_Unplannable, RuntimeError):
+        return None
+    return "lightning_prefill", tensors, decay, pool, output_final_state, state_v_first, scale, env_snapshot()
+
+
+def lightning_decode_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, state, state_indices,
+                                    state_v_first, cu_seqlens, out) -> tuple | None:
+    """The signature of a ``lightning_decode`` call (its arguments in ``lightning_decode``'s order), or None for
+    one that is never planned (as :func:`lightning_prefill_call_signature`; CPU ``state_indices`` never are)."""
+    if env_value(ENV_CALL_PLANS, "1") == "0" or state_indices.__class__ is not _Tensor \
+            or indices_checked_on_host(state_indices):
+        return None
+    if state_v_first.__class__ is not bool or not (scale is None or scale.__class__ in _NUMBERS):
+        return None
+    try:
+        decay = _decay_key(g_gamma, layer_idx, num_layers)
+        tensors = tuple(map(_tensor_key, (q, k, v, state, state_indices, cu_seqlens, out)))
+    except (_Unplannable, RuntimeError):
+        return None
+    return "lightning_decode", tensors, decay, state_v_first, scale, env_snapshot()
 
 
 def indices_checked_on_host(state_indices: torch.Tensor) -> bool:

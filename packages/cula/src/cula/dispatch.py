@@ -18,6 +18,12 @@ plan of an accepted call and runs it for later calls of the same signature witho
 ``kda_decode`` is dispatched the same way over its own table (:func:`explain_decode`): only the reference serves it
 so far; on SM90/SM100/SM103 it runs on the GPU with the ``CulaFallbackWarning``, each GPU backend answering that its
 decode kernel is not written yet (issue 26).
+
+``cula.lightning``'s ``lightning_prefill`` and ``lightning_decode`` are dispatched by the same rules over tables of
+their own (:func:`explain_lightning_prefill`, :func:`explain_lightning_decode`): CPU → reference; SM90/SM100/SM103 →
+the CuTeDSL kernels (cula-sm90 has no Lightning kernel: :data:`NO_LIGHTNING_KERNEL`), else the reference on the GPU
+with the ``CulaFallbackWarning``. While a CuTeDSL Lightning backend module is not in this cula-runtime, its import
+error is that backend's answer (``Decision("cutedsl", False, ...)``), not a failure of the call.
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ from cula_runtime.env import env_value
 from cula_runtime.kda_args import KdaCallArgs, KdaPrefillArgs
 from cula_runtime.kda_decode_args import KdaDecodeArgs
 from cula_runtime.kda_tuning import device_capability
+from cula_runtime.lightning_args import LightningDecodeArgs, LightningPrefillArgs
 
 from ._version import __version__
 
 __all__ = ["BACKEND_NAMES", "Choice", "Decision", "explain", "select_backend", "explain_decode",
            "select_decode_backend", "CulaFallbackWarning", "GPU_BACKENDS_BY_ARCH", "planner_for", "register_planner",
-           "NO_DECODE_KERNEL"]
+           "NO_DECODE_KERNEL", "NO_LIGHTNING_KERNEL", "explain_lightning_prefill", "explain_lightning_decode",
+           "select_lightning_prefill_backend", "select_lightning_decode_backend", "LIGHTNING_PREFILL_MODULE",
+           "LIGHTNING_DECODE_MODULE"]
 
 BACKEND_NAMES = ("reference", "cutedsl", "sm90")
 ENV_FORCE = "CULA_BACKEND"
@@ -180,6 +189,84 @@ _DECODE_BACKENDS: dict[str, Callable[[KdaDecodeArgs], tuple[Decision, DecodeRunn
 }
 
 
+#: what the sm90 backend answers a Lightning call: the portable CuTeDSL kernels serve Hopper (issue 28)
+NO_LIGHTNING_KERNEL = "cula-sm90 has no Lightning Attention kernel: the CuTeDSL kernels serve SM90"
+
+#: the CuTeDSL Lightning backends' modules, imported on a GPU call's first dispatch
+LIGHTNING_PREFILL_MODULE = "cula_runtime.cute.lightning.prefill_backend"
+LIGHTNING_DECODE_MODULE = "cula_runtime.cute.lightning.decode_backend"
+
+LightningPrefillRunner = Callable[[LightningPrefillArgs], tuple[torch.Tensor, torch.Tensor | None]]
+LightningDecodeRunner = Callable[[LightningDecodeArgs], torch.Tensor]
+
+
+def _backend_module(name: str):
+    """The module ``name``, or None when exactly that module is missing from this installation (an error inside it,
+    or a missing module it imports, is raised: never swallowed)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name == name:
+            return None
+        raise
+
+
+def _missing(name: str) -> str:
+    return f"this cula-runtime has no CuTeDSL Lightning backend ({name} is missing)"
+
+
+def _reference_lightning_prefill(args: LightningPrefillArgs) -> tuple[Decision, LightningPrefillRunner | None]:
+    from cula_runtime.reference import lightning_backend
+
+    ok, reason = lightning_backend.verify_lightning_prefill(args)
+    return Decision("reference", ok, reason), lightning_backend.lightning_prefill_reference if ok else None
+
+
+def _cutedsl_lightning_prefill(args: LightningPrefillArgs) -> tuple[Decision, LightningPrefillRunner | None]:
+    backend = _backend_module(LIGHTNING_PREFILL_MODULE)
+    if backend is None:
+        return Decision("cutedsl", False, _missing(LIGHTNING_PREFILL_MODULE)), None
+    ok, reason = backend.verify_lightning_prefill(args)
+    runner = backend.lightning_prefill_cutedsl_backend
+    if ok and runner not in _planners:
+        register_planner(runner, backend.plan_lightning_prefill)
+    return Decision("cutedsl", ok, reason), runner if ok else None
+
+
+def _reference_lightning_decode(args: LightningDecodeArgs) -> tuple[Decision, LightningDecodeRunner | None]:
+    from cula_runtime.reference import lightning_backend
+
+    ok, reason = lightning_backend.verify_lightning_decode(args)
+    return Decision("reference", ok, reason), lightning_backend.lightning_decode_reference if ok else None
+
+
+def _cutedsl_lightning_decode(args: LightningDecodeArgs) -> tuple[Decision, LightningDecodeRunner | None]:
+    backend = _backend_module(LIGHTNING_DECODE_MODULE)
+    if backend is None:
+        return Decision("cutedsl", False, _missing(LIGHTNING_DECODE_MODULE)), None
+    ok, reason = backend.verify_lightning_decode(args)
+    runner = backend.lightning_decode_cutedsl_backend
+    if ok and runner not in _planners:
+        register_planner(runner, backend.plan_lightning_decode)
+    return Decision("cutedsl", ok, reason), runner if ok else None
+
+
+def _sm90_lightning(args: object) -> tuple[Decision, None]:
+    return Decision("sm90", False, NO_LIGHTNING_KERNEL), None
+
+
+_LIGHTNING_PREFILL_BACKENDS: dict[str, Callable] = {
+    "reference": _reference_lightning_prefill,
+    "cutedsl": _cutedsl_lightning_prefill,
+    "sm90": _sm90_lightning,
+}
+_LIGHTNING_DECODE_BACKENDS: dict[str, Callable] = {
+    "reference": _reference_lightning_decode,
+    "cutedsl": _cutedsl_lightning_decode,
+    "sm90": _sm90_lightning,
+}
+
+
 @cache
 def _accepted_summary(arch: str, name: str, chain: tuple[str, ...]) -> str:  # formatted once, not on every call
     return f"{arch}: {name} is the first backend in {chain} to accept this call"
@@ -205,7 +292,17 @@ def explain_decode(args: KdaDecodeArgs) -> Choice:
     return _explain(args, _DECODE_BACKENDS)
 
 
-def _explain(args: KdaCallArgs, backends: dict[str, Callable]) -> Choice:
+def explain_lightning_prefill(args: LightningPrefillArgs) -> Choice:
+    """:func:`explain` for a ``lightning_prefill`` call (its own backend table)."""
+    return _explain(args, _LIGHTNING_PREFILL_BACKENDS)
+
+
+def explain_lightning_decode(args: LightningDecodeArgs) -> Choice:
+    """:func:`explain` for a ``lightning_decode`` call (its own backend table)."""
+    return _explain(args, _LIGHTNING_DECODE_BACKENDS)
+
+
+def _explain(args: KdaCallArgs | LightningPrefillArgs | LightningDecodeArgs, backends: dict[str, Callable]) -> Choice:
     forced = forced_backend()
     if forced is not None:
         decision, runner = backends[forced](args)
@@ -240,18 +337,29 @@ def _explain(args: KdaCallArgs, backends: dict[str, Callable]) -> Choice:
 
 def select_backend(args: KdaPrefillArgs) -> Runner:
     """The runner for ``args``; ``NotImplementedError`` naming every backend tried and why, if none serves it."""
-    return _select(explain(args), "kda_prefill")
+    return _select(explain(args), "cula.kda.kda_prefill")
 
 
 def select_decode_backend(args: KdaDecodeArgs) -> DecodeRunner:
     """:func:`select_backend` for a ``kda_decode`` call."""
-    return _select(explain_decode(args), "kda_decode")
+    return _select(explain_decode(args), "cula.kda.kda_decode")
+
+
+def select_lightning_prefill_backend(args: LightningPrefillArgs) -> LightningPrefillRunner:
+    """:func:`select_backend` for a ``lightning_prefill`` call."""
+    return _select(explain_lightning_prefill(args), "cula.lightning.lightning_prefill")
+
+
+def select_lightning_decode_backend(args: LightningDecodeArgs) -> LightningDecodeRunner:
+    """:func:`select_backend` for a ``lightning_decode`` call."""
+    return _select(explain_lightning_decode(args), "cula.lightning.lightning_decode")
 
 
 def _select(choice: Choice, op: str) -> Callable:
+    """``op``: the public function's qualified name, for the messages."""
     if choice.runner is None:
         tried = "; ".join(f"{d.backend} rejected it: {d.reason}" for d in choice.decisions)
-        raise NotImplementedError(f"cula.kda.{op}: {choice.summary}" + (f" ({tried})" if tried else ""))
-    if choice.gpu_fallback:  # (stacklevel: the caller of cula.kda.<op>)
-        warnings.warn(f"cula.kda.{op}: {choice.summary}", CulaFallbackWarning, stacklevel=4)
+        raise NotImplementedError(f"{op}: {choice.summary}" + (f" ({tried})" if tried else ""))
+    if choice.gpu_fallback:  # (stacklevel: the caller of the public function)
+        warnings.warn(f"{op}: {choice.summary}", CulaFallbackWarning, stacklevel=4)
     return choice.runner

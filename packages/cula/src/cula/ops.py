@@ -1,5 +1,6 @@
-"""cuLA's KDA calls as torch custom ops: ``torch.ops.cula.kda_prefill``, ``kda_prefill_pool``, ``kda_decode`` and
-``kda_decode_out``, registered once when ``cula`` is imported (no GPU code, CuTeDSL or native extension is imported).
+"""cuLA's calls as torch custom ops: ``torch.ops.cula.kda_prefill``, ``kda_prefill_pool``, ``kda_decode`` and
+``kda_decode_out``, and the ``lightning_*`` ones (below), registered once when ``cula`` is imported (no GPU code,
+CuTeDSL or native extension is imported).
 
 Why: ``torch.compile(fullgraph=True)`` cannot trace into the GPU backends (raw pointers handed to a native
 extension or a CuTeDSL kernel), and a serving engine wraps every kernel in an op that the compiler keeps as one node
@@ -23,8 +24,18 @@ The ops (arguments in the order and with the defaults of the Python API; every a
   ``out`` (both ``state`` and ``out`` declared mutated, nothing returned). An op may not return one of its inputs, so
   the ``out=`` form of the Python API is an op of its own, as the out-forms of a serving engine's ops are.
 
-``o`` is always ``[B, T, HV, V]`` in q's dtype on q's device, contiguous. Bad arguments raise the Python API's
-``TypeError``/``ValueError`` naming the argument.
+The Lightning Attention ops (:mod:`cula.lightning`), in the same forms, the decay as ``g_gamma`` or
+``layer_idx``/``num_layers``:
+
+- ``lightning_prefill(q, k, v, g_gamma=None, layer_idx=None, num_layers=None, scale=None, initial_state=None,
+  output_final_state=False, cu_seqlens=None, state_v_first=False) -> (o, final_state)`` (``final_state``: an empty
+  fp32 ``[0]`` tensor without ``output_final_state``, as ``kda_prefill``'s);
+- ``lightning_prefill_pool(q, k, v, state, state_indices, has_initial_state=None, g_gamma=None, ...) -> o``;
+- ``lightning_decode(q, k, v, state, state_indices, g_gamma=None, ..., state_v_first=False, cu_seqlens=None) -> o``;
+- ``lightning_decode_out(q, k, v, state, state_indices, out, g_gamma=None, ...) -> ()``.
+
+``o`` is always ``[B, T, HV, V]`` (Lightning: ``[B, T, H, V]``) in q's dtype on q's device, contiguous. Bad
+arguments raise the Python API's ``TypeError``/``ValueError`` naming the argument.
 
 No op registers a backward (cuLA serves inference): gradients flow through an op exactly where they flow through the
 Python API (the CPU reference is torch code, whose ops record the graph under torch's autograd fallback; the GPU
@@ -42,12 +53,15 @@ from __future__ import annotations
 import torch
 
 from .kda import kda_decode, kda_prefill
+from .lightning import lightning_decode, lightning_prefill
 
-__all__ = ["NAMESPACE", "OPS"]
+__all__ = ["NAMESPACE", "OPS", "KDA_OPS", "LIGHTNING_OPS"]
 
 NAMESPACE = "cula"
+KDA_OPS = ("kda_prefill", "kda_prefill_pool", "kda_decode", "kda_decode_out")
+LIGHTNING_OPS = ("lightning_prefill", "lightning_prefill_pool", "lightning_decode", "lightning_decode_out")
 #: the ops this module defines, in ``torch.ops.cula``
-OPS = ("kda_prefill", "kda_prefill_pool", "kda_decode", "kda_decode_out")
+OPS = KDA_OPS + LIGHTNING_OPS
 
 # The arguments every op shares after the inputs, in the Python API's names and defaults.
 _GATE_FLAGS = ("bool use_qk_l2norm_in_kernel=False, bool use_gate_in_kernel=False, "
@@ -66,6 +80,20 @@ SCHEMAS = {
     "kda_decode": f"({_INPUTS}, Tensor(a!) state, Tensor state_indices, {_DECODE_TAIL}) -> Tensor",
     "kda_decode_out": f"({_INPUTS}, Tensor(a!) state, Tensor state_indices, Tensor(b!) out, {_DECODE_TAIL}) -> ()",
 }
+
+_LA_INPUTS = "Tensor q, Tensor k, Tensor v"
+_LA_DECAY = "Tensor? g_gamma=None, int? layer_idx=None, int? num_layers=None, float? scale=None"
+_LA_POOL = "Tensor(a!) state, Tensor state_indices"
+SCHEMAS.update({
+    "lightning_prefill": f"({_LA_INPUTS}, {_LA_DECAY}, Tensor? initial_state=None, bool output_final_state=False, "
+                         "Tensor? cu_seqlens=None, bool state_v_first=False) -> (Tensor, Tensor)",
+    "lightning_prefill_pool": f"({_LA_INPUTS}, {_LA_POOL}, Tensor? has_initial_state=None, {_LA_DECAY}, "
+                              "Tensor? cu_seqlens=None, bool state_v_first=False) -> Tensor",
+    "lightning_decode": f"({_LA_INPUTS}, {_LA_POOL}, {_LA_DECAY}, bool state_v_first=False, "
+                        "Tensor? cu_seqlens=None) -> Tensor",
+    "lightning_decode_out": f"({_LA_INPUTS}, {_LA_POOL}, Tensor(b!) out, {_LA_DECAY}, bool state_v_first=False, "
+                            "Tensor? cu_seqlens=None) -> ()",
+})
 
 
 def _no_final_state(q: torch.Tensor) -> torch.Tensor:
@@ -122,6 +150,34 @@ def _kda_decode_out(q, k, v, g, beta, state, state_indices, out, scale=None, A_l
                num_accepted_tokens=num_accepted_tokens, out=out)
 
 
+def _lightning_prefill(q, k, v, g_gamma=None, layer_idx=None, num_layers=None, scale=None, initial_state=None,
+                       output_final_state=False, cu_seqlens=None, state_v_first=False):
+    o, final_state = lightning_prefill(q, k, v, g_gamma, layer_idx=layer_idx, num_layers=num_layers, scale=scale,
+                                       initial_state=initial_state, output_final_state=output_final_state,
+                                       cu_seqlens=cu_seqlens, state_v_first=state_v_first)
+    return o, _no_final_state(q) if final_state is None else final_state
+
+
+def _lightning_prefill_pool(q, k, v, state, state_indices, has_initial_state=None, g_gamma=None, layer_idx=None,
+                            num_layers=None, scale=None, cu_seqlens=None, state_v_first=False):
+    o, _ = lightning_prefill(q, k, v, g_gamma, layer_idx=layer_idx, num_layers=num_layers, scale=scale,
+                             cu_seqlens=cu_seqlens, state_v_first=state_v_first, state=state,
+                             state_indices=state_indices, has_initial_state=has_initial_state)
+    return o
+
+
+def _lightning_decode(q, k, v, state, state_indices, g_gamma=None, layer_idx=None, num_layers=None, scale=None,
+                      state_v_first=False, cu_seqlens=None):
+    return lightning_decode(q, k, v, g_gamma, layer_idx=layer_idx, num_layers=num_layers, scale=scale, state=state,
+                            state_indices=state_indices, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+
+
+def _lightning_decode_out(q, k, v, state, state_indices, out, g_gamma=None, layer_idx=None, num_layers=None,
+                          scale=None, state_v_first=False, cu_seqlens=None):
+    lightning_decode(q, k, v, g_gamma, layer_idx=layer_idx, num_layers=num_layers, scale=scale, state=state,
+                     state_indices=state_indices, state_v_first=state_v_first, cu_seqlens=cu_seqlens, out=out)
+
+
 # ---- fake implementations: shapes, dtypes and devices only ------------------------------------------------------
 
 def _kda_prefill_fake(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -149,11 +205,33 @@ def _kda_decode_out_fake(q, k, v, g, beta, state, state_indices, out, *args):
     return None
 
 
+def _lightning_prefill_fake(q, k, v, g_gamma=None, layer_idx=None, num_layers=None, scale=None, initial_state=None,
+                            output_final_state=False, cu_seqlens=None, state_v_first=False):
+    o = _output_like(q, v)
+    if not output_final_state:
+        return o, _no_final_state(q)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    return o, q.new_empty((N, H, V, K) if state_v_first else (N, H, K, V), dtype=torch.float32)
+
+
+def _lightning_output_fake(q, k, v, *args, **kwargs):
+    return _output_like(q, v)
+
+
+def _lightning_decode_out_fake(q, k, v, *args, **kwargs):
+    return None
+
+
 _IMPLEMENTATIONS = {
     "kda_prefill": (_kda_prefill, _kda_prefill_fake),
     "kda_prefill_pool": (_kda_prefill_pool, _kda_prefill_pool_fake),
     "kda_decode": (_kda_decode, _kda_decode_fake),
     "kda_decode_out": (_kda_decode_out, _kda_decode_out_fake),
+    "lightning_prefill": (_lightning_prefill, _lightning_prefill_fake),
+    "lightning_prefill_pool": (_lightning_prefill_pool, _lightning_output_fake),
+    "lightning_decode": (_lightning_decode, _lightning_output_fake),
+    "lightning_decode_out": (_lightning_decode_out, _lightning_decode_out_fake),
 }
 
 
