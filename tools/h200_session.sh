@@ -10,6 +10,15 @@
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh stress:sm90 stress:cutedsl
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh sanitizer:sm90 sanitizer:cutedsl
 #   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_session.sh profile intra
+# Lightning Attention (issue 28), one device call each (caps: tests 400 s, bench 560 s, sanitizer 4 x 130 s, stress
+# 400 s); "..." = source .devcarry/bootstrap.sh && source tools/h200_setup.sh. The bench in two calls, the second
+# merging into the first's results (its lightning_h200.json, copied into the working tree first):
+#   ... && bash tools/h200_session.sh tests:lightning
+#   ... && LIGHTNING_ONLY=prefill bash tools/h200_session.sh bench:lightning
+#   ... && LIGHTNING_ONLY=decode LIGHTNING_MERGE=benchmarks/results/lightning_h200.json \
+#          bash tools/h200_session.sh bench:lightning
+#   ... && bash tools/h200_session.sh sanitizer:lightning
+#   ... && bash tools/h200_session.sh stress:lightning
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default: BENCH_EXTRA
@@ -27,6 +36,20 @@ profile_sm90_knob() {
     env "$1=$value" timeout 100 python3 benchmarks/profile_kda.py --backend sm90 --block-v "$3" --reps 10 \
       --configs "${PROFILE_CONFIGS:-fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform}" \
       | sed "s/^/$1=$value /" | tee -a "$4"
+  done
+}
+# compute-sanitizer (memcheck, racecheck) on one cula.lightning call per shape of tools/sanitize_lightning.py with
+# CULA_BACKEND=cutedsl (LIGHTNING_SANITIZER_SHAPES; default: one small prefill, one decode); logs in
+# $OUT/sanitizer_lightning_<tool>_<shape>.log. API errors are not reported (tools/h200_sanitizer.sh says why).
+sanitize_lightning() {
+  local tool shape log
+  for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
+    for shape in ${LIGHTNING_SANITIZER_SHAPES:-prefill decode}; do
+      log="$OUT/sanitizer_lightning_${tool}_${shape}.log"
+      CULA_BACKEND=cutedsl timeout 130 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+        python3 tools/sanitize_lightning.py "$shape" > "$log" 2>&1
+      echo "lightning $tool $shape: exit $? | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
+    done
   done
 }
 for step in "$@"; do
@@ -90,11 +113,20 @@ for step in "$@"; do
     # the unbounded gate's Kimi rows against FLA (UNB_ONLY: bench_kda_unbounded.py --only)
     bench:unbounded) timeout 560 python3 benchmarks/bench_kda_unbounded.py ${UNB_ONLY:+--only "$UNB_ONLY"} \
                        --out "$OUT/kda_unbounded_h200.md" ;;
+    # Lightning Attention (issue 28): the GPU tests, the bench against FLA (LIGHTNING_ONLY: bench_lightning.py
+    # --only; LIGHTNING_MERGE: an earlier run's JSON to merge into), the sanitizer, 10^5 graph replays per problem
+    tests:lightning) GPU_LOG_TAG=_lightning timeout 400 bash tools/h200_tests.sh -q tests/cute/test_lightning_*_gpu.py \
+                       tests/gpu/test_lightning_gpu.py ;;
+    bench:lightning) timeout 560 python3 benchmarks/bench_lightning.py ${LIGHTNING_ONLY:+--only "$LIGHTNING_ONLY"} \
+                       ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
+    sanitizer:lightning) sanitize_lightning ;;
+    stress:lightning) timeout 400 python3 benchmarks/stress_lightning_determinism.py --backend cutedsl \
+                        --replays 100000 --out "$OUT/stress_lightning.md" ;;
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap tests:pool tests:decode bench:decode" \
-          "bench:pool-prefill bench:unbounded)" ;;
+          "bench:pool-prefill bench:unbounded tests:lightning bench:lightning sanitizer:lightning stress:lightning)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -1,0 +1,105 @@
+"""One ``cula.lightning`` call at a named shape, for compute-sanitizer (``tools/h200_session.sh sanitizer:lightning``
+runs it under memcheck and racecheck with ``CULA_BACKEND=cutedsl``).
+
+    CULA_BACKEND=cutedsl compute-sanitizer --tool memcheck python3 tools/sanitize_lightning.py prefill|decode|...
+
+Shapes (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2, so head 0 has none):
+
+* ``prefill``: a packed batch of five sequences with an empty one and one-token ones (cu = [0, 1, 64, 65, 65, 200]),
+  H = 2, fp32 initial states, the final states out;
+* ``prefill-pool``: the same batch on an fp32 K-first pool of 7 slots, slots [3, -1, 0, 7, 5] (two padding rows: -1
+  and 7 = P), has_initial_state [T, T, F, T, T];
+* ``prefill-large``: B = 2, T = 4096, H = 8, V-first fp32 initial states, the final states out;
+* ``decode``: one step of N = 5 sequences on an fp32 K-first pool of 7 slots, slots [2, -1, 6, 7, 0], H = 4, o into
+  a given buffer;
+* ``decode-bf16``: the same on a bf16 V-first pool.
+
+Each call's outputs are checked finite and the padding rows' outputs zero (decode) after a synchronisation, so a
+kernel fault surfaces in this process and the sanitizer's report names the launch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+K = V = 128
+SHAPES = ("prefill", "prefill-pool", "prefill-large", "decode", "decode-bf16")
+
+
+def _g_gamma(H: int) -> torch.Tensor:
+    """FLA's decays for layer 0 of 2 (``bench_lightning.fla_g_gamma``'s formula)."""
+    return -(8 / H * (1 - 0 / 2)) * torch.arange(H, dtype=torch.float, device="cuda")
+
+
+def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def run_prefill(shape: str, gen: torch.Generator) -> str:
+    from cula.lightning import lightning_prefill
+
+    if shape == "prefill-large":
+        B, T, H, cu = 2, 4096, 8, None
+    else:
+        B, T, H = 1, 200, 2
+        cu = torch.tensor([0, 1, 64, 65, 65, 200], dtype=torch.int32, device="cuda")
+    N = B if cu is None else len(cu) - 1
+    q, k, v = (_randn(B, T, H, K, gen=gen) for _ in range(3))
+    kwargs = {"scale": K ** -0.5, "cu_seqlens": cu}
+    if shape == "prefill-pool":
+        pool = _randn(7, H, K, V, gen=gen, dtype=torch.float32)
+        before = pool.clone()
+        idx = torch.tensor([3, -1, 0, 7, 5], dtype=torch.int32, device="cuda")
+        has = torch.tensor([True, True, False, True, True], device="cuda")
+        o, final = lightning_prefill(q, k, v, _g_gamma(H), **kwargs, state=pool, state_indices=idx,
+                                     has_initial_state=has)
+        torch.cuda.synchronize()
+        untouched = [s for s in range(7) if s not in (3, 0, 5)]
+        assert final is None and torch.equal(pool[untouched], before[untouched]), "slots no index names changed"
+        assert torch.isfinite(pool).all()
+    else:
+        v_first = shape == "prefill-large"
+        h0 = _randn(N, H, V, K, gen=gen, dtype=torch.float32) if v_first else _randn(N, H, K, V, gen=gen,
+                                                                                      dtype=torch.float32)
+        o, final = lightning_prefill(q, k, v, _g_gamma(H), **kwargs, initial_state=h0, output_final_state=True,
+                                     state_v_first=v_first)
+        torch.cuda.synchronize()
+        assert torch.isfinite(final).all()
+    assert torch.isfinite(o).all()
+    return f"o {tuple(o.shape)}"
+
+
+def run_decode(shape: str, gen: torch.Generator) -> str:
+    from cula.lightning import lightning_decode
+
+    N, H, P = 5, 4, 7
+    v_first = shape == "decode-bf16"
+    dtype = torch.bfloat16 if v_first else torch.float32
+    q, k, v = (_randn(N, 1, H, K, gen=gen) for _ in range(3))
+    pool = _randn(P, H, K, V, gen=gen, dtype=dtype)
+    before = pool.clone()
+    idx = torch.tensor([2, -1, 6, 7, 0], dtype=torch.int32, device="cuda")
+    out = torch.full((N, 1, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o = lightning_decode(q, k, v, _g_gamma(H), scale=K ** -0.5, state=pool, state_indices=idx,
+                         state_v_first=v_first, out=out)
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr() and torch.isfinite(o).all()
+    assert (o[[1, 3]] == 0).all(), "padding rows' outputs not zero"
+    untouched = [s for s in range(P) if s not in (2, 6, 0)]
+    assert torch.equal(pool[untouched], before[untouched]), "slots no index names changed"
+    return f"o {tuple(o.shape)}"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1 or argv[0] not in SHAPES:
+        raise SystemExit(f"usage: sanitize_lightning.py {'|'.join(SHAPES)}")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    shape = argv[0]
+    done = run_prefill(shape, gen) if shape.startswith("prefill") else run_decode(shape, gen)
+    print(f"{shape}: ok, {done}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
