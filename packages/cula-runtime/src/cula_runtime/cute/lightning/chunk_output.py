@@ -1,0 +1,507 @@
+"""Lightning prefill, kernel C: every segment's outputs from its start state, in one CuTeDSL launch (KDA_SPEC §5;
+issue 28; the segment design in ``prefill_backend.py``).
+
+Per (segment s, head h, block of ``block_v`` value columns), one CTA starts from the segment's start state
+``S = seg_state[s, h]`` (fp32 ``[K, V]``, the CTA's value columns; what the scan of ``chunk_states.py`` left there)
+and walks the segment's chunks of <= 64 tokens in order. With λ = exp(g_gamma[h]) and local token indices i, j:
+
+* ``P[i, j] = bf16(scale · λ^(i-j) · (q_i · k_j))`` for ``j <= i``, else 0 (the masked, decayed score tile, computed
+  here from q and k: fp32 accumulators, rounded once);
+* ``o_i = bf16(scale · λ^(i+1) · (q_i · S_bf) + Σ_j P[i, j] v_j)`` for the chunk's valid rows i < L, with
+  ``S_bf = bf16(S)``;
+* unless it is the segment's last chunk (the only one that may be partial):
+  ``S = λ^64 S + Σ_j bf16(λ^(63-j) v_j)ᵀ k_j`` (fp32, in registers for the whole segment).
+
+This is the KDA recurrence's chunk step (:mod:`cula_runtime.cute.kda.recurrence`) with w = 0, u = v, a scalar
+decay and the intra scores made in the kernel. As there, everything is transposed so that the state is the A
+operand and the products chain in registers: ``oᵀ = Sᵀ_bf · qᵀ`` (A = Sᵀ_bf straight from the fp32 state's
+registers; B = q from shared memory), ``oᵀ += vᵀ · Pᵀ`` and ``Sᵀ = λ^64 Sᵀ + vᵀ_dec · k`` (A = vᵀ read once per
+chunk with ``ldmatrix.trans`` in accumulator layout, two n8 tiles = one k16 A fragment; B = the score tile and kᵀ
+from shared memory). Warp w owns value rows ``16 w .. 16 w + 15`` of Sᵀ (64 fp32 registers per thread): the
+state needs no exchange between warps. The score tile is the only thing the warps share: its 10 lower 16 x 16
+blocks are split over the warps (4 warps: 3, 3, 2, 2 blocks; 8 warps: 2, 2, 1, ..., 1), written to shared memory
+in bf16 and read back by every warp as the B operand of ``vᵀ · Pᵀ`` after a CTA barrier.
+
+Decay powers are made once per CTA into shared memory, each the exp2 of an fp32 product ``d · g · log2(e)`` with
+``d >= 0`` (never the exponent of a positive number): ``scale · λ^d`` (d = 0..63, the scores), ``scale · λ^(i+1)``
+(the inter-chunk term's rows), ``λ^(63-j)`` (the state update's keys); λ^64 is a register.
+
+Pipeline: each chunk's q, k (64 x 128) and the CTA's v columns (64 x block_v) are copied by ``cp.async`` into one
+of two shared-memory stages while the previous chunk computes; rows past the segment's end are zero-filled in
+shared memory and never read from global memory (they belong to the next segment or sequence). Per chunk: one CTA
+barrier (tiles landed, the other stage and the score tile free), the warp's score blocks, ``Sᵀ_bf · qᵀ``, a second
+barrier (the score tile complete), ``vᵀ · Pᵀ``, the state update, and oᵀ staged with ``stmatrix.trans`` over the
+warp's own (already read) v columns, then 16-byte row stores of the valid rows. Only warp-level MMA (``mma.sync``
+m16n8k16 bf16, fp32 accumulate): one source for SM90, SM100 and SM103.
+
+Grid: one linear index, V block fastest, then head, then segment (the CTAs of one segment and head, which read the
+same q and k, run side by side: the second read is an L2 hit).
+
+The V block (the choice, per chunk of 64 tokens and head, K = V = 128):
+
+* Bytes: q, k, v 16 KB each in, o 16 KB out: 64 KB, whatever the block (a second V block re-reads q and k from L2).
+* MMA (m16n8k16, 4096 flops each): per warp ``Sᵀ_bf · qᵀ`` 64, ``vᵀ · Pᵀ`` 20, the state 64, the score blocks
+  16 each. block_v = 128 (8 warps): 8 x 148 + 10 x 16 = 1344 MMAs = 5.5 MFLOP; block_v = 64 (two CTAs of 4 warps):
+  2 x (4 x 148 + 160) = 1504 = 6.2 MFLOP (the score tile is made twice: +12%).
+* At the H200's 4.8 TB/s and 132 SMs, 64 KB per chunk and head is 1.8 us per SM; ~1400 MMAs per SM and chunk take
+  ~0.6-1.2 us of its 4 tensor cores at mma.sync rates. The kernel is bound by memory if the loads keep flowing,
+  so what matters is bytes in flight and barrier bubbles, not the 12%.
+* Shared memory: block_v = 64: 2 stages x (16 + 16 + 8) KB + 8 KB score tile + 0.6 KB tables = 89 KB, two CTAs
+  per SM (178 of 228 KB); block_v = 128: 2 x 48 + 8 + 0.6 = 105 KB, one CTA per SM.
+* Registers: 128 threads per CTA at <= 255 registers (measured below): two 4-warp CTAs fit the 64K registers of
+  an SM exactly like one 8-warp CTA.
+* block_v = 64 is the default (:data:`DEFAULT_BLOCK_V`): with two independent CTAs per SM one CTA's barriers and
+  score phase overlap the other's products and loads (an 8-warp CTA stalls all its warps at each of its two
+  barriers per chunk), 80 KB of loads are in flight per SM instead of 48 KB, and the grid has twice the CTAs, so
+  the host reaches two waves with longer segments (fewer state passes). block_v = 128 stays selectable (same
+  arithmetic per element: both give the same bits).
+
+:func:`lightning_chunk_output` is the host wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
+from ..dsl_compat import SmemAllocator
+from ..kda.tiles import ChunkTiles
+
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass.cute.nvgpu import warp
+except ImportError as exc:
+    raise missing_cutedsl(exc) from exc
+
+__all__ = ["DEFAULT_BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output"]
+
+DEFAULT_BLOCK_V = 64  # value columns per CTA (module docstring: two 4-warp CTAs per SM)
+_LOG2E = 1.4426950408889634
+_MAX_GRID_X = 2**31 - 1
+
+# The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp.
+_SCORE_BLOCKS = {
+    4: (((0, 0), (3, 0), (3, 1)), ((1, 0), (1, 1), (3, 2)), ((2, 0), (2, 1)), ((2, 2), (3, 3))),
+    8: (((3, 0), (3, 3)), ((3, 1), (3, 2)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LightningChunkOutputConfig:
+    """Compile-time configuration of :class:`LightningChunkOutput` (the compile-cache key; the token count, the
+    number of segments and their lengths are not in it).
+
+    Attributes:
+        num_heads: H.
+        head_dim: K = V (only 128).
+        block_v: value columns per CTA, 64 or 128 (4 or 8 warps).
+        chunk_size: C; only 64.
+    """
+
+    num_heads: int
+    head_dim: int = 128
+    block_v: int = DEFAULT_BLOCK_V
+    chunk_size: int = 64
+
+
+class LightningChunkOutput(ChunkTiles):
+    """Kernel C of the Lightning prefill (see the module docstring)."""
+
+    mma_k = 16  # k extent of one m16n8k16 MMA
+
+    @staticmethod
+    def can_implement(config: LightningChunkOutputConfig) -> tuple[bool, str]:
+        """Whether this kernel supports ``config``, and why not; compiles nothing."""
+        c = config
+        if c.chunk_size != 64:
+            return False, f"chunk_size={c.chunk_size}: only 64 is supported"
+        if c.head_dim != 128:
+            return False, f"head_dim={c.head_dim}: only K = V = 128 is supported"
+        if c.block_v not in (64, 128):
+            return False, f"block_v={c.block_v}: expected one of (64, 128)"
+        if c.num_heads < 1:
+            return False, f"num_heads={c.num_heads}: must be >= 1"
+        return True, ""
+
+    def argument_specs(self) -> tuple[TensorSpec, ...]:
+        """Layout promises of the seven tensor arguments of ``__call__``, in order."""
+        bf16 = TensorSpec(BFloat16, 4, 8)  # 16-byte row segments for cp.async and the o store
+        return (
+            bf16,  # q [1, B·T, H, K]
+            bf16,  # k [1, B·T, H, K]
+            bf16,  # v [1, B·T, H, V]
+            TensorSpec(Float32, 1),  # g_gamma [H], natural log
+            TensorSpec(Float32, 4),  # seg_state [NSEG, H, K, V]: each segment's start state
+            TensorSpec(Int32, 2, 4),  # segments [NSEG, 4]: (sequence, first row, length, 0)
+            bf16,  # o [1, B·T, H, V]
+        )
+
+    def compile_arguments(self) -> tuple:
+        """Fake arguments for ``cute.compile``: symbolic token and segment counts; nothing allocated."""
+        return fake_call_arguments(self.argument_specs(), Float32(1.0))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Host side: layouts, atoms, launch
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mS0: cute.Tensor,
+        mSeg: cute.Tensor,
+        mO: cute.Tensor,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        c = self.config
+        C, K, BV = c.chunk_size, c.head_dim, c.block_v
+        sK_layout = self._smem_layout(C, K, 2)
+        sV_layout = self._smem_layout(C, BV, 2)
+        sP_layout = self._smem_layout(C, C, 1)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sV_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
+            sPdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # scale · λ^d
+            sOdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # scale · λ^(i+1)
+            sVdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # λ^(63-j)
+
+        tiled_mma = self.make_tiled_mma()
+        score_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1),
+                                        permutation_mnk=(16, 16, 16))
+        grid = [mSeg.shape[0] * c.num_heads * (K // BV), 1, 1]
+        self.kernel(
+            mQ, mK, mV, mG, mS0, mSeg, mO, scale, sK_layout, sV_layout, sP_layout, tiled_mma, score_mma,
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Device side
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mG: cute.Tensor,
+        mS0: cute.Tensor,
+        mSeg: cute.Tensor,
+        mO: cute.Tensor,
+        scale: Float32,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+        score_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        c = self.config
+        C, K, BV = c.chunk_size, c.head_dim, c.block_v
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        vb = bidx % (K // BV)  # one linear index: V block fastest, then head, then segment
+        seg_head = bidx // (K // BV)
+        h = seg_head % c.num_heads
+        seg = seg_head // c.num_heads
+        warp_idx = tidx // 32
+        lane = tidx % 32
+
+        # The segment: rows start .. start + length - 1 of the flattened token axis, clamped to the tensor.
+        rows = mQ.shape[1]
+        start = cutlass.max(mSeg[seg, 1], Int32(0))
+        length = cutlass.max(cutlass.min(mSeg[seg, 2], rows - start), Int32(0))
+        num_chunks = (length + (C - 1)) // C
+
+        # ---- shared memory
+        smem = SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sK_layout)  # (C tokens, K, stage)
+        sK = storage.sK.get_tensor(sK_layout)
+        sV = storage.sV.get_tensor(sV_layout)  # (C tokens, BV, stage)
+        sP = storage.sP.get_tensor(sP_layout)  # (C query, C key, 1)
+        sPdec = storage.sPdec.get_tensor(cute.make_layout(C))
+        sOdec = storage.sOdec.get_tensor(cute.make_layout(C))
+        sVdec = storage.sVdec.get_tensor(cute.make_layout(C))
+        # Transposed views (the composition maps (col, row, stage) onto the token-major tiles).
+        sKT = cute.composition(sK, cute.make_layout((K, C, 2), stride=(C, 1, C * K)))  # (K, C tokens, stage)
+        sVT = cute.composition(sV, cute.make_layout((BV, C, 2), stride=(C, 1, C * BV)))  # (BV, C tokens, stage)
+        # Per-token factors broadcast over the BV value rows, for the accumulator partition (columns = tokens).
+        sOdecB = cute.make_tensor(sOdec.iterator, cute.make_layout((BV, C), stride=(0, 1)))
+        sVdecB = cute.make_tensor(sVdec.iterator, cute.make_layout((BV, C), stride=(0, 1)))
+
+        # ---- global -> shared copies; chunk 0 first, so that its loads overlap the state's
+        g2s_K = self._g2s_copy(K).get_slice(tidx)
+        g2s_V = self._g2s_copy(BV).get_slice(tidx)
+        loader = (g2s_K, g2s_V)
+        if num_chunks > 0:
+            self.load_chunk(loader, mQ, mK, mV, sQ, sK, sV, h, vb, start, cutlass.min(length, C), Int32(0))
+            cute.arch.cp_async_commit_group()
+
+        # ---- decay powers, once per CTA: exp2 of d · g · log2(e) with d >= 0 (visible after the loop's barrier)
+        lg = mG[h] * Float32(_LOG2E)
+        if tidx < C:
+            d = Float32(tidx)
+            sPdec[tidx] = scale * cute.math.exp2(d * lg, fastmath=True)
+            sOdec[tidx] = scale * cute.math.exp2((d + Float32(1.0)) * lg, fastmath=True)
+            sVdec[tidx] = cute.math.exp2(Float32(C - 1 - tidx) * lg, fastmath=True)
+        lam_chunk = cute.math.exp2(Float32(C) * lg, fastmath=True)  # λ^64
+
+        # ---- MMA partitions (M = BV value rows, warp w rows 16 w ..):
+        #   oᵀ  = Sᵀ_bf (BV x K) · qᵀ     -> (BV x C);  B = q as (C tokens, K)
+        #   oᵀ += vᵀ    (BV x C) · Pᵀ     -> (BV x C);  B = P as (C query, C key)
+        #   Sᵀ += vᵀdec (BV x C) · k      -> (BV x K);  B = kᵀ as (K, C tokens)
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrS = cute.make_rmem_tensor(thr_mma.partition_shape_C((BV, K)), Float32)  # ((2,2), 1, K/8)
+        accO = cute.make_rmem_tensor(thr_mma.partition_shape_C((BV, C)), Float32)  # ((2,2), 1, C/8)
+        tCrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ[None, None, 0]))  # (V, C/8, K/16)
+        tCrP = thr_mma.make_fragment_B(thr_mma.partition_B(sP[None, None, 0]))  # (V, C/8, C/16)
+        tCrK = thr_mma.make_fragment_B(thr_mma.partition_B(sKT[None, None, 0]))  # (V, K/8, C/16)
+
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        stsm_t = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        s2r_B = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+        s2r_Bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+        s2r_C = cute.make_tiled_copy_C(ldsm_t, tiled_mma).get_slice(tidx)
+        r2s_C = cute.make_tiled_copy_C(stsm_t, tiled_mma).get_slice(tidx)
+        tCsQ = s2r_B.partition_S(sQ)  # (CPY, C/16, K/16, stage)
+        tCsP = s2r_B.partition_S(sP)  # (CPY, C/16, C/16, 1)
+        tCsK = s2r_Bt.partition_S(sKT)  # (CPY, K/16, C/16, stage)
+        tCrQ_v = s2r_B.retile(tCrQ)
+        tCrP_v = s2r_B.retile(tCrP)
+        tCrK_v = s2r_Bt.retile(tCrK)
+        rV = cute.make_rmem_tensor(accO.layout, BFloat16)
+        rO = cute.make_rmem_tensor(accO.layout, BFloat16)
+        tCsV = s2r_C.partition_S(sVT)  # vᵀ read in accumulator layout
+        tCrV_v = s2r_C.retile(rV)
+        tCsO = r2s_C.partition_D(sVT)  # oᵀ staged over the warp's own (consumed) v columns
+        tCrO_v = r2s_C.retile(rO)
+        tOsOdec = thr_mma.partition_C(sOdecB)
+        tVsVdec = thr_mma.partition_C(sVdecB)
+
+        # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
+        tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
+        if num_chunks > 0:
+            tSrS.store(tSgS0.load())
+
+        for chunk in cutlass.range(num_chunks, unroll=1):
+            stage = chunk % 2
+            chunk_len = cutlass.min(length - chunk * C, C)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()  # chunk's tiles visible; everyone is done with the other stage and with sP
+            if chunk + 1 < num_chunks:
+                self.load_chunk(loader, mQ, mK, mV, sQ, sK, sV, h, vb, start + (chunk + 1) * C,
+                                cutlass.min(length - (chunk + 1) * C, C), 1 - stage)
+                cute.arch.cp_async_commit_group()
+
+            # ---- this warp's blocks of the masked, decayed, scaled score tile (gates the second barrier: first)
+            self.scores(score_mma, sQ[None, None, stage], sK[None, None, stage], sP[None, None, 0], sPdec,
+                        warp_idx, lane)
+
+            # ---- oᵀ = (Sᵀ_bf · qᵀ) ⊙ scale · λ^(i+1)
+            rSbf = cute.make_rmem_tensor(tSrS.layout, BFloat16)
+            rSbf.store(tSrS.load().to(BFloat16))
+            tSrSbf_A = self._acc_as_operand_a(rSbf)  # (((2,2),2), 1, K/16)
+            accO.fill(0.0)
+            for kb in cutlass.range_constexpr(K // self.mma_k):
+                cute.copy(s2r_B, tCsQ[None, None, kb, stage], tCrQ_v[None, None, kb])
+                cute.gemm(tiled_mma, accO, tSrSbf_A[None, None, kb], tCrQ[None, None, kb], accO)
+            accO.store(accO.load() * tOsOdec.load())
+
+            # ---- vᵀ (this warp's value rows, all tokens) as the A operand of both remaining products
+            cute.copy(s2r_C, tCsV[None, None, None, stage], tCrV_v)
+            tCrV_A = self._acc_as_operand_a(rV)  # (((2,2),2), 1, C/16)
+            cute.arch.sync_threads()  # the score tile is complete
+
+            # ---- oᵀ += vᵀ · Pᵀ: query tile nt (8 tokens) needs key blocks kb <= nt / 2
+            for kb in cutlass.range_constexpr(C // self.mma_k):
+                cute.copy(s2r_B, tCsP[None, None, kb, 0], tCrP_v[None, None, kb])
+                for nt in cutlass.range_constexpr(2 * kb, C // 8):
+                    acc = self._rank3(accO[None, None, nt])
+                    cute.gemm(tiled_mma, acc, self._rank3(tCrV_A[None, None, kb]), self._rank3(tCrP[None, nt, kb]),
+                              acc)
+
+            # ---- Sᵀ = λ^64 Sᵀ + bf16(vᵀ ⊙ λ^(63-j)) · k, for the next chunk (none after the segment's last)
+            if chunk + 1 < num_chunks:
+                rVdec = cute.make_rmem_tensor(accO.layout, BFloat16)
+                rVdec.store((rV.load().to(Float32) * tVsVdec.load()).to(BFloat16))
+                tCrVdec_A = self._acc_as_operand_a(rVdec)
+                tSrS.store(tSrS.load() * lam_chunk)
+                for kb in cutlass.range_constexpr(C // self.mma_k):
+                    cute.copy(s2r_Bt, tCsK[None, None, kb, stage], tCrK_v[None, None, kb])
+                    cute.gemm(tiled_mma, tSrS, tCrVdec_A[None, None, kb], tCrK[None, None, kb], tSrS)
+
+            # ---- o: stage oᵀ over this warp's own v columns (already read), then 16-byte stores of rows < chunk_len
+            rO.store(accO.load().to(BFloat16))
+            cute.arch.sync_warp()
+            cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
+            cute.arch.sync_warp()
+            self.store_rows(mO, sV[None, None, stage], Int32(0), h, vb, start + chunk * C, chunk_len, tidx)
+
+    @cute.jit
+    def scores(self, score_mma: cute.TiledMma, sQs: cute.Tensor, sKs: cute.Tensor, sP: cute.Tensor,
+               sPdec: cute.Tensor, warp_idx: Int32, lane: Int32):
+        """This warp's lower 16 x 16 blocks (query block I, key block J) of ``P = scale · λ^(i-j) · q kᵀ``
+        (j <= i, else 0), rounded to bf16 into ``sP`` (C query, C key). ``sQs``, ``sKs``: the chunk's (C, K)
+        tiles."""
+        K = self.config.head_dim
+        SUB = 16
+        thr_mma = score_mma.get_slice(lane)
+        ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        copy_A = cute.make_tiled_copy_A(ld_atom, score_mma).get_slice(lane)
+        copy_B = cute.make_tiled_copy_B(ld_atom, score_mma).get_slice(lane)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
+        assignment = _SCORE_BLOCKS[self.num_warps]
+        for w in cutlass.range_constexpr(self.num_warps):
+            if warp_idx == w:
+                for bi, bj in assignment[w]:
+                    sQI = cute.local_tile(sQs, (SUB, K), (bi, 0))
+                    sKJ = cute.local_tile(sKs, (SUB, K), (bj, 0))
+                    tCrX = thr_mma.make_fragment_A(thr_mma.partition_A(sQI))
+                    tCrY = thr_mma.make_fragment_B(thr_mma.partition_B(sKJ))
+                    cute.copy(copy_A, copy_A.partition_S(sQI), copy_A.retile(tCrX))
+                    cute.copy(copy_B, copy_B.partition_S(sKJ), copy_B.retile(tCrY))
+                    acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
+                    acc.fill(0.0)
+                    cute.gemm(score_mma, acc, tCrX, tCrY, acc)
+                    for e in cutlass.range_constexpr(cute.size(acc)):
+                        i, j = tCcC[e]
+                        if const_expr(bi == bj):  # diagonal block: zero the keys after the query
+                            p = acc[e] * sPdec[cutlass.max(i - j, 0)]
+                            p = cutlass.select_(j <= i, p, Float32(0.0))
+                        else:
+                            p = acc[e] * sPdec[(bi - bj) * SUB + i - j]
+                        sP[bi * SUB + i, bj * SUB + j] = Float32(p).to(BFloat16)
+
+    @cute.jit
+    def _state_tile(self, head: cute.Tensor, vb: Int32) -> cute.Tensor:
+        """This CTA's ``(BV, K)`` block of ``Sᵀ`` in one head's state ``[K, V]`` (V contiguous), viewed as
+        ``(V, K)``."""
+        c = self.config
+        head = cute.make_tensor(head.iterator, cute.make_layout(
+            (head.shape[1], head.shape[0]), stride=(head.stride[1], head.stride[0])
+        ))
+        return cute.local_tile(head, (c.block_v, c.head_dim), (vb, 0))
+
+    @staticmethod
+    def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+        """View an m16n8 accumulator fragment ``((2,2), M, N)`` as the m16k16 A fragment ``(((2,2),2), M, N/2)``:
+        the two adjacent n8 tiles 2j, 2j+1 hold exactly k-block j of the next product (same registers)."""
+        split = cute.logical_divide(acc.layout, (None, None, 2))
+        layout = cute.make_layout(
+            ((split.shape[0], split.shape[2][0]), split.shape[1], split.shape[2][1]),
+            stride=((split.stride[0], split.stride[2][0]), split.stride[1], split.stride[2][1]),
+        )
+        return cute.make_tensor(acc.iterator, layout)
+
+    @cute.jit
+    def load_chunk(self, loader, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
+                   sK: cute.Tensor, sV: cute.Tensor, h: Int32, vb: Int32, tok0: Int32, length: Int32,
+                   stage: Int32):
+        """Issue the cp.async copies of one chunk (rows ``tok0 ..``, ``length`` valid) into ``stage``; rows past
+        ``length`` are zero-filled in shared memory and not read."""
+        C, K, BV = self.config.chunk_size, self.config.head_dim, self.config.block_v
+        g2s_K, g2s_V = loader
+        for mX, sX in ((mQ, sQ), (mK, sK)):
+            gX = cute.local_tile(cute.domain_offset((tok0, 0), mX[0, None, h, None]), (C, K), (0, 0))
+            self._copy_rows(g2s_K, gX, sX[None, None, stage], length)
+        gV = cute.local_tile(cute.domain_offset((tok0, 0), mV[0, None, h, None]), (C, BV), (0, vb))
+        self._copy_rows(g2s_V, gV, sV[None, None, stage], length)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(H: int, block_v: int) -> tuple:
+    """The config and argument specs of one call signature (cached: no work per call)."""
+    config = LightningChunkOutputConfig(num_heads=H, block_v=block_v)
+    ok, reason = LightningChunkOutput.can_implement(config)
+    if not ok:
+        raise ValueError(f"LightningChunkOutput: {reason}")
+    return config, LightningChunkOutput(config).argument_specs()
+
+
+_OUTPUTS = frozenset({6})  # o among the tensor arguments
+
+
+def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int, *,
+                           block_v: int | None = None) -> None:
+    """Kernel C of the Lightning prefill: every segment's outputs from its start state, written into ``o``.
+
+    Args:
+        q, k: bf16 ``[B·T, H, 128]`` (the flattened token axis), on one CUDA device.
+        v: bf16 ``[B·T, H, 128]``.
+        g_gamma: fp32 ``[H]`` contiguous: each head's log-decay (<= 0; λ = exp(g_gamma[h])).
+        seg_state: fp32 ``[NSEG, H, 128, 128]`` contiguous (K-first): each segment's START state.
+        segments: int32 ``[NSEG, 4]`` contiguous, row s = (sequence, first row, length, 0): the segment covers rows
+            ``first .. first + length - 1`` of the token axis, ``1 <= length <= seg_len``. Read on the device only
+            (lengths and rows clamped to the token axis there).
+        o: bf16 ``[B·T, H, 128]``, preallocated: every row of every segment is written, no other row.
+        scale: the output's factor.
+        seg_len: the segment length the table was built with (a positive multiple of 64).
+        block_v: value columns per CTA, 64 or 128 (None: :data:`DEFAULT_BLOCK_V`); the same bits either way.
+
+    Launched on the current stream; the first call per configuration compiles
+    (:func:`cula_runtime.cute.compile_cache.compile_records`).
+
+    Raises:
+        TypeError: an argument is not a tensor / number of the expected kind.
+        ValueError: a shape, dtype, device or layout other than the above.
+    """
+    import torch
+
+    named = {"q": q, "k": k, "v": v, "g_gamma": g_gamma, "seg_state": seg_state, "segments": segments, "o": o}
+    for name, tensor in named.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if q.dim() != 3 or q.shape[2] != 128:
+        raise ValueError(f"q must be [B·T, H, 128], got {tuple(q.shape)}")
+    rows, H, K = q.shape
+    device = q.device
+    if device.type != "cuda":
+        raise ValueError(f"q must be on a CUDA device, got {device}")
+    for name in ("q", "k", "v", "o"):
+        tensor = named[name]
+        if tuple(tensor.shape) != (rows, H, K) or tensor.dtype != torch.bfloat16 or tensor.device != device:
+            raise ValueError(f"{name} must be bfloat16 [{rows}, {H}, {K}] on {device}, got {tensor.dtype} "
+                             f"{tuple(tensor.shape)} on {tensor.device}")
+    if not o.is_contiguous():
+        raise ValueError("o must be contiguous (it is written in place)")
+    if (tuple(g_gamma.shape) != (H,) or g_gamma.dtype != torch.float32 or g_gamma.device != device
+            or not g_gamma.is_contiguous()):
+        raise ValueError(f"g_gamma must be contiguous float32 [{H}] on {device}, got {g_gamma.dtype} "
+                         f"{tuple(g_gamma.shape)} on {g_gamma.device}")
+    if (segments.dim() != 2 or segments.shape[1] != 4 or segments.dtype != torch.int32 or segments.device != device
+            or not segments.is_contiguous()):
+        raise ValueError(f"segments must be contiguous int32 [NSEG, 4] on {device}, got {segments.dtype} "
+                         f"{tuple(segments.shape)} on {segments.device}")
+    nseg = segments.shape[0]
+    if (tuple(seg_state.shape) != (nseg, H, K, K) or seg_state.dtype != torch.float32
+            or seg_state.device != device or not seg_state.is_contiguous()):
+        raise ValueError(f"seg_state must be contiguous float32 [{nseg}, {H}, {K}, {K}] on {device}, got "
+                         f"{seg_state.dtype} {tuple(seg_state.shape)} on {seg_state.device}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite real number, got {scale!r}")
+    if isinstance(seg_len, bool) or not isinstance(seg_len, numbers.Integral) or seg_len < 64 or seg_len % 64:
+        raise ValueError(f"seg_len must be a positive multiple of 64, got {seg_len!r}")
+    block_v = DEFAULT_BLOCK_V if block_v is None else block_v
+    if block_v not in (64, 128):
+        raise ValueError(f"block_v must be 64 or 128, got {block_v!r}")
+    if nseg * H * (K // block_v) > _MAX_GRID_X:
+        raise ValueError(f"{nseg} segments x {H} heads x {K // block_v} V blocks exceed the grid ({_MAX_GRID_X} CTAs)")
+    if nseg == 0 or rows == 0:
+        return
+    config, specs = _plan(H, block_v)
+    tensors = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0))
+    launch(LightningChunkOutput, config, specs, tensors, _OUTPUTS, device, float(scale))

@@ -1,0 +1,161 @@
+"""Kernel C of the Lightning prefill (``lightning_chunk_output``) on a GPU, against a float64 computation from the
+same start states (KDA_SPEC §5).
+
+Each segment's start state is drawn at random (kernel C takes whatever the scan left in ``seg_state``), so the
+check is the output formula alone: ``o_t = scale · q_t · S_t`` with ``S_t = λ^(t+1) S_0 + Σ_{j <= t} λ^(t-j)
+k_jᵀ v_j`` over the segment's own tokens (float64, closed form per segment). Bound: rel-L2 < 1e-2 per segment and
+head (the kernel rounds the state, the score tile and the decayed v to bf16 for its products, and o to bf16).
+``o`` is NaN-poisoned and the segment tables leave gaps: rows outside every segment must stay NaN. Cases: one
+segment and many, partial last chunks, 1-token segments, decays 0 and -8, two scales, both V blocks (the same
+bits), and 20 replays bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from cula_runtime import cute as cula_cute
+from tests.helpers import rel_l2
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cula_cute.is_available(),
+                       reason="CuTeDSL or TVM-FFI is missing (cula-runtime brings them on Linux x86_64/aarch64)"),
+]
+
+K = 128
+BOUND = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    rows: int  # the flattened token axis
+    segments: tuple[tuple[int, int], ...]  # (first row, length) per segment, in order; gaps stay NaN
+    g_gamma: tuple[float, ...]  # per head
+    seg_len: int = 256
+    scale: float = K ** -0.5
+
+
+def _fixed(B: int, T: int, seg_len: int) -> tuple[tuple[int, int], ...]:
+    """The segments of B sequences of T tokens cut every seg_len tokens (the last one shorter)."""
+    return tuple((b * T + s, min(seg_len, T - s)) for b in range(B) for s in range(0, T, seg_len))
+
+
+CASES = [
+    Case("one-segment-L200", rows=200, segments=((0, 200),), g_gamma=(-0.05, 0.0)),
+    Case("one-segment-L64-decay0", rows=64, segments=((0, 64),), g_gamma=(0.0,), seg_len=64),
+    Case("B2-T1000-seg256", rows=2000, segments=_fixed(2, 1000, 256), g_gamma=(0.0, -8.0, -0.05, -1.0)),
+    Case("B1-T4096-seg512-H2", rows=4096, segments=_fixed(1, 4096, 512), g_gamma=(-0.01, -0.3)),
+    Case("tokens-1-64-65-1-gaps", rows=300, segments=((3, 1), (10, 64), (80, 65), (200, 1), (250, 33)),
+         g_gamma=(-0.02, -8.0, 0.0), seg_len=128),
+    Case("scale-0.37", rows=700, segments=_fixed(1, 700, 192), g_gamma=(-0.1, -0.001), seg_len=192, scale=0.37),
+]
+
+
+def _inputs(case: Case, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    H = len(case.g_gamma)
+    q = torch.randn(case.rows, H, K, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(case.rows, H, K, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn(case.rows, H, K, device="cuda", generator=gen).to(torch.bfloat16)
+    g_gamma = torch.tensor(case.g_gamma, dtype=torch.float32, device="cuda")
+    seg_state = 4.0 * torch.randn(len(case.segments), H, K, K, device="cuda", generator=gen)
+    segments = torch.tensor([(0, first, length, 0) for first, length in case.segments], dtype=torch.int32,
+                            device="cuda").reshape(-1, 4)
+    return q, k, v, g_gamma, seg_state, segments
+
+
+def _oracle(case: Case, q, k, v, g_gamma, seg_state) -> list[torch.Tensor]:
+    """float64 o [L, H, V] of every segment from its start state."""
+    outs = []
+    for s, (first, length) in enumerate(case.segments):
+        qs, ks, vs = (x[first:first + length].double().transpose(0, 1) for x in (q, k, v))  # [H, L, K]
+        t = torch.arange(length, device="cuda", dtype=torch.float64)
+        g = g_gamma.double()[:, None, None]
+        diff = t[:, None] - t[None, :]
+        decay = torch.where(diff >= 0, torch.exp(g * diff.clamp(min=0)), torch.zeros((), dtype=torch.float64,
+                                                                                   device="cuda"))
+        intra = (decay * (qs @ ks.transpose(1, 2))) @ vs
+        inter = torch.exp(g * (t[None, :, None] + 1)) * (qs @ seg_state[s].double())
+        outs.append((case.scale * (intra + inter)).transpose(0, 1))
+    return outs
+
+
+def _run(case: Case, tensors, block_v: int | None = None) -> torch.Tensor:
+    from cula_runtime.cute.lightning.chunk_output import lightning_chunk_output
+
+    q, k, v, g_gamma, seg_state, segments = tensors
+    o = torch.full_like(v, float("nan"))
+    lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, case.scale, case.seg_len, block_v=block_v)
+    torch.cuda.synchronize()
+    return o
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_matches_float64_from_start_states(case: Case) -> None:
+    tensors = _inputs(case)
+    o = _run(case, tensors)
+    covered = torch.zeros(case.rows, dtype=torch.bool, device="cuda")
+    for (first, length), ref in zip(case.segments, _oracle(case, *tensors[:5]), strict=True):
+        got = o[first:first + length]
+        assert torch.isfinite(got).all(), f"segment at {first}: non-finite outputs"
+        for h in range(len(case.g_gamma)):
+            err = rel_l2(got[:, h].double(), ref[:, h])
+            assert err < BOUND, f"segment at {first} (length {length}), head {h}: rel-L2 {err:.2e}"
+        covered[first:first + length] = True
+    assert torch.isnan(o[~covered]).all(), "the kernel wrote rows outside its segments"
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=[CASES[2].name, CASES[4].name])
+def test_both_v_blocks_give_the_same_bits(case: Case) -> None:
+    tensors = _inputs(case, seed=1)
+    o64 = _run(case, tensors, block_v=64)
+    o128 = _run(case, tensors, block_v=128)
+    assert torch.equal(o64.view(torch.int16), o128.view(torch.int16))
+
+
+def test_replays_are_bit_identical() -> None:
+    case = CASES[3]
+    tensors = _inputs(case, seed=2)
+    first = _run(case, tensors)
+    for _ in range(20):
+        assert torch.equal(_run(case, tensors).view(torch.int16), first.view(torch.int16))
+
+
+def test_a_segment_does_not_read_its_neighbours() -> None:
+    """Changing the tokens of one segment (and its start state) leaves every other segment's outputs unchanged."""
+    case = CASES[2]
+    tensors = _inputs(case, seed=3)
+    before = _run(case, tensors)
+    q, k, v, g_gamma, seg_state, segments = (t.clone() for t in tensors)
+    first, length = case.segments[1]
+    for x in (q, k, v):
+        x[first:first + length] = torch.randn_like(x[first:first + length])
+    seg_state[1] = torch.randn_like(seg_state[1])
+    after = _run(case, (q, k, v, g_gamma, seg_state, segments))
+    mask = torch.ones(case.rows, dtype=torch.bool, device="cuda")
+    mask[first:first + length] = False
+    assert torch.equal(before[mask].view(torch.int16), after[mask].view(torch.int16))
+    assert not torch.equal(before[~mask].view(torch.int16), after[~mask].view(torch.int16))
+
+
+def test_bad_arguments_are_named() -> None:
+    from cula_runtime.cute.lightning.chunk_output import lightning_chunk_output
+
+    case = CASES[0]
+    q, k, v, g_gamma, seg_state, segments = _inputs(case)
+    o = torch.empty_like(v)
+    with pytest.raises(ValueError, match="seg_len"):
+        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, 1.0, 100)
+    with pytest.raises(ValueError, match="segments"):
+        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments.long(), o, 1.0, 256)
+    with pytest.raises(ValueError, match="seg_state"):
+        lightning_chunk_output(q, k, v, g_gamma, seg_state[:, :, :, :64], segments, o, 1.0, 256)
+    with pytest.raises(ValueError, match="o must be"):
+        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o.float(), 1.0, 256)
+    with pytest.raises(ValueError, match="block_v"):
+        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, 1.0, 256, block_v=32)
