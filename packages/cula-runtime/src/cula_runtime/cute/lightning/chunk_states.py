@@ -613,6 +613,8 @@ def lightning_segment_scan(seg_state, segments, seq_segments, g_gamma, *, initia
                 or state.dtype not in (torch.float32, torch.bfloat16) or state.device != device:
             raise ValueError(f"state must be a float32 or bfloat16 pool [P, {H}, {HEAD_DIM}, {HEAD_DIM}] on {device}, "
                              f"got {state.dtype} {list(state.shape)} on {state.device}")
+        from .prefill_backend import pool_layout_rejection
+
         reason = pool_layout_rejection(state)
         if reason:
             raise ValueError(f"state: {reason}")
@@ -627,21 +629,9 @@ def lightning_segment_scan(seg_state, segments, seq_segments, g_gamma, *, initia
     return ht
 
 
-def pool_layout_rejection(pool) -> str | None:
-    """Why kernel B cannot read and write this pool in place, or None: each slot's heads must be compact
-    ``[128, 128]`` blocks (static row strides), the slot and head strides multiples of 4 elements and the data
-    aligned to 4 elements (16 bytes fp32, 8 bytes bf16: the kernel's vectors)."""
-    strides = pool.stride()
-    if tuple(strides[2:]) != (HEAD_DIM, 1) or (pool.shape[1] > 1 and strides[1] != HEAD_DIM * HEAD_DIM):
-        return (f"needs each slot's heads compact [{HEAD_DIM}, {HEAD_DIM}] blocks, got strides {list(strides)}")
-    if (pool.shape[0] > 1 and strides[0] % 4) or pool.data_ptr() % (4 * pool.element_size()):
-        return (f"needs the slot stride a multiple of 4 and the data {4 * pool.element_size()}-byte aligned, got "
-                f"stride {strides[0]} at address {pool.data_ptr():#x}")
-    return None
-
-
-def _scan_flags(initial_state, ht, state_v_first: bool, pool, has_initial_state) -> tuple:
-    return (initial_state is not None, ht is not None, bool(state_v_first),
+def scan_flags(initial_state, output_final_state: bool, state_v_first: bool, pool, has_initial_state) -> tuple:
+    """The flags of kernel B's configuration for these arguments (what :func:`plan_segment_scan` takes)."""
+    return (initial_state is not None, bool(output_final_state), bool(state_v_first),
             None if pool is None else _TORCH_NAMES[str(pool.dtype)], has_initial_state is not None)
 
 
@@ -650,8 +640,8 @@ def _scan_run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, sta
     """:func:`lightning_segment_scan` after its checks, ``ht`` allocated by the caller (or None)."""
     if seq_segments.shape[0] <= 1:
         return
-    config, specs = _scan_plan(seg_state.shape[1], _scan_flags(initial_state, ht, state_v_first, pool,
-                                                                has_initial_state))
+    config, specs = _scan_plan(seg_state.shape[1], scan_flags(initial_state, ht is not None, state_v_first, pool,
+                                                               has_initial_state))
     import torch
 
     flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)  # (a view: no copy)
@@ -661,7 +651,7 @@ def _scan_run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, sta
 
 def plan_segment_scan(H: int, N: int, flags: tuple, device):
     """Kernel B bound to one call signature: ``run(seg_state, segments, seq_segments, g_gamma, initial_state, ht,
-    pool, state_indices, has_initial_state)`` with nothing checked; ``flags`` as ``_scan_flags`` gives them."""
+    pool, state_indices, has_initial_state)`` with nothing checked; ``flags``: :func:`scan_flags`."""
     if N == 0:
         return lambda *tensors: None
     config, specs = _scan_plan(H, flags)

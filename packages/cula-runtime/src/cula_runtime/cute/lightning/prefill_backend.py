@@ -1,0 +1,384 @@
+"""The ``cutedsl`` backend of ``lightning_prefill``: the segment table, then three CuTeDSL launches (issue 28).
+
+Every sequence is cut into segments of ``seg_len`` tokens (a multiple of the chunk, 64; a sequence's last segment
+may be shorter), chosen per call so that the segment-parallel grids fill the GPU (:func:`choose_seg_len`). Then:
+
+1. kernel A (:mod:`.chunk_states`): each segment's own state from zero, fp32 ``seg_state [NSEG, H, K, V]``;
+2. kernel B (:mod:`.chunk_states`): the scan over each sequence's segments: the start states (``initial_state``, a
+   pool slot, or zeros) in, each segment's START state written over its own in ``seg_state``, the final states out
+   (``final_state``, or back into the pool in place);
+3. kernel C (:mod:`.chunk_output`): each segment's outputs from its start state.
+
+The segment table (:func:`segment_table`, built on the host from B and T or from the checked host copy of
+``cu_seqlens``, then one copy to the device; cached per ``(cu_seqlens tensor, version)`` or per ``(B, T)``):
+``segments`` int32 ``[NSEG, 4]``, row s = (sequence n, first token's row in the flattened token axis ``[B·T]``,
+length ``1 <= L_s <= seg_len``, 0), and ``seq_segments`` int32 ``[N + 1]``, sequence n's rows
+``seq_segments[n] .. seq_segments[n + 1] - 1`` in order. A sequence without tokens has no segments. The token
+tensors are passed flattened (views): q, k ``[B·T, H, K]``, v, o ``[B·T, H, V]``.
+
+Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules load on the first call.
+
+Where it has run: nowhere yet. Kernels A and B compile for sm_90a, sm_100a and sm_103a on the CPU
+(``tests/cute/test_lightning_states_compile.py``); their GPU tests (``tests/cute/test_lightning_states_gpu.py``)
+have not run.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from ...env import env_value
+from ...index import _host_tensor, cached_on_version, checked_cu_seqlens_host
+from ...kda_tuning import device_capability, recurrence_block_v, sm_count
+from .. import is_available, unavailable_reason
+
+if TYPE_CHECKING:
+    from ...lightning_args import LightningPrefillArgs
+
+__all__ = [
+    "SEG_LEN_CHOICES",
+    "SegmentTable",
+    "choose_seg_len",
+    "lightning_prefill_cutedsl_backend",
+    "num_segments",
+    "plan_lightning_prefill",
+    "pool_layout_rejection",
+    "requested_seg_len",
+    "segment_table",
+    "verify_lightning_prefill",
+]
+
+CHUNK = 64
+HEAD_DIM = 128
+# seg_len candidates, longest first: the longest whose grid has WAVES waves of CTAs on the GPU's SMs (fewest state
+# passes: each costs NSEG · H · 64 KB against the inputs' T · H · 1 KB), else the shortest
+SEG_LEN_CHOICES = (4096, 2048, 1024, 512, 256, 128, 64)
+WAVES = 2
+MIN_PREFERRED_SEG_LEN = 256  # shorter segments only when this length cannot fill one wave
+SEG_LEN_ENV = "CULA_LIGHTNING_SEG_LEN"  # a fixed seg_len for every call (a multiple of 64), for timing; 0: chosen
+MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
+_CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
+_POOL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# ---- the segment table (pure Python) -------------------------------------------------------------------------------
+
+
+class SegmentTable(NamedTuple):
+    """A batch's segments, on the host.
+
+    Attributes:
+        segments: the rows ``(n, start, length, 0)`` flattened (4 ints per segment), in sequence order.
+        seq_segments: ``N + 1`` offsets: sequence n's segments are rows ``seq_segments[n] .. seq_segments[n+1]-1``.
+    """
+
+    segments: list[int]
+    seq_segments: list[int]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments) // 4
+
+    def rows(self) -> list[tuple[int, int, int, int]]:
+        """The rows as tuples (for tests and messages)."""
+        s = self.segments
+        return [tuple(s[i:i + 4]) for i in range(0, len(s), 4)]
+
+
+def _check_seg_len(seg_len: object) -> int:
+    if isinstance(seg_len, bool) or not isinstance(seg_len, int):
+        raise TypeError(f"seg_len must be an int (a positive multiple of {CHUNK}), got {type(seg_len).__name__}")
+    if seg_len <= 0 or seg_len % CHUNK or seg_len > MAX_SEG_LEN:
+        raise ValueError(f"seg_len must be a positive multiple of {CHUNK} up to {MAX_SEG_LEN}, got {seg_len}")
+    return seg_len
+
+
+def _check_lens(lens: Sequence[int]) -> list[int]:
+    out = []
+    for n, length in enumerate(lens):
+        if isinstance(length, bool) or not isinstance(length, int):
+            raise TypeError(f"lens[{n}] must be an int, got {type(length).__name__}")
+        if length < 0:
+            raise ValueError(f"lens[{n}] must be >= 0, got {length}")
+        out.append(length)
+    return out
+
+
+def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
+    """The segments of sequences of ``lens`` tokens laid end to end in one token axis (fixed length: ``[T] * B``,
+    sequence b starting at row ``b·T``; varlen: the lengths of ``cu_seqlens``, sequence n at ``cu_seqlens[n]``).
+
+    Each sequence is cut at multiples of ``seg_len`` from its first token: segments of ``seg_len`` tokens, the last
+    one ``1 .. seg_len`` tokens; a sequence of no tokens has no segment. Example: ``lens = [130, 0, 64]``,
+    ``seg_len = 64`` gives rows ``(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 0), (2, 130, 64, 0)`` and
+    ``seq_segments = [0, 3, 3, 4]``.
+
+    Raises:
+        TypeError, ValueError: ``seg_len`` not a positive multiple of 64, or a length not a non-negative int.
+    """
+    seg_len = _check_seg_len(seg_len)
+    rows: list[int] = []
+    offsets = [0]
+    start = 0
+    for n, length in enumerate(_check_lens(lens)):
+        for offset in range(0, length, seg_len):
+            rows += (n, start + offset, min(seg_len, length - offset), 0)
+        offsets.append(len(rows) // 4)
+        start += length
+    return SegmentTable(rows, offsets)
+
+
+def num_segments(lens: Sequence[int], seg_len: int) -> int:
+    """How many segments :func:`segment_table` makes (without building it)."""
+    return sum(-(-length // seg_len) for length in lens)
+
+
+def choose_seg_len(lens: Sequence[int], num_heads: int, num_sms: int, *, waves: int = WAVES) -> int:
+    """The segment length for sequences of ``lens`` tokens and ``num_heads`` heads on a GPU of ``num_sms`` SMs.
+
+    The longest of :data:`SEG_LEN_CHOICES` whose ``NSEG · H`` (the segment-parallel grids' CTAs per V block) is at
+    least ``waves · num_sms``; when that is shorter than :data:`MIN_PREFERRED_SEG_LEN`, the longest of at least
+    that length that still fills one wave (``NSEG · H >= num_sms``), if any; else the shortest that fills the waves,
+    else 64 (all the parallelism there is). Longer segments mean fewer state bytes (4 passes of ``NSEG · H · 64
+    KB`` against the inputs' ``T · H · 1 KB``) and shorter scans; shorter ones more CTAs. (A first guess, to be
+    timed on the GPU: ``CULA_LIGHTNING_SEG_LEN`` overrides it.)
+
+    Examples, 132 SMs: B1 H16 T32768 -> 1024 (512 CTAs); B1 H64 T4096 -> 512; B2 H64 T32768 -> 4096; B1 H16
+    T4096 -> 256 (256 CTAs, one wave and a bit: 128 would make 512 but quadruple the state bytes).
+    """
+    lens = _check_lens(lens)
+    target = waves * num_sms
+    chosen = next((s for s in SEG_LEN_CHOICES if num_segments(lens, s) * num_heads >= target), SEG_LEN_CHOICES[-1])
+    if chosen < MIN_PREFERRED_SEG_LEN:
+        filled = [s for s in SEG_LEN_CHOICES if s >= MIN_PREFERRED_SEG_LEN
+                  and num_segments(lens, s) * num_heads >= num_sms]
+        if filled:
+            return filled[0]
+    return chosen
+
+
+# ---- the device table, cached ----------------------------------------------------------------------------------------
+
+_FIXED_CAPACITY = 64
+_fixed_tables: OrderedDict[tuple, tuple] = OrderedDict()
+
+
+def _to_device(table: SegmentTable, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(segments [NSEG, 4], seq_segments [N + 1])`` on ``device``: views of one int32 buffer, one copy."""
+    flat = _host_tensor(table.segments + table.seq_segments, torch.int32)
+    buffer = flat.to(device, non_blocking=True)
+    nseg = table.num_segments
+    return buffer.narrow(0, 0, 4 * nseg).view(nseg, 4), buffer.narrow(0, 4 * nseg, len(table.seq_segments))
+
+
+def _resolved_seg_len(lens: list[int], H: int, num_sms: int, seg_len: int) -> int:
+    return choose_seg_len(lens, H, num_sms) if seg_len == 0 else _check_seg_len(seg_len)
+
+
+def requested_seg_len(seg_len: int = 0) -> int:
+    """``seg_len`` if nonzero, else ``CULA_LIGHTNING_SEG_LEN`` (unset or 0: chosen per call, returned as 0).
+
+    Raises:
+        ValueError: the variable is not a non-negative multiple of 64.
+    """
+    if seg_len:
+        return _check_seg_len(seg_len)
+    raw = env_value(SEG_LEN_ENV, "")
+    if raw in ("", "0"):
+        return 0
+    try:
+        return _check_seg_len(int(raw))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{SEG_LEN_ENV}={raw!r}: expected 0 (chosen per call) or a positive multiple of {CHUNK} "
+                         f"up to {MAX_SEG_LEN}") from exc
+
+
+def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, device: torch.device, num_sms: int,
+                    seg_len: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(seg_len, segments, seq_segments)`` of one call on ``device``: ``seg_len`` as asked (0: chosen by
+    :func:`choose_seg_len`), the table built on the host and copied once. Cached: per ``(cu_seqlens, its version,
+    H, SMs, seg_len)`` in :func:`cula_runtime.index.cached_on_version` (the boundaries from the validator's checked
+    host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len, device)`` without ``cu_seqlens``."""
+    if cu_seqlens is None:
+        key = (B, T, H, num_sms, seg_len, device)
+        hit = _fixed_tables.get(key)
+        if hit is not None:
+            _fixed_tables.move_to_end(key)
+            return hit
+        lens = [T] * B
+        chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
+        value = (chosen, *_to_device(segment_table(lens, chosen), device))
+        _fixed_tables[key] = value
+        while len(_fixed_tables) > _FIXED_CAPACITY:
+            _fixed_tables.popitem(last=False)
+        return value
+
+    def build() -> tuple[int, torch.Tensor, torch.Tensor]:
+        values = checked_cu_seqlens_host(cu_seqlens, T).tolist()
+        lens = [b - a for a, b in zip(values, values[1:], strict=False)]
+        chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
+        return (chosen, *_to_device(segment_table(lens, chosen), device))
+
+    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len), build)
+
+
+def clear_segment_cache() -> None:
+    """Forget the fixed-length tables (the varlen ones live in :mod:`cula_runtime.index`'s cache)."""
+    _fixed_tables.clear()
+
+
+# ---- verify ---------------------------------------------------------------------------------------------------------
+
+
+def pool_layout_rejection(pool: torch.Tensor) -> str | None:
+    """Why kernel B cannot read and write this pool in place, or None: each slot's heads compact ``[128, 128]``
+    blocks (the kernel's static row strides), the slot and head strides multiples of 4 elements and the data aligned
+    to 4 elements (16 bytes fp32, 8 bytes bf16: its vectors). A pool is never copied."""
+    strides = pool.stride()
+    if tuple(strides[2:]) != (HEAD_DIM, 1) or (pool.shape[1] > 1 and strides[1] % 4):
+        return f"needs each pool slot's heads compact [{HEAD_DIM}, {HEAD_DIM}] blocks, got strides {list(strides)}"
+    if (pool.shape[0] > 1 and strides[0] % 4) or pool.data_ptr() % (4 * pool.element_size()):
+        return (f"needs the pool's slot stride a multiple of 4 elements and its data {4 * pool.element_size()}-byte "
+                f"aligned, got stride {strides[0]} at address {pool.data_ptr():#x}")
+    return None
+
+
+def verify_lightning_prefill(args: LightningPrefillArgs) -> tuple[bool, str]:
+    """Whether the CuTeDSL kernels serve these validated ``lightning_prefill`` arguments, and if not, why. Free of
+    side effects; imports no CuTeDSL."""
+    if not is_available():
+        return False, f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
+    if args.device.type != "cuda":
+        return False, f"needs CUDA tensors, got {args.device.type}"
+    capability = device_capability(args.device)
+    if capability not in _CAPABILITIES:
+        return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    if args.q.dtype != torch.bfloat16:
+        return False, f"needs bf16 q/k/v, got {args.q.dtype}"
+    if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):
+        return False, f"needs K = V = {HEAD_DIM}, got K={args.K} V={args.V}"
+    if args.H > 65535:
+        return False, f"needs H <= 65535 (a grid dimension), got H={args.H}"
+    if args.initial_state is not None and args.initial_state.dtype != torch.float32:
+        return False, f"needs an fp32 initial_state, got {args.initial_state.dtype}"
+    if args.state is not None:
+        if args.state.dtype not in _POOL_DTYPES:
+            return False, f"needs an fp32 or bf16 state pool, got {args.state.dtype}"
+        reason = pool_layout_rejection(args.state)
+        if reason is not None:
+            return False, reason
+    return True, "CuTeDSL kernels serve this call (segment states, scan, output)"
+
+
+# ---- the backend ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _states() -> object:
+    """:mod:`.chunk_states` (kernels A and B), imported on the first call (importing it imports CuTeDSL)."""
+    from . import chunk_states
+
+    return chunk_states
+
+
+@functools.cache
+def _output() -> Callable:
+    """``chunk_output.lightning_chunk_output`` (kernel C), imported on the first call that has tokens."""
+    from .chunk_output import lightning_chunk_output
+
+    return lightning_chunk_output
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H, D]`` -> the flattened token axis ``[B·T, H, D]`` (a view of a contiguous tensor)."""
+    return x.view(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
+
+
+def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0,
+                                      block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run validated ``lightning_prefill`` arguments (accepted by :func:`verify_lightning_prefill`) on the CuTeDSL
+    kernels: ``(o, final_state)``.
+
+    Args:
+        args: validated arguments.
+        seg_len: the segment length (a positive multiple of 64); 0: ``CULA_LIGHTNING_SEG_LEN`` if set, else
+            :func:`choose_seg_len` per call.
+        block_v: kernel A's value columns per CTA, 64 or 128 (the same bits); 0: chosen from NSEG · H and the SMs.
+
+    Returns:
+        ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
+        ``output_final_state`` (else None); with a pool (``args.state``): ``(o, None)``, the pool updated in place
+        (each sequence's final state in its slot; a slot outside ``[0, P)`` is padding: not read, not written, its
+        outputs computed from zeros). Launched on the current stream; the intermediate ``seg_state``
+        (``NSEG · H · 64 KB``) lives until the call returns.
+    """
+    states = _states()
+    if block_v not in (0, 64, 128):
+        raise ValueError(f"block_v must be 0 (the per-call choice), 64 or 128, got {block_v!r}")
+    device = args.device
+    B, T, H, K, V = args.B, args.T, args.H, args.K, args.V
+    o = torch.empty(B, T, H, V, dtype=args.q.dtype, device=device)
+    pool = args.state
+    ht = torch.empty(args.state_shape, dtype=torch.float32, device=device) \
+        if args.output_final_state and pool is None else None
+    if args.N == 0:
+        return o, ht
+    num_sms = sm_count(device)
+    chosen, segments, seq_segments = device_segments(B, T, H, args.cu_seqlens, device, num_sms,
+                                                     requested_seg_len(seg_len))
+    nseg = segments.shape[0]
+    seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
+    q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
+    if nseg:
+        states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms))
+    states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
+                     pool, args.state_indices, args.has_initial_state)
+    if nseg:
+        _output()(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, chosen)
+    return o, ht
+
+
+def plan_lightning_prefill(args: LightningPrefillArgs) -> Callable | None:
+    """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
+    :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
+    state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched:
+    kernels A and B through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
+    (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked host
+    copy of its values). Holds no tensor of the call it was made from."""
+    states = _states()
+    device = args.device
+    B, T, H, K, V, N = args.B, args.T, args.H, args.K, args.V, args.N
+    dtype, scale, v_first = args.q.dtype, args.scale, args.state_v_first
+    state_shape = args.state_shape
+    want_ht = args.output_final_state and args.state is None
+    num_sms = sm_count(device)
+    scan = states.plan_segment_scan(H, N, states.scan_flags(args.initial_state, want_ht, v_first, args.state,
+                                                            args.has_initial_state), device)
+    runs_a: dict[int, Callable] = {}
+
+    def plan(q, k, v, g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state):
+        o = torch.empty(B, T, H, V, dtype=dtype, device=device)
+        ht = torch.empty(state_shape, dtype=torch.float32, device=device) if want_ht else None
+        if N == 0:
+            return o, ht
+        chosen, segments, seq_segments = device_segments(B, T, H, cu_seqlens, device, num_sms, requested_seg_len())
+        nseg = segments.shape[0]
+        seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
+        kf, o_flat = _flat(k), _flat(o)
+        if nseg:
+            bv = recurrence_block_v(nseg * H, num_sms)
+            run_a = runs_a.get(bv)
+            if run_a is None:
+                run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device)
+            run_a(kf, _flat(v), g_gamma, segments, seg_state)
+        scan(seg_state, segments, seq_segments, g_gamma, initial_state, ht, state, state_indices, has_initial_state)
+        if nseg:
+            _output()(_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale, chosen)
+        return o, ht
+
+    return plan

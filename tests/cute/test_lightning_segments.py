@@ -1,0 +1,410 @@
+"""The Lightning prefill's segment table and its host orchestration, on the CPU (issue 28; the design:
+``cula_runtime.cute.lightning.prefill_backend``).
+
+* :func:`segment_table` for fixed lengths, varlen batches with empty sequences and tails, against a brute-force
+  cut of every sequence; its argument errors; :func:`choose_seg_len` (the examples of its docstring, its rule) and
+  the ``CULA_LIGHTNING_SEG_LEN`` override; the device table's cache (a repeated call builds nothing; an in-place
+  change of ``cu_seqlens`` rebuilds).
+* ``verify_lightning_prefill``'s declines, each with its reason.
+* ``lightning_prefill_cutedsl_backend`` and its call plan with the three kernels replaced by the float64
+  emulations below (:func:`emulate_segment_states`, :func:`emulate_scan`, :func:`emulate_chunk_output`), against
+  the fp64 token recurrence: the segment table, the flattened views, the allocations and the kernels' order
+  reproduce Lightning Attention (fixed and varlen, h0 and ht, both layouts, the pool with padding and untouched
+  slots). The emulations are also the GPU tests' references for kernels A and B
+  (``tests/cute/test_lightning_states_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cula_runtime.cute.lightning import prefill_backend as pb
+from cula_runtime.cute.lightning.prefill_backend import SEG_LEN_CHOICES, choose_seg_len, num_segments, segment_table
+
+# ---- float64 emulations of the three kernels (the design's math, nothing rounded) -----------------------------------
+
+
+def emulate_segment_states(k: torch.Tensor, v: torch.Tensor, g_gamma: torch.Tensor,
+                           segments: torch.Tensor) -> torch.Tensor:
+    """Kernel A in float64: ``[NSEG, H, K, V]``, ``Σ_j λ^(L-1-j) k_jᵀ v_j`` over each segment's rows of the flattened
+    ``k [B·T, H, K]``, ``v [B·T, H, V]``."""
+    H, K, V = k.shape[1], k.shape[2], v.shape[2]
+    rows = segments.tolist()
+    out = torch.zeros(len(rows), H, K, V, dtype=torch.float64)
+    g = g_gamma.double().cpu()
+    for s, (_, start, length, _) in enumerate(rows):
+        kk = k[start:start + length].double().cpu()
+        vv = v[start:start + length].double().cpu()
+        steps = torch.arange(length - 1, -1, -1, dtype=torch.float64)
+        decay = torch.exp(g.view(H, 1) * steps.view(1, length))  # [H, L]
+        out[s] = torch.einsum("jhk,hj,jhv->hkv", kk, decay, vv)
+    return out
+
+
+def start_states(N: int, H: int, K: int, initial_state, state_v_first: bool, pool, state_indices,
+                 has_initial_state) -> tuple[torch.Tensor, list[int]]:
+    """Each sequence's start state, K-first float64 ``[N, H, K, V]``, and its pool slot (-1: none or padding)."""
+    S = torch.zeros(N, H, K, K, dtype=torch.float64)
+    slots = [-1] * N
+    if initial_state is not None:
+        h0 = initial_state.double().cpu()
+        S = (h0.transpose(-1, -2) if state_v_first else h0).clone()
+    if pool is not None:
+        P = pool.shape[0]
+        flags = None if has_initial_state is None else has_initial_state.tolist()
+        for n, slot in enumerate(state_indices.tolist()):
+            if 0 <= slot < P:
+                slots[n] = slot
+                if flags is None or flags[n]:
+                    x = pool[slot].double().cpu()
+                    S[n] = x.transpose(-1, -2) if state_v_first else x
+    return S, slots
+
+
+def emulate_scan(seg_state: torch.Tensor, segments: torch.Tensor, seq_segments: torch.Tensor,
+                 g_gamma: torch.Tensor, initial_state=None, state_v_first: bool = False, pool=None,
+                 state_indices=None, has_initial_state=None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Kernel B in float64: ``(start states [NSEG, H, K, V], final states K-first [N, H, K, V], slots)`` from the
+    segments' own states ``seg_state``."""
+    H, K = seg_state.shape[1], seg_state.shape[2]
+    offsets = seq_segments.tolist()
+    N = len(offsets) - 1
+    S, slots = start_states(N, H, K, initial_state, state_v_first, pool, state_indices, has_initial_state)
+    lengths = segments[:, 2].tolist()
+    g = g_gamma.double().cpu().view(H, 1, 1)
+    own = seg_state.double().cpu()
+    starts = torch.empty_like(own)
+    for n in range(N):
+        for s in range(offsets[n], offsets[n + 1]):
+            starts[s] = S[n]
+            S[n] = torch.exp(g * lengths[s]) * S[n] + own[s]
+    return starts, S, slots
+
+
+def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int) -> None:
+    """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``."""
+    H = q.shape[1]
+    g = torch.exp(g_gamma.double().cpu()).view(H, 1, 1)
+    for s, (_, start, length, _) in enumerate(segments.tolist()):
+        assert 1 <= length <= seg_len
+        S = seg_state[s].double().cpu().clone()
+        for t in range(start, start + length):
+            S = g * S + k[t].double().cpu().unsqueeze(-1) * v[t].double().cpu().unsqueeze(-2)
+            o[t] = (scale * torch.einsum("hk,hkv->hv", q[t].double().cpu(), S)).to(o.dtype)
+
+
+class FakeKernels:
+    """Stand-ins for ``chunk_states`` and ``chunk_output`` with the same entry points, computing in float64 and
+    recording the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    # chunk_states' unchecked entries
+    def _states_run(self, k, v, g_gamma, segments, seg_state, block_v) -> None:
+        assert block_v in (64, 128) and seg_state.dtype == torch.float32 and seg_state.is_contiguous()
+        assert k.dim() == 3 and v.dim() == 3 and segments.dtype == torch.int32
+        self.calls.append(("A", segments.shape[0], block_v))
+        seg_state.copy_(emulate_segment_states(k, v, g_gamma, segments).float())
+
+    def _scan_run(self, seg_state, segments, seq_segments, g_gamma, initial_state, ht, state_v_first, pool=None,
+                  state_indices=None, has_initial_state=None) -> None:
+        self.calls.append(("B", seq_segments.shape[0] - 1))
+        starts, final, slots = emulate_scan(seg_state, segments, seq_segments, g_gamma, initial_state, state_v_first,
+                                            pool, state_indices, has_initial_state)
+        seg_state.copy_(starts.float())
+        final_laid = final.transpose(-1, -2) if state_v_first else final
+        if ht is not None:
+            ht.copy_(final_laid.float())
+        if pool is not None:
+            for n, slot in enumerate(slots):
+                if slot >= 0:
+                    pool[slot] = final_laid[n].to(pool.dtype)
+
+    def scan_flags(self, initial_state, output_final_state, state_v_first, pool, has_initial_state) -> tuple:
+        return (initial_state is not None, bool(output_final_state), bool(state_v_first),
+                None if pool is None else str(pool.dtype), has_initial_state is not None)
+
+    def plan_segment_states(self, H, dtype, block_v, device):
+        return lambda k, v, g_gamma, segments, seg_state: self._states_run(k, v, g_gamma, segments, seg_state,
+                                                                           block_v)
+
+    def plan_segment_scan(self, H, N, flags, device):
+        v_first = flags[2]
+        return lambda seg_state, segments, seq_segments, g_gamma, h0, ht, pool, idx, has_init: self._scan_run(
+            seg_state, segments, seq_segments, g_gamma, h0, ht, v_first, pool, idx, has_init)
+
+    def chunk_output(self, q, k, v, g_gamma, seg_state, segments, o, scale, seg_len) -> None:
+        assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0]
+        self.calls.append(("C", segments.shape[0], seg_len))
+        emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, seg_len)
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
+    fake = FakeKernels()
+    monkeypatch.setattr(pb, "_states", lambda: fake)
+    monkeypatch.setattr(pb, "_output", lambda: fake.chunk_output)
+    monkeypatch.setattr(pb, "sm_count", lambda device: 132)
+    monkeypatch.delenv(pb.SEG_LEN_ENV, raising=False)
+    pb.clear_segment_cache()
+    return fake
+
+
+# ---- the segment table -----------------------------------------------------------------------------------------------
+
+
+def brute_force_rows(lens: list[int], seg_len: int) -> list[tuple[int, int, int, int]]:
+    rows, start = [], 0
+    for n, length in enumerate(lens):
+        tokens = list(range(start, start + length))
+        for i in range(0, length, seg_len):
+            piece = tokens[i:i + seg_len]
+            rows.append((n, piece[0], len(piece), 0))
+        start += length
+    return rows
+
+
+@pytest.mark.parametrize(("lens", "seg_len"), [
+    pytest.param([4096], 512, id="fixed-B1-T4096-seg512"),
+    pytest.param([1000, 1000, 1000], 256, id="fixed-B3-T1000-seg256-tails"),
+    pytest.param([1], 64, id="fixed-B1-T1"),
+    pytest.param([63, 63], 64, id="fixed-B2-T63"),
+    pytest.param([0, 0], 64, id="fixed-B2-T0"),
+    pytest.param([0, 100, 0, 128, 1, 4097, 0], 128, id="varlen-empty-and-tails-seg128"),
+    pytest.param([15, 85, 200, 900], 64, id="varlen-seg64"),
+    pytest.param([5000, 3, 64, 65], 4096, id="varlen-seg4096"),
+])
+def test_segment_table_cuts_every_sequence_in_order(lens: list[int], seg_len: int) -> None:
+    table = segment_table(lens, seg_len)
+    assert table.rows() == brute_force_rows(lens, seg_len)
+    assert table.num_segments == num_segments(lens, seg_len) == len(table.segments) // 4
+    offsets = table.seq_segments
+    assert len(offsets) == len(lens) + 1 and offsets[0] == 0 and offsets[-1] == table.num_segments
+    rows = table.rows()
+    starts = [sum(lens[:n]) for n in range(len(lens))]
+    for n, length in enumerate(lens):
+        mine = rows[offsets[n]:offsets[n + 1]]
+        assert all(r[0] == n for r in mine)
+        assert sum(r[2] for r in mine) == length  # every token once, in order
+        assert [r[1] for r in mine] == [starts[n] + i * seg_len for i in range(len(mine))]
+        assert all(r[2] == seg_len for r in mine[:-1]) and all(1 <= r[2] <= seg_len for r in mine)
+        assert (length == 0) == (not mine)  # an empty sequence has no segment
+
+
+def test_segment_table_docstring_example() -> None:
+    table = segment_table([130, 0, 64], 64)
+    assert table.rows() == [(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 0), (2, 130, 64, 0)]
+    assert table.seq_segments == [0, 3, 3, 4]
+
+
+@pytest.mark.parametrize(("lens", "seg_len", "error", "match"), [
+    ([10], 0, ValueError, "seg_len must be a positive multiple of 64"),
+    ([10], 100, ValueError, "seg_len must be a positive multiple of 64"),
+    ([10], -64, ValueError, "seg_len"),
+    ([10], 64.0, TypeError, "seg_len must be an int"),
+    ([10], True, TypeError, "seg_len must be an int"),
+    ([10, -1], 64, ValueError, r"lens\[1\] must be >= 0"),
+    ([10, 2.5], 64, TypeError, r"lens\[1\] must be an int"),
+])
+def test_segment_table_says_what_is_wrong(lens, seg_len, error, match) -> None:
+    with pytest.raises(error, match=match):
+        segment_table(lens, seg_len)
+
+
+@pytest.mark.parametrize(("B", "H", "T", "expected"), [
+    (1, 16, 32768, 1024), (1, 64, 4096, 512), (2, 64, 32768, 4096), (1, 16, 4096, 256), (2, 16, 32768, 2048),
+    (1, 16, 100, 64), (1, 1, 64, 64),
+])
+def test_choose_seg_len_examples(B: int, H: int, T: int, expected: int) -> None:
+    assert choose_seg_len([T] * B, H, 132) == expected
+
+
+@pytest.mark.parametrize("lens", [[32768], [4096, 4096], [100] * 20, [0, 7000, 12, 300, 20000], [0], [1] * 3])
+@pytest.mark.parametrize("H", [1, 16, 64])
+def test_choose_seg_len_rule(lens: list[int], H: int) -> None:
+    sms = 132
+    seg_len = choose_seg_len(lens, H, sms)
+    assert seg_len in SEG_LEN_CHOICES
+    ctas = num_segments(lens, seg_len) * H
+    longer = [s for s in SEG_LEN_CHOICES if s > seg_len]
+    if ctas >= 2 * sms:  # no longer segment has two waves too
+        assert all(num_segments(lens, s) * H < 2 * sms for s in longer)
+    if seg_len >= pb.MIN_PREFERRED_SEG_LEN and ctas < 2 * sms:  # the one-wave exception
+        assert ctas >= sms
+    if seg_len < pb.MIN_PREFERRED_SEG_LEN:  # no preferred length fills a wave
+        assert all(num_segments(lens, s) * H < sms for s in SEG_LEN_CHOICES if s >= pb.MIN_PREFERRED_SEG_LEN)
+
+
+def test_seg_len_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(pb.SEG_LEN_ENV, raising=False)
+    assert pb.requested_seg_len() == 0
+    assert pb.requested_seg_len(192) == 192
+    monkeypatch.setenv(pb.SEG_LEN_ENV, "0")
+    assert pb.requested_seg_len() == 0
+    monkeypatch.setenv(pb.SEG_LEN_ENV, "640")
+    assert pb.requested_seg_len() == 640
+    assert pb.requested_seg_len(64) == 64  # an explicit argument wins
+    for bad in ("100", "-64", "abc"):
+        monkeypatch.setenv(pb.SEG_LEN_ENV, bad)
+        with pytest.raises(ValueError, match="CULA_LIGHTNING_SEG_LEN"):
+            pb.requested_seg_len()
+
+
+def test_device_table_is_cached() -> None:
+    pb.clear_segment_cache()
+    cpu = torch.device("cpu")
+    first = pb.device_segments(2, 1000, 16, None, cpu, 132)
+    assert pb.device_segments(2, 1000, 16, None, cpu, 132) is first  # fixed length: built once
+    seg_len, segments, seq_segments = first
+    assert segments.dtype == seq_segments.dtype == torch.int32 and segments.is_contiguous()
+    assert [tuple(r) for r in segments.tolist()] == segment_table([1000, 1000], seg_len).rows()
+    assert seq_segments.tolist() == segment_table([1000, 1000], seg_len).seq_segments
+    assert pb.device_segments(2, 1000, 16, None, cpu, 132, 128)[0] == 128
+
+    cu = torch.tensor([0, 0, 100, 228, 1000], dtype=torch.int32)
+    table = pb.device_segments(1, 1000, 4, cu, cpu, 132, 64)
+    assert pb.device_segments(1, 1000, 4, cu, cpu, 132, 64) is table  # per tensor and version
+    assert table[1].tolist() == [list(r) for r in segment_table([0, 100, 128, 772], 64).rows()]
+    assert table[2].tolist() == [0, 0, 2, 4, 17]
+    cu[2] = 150  # an in-place change: a new version, a new table
+    again = pb.device_segments(1, 1000, 4, cu, cpu, 132, 64)
+    assert again is not table and again[2].tolist() == segment_table([0, 150, 78, 772], 64).seq_segments
+
+
+# ---- verify -------------------------------------------------------------------------------------------------------
+
+
+def _args(**changes) -> types.SimpleNamespace:
+    q = torch.empty(1, 8, 2, 128, dtype=torch.bfloat16)
+    fields = dict(q=q, K=128, V=128, H=2, N=1, initial_state=None, state=None, device=torch.device("cuda", 0))
+    fields.update(changes)
+    return types.SimpleNamespace(**fields)
+
+
+@pytest.mark.parametrize(("changes", "reason"), [
+    (dict(device=torch.device("cpu")), "needs CUDA tensors"),
+    (dict(q=torch.empty(1, 8, 2, 128, dtype=torch.float16)), "needs bf16 q/k/v"),
+    (dict(q=torch.empty(1, 8, 2, 128, dtype=torch.float32)), "needs bf16 q/k/v"),
+    (dict(K=64), "needs K = V = 128"),
+    (dict(V=64), "needs K = V = 128"),
+    (dict(H=70000), "H <= 65535"),
+    (dict(initial_state=torch.empty(1, 2, 128, 128, dtype=torch.float64)), "fp32 initial_state"),
+    (dict(state=torch.empty(3, 2, 128, 128, dtype=torch.float16)), "fp32 or bf16 state pool"),
+    (dict(state=torch.empty(3, 2, 128, 128).transpose(-1, -2)), "heads compact"),
+    (dict(state=torch.empty(3, 2, 128, 130)[..., :128]), "heads compact"),
+    (dict(state=torch.empty(3 * 2 * 128 * 128 + 3 * 6).as_strided((3, 2, 128, 128), (2 * 128 * 128 + 6, 128 * 128,
+                                                                                       128, 1))), "slot stride"),
+    (dict(state=torch.empty(2 * 128 * 128 + 1)[1:].view(1, 2, 128, 128)), "aligned"),
+])
+def test_verify_declines_with_reasons(monkeypatch: pytest.MonkeyPatch, changes: dict, reason: str) -> None:
+    monkeypatch.setattr(pb, "is_available", lambda: True)
+    monkeypatch.setattr(pb, "device_capability", lambda device: (9, 0))
+    assert pb.verify_lightning_prefill(_args()) == (True, "CuTeDSL kernels serve this call (segment states, scan, "
+                                                          "output)")
+    ok, why = pb.verify_lightning_prefill(_args(**changes))
+    assert not ok and reason in why, why
+
+
+@pytest.mark.parametrize(("capability", "ok"), [((9, 0), True), ((10, 0), True), ((10, 3), True), ((8, 0), False),
+                                                ((12, 0), False)])
+def test_verify_targets(monkeypatch: pytest.MonkeyPatch, capability, ok: bool) -> None:
+    monkeypatch.setattr(pb, "is_available", lambda: True)
+    monkeypatch.setattr(pb, "device_capability", lambda device: capability)
+    got, why = pb.verify_lightning_prefill(_args())
+    assert got == ok and (ok or "sm_90a/sm_100a/sm_103a" in why)
+
+
+def test_verify_without_cutedsl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pb, "is_available", lambda: False)
+    monkeypatch.setattr(pb, "unavailable_reason", lambda: "pip install it")
+    assert pb.verify_lightning_prefill(_args()) == (False, "needs CuTeDSL and TVM-FFI: pip install it")
+
+
+# ---- the backend's orchestration with emulated kernels ---------------------------------------------------------------
+
+
+def _inputs(B: int, T: int, H: int, seed: int, cu=None):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, H, 128, generator=gen).to(torch.bfloat16) for _ in range(3))
+    g_gamma = -torch.rand(H, generator=gen) * 0.2
+    g_gamma[0] = 0.0
+    return q, k, v, g_gamma, None if cu is None else torch.tensor(cu, dtype=torch.int32)
+
+
+def _oracle(q, k, v, g_gamma, scale, h0, cu, v_first):
+    from cula_runtime.reference.lightning import lightning_naive
+
+    return lightning_naive(q, k, v, g_gamma, scale, initial_state=h0, output_final_state=True,
+                           cu_seqlens=cu, state_v_first=v_first)
+
+
+@pytest.mark.parametrize(("B", "T", "H", "cu", "h0", "v_first", "seg_len"), [
+    pytest.param(2, 200, 2, None, True, False, 64, id="fixed-B2-T200-h0-kv-seg64"),
+    pytest.param(1, 300, 3, None, False, True, 128, id="fixed-B1-T300-vk-seg128"),
+    pytest.param(1, 300, 2, (0, 0, 70, 70, 199, 300), True, True, 64, id="varlen-empty-tails-h0-vk"),
+    pytest.param(1, 130, 2, (0, 1, 130), False, False, 0, id="varlen-chosen-seg_len"),
+])
+@pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
+def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, cu, h0, v_first, seg_len,
+                                           planned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cula_runtime.lightning_args import validate_lightning_prefill
+
+    q, k, v, g_gamma, cu_t = _inputs(B, T, H, 1, cu)
+    N = B if cu is None else len(cu) - 1
+    initial = torch.randn(N, H, 128, 128) if h0 else None
+    args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=initial, output_final_state=True,
+                                      cu_seqlens=cu_t, state_v_first=v_first)
+    if planned:
+        if seg_len:
+            monkeypatch.setenv(pb.SEG_LEN_ENV, str(seg_len))
+        o, ht = pb.plan_lightning_prefill(args)(args.q, args.k, args.v, args.g_gamma, args.initial_state,
+                                                args.cu_seqlens, None, None, None)
+    else:
+        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len)
+    ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, initial, cu_t, v_first)
+    assert o.dtype == torch.bfloat16 and o.shape == (B, T, H, 128)
+    assert ht.dtype == torch.float32 and ht.shape == args.state_shape
+    torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-4)
+    assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"]
+
+
+def test_backend_pool(fake_kernels: FakeKernels) -> None:
+    """The pool form: slots read and written in place (fp32), a padding row (-1) and an out-of-pool slot start from
+    zeros and write nothing, a False flag starts from zeros but writes its slot, unnamed slots keep their bits."""
+    from cula_runtime.lightning_args import validate_lightning_prefill
+
+    cu = (0, 50, 50, 180, 200, 260)
+    q, k, v, g_gamma, cu_t = _inputs(1, 260, 2, 2, cu)
+    pool = torch.randn(6, 2, 128, 128)
+    before = pool.clone()
+    idx = torch.tensor([4, 1, -1, 0, 2], dtype=torch.int32)
+    flags = torch.tensor([True, True, True, False, True])
+    args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool, state_indices=idx,
+                                      has_initial_state=flags)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64)
+    assert ht is None
+    h0 = torch.stack([before[4], before[1], torch.zeros(2, 128, 128), torch.zeros(2, 128, 128), before[2]])
+    ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, h0, cu_t, False)
+    torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
+    for n, slot in enumerate([4, 1, -1, 0, 2]):
+        if slot >= 0:
+            torch.testing.assert_close(pool[slot].double(), ref_ht[n], rtol=1e-5, atol=1e-4)
+    for slot in (3, 5):  # not named: bit-unchanged
+        assert torch.equal(pool[slot], before[slot])
+
+
+def test_backend_without_tokens(fake_kernels: FakeKernels) -> None:
+    """T = 0: no segment, no kernel A or C; kernel B still writes each final state (its start state)."""
+    from cula_runtime.lightning_args import validate_lightning_prefill
+
+    q, k, v, g_gamma, _ = _inputs(2, 0, 2, 3)
+    h0 = torch.randn(2, 2, 128, 128)
+    args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=h0, output_final_state=True)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args)
+    assert o.shape == (2, 0, 2, 128) and torch.equal(ht, h0)
+    assert [c[0] for c in fake_kernels.calls] == ["B"]
