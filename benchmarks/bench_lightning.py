@@ -402,7 +402,7 @@ def first_call(name: str, run: Contender, row: dict) -> object | None:
             warnings.simplefilter("always")
             returned = run.call()
             torch.cuda.synchronize()
-    except (RuntimeError, NotImplementedError, ValueError, TypeError) as error:
+    except Exception as error:  # noqa: BLE001 (a refusal, a Triton compile error: noted, the other contender runs)
         row["notes"][name] = f"{type(error).__name__}: {str(error)[:160]}"
         return None
     row["results"][name] = {"first_s": time.perf_counter() - start}
@@ -698,20 +698,24 @@ def main() -> None:
     cases = selected(opts.only)
     log(f"{len(cases)} rows: {', '.join(c.name for c in cases)}")
     fns: dict[str, dict] = {}
+    makers = {"prefill": prefill_fns, "decode": decode_fns}
     sleep = None
     for i, case in enumerate(cases):
         if opts.deadline_s and time.perf_counter() - began > opts.deadline_s:
             log(f"deadline: {len(cases) - i} rows not started: {', '.join(c.name for c in cases[i:])}")
             break
         log(f"row {i + 1}/{len(cases)}: {case.name}")
-        if isinstance(case, PrefillCase):
-            row = measure_prefill(case, fns.setdefault("prefill", prefill_fns(skip)), opts, warm)
+        kind = "prefill" if isinstance(case, PrefillCase) else "decode"
+        if kind not in fns:
+            fns[kind] = makers[kind](skip)
+        if kind == "prefill":
+            row = measure_prefill(case, fns[kind], opts, warm)
         else:
             if sleep is None:
                 from host_overhead_kda import GpuSleep
 
                 sleep = GpuSleep()
-            row = measure_decode(case, fns.setdefault("decode", decode_fns(skip)), opts, sleep, warm)
+            row = measure_decode(case, fns[kind], opts, sleep, warm)
         state["rows"] = put_row(state["rows"], row, row_order())
         write_results(opts.out, state)
         brief = {n: {k: (round(v, 3) if isinstance(v, float) else v) for k, v in res.items()}

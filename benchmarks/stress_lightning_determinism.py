@@ -10,8 +10,8 @@ Problems (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2):
 * ``prefill varlen 6 seqs H4``: cu = [0, 1, 64, 65, 700, 700, 2000] (an empty sequence, one-token ones, tails);
 * ``prefill pool 6 seqs H4``: the same batch on an fp32 pool of 13 slots (a padding row, one without an initial
   state); the pool is restored from a copy inside the graph before each call, so every call starts alike;
-* ``decode fp32 kfirst N32 H8`` and ``decode bf16 vfirst N8 H8`` (two padding rows): one step on a pool restored
-  the same way, o into a given buffer.
+* ``decode fp32 kfirst N32 H8`` and ``decode bf16 vfirst N8 H8`` (two padding rows each, negative slots): one step
+  on a pool restored the same way, o into a given buffer.
 
 Each problem is captured in a CUDA graph of ``--per-graph`` calls, each followed by a bitwise comparison of its
 outputs (o, and the final states or the pool's slots) with the first eager call's, accumulated on the device; the
@@ -34,10 +34,11 @@ K = V = 128
 PROBLEMS = ("prefill fixed B2 T1000 H4", "prefill varlen 6 seqs H4", "prefill pool 6 seqs H4",
             "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8")
 CU = (0, 1, 64, 65, 700, 700, 2000)
+DEVICE = "cuda"  # (the CPU test of the problems' calls sets "cpu")
 
 
 def _g_gamma(H: int) -> torch.Tensor:
-    return -(8 / H * (1 - 0 / 2)) * torch.arange(H, dtype=torch.float, device="cuda")
+    return -(8 / H * (1 - 0 / 2)) * torch.arange(H, dtype=torch.float, device=DEVICE)
 
 
 def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...]]:
@@ -45,10 +46,10 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
     its first call, which fills the caches)."""
     from cula.lightning import lightning_decode, lightning_prefill
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def randn(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+        return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)
 
     scale = K ** -0.5
     if name.startswith("prefill"):
@@ -56,7 +57,7 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
         if "fixed" in name:
             B, T, cu = 2, 1000, None
         else:
-            B, T, cu = 1, CU[-1], torch.tensor(CU, dtype=torch.int32, device="cuda")
+            B, T, cu = 1, CU[-1], torch.tensor(CU, dtype=torch.int32, device=DEVICE)
         N = B if cu is None else len(CU) - 1
         q, k, v = (randn(B, T, H, K) for _ in range(3))
         g = _g_gamma(H)
@@ -66,8 +67,8 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
                                              cu_seqlens=cu)
         pool = randn(2 * N + 1, H, K, V, dtype=torch.float32)
         pristine = pool.clone()
-        idx = torch.tensor([4, 0, -1, 9, 12, 2], dtype=torch.int32, device="cuda")
-        has = torch.tensor([True, True, True, False, True, True], device="cuda")
+        idx = torch.tensor([4, 0, -1, 9, 12, 2], dtype=torch.int32, device=DEVICE)
+        has = torch.tensor([True, True, True, False, True, True], device=DEVICE)
 
         def pooled() -> tuple[torch.Tensor, ...]:
             pool.copy_(pristine)
@@ -80,12 +81,12 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
     v_first = "vfirst" in name
     pool = randn(2 * N + 1, H, K, V, dtype=torch.bfloat16 if "bf16" in name else torch.float32)
     pristine = pool.clone()
-    idx = torch.randperm(2 * N + 1, generator=gen, device="cuda")[:N].to(torch.int32)
+    idx = torch.randperm(2 * N + 1, generator=gen, device=DEVICE)[:N].to(torch.int32)
     if N >= 8:
-        idx[1], idx[5] = -1, 2 * N + 1  # padding rows: below and past the pool
+        idx[1], idx[5] = -1, -2  # padding rows (tools/sanitize_lightning.py has one past the pool)
     q, k, v = (randn(N, 1, H, K) for _ in range(3))
     g = _g_gamma(H)
-    out = torch.empty(N, 1, H, V, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(N, 1, H, V, dtype=torch.bfloat16, device=DEVICE)
 
     def step() -> tuple[torch.Tensor, ...]:
         pool.copy_(pristine)

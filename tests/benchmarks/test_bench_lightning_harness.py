@@ -362,3 +362,25 @@ def test_the_defaults_write_the_issue_results_file() -> None:
     assert opts.out == "benchmarks/results/lightning_h200.md" and opts.backend == "cutedsl"
     assert (opts.merge, opts.only, opts.oracle_heads, opts.deadline_s) == ("", "", 8, 0.0)
     assert "CULA_BACKEND=cutedsl" in bench.settings_line(opts) and "dense form" in bench.settings_line(opts)
+
+
+# ------------------------------------------------------------------ the determinism stress's problems, on the CPU
+
+@pytest.mark.parametrize("name", ["prefill fixed B2 T1000 H4", "prefill varlen 6 seqs H4", "prefill pool 6 seqs H4",
+                                  "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8"])
+def test_the_stress_problems_are_valid_calls_that_restart_alike(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Each problem of stress_lightning_determinism.py, through cula.lightning's dispatch (the reference on the CPU):
+    a valid call whose second run gives the first run's bits (the pool forms restore their pool first)."""
+    import stress_lightning_determinism as stress
+
+    assert name in stress.PROBLEMS
+    monkeypatch.setattr(stress, "DEVICE", "cpu")
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    step = stress.make_step(name)
+    first = [t.clone() for t in step() if t is not None]
+    again = [t for t in step() if t is not None]
+    assert len(first) == 2 and all(torch.isfinite(t.float()).all() for t in first)
+    assert all(torch.equal(stress._bits(a), stress._bits(b)) for a, b in zip(first, again, strict=True))
+    if name.startswith("decode"):
+        o, pool = first
+        assert (o[[1, 5]] == 0).all()  # the padding rows' outputs
