@@ -40,17 +40,27 @@ profile_sm90_knob() {
 }
 # compute-sanitizer (memcheck, racecheck) on one cula.lightning call per shape of tools/sanitize_lightning.py with
 # CULA_BACKEND=cutedsl (LIGHTNING_SANITIZER_SHAPES; default: one small prefill, one decode); logs in
-# $OUT/sanitizer_lightning_<tool>_<shape>.log. API errors are not reported (tools/h200_sanitizer.sh says why).
+# $OUT/sanitizer_lightning_<tool>_<shape>.log; LIGHTNING_SANITIZER_TIMEOUT caps each run (130 s). API errors are not
+# reported (tools/h200_sanitizer.sh says why).
 sanitize_lightning() {
   local tool shape log
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     for shape in ${LIGHTNING_SANITIZER_SHAPES:-prefill decode}; do
       log="$OUT/sanitizer_lightning_${tool}_${shape}.log"
-      CULA_BACKEND=cutedsl timeout 130 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
+      CULA_BACKEND=cutedsl timeout "${LIGHTNING_SANITIZER_TIMEOUT:-130}" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
         python3 tools/sanitize_lightning.py "$shape" > "$log" 2>&1
       echo "lightning $tool $shape: exit $? | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
     done
   done
+}
+# The Lightning GPU tests that exist (tests/cute/test_lightning_*_gpu.py, tests/gpu/test_lightning_gpu.py): a missing
+# file named to pytest would stop the whole run, and none named would make h200_tests.sh run every GPU test.
+lightning_gpu_tests() {
+  local f files=()
+  for f in tests/cute/test_lightning_*_gpu.py tests/gpu/test_lightning_gpu.py; do [ -e "$f" ] && files+=("$f"); done
+  if [ ${#files[@]} = 0 ]; then echo "no Lightning GPU test files"; return 1; fi
+  echo "Lightning GPU tests: ${files[*]}"
+  GPU_LOG_TAG=_lightning timeout 400 bash tools/h200_tests.sh -q "${files[@]}"
 }
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -115,8 +125,7 @@ for step in "$@"; do
                        --out "$OUT/kda_unbounded_h200.md" ;;
     # Lightning Attention (issue 28): the GPU tests, the bench against FLA (LIGHTNING_ONLY: bench_lightning.py
     # --only; LIGHTNING_MERGE: an earlier run's JSON to merge into), the sanitizer, 10^5 graph replays per problem
-    tests:lightning) GPU_LOG_TAG=_lightning timeout 400 bash tools/h200_tests.sh -q tests/cute/test_lightning_*_gpu.py \
-                       tests/gpu/test_lightning_gpu.py ;;
+    tests:lightning) lightning_gpu_tests ;;
     bench:lightning) timeout 560 python3 benchmarks/bench_lightning.py ${LIGHTNING_ONLY:+--only "$LIGHTNING_ONLY"} \
                        ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
     sanitizer:lightning) sanitize_lightning ;;
