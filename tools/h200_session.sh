@@ -47,8 +47,8 @@ sanitize_lightning() {
   for tool in ${SANITIZER_TOOLS:-memcheck racecheck}; do
     for shape in ${LIGHTNING_SANITIZER_SHAPES:-prefill decode}; do
       log="$OUT/sanitizer_lightning_${tool}_${shape}.log"
-      CULA_BACKEND=cutedsl timeout "${LIGHTNING_SANITIZER_TIMEOUT:-130}" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 99 \
-        python3 tools/sanitize_lightning.py "$shape" > "$log" 2>&1
+      CULA_BACKEND=cutedsl timeout "${LIGHTNING_SANITIZER_TIMEOUT:-130}" compute-sanitizer --tool "$tool" \
+        --report-api-errors no --error-exitcode 99 python3 tools/sanitize_lightning.py "$shape" > "$log" 2>&1
       echo "lightning $tool $shape: exit $? | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)"
     done
   done
