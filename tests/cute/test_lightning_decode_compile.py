@@ -1,0 +1,293 @@
+"""CuTeDSL compilation of the Lightning decode kernel (LightningDecode) on the CPU, for sm_90a, sm_100a and sm_103a,
+and a pure-Python emulation of one token step through the kernel's own index methods.
+
+The machine code moves the state with 16-byte global loads and stores only (8 per lane, one pass each way, no MMA of
+any kind); V-first reduces over K with warp shuffles only (no shared memory, no barrier); K-first reduces over the
+warp's rows with shuffles, then over the 4 warps through one shared-memory exchange and one barrier per token. The
+decay is one exponential per CTA. Local-memory spills are the ones measured with the installed CuTeDSL.
+
+Five configurations cover the code paths: fixed-length K-first fp32 pool with bf16 q/k/v (the serving case);
+packed sequences in a K-first fp32 pool (also compiled by the oldest CuTeDSL: ``dsl_floor``); a V-first fp32 pool;
+packed sequences in a V-first bf16 pool; a K-first bf16 pool with fp16 q/k/v and H = 64.
+
+The lane → (K row, V column) mapping is the KDA decode kernel's (tests/cute/test_kda_decode_compile.py emulates it:
+each element once, whole 128-byte lines per warp access, each reduction's lanes one column's 128 rows). Here the
+emulation runs a whole token step per CTA in float64 from the kernel's methods (lane layout, element order, the
+butterflies' masks, the K-first exchange's offsets and the lanes that write o) and checks the new state and o
+against ``λ S + k vᵀ`` and ``scale · Sᵀq``; and that the lane's q/k/v loads are the rows and columns it holds.
+
+Needs CuTeDSL and TVM-FFI (cula-runtime brings them on Linux x86_64/aarch64); skips cleanly without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from cula_runtime import cute as cula_cute
+from tests.cute.dsl_versions import measured
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(
+        not cula_cute.is_available(),
+        reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
+    ),
+]
+
+SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+
+# LightningDecodeConfig fields of the compiled configurations
+CONFIGS = {
+    "kv-fp32-bf16-H8": dict(num_heads=8),
+    "varlen-kv-fp32-bf16-H4": dict(num_heads=4, varlen=True),
+    "vk-fp32-bf16-H8": dict(num_heads=8, state_v_first=True),
+    "varlen-vk-bf16pool-bf16-H2": dict(num_heads=2, varlen=True, state_v_first=True, state_dtype="bfloat16"),
+    "kv-bf16pool-fp16-H64": dict(num_heads=64, state_dtype="bfloat16", dtype="float16"),
+}
+# compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
+DSL_FLOOR = "varlen-kv-fp32-bf16-H4"
+# Local-memory spill instructions (LDL + STL) per CuTeDSL minor version, configuration and target, as measured. The
+# register caps (decode.MIN_BLOCKS_PER_SM) are the most CTAs per SM at which sm_90a spills nothing; sm_100a/sm_103a
+# allocate more registers for the same code and spill at those caps (a few values around the state's loads and the
+# token loop), which no GPU has timed yet.
+SPILLS = {
+    "4.6": {
+        "kv-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 23, "sm_103a": 23},
+        "varlen-kv-fp32-bf16-H4": {"sm_90a": 0, "sm_100a": 34, "sm_103a": 34},
+        "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
+        "varlen-vk-bf16pool-bf16-H2": {"sm_90a": 0, "sm_100a": 71, "sm_103a": 71},
+        "kv-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 62, "sm_103a": 62},
+    },
+    "4.8": {
+        "kv-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 21, "sm_103a": 21},
+        "varlen-kv-fp32-bf16-H4": {"sm_90a": 0, "sm_100a": 34, "sm_103a": 34},
+        "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
+        "varlen-vk-bf16pool-bf16-H2": {"sm_90a": 0, "sm_100a": 71, "sm_103a": 71},
+        "kv-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 62, "sm_103a": 62},
+    },
+}
+K = 128
+
+
+def _config(config_id: str, **changes):
+    from cula_runtime.cute.lightning.decode import LightningDecodeConfig
+
+    return LightningDecodeConfig(**{**CONFIGS[config_id], **changes})
+
+
+@pytest.mark.parametrize(("config_id", "target"), [
+    pytest.param(config_id, target, id=f"{config_id}-{target}",
+                 marks=[pytest.mark.dsl_floor] if config_id == DSL_FLOOR else [])
+    for config_id in CONFIGS for target in SM
+])
+def test_lightning_decode_machine_code(config_id: str, target: str) -> None:
+    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
+    from cula_runtime.cute.lightning.decode import LightningDecode
+    from cula_runtime.cute.machine_code import disassemble
+
+    config = _config(config_id)
+    kernel = LightningDecode(config)
+    code = disassemble(compile_kernel(LightningDecode, config, target=target))
+    assert (code.sm, code.target) == (SM[target], target)
+    assert compile_seconds(LightningDecode, config, target) > 0
+
+    # SIMT only: no MMA of any flavour
+    for prefix in ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "UTCMMA"):
+        assert code.count(prefix) == 0, prefix
+    assert not [op for op in code.opcodes if op.startswith("UTC")]
+    # The token step is in the code twice: the peeled first token and the token loop.
+    steps = 2
+    VC, VEC = kernel.cols, kernel.vec
+    k_first = not config.state_v_first
+    if k_first:
+        # the warps' exchange, per token step: row group 0 of each warp writes its VC sums (VC / 4 16-byte pieces),
+        # one barrier, warp 0's threads read their columns' sums of the 4 warps
+        pieces = VC // 4
+        assert code.opcodes["STS.128"] == steps * pieces
+        assert code.opcodes["LDS.128"] == steps * kernel.num_warps * pieces
+        assert code.count("BAR") == steps and code.opcodes["BAR.SYNC.DEFER_BLOCKING"] == steps
+        assert not [op for op in code.opcodes if op.startswith(("LDS", "STS")) and op not in ("LDS.128", "STS.128")]
+    else:  # the reduction over K stays in a warp: no shared memory, no barrier
+        for prefix in ("LDS", "STS", "BAR"):
+            assert code.count(prefix) == 0, prefix
+    # Global loads: the state's 8 16-byte vectors per lane, once; per token step q and k (one 16-byte vector of
+    # the lane's 8 contiguous rows each; V-first fp32 pool: two 8-byte pieces each) and v (the lane's columns:
+    # 16 bytes with a bf16 pool's 8, 8 bytes with an fp32 pool's 4); scalar loads: the slot, g_gamma[h] and (packed
+    # sequences) the two cu_seqlens bounds.
+    qk_pieces = 4 if (config.state_v_first and VEC == 4) else 0
+    assert code.opcodes["LDG.E.128"] == 8 + steps * ((2 if qk_pieces == 0 else 0) + (1 if VC == 8 else 0))
+    assert code.opcodes["LDG.E.64"] == steps * (qk_pieces + (1 if VC == 4 else 0))
+    assert code.opcodes["LDG.E"] == 2 + (2 if config.varlen else 0)
+    # Stores: the state's 8 vectors, once; o, one store per token (8 bytes for 4 columns, 16 for 8) in the padding
+    # row's zero loop and the two copies of the token step
+    o_store = "STG.E.64" if VC == 4 else "STG.E.128"
+    assert code.opcodes["STG.E.128"] == 8 + (3 if o_store == "STG.E.128" else 0)
+    assert code.opcodes[o_store] == 3 + (8 if o_store == "STG.E.128" else 0)
+    assert not any(op.startswith("STG") and op not in ("STG.E.128", "STG.E.64") for op in code.opcodes), \
+        "every store is a vector (state 16 bytes, o 8 or 16 bytes)"
+    # shfl.bfly all-reduces of the lane's VC sums, per token step: V-first 4 steps over its column group's 16
+    # lanes, K-first 2 steps over the warp's 4 row groups
+    assert code.opcodes["SHFL.BFLY"] == steps * VC * (2 if k_first else 4)
+    assert code.count("MUFU.EX2") == 1  # λ = exp(g_gamma[h]), once per CTA
+    if target == "sm_90a":  # λ s + k v and acc + q s: two FMAs (and a product) per state element per token
+        assert code.count("FFMA") >= steps * 2 * 8 * VEC
+    spills = code.count("LDL") + code.count("STL")
+    assert spills <= measured(SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
+
+
+def test_one_binary_serves_every_batch() -> None:
+    """Every extent of every tensor argument is symbolic: one compilation for any B, T, N, P or cu_seqlens."""
+    from cula_runtime.cute import compile_cache
+    from cula_runtime.cute.lightning.decode import LightningDecode
+
+    config = _config("kv-fp32-bf16-H8")
+    for spec in LightningDecode(config).argument_specs():
+        if spec is not None:
+            assert all(spec.fake().dynamic_shapes_mask)
+    compiled = compile_cache.compile_kernel(LightningDecode, config, target="sm_90a")
+    assert compile_cache.compile_kernel(LightningDecode, config, target="sm_90a") is compiled
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"head_dim": 64}, "only K = V = 128"),
+        ({"num_heads": 0}, "num_heads"),
+        ({"dtype": "float32"}, "dtype"),
+        ({"state_dtype": "float64"}, "state_dtype"),
+        ({"min_blocks_per_sm": 33}, "min_blocks_per_sm"),
+    ],
+)
+def test_can_implement_says_why(changes: dict, reason: str) -> None:
+    from cula_runtime.cute.lightning.decode import LightningDecode
+
+    config = dataclasses.replace(_config("kv-fp32-bf16-H8"), **changes)
+    ok, why = LightningDecode.can_implement(config)
+    assert not ok and reason in why
+    with pytest.raises(ValueError, match="cannot implement"):
+        LightningDecode(config)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One token step, emulated on the CPU from the kernel's index methods (nothing compiles)
+
+LAYOUTS = [pytest.param(dtype, v_first, id=f"{dtype}-{'vk' if v_first else 'kv'}")
+           for dtype in ("float32", "bfloat16") for v_first in (False, True)]
+
+
+def _kernel(state_dtype: str, v_first: bool):
+    from cula_runtime.cute.lightning.decode import LightningDecode, LightningDecodeConfig
+
+    return LightningDecode(LightningDecodeConfig(num_heads=1, state_dtype=state_dtype, state_v_first=v_first))
+
+
+def _xor_span(masks: tuple[int, ...]) -> list[int]:
+    """Every XOR of a subset of ``masks``: the lanes a butterfly over them combines with lane 0."""
+    span = [0]
+    for mask in masks:
+        span += [x ^ mask for x in span]
+    return span
+
+
+def _exchange_offset(kernel, e: int, m: int, c: int, w: int, buf: int) -> int:
+    shape, stride = kernel.exchange_shape_stride()
+    coord = (e, m, c, w, buf)
+    assert all(0 <= x < n for x, n in zip(coord, shape, strict=True))
+    return sum(x * s for x, s in zip(coord, stride, strict=True))
+
+
+@pytest.mark.parametrize(("state_dtype", "v_first"), LAYOUTS)
+def test_token_step_emulation(state_dtype: str, v_first: bool) -> None:
+    """A token step of every CTA of one head, lane by lane: ``s ← λ s + k_i v_j`` on the elements the lane holds,
+    its partial sums ``Σ_i q_i s_ij``, the butterflies over ``reduce_masks``, (K-first) the exchange through its
+    shared-memory offsets in warp order, and o from the lanes that store it. The result is the new state
+    ``λ S + k vᵀ`` (every element written once) and ``o = scale · Sᵀq`` (every column written once)."""
+    kernel = _kernel(state_dtype, v_first)
+    lanes = kernel.lanes
+    rng = random.Random(f"{state_dtype}-{v_first}")
+    S = [[rng.uniform(-1, 1) for _ in range(K)] for _ in range(K)]  # [K, V]
+    q, k, v = ([rng.uniform(-1, 1) for _ in range(K)] for _ in range(3))
+    decay, scale = 0.75, 0.3
+    new_S: dict[tuple[int, int], float] = {}
+    o: dict[int, float] = {}
+    VC, NW = kernel.cols, kernel.num_warps
+    for vb in range(kernel.v_blocks):
+        sums: dict[tuple[int, int], list[float]] = {}
+        cols: dict[tuple[int, int], int] = {}
+        for warp in range(NW):
+            for lane in range(32):
+                _, col0, bases = lanes.lane_layout(warp, lane, vb)
+                assert col0 % VC == 0, "v and o are one aligned piece of VC columns"
+                if not (v_first and kernel.vec == 4):  # q and k rows: one 8-row piece, (e, p) flat
+                    assert bases[1] == bases[0] + 4 and bases[0] % 8 == 0
+                part = [0.0] * VC
+                for p in range(8):
+                    for e in range(kernel.vec):
+                        i, j = lanes.element(e, p)
+                        row, col = lanes.row(i, bases), col0 + j
+                        assert row == bases[i // 4] + i % 4  # the q/k fragment's (i % 4, i // 4)
+                        s = decay * S[row][col] + k[row] * v[col]
+                        assert (row, col) not in new_S, "an element held twice"
+                        new_S[(row, col)] = s
+                        part[j] += q[row] * s
+                sums[(warp, lane)] = part
+                cols[(warp, lane)] = col0
+        for warp in range(NW):  # the butterflies: each lane adds the partials of its XOR span (same columns)
+            reduced = {}
+            for lane in range(32):
+                span = [lane ^ x for x in _xor_span(lanes.reduce_masks)]
+                assert all(cols[(warp, other)] == cols[(warp, lane)] for other in span)
+                reduced[lane] = [sum(sums[(warp, other)][j] for other in span) for j in range(VC)]
+            for lane in range(32):
+                sums[(warp, lane)] = reduced[lane]
+        if v_first:
+            for warp in range(NW):
+                for lane in range(32):
+                    r, col0, _ = lanes.lane_layout(warp, lane, vb)
+                    if lanes.stores_o(r, 32 * warp + lane):
+                        for j in range(VC):
+                            assert col0 + j not in o, "o written twice"
+                            o[col0 + j] = scale * sums[(warp, lane)][j]
+        else:
+            smem: dict[int, float] = {}
+            buf = vb % 2  # either parity buffer
+            for warp in range(NW):
+                for lane in range(8):  # row group 0 publishes
+                    for j in range(VC):
+                        slot = _exchange_offset(kernel, j % 4, j // 4, lane, warp, buf)
+                        assert slot not in smem
+                        smem[slot] = sums[(warp, lane)][j]
+            for lane in range(32):  # warp 0 gathers in warp order; threads 0..7 store
+                r, col0, _ = lanes.lane_layout(0, lane, vb)
+                total = [sum(smem[_exchange_offset(kernel, j % 4, j // 4, lane % 8, w, buf)] for w in range(NW))
+                         for j in range(VC)]
+                if lanes.stores_o(r, lane):
+                    for j in range(VC):
+                        assert col0 + j not in o, "o written twice"
+                        o[col0 + j] = scale * total[j]
+    assert len(new_S) == K * K
+    for (row, col), s in new_S.items():
+        assert s == pytest.approx(decay * S[row][col] + k[row] * v[col], abs=1e-12)
+    assert sorted(o) == list(range(K))
+    for col in range(K):
+        expected = scale * sum(q[row] * (decay * S[row][col] + k[row] * v[col]) for row in range(K))
+        assert o[col] == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_exchange_buffers(state_dtype: str) -> None:
+    """K-first exchange: the writers' slots are distinct and fill the buffer exactly, the two token-parity buffers
+    are disjoint, and piece m of the 8 column groups of one warp is 128 contiguous bytes (one wavefront)."""
+    kernel = _kernel(state_dtype, False)
+    VC, NW = kernel.cols, kernel.num_warps
+    slots = {_exchange_offset(kernel, e, m, c, w, buf)
+             for e in range(4) for m in range(VC // 4) for c in range(8) for w in range(NW) for buf in range(2)}
+    assert slots == set(range(2 * NW * 8 * VC))
+    for buf in range(2):
+        for w in range(NW):
+            for m in range(VC // 4):
+                piece = sorted(_exchange_offset(kernel, e, m, c, w, buf) for c in range(8) for e in range(4))
+                assert piece == list(range(piece[0], piece[0] + 32)) and piece[0] % 32 == 0
