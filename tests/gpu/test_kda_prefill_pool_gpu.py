@@ -132,12 +132,13 @@ def _live(slots: list[int], P: int) -> list[int]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pool_prefill_matches_the_oracle(backend: str, name: str, layout: str, dtype_name: str, mixed: bool,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Against the per-sequence fp64 oracle. The final states' bound is the case's frozen one, which FLA's error was
-    measured for with every sequence starting from the case's h0: it is asserted over the sequences that start from
-    their slot. A sequence that starts from zeros (``has_initial_state`` False, ``mixed``) ends in a state made of
-    this call's tokens alone, whose relative error is the kernel's own (about 3e-3 on the H200, ten times the
-    h0-dominated bound of the varlen cases): its bits are those of the plain call with a zero h0
-    (``test_pool_prefill_gives_the_bits_of_the_gathered_call``), whose accuracy the dense tests check."""
+    """Against the per-sequence fp64 oracle. The final states' bound is the case's frozen one, measured for FLA with
+    every sequence starting from the case's h0 and taken over all of them: it is asserted for ``all-slots``, the very
+    problem it was measured on. With ``mixed`` flags some sequences start from zeros and others are padding, so the
+    named states are another problem (a subset, or states made of this call's tokens alone, whose relative error is
+    the kernel's own: 2.7-3.3e-3 on the H200 against the varlen cases' h0-dominated bounds of 2.8-8.2e-4): there the
+    states' bits are checked against the plain call's (``test_pool_prefill_gives_the_bits_of_the_gathered_call``,
+    whose accuracy the dense tests check), and this test checks o, the padding rows and the untouched slots."""
     use_backend(backend, monkeypatch)
     kwargs, pool, slots, has_initial = _problem(name, LAYOUTS[layout], dtype_name, mixed)
     P = pool.shape[0]
@@ -161,11 +162,10 @@ def test_pool_prefill_matches_the_oracle(backend: str, name: str, layout: str, d
             assert torch.equal(rows, torch.zeros_like(rows)), f"padding row {n} (slot {slots[n]}) has output"
     assert rel_l2(o, o_ref) <= bound(name, 0)
     named = [slots[n] for n in live]
-    from_slot = [slots[n] for n in live if has_initial[n]]
     extra = BF16_ROUNDING * (1 + bound(name, 1)) if dtype_name == "bf16" else 0.0
     assert torch.isfinite(result[named]).all()
-    if from_slot:  # (mixed flags may leave none: then the zero-start and padding checks below are the test)
-        assert rel_l2(result[from_slot], pool_ref[from_slot]) <= max(bound(name, 1), 1e-6) + extra
+    if not mixed:
+        assert rel_l2(result[named], pool_ref[named]) <= max(bound(name, 1), 1e-6) + extra
     for n in live:  # a zero-length sequence without an initial state leaves zeros
         if lens[n] == 0 and not has_initial[n]:
             assert torch.equal(result[slots[n]], torch.zeros_like(result[slots[n]]))
