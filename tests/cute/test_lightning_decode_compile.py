@@ -291,3 +291,73 @@ def test_exchange_buffers(state_dtype: str) -> None:
             for m in range(VC // 4):
                 piece = sorted(_exchange_offset(kernel, e, m, c, w, buf) for c in range(8) for e in range(4))
                 assert piece == list(range(piece[0], piece[0] + 32)) and piece[0] % 32 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backend's answers, on a stand-in for validated arguments (CPU tensors, a CUDA device and an sm_90 capability
+# pretended: verify reads only dtypes, shapes, strides and pointers)
+
+def _stand_in_args(**changes):
+    import types
+
+    import torch
+
+    B, T, H = 2, 1, 4
+    fields = dict(q=torch.zeros(B, T, H, K, dtype=torch.bfloat16), g_gamma=torch.zeros(H),
+                  state=torch.zeros(3, H, K, K), state_indices=torch.zeros(B, dtype=torch.int32), cu_seqlens=None,
+                  out=None, state_v_first=False, scale=K**-0.5, B=B, T=T, H=H, K=K, V=K, N=B,
+                  device=torch.device("cuda", 0))
+    fields.update(changes)
+    fields.setdefault("k", fields["q"])
+    fields.setdefault("v", fields["q"])
+    return types.SimpleNamespace(**fields)
+
+
+def _declines(monkeypatch, capability=(9, 0), **changes) -> str:
+    from cula_runtime.cute.lightning import decode_backend
+
+    monkeypatch.setattr(decode_backend, "device_capability", lambda device: capability)
+    ok, reason = decode_backend.verify_lightning_decode(_stand_in_args(**changes))
+    assert not ok
+    assert decode_backend.plan_lightning_decode(_stand_in_args(**changes)) is None
+    return reason
+
+
+def test_verify_accepts_the_served_forms(monkeypatch) -> None:
+    import torch
+
+    from cula_runtime.cute.lightning import decode_backend
+
+    for capability in ((9, 0), (10, 0), (10, 3)):
+        monkeypatch.setattr(decode_backend, "device_capability", lambda device, c=capability: c)
+        for q_dtype in (torch.bfloat16, torch.float16):
+            for state in (torch.zeros(3, 4, K, K), torch.zeros(3, 4, K, K, dtype=torch.bfloat16),
+                          torch.zeros(3, 5, K, K)[:, 1:]):  # a slot stride of 5 heads: free
+                q = torch.zeros(2, 1, 4, K, dtype=q_dtype)
+                for cu in (None, torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1])):
+                    args = _stand_in_args(q=q, state=state, cu_seqlens=cu, out=torch.empty_like(q))
+                    assert decode_backend.verify_lightning_decode(args) == (
+                        True, "the CuTeDSL Lightning decode kernel serves this call")
+
+
+def test_verify_declines_with_reasons(monkeypatch) -> None:
+    import torch
+
+    assert "CUDA tensors" in _declines(monkeypatch, device=torch.device("cpu"))
+    assert "this GPU is sm_120" in _declines(monkeypatch, capability=(12, 0))
+    assert "sm_80" in _declines(monkeypatch, capability=(8, 0))
+    f32 = torch.zeros(2, 1, 4, K)
+    assert _declines(monkeypatch, q=f32) == "needs bf16 or fp16 q/k/v, got torch.float32"
+    assert "K = V = 128, got K=64 V=128" in _declines(monkeypatch, K=64)
+    assert "K = V = 128, got K=128 V=64" in _declines(monkeypatch, V=64)
+    assert "g_gamma fp32" in _declines(monkeypatch, g_gamma=torch.zeros(4, dtype=torch.float64))
+    assert "state_indices int32" in _declines(monkeypatch, state_indices=torch.zeros(2, dtype=torch.int64))
+    assert "cu_seqlens int32 or int64" in _declines(monkeypatch, cu_seqlens=torch.zeros(2, dtype=torch.int16))
+    assert "out contiguous" in _declines(monkeypatch, out=torch.zeros(2, 1, 4, K))  # fp32 out of bf16 q
+    odd = torch.zeros(2 * 4 * K + 1, dtype=torch.bfloat16)[1:].view(2, 1, 4, K)  # 2-byte aligned
+    assert "16-byte aligned" in _declines(monkeypatch, out=odd)
+    assert "fp32 or bf16 state pool, got torch.float64" in _declines(
+        monkeypatch, state=torch.zeros(3, 4, K, K, dtype=torch.float64))
+    assert "dense [128, 128] block" in _declines(monkeypatch, state=torch.zeros(3, 4, K, 2 * K)[..., :K])
+    assert "dense [128, 128] block" in _declines(monkeypatch, state=torch.zeros(3 * 4 * K * K + 1)[1:].view(
+        3, 4, K, K))  # 4-byte aligned
