@@ -361,3 +361,131 @@ def test_verify_declines_with_reasons(monkeypatch) -> None:
     assert "dense [128, 128] block" in _declines(monkeypatch, state=torch.zeros(3, 4, K, 2 * K)[..., :K])
     assert "dense [128, 128] block" in _declines(monkeypatch, state=torch.zeros(3 * 4 * K * K + 1)[1:].view(
         3, 4, K, K))  # 4-byte aligned
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The host wrapper, the backend and the plan on the CPU: compile_kernel replaced by a recorder (nothing compiles or
+# runs); compile_cache.launch and bound_launch themselves run
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every launch as ``(kernel class, config, arguments)``."""
+    from cula_runtime.cute import compile_cache
+
+    calls: list = []
+    monkeypatch.setattr(compile_cache, "compile_kernel",
+                        lambda kernel_cls, config, *, target=None: lambda *a: calls.append((kernel_cls, config, a)))
+    monkeypatch.setattr(compile_cache, "launch_target", lambda index: "sm_90a")
+    monkeypatch.setattr(compile_cache, "_launchable", {})
+    return calls
+
+
+def _validated_cpu(cu=None, *, dtype=None, pool_dtype=None, v_first=False, scale=None, T=1, out=False):
+    import torch
+
+    from cula_runtime.lightning_args import validate_lightning_decode
+
+    dtype = dtype or torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    B, T = (3, T) if cu is None else (1, int(cu[-1]))
+    N = B if cu is None else len(cu) - 1
+    H = 4
+    q, k, v = (torch.randn(B, T, H, K, generator=gen).to(dtype) for _ in range(3))
+    pool = torch.randn(N + 2, H, K, K, generator=gen).to(pool_dtype or torch.float32)
+    idx = torch.tensor([N + 1 - n if n % 2 == 0 else -1 for n in range(N)], dtype=torch.int32)
+    return validate_lightning_decode(q, k, v, -torch.rand(H, generator=gen), scale=scale, state=pool,
+                                     state_indices=idx, state_v_first=v_first, cu_seqlens=cu,
+                                     out=torch.empty_like(q) if out else None)
+
+
+@pytest.mark.parametrize("cu_dtype", ["int32", "int64", None])
+@pytest.mark.parametrize(("io", "pool", "v_first"), [("bfloat16", "float32", False), ("float16", "bfloat16", True)])
+def test_backend_hands_the_kernel_the_pool_itself(cu_dtype, io: str, pool: str, v_first: bool, launches) -> None:
+    import torch
+
+    from cula_runtime.cute.lightning.decode import LightningDecode
+    from cula_runtime.cute.lightning.decode_backend import lightning_decode_cutedsl_backend
+
+    cu = None if cu_dtype is None else torch.tensor([0, 1, 1, 4], dtype=getattr(torch, cu_dtype))
+    args = _validated_cpu(cu, dtype=getattr(torch, io), pool_dtype=getattr(torch, pool), v_first=v_first)
+    o = lightning_decode_cutedsl_backend(args)
+    assert o.shape == (args.B, args.T, args.H, K) and o.dtype == args.q.dtype
+    [(kernel_cls, config, call)] = launches
+    assert kernel_cls is LightningDecode
+    assert (config.num_heads, config.dtype, config.state_dtype, config.state_v_first, config.varlen) == (
+        4, io, pool, v_first, cu is not None)
+    q, k, v, g_gamma, state, idx, cu_arg, out, scale = call
+    assert q is args.q and k is args.k and v is args.v and g_gamma is args.g_gamma
+    assert state is args.state, "the pool is written in place: never a copy"
+    assert idx is args.state_indices and out is o
+    assert scale == pytest.approx(K**-0.5)
+    if cu is None:
+        assert cu_arg is None
+    else:
+        assert cu_arg.dtype == torch.int32 and cu_arg.tolist() == cu.tolist()
+        assert (cu_arg is args.cu_seqlens) == (cu_dtype == "int32"), "int32 passed as it is, int64 narrowed"
+
+
+def test_out_and_scale_pass_through_and_empty_calls_launch_nothing(launches) -> None:
+    import torch
+
+    from cula_runtime.cute.lightning.decode import lightning_decode_cutedsl
+    from cula_runtime.cute.lightning.decode_backend import lightning_decode_cutedsl_backend
+
+    args = _validated_cpu(scale=0.5, out=True)
+    assert lightning_decode_cutedsl_backend(args) is args.out
+    assert launches[-1][2][7] is args.out and launches[-1][2][8] == 0.5
+    count = len(launches)
+    empty = _validated_cpu(T=0)
+    assert lightning_decode_cutedsl_backend(empty).shape == (3, 0, 4, K)
+    no_sequences = torch.zeros(0, dtype=torch.int32)
+    o = lightning_decode_cutedsl(empty.q[:0], empty.k[:0], empty.v[:0], empty.g_gamma, state=empty.state,
+                                 state_indices=no_sequences)
+    assert o.shape == (0, 0, 4, K) and len(launches) == count
+
+
+def test_the_plan_launches_each_call_with_its_tensors(launches) -> None:
+    import torch
+
+    from cula_runtime.cute.lightning.decode import plan_lightning_decode_launch
+
+    args = _validated_cpu(torch.tensor([0, 1, 1, 4], dtype=torch.int32), v_first=True)
+    run = plan_lightning_decode_launch(args.q, args.k, args.v, args.g_gamma, state=args.state,
+                                       state_indices=args.state_indices, scale=None, state_v_first=True,
+                                       cu_seqlens=args.cu_seqlens)
+    for _ in range(2):
+        q, k, v = (t.clone() for t in (args.q, args.k, args.v))
+        state, out = args.state.clone(), torch.empty_like(q)
+        assert run(q, k, v, args.g_gamma, state, args.state_indices, args.cu_seqlens, out) is out
+        call = launches[-1][2]
+        assert call[0] is q and call[4] is state and call[7] is out and call[8] == pytest.approx(K**-0.5)
+    assert len(launches) == 2
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("indices", "one slot per sequence"),
+    ("cu", "cu_seqlens [N + 1]"),
+    ("pool", "compact [128, 128] blocks"),
+    ("gamma", "g_gamma must be [H]"),
+    ("head_dim", "[B, T, H, 128]"),
+])
+def test_the_wrapper_refuses_what_it_cannot_address(change: str, message: str, launches) -> None:
+    import torch
+
+    from cula_runtime.cute.lightning.decode import lightning_decode_cutedsl
+
+    args = _validated_cpu()
+    q, k, v, gamma, state, idx, cu = args.q, args.k, args.v, args.g_gamma, args.state, args.state_indices, None
+    if change == "indices":
+        idx = idx[:2]
+    elif change == "cu":
+        cu = torch.tensor([0, 1], dtype=torch.int32)
+    elif change == "pool":
+        state = torch.zeros(state.shape[0], 4, K, 2 * K)[..., :K]
+    elif change == "gamma":
+        gamma = gamma[:2]
+    else:
+        q = k = v = q[..., :64]
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("+", r"\+")):
+        lightning_decode_cutedsl(q, k, v, gamma, state=state, state_indices=idx, cu_seqlens=cu)
+    assert not launches

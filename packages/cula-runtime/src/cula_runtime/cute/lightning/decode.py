@@ -40,8 +40,11 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
   (V-first, 73) CTAs of 128 threads, 96-112 KB of state in flight per SM; bf16 pool 4 CTAs of 128 threads
   (K-first) or 8 of 64 (V-first) at 128 registers, 64 KB per SM. Little's law at 4.3 TB/s and ≈ 1 us of loaded
   latency asks ≈ 33 KB per SM, so every cap leaves room for CTAs in their math and store phases. One more CTA per
-  SM spilled 4-46 instructions, some inside the token loop. :attr:`LightningDecodeConfig.min_blocks_per_sm`
-  overrides the cap for A/B runs on a GPU; the compile tests pin the spill counts of the defaults.
+  SM spilled 4-46 instructions, some inside the token loop. sm_100a/sm_103a allocate more registers for the same
+  code and spill 21-71 instructions at these caps (pointers saved around the state's loads, loop invariants of
+  the token loop; spill-free there at 5 fp32 / 3 bf16 K-first, 5 fp32 / 6 bf16 V-first CTAs); no Blackwell GPU
+  has timed either. :attr:`LightningDecodeConfig.min_blocks_per_sm` overrides the cap for A/B runs on a GPU;
+  the compile tests pin the spill counts of the defaults.
 * Nothing is allocated (with ``out``), nothing is read on the host: a call is CUDA-graph capturable. A slot outside
   ``[0, P)`` is a padding row: nothing read or written, its o rows zero. ``cu_seqlens`` values are clamped into
   ``[0, T]`` (a bad one cannot read past the inputs); a sequence index past ``B`` (fixed length) or past
