@@ -321,18 +321,19 @@ def _slots_dense(state: torch.Tensor) -> bool:
 
 
 def check_state_pool(state: object, state_indices: object, N: int, HV: int, K: int, V: int, state_v_first: bool,
-                     per_token_allowed: bool) -> tuple[int, bool]:
+                     per_token_allowed: bool, heads: str = "HV") -> tuple[int, bool]:
     """A state pool and its indices (devices checked by :func:`check_devices`): ``state`` ``[P, HV, K, V]``
     (``[P, HV, V, K]`` with ``state_v_first``) in fp32, bf16 or fp64 with dense slots; ``state_indices`` int32
     ``[N]``, or ``[N, W]`` (``W >= 1``) when ``per_token_allowed``. Returns ``(P, per_token)``. The index values
-    are :func:`cula_runtime.state_pool.pool_slots`' to check."""
+    are :func:`cula_runtime.state_pool.pool_slots`' to check. ``heads``: the head dim's name in the messages (the
+    Lightning ops' is ``H``)."""
     if state_indices is None:
         raise ValueError("state (the pool) needs state_indices: an int32 tensor [N] naming each sequence's slot")
     state = _tensor("state", state)
     state_indices = _tensor("state_indices", state_indices)
     inner = (HV, V, K) if state_v_first else (HV, K, V)
     if state.ndim != 4 or tuple(state.shape[1:]) != inner:
-        dims = "[P, HV, V, K]" if state_v_first else "[P, HV, K, V]"
+        dims = f"[P, {heads}, V, K]" if state_v_first else f"[P, {heads}, K, V]"
         raise ValueError(f"state (the pool) must have shape [P, {', '.join(map(str, inner))}] ({dims}, "
                          f"state_v_first={state_v_first}), got {list(state.shape)}")
     if state.dtype not in _STATE_DTYPES:

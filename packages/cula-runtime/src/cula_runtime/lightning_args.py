@@ -249,7 +249,7 @@ def _check_cu_dtype(cu_seqlens: torch.Tensor) -> None:
 def _check_pool(state: object, state_indices: object, N: int, H: int, K: int, V: int, state_v_first: bool) -> int:
     """The pool ``[P, H, K, V]`` (``[P, H, V, K]``) in fp32 or bf16 with dense slots and int32 ``[N]`` indices
     (:func:`cula_runtime.kda_args.check_state_pool`); returns ``P``."""
-    P, _ = check_state_pool(state, state_indices, N, H, K, V, state_v_first, per_token_allowed=False)
+    P, _ = check_state_pool(state, state_indices, N, H, K, V, state_v_first, per_token_allowed=False, heads="H")
     if state.dtype not in _POOL_DTYPES:
         _dtype("state", state, _POOL_DTYPES)
     return P
