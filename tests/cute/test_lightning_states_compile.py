@@ -215,3 +215,101 @@ def test_scan_lanes_cover_each_state_element_once_in_whole_sectors() -> None:
                     sectors = {a // 8 for a in addresses}  # 32 bytes: 8 fp32
                     assert len(addresses) == 32 * 4 and len(sectors) * 8 == len(addresses)
     assert len(seen) == K * K
+
+
+# ---- the host wrappers' marshalling (CPU tensors, the launch recorded: nothing compiled or run) ---------------------
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+
+    def launch(self, kernel_cls, config, specs, tensors, outputs, device, *scalars) -> None:
+        self.launches.append((kernel_cls, config, specs, tensors, outputs, scalars))
+
+    def bound_launch(self, kernel_cls, config, specs, outputs, device):
+        return lambda tensors, scalars: self.launch(kernel_cls, config, specs, tensors, outputs, device, *scalars)
+
+
+def _check_marshalled(kernel_cls, config, specs, tensors, outputs, expected: dict) -> None:
+    """Every tensor at the position its spec names, keeping the spec's promises; None exactly where the spec is
+    None; the outputs' positions; ``expected``: position -> the tensor that must be there."""
+    assert specs == kernel_cls(config).argument_specs()
+    assert len(tensors) == len(specs)
+    for i, (spec, tensor) in enumerate(zip(specs, tensors, strict=True)):
+        assert (spec is None) == (tensor is None), i
+        if spec is not None:
+            assert spec.conforms(tensor), i
+    for i, tensor in expected.items():
+        assert tensors[i] is tensor or (tensor is not None and tensors[i].data_ptr() == tensor.data_ptr()), i
+    assert all(specs[i] is not None for i in outputs if tensors[i] is not None)
+
+
+@pytest.mark.parametrize("planned", [False, True], ids=["launch", "bound"])
+def test_segment_states_marshalling(monkeypatch: pytest.MonkeyPatch, planned: bool) -> None:
+    import torch
+
+    from cula_runtime.cute.lightning import chunk_states as cs
+
+    rec = _Recorder()
+    monkeypatch.setattr(cs, "launch", rec.launch)
+    monkeypatch.setattr(cs, "bound_launch", rec.bound_launch)
+    k = torch.randn(300, 3, K).bfloat16()
+    v = torch.randn(300, 3, K).bfloat16()
+    g = -torch.rand(3)
+    segments = torch.tensor([[0, 0, 200, 0], [0, 200, 100, 0]], dtype=torch.int32)
+    seg_state = torch.empty(2, 3, K, K)
+    if planned:
+        cs.plan_segment_states(3, torch.bfloat16, 64, torch.device("cpu"))(k, v, g, segments, seg_state)
+    else:
+        cs._states_run(k, v, g, segments, seg_state, 64)
+    (kernel_cls, config, specs, tensors, outputs, scalars), = rec.launches
+    assert kernel_cls is cs.LightningSegmentStates and scalars == ()
+    assert config == cs.LightningSegmentStatesConfig(num_heads=3, block_v=64, dtype="bfloat16")
+    _check_marshalled(kernel_cls, config, specs, tensors, outputs, {0: k, 1: v, 2: segments, 3: g, 4: seg_state})
+    assert outputs == frozenset({4})
+    rec.launches.clear()
+    cs._states_run(k, v, g, segments[:0], seg_state[:0], 64)  # no segment: no launch
+    assert not rec.launches
+
+
+@pytest.mark.parametrize(("form", "v_first"), [("plain", False), ("h0-ht", True), ("h0", False),
+                                               ("pool-fp32-flags", True), ("pool-bf16", False)])
+@pytest.mark.parametrize("planned", [False, True], ids=["launch", "bound"])
+def test_segment_scan_marshalling(monkeypatch: pytest.MonkeyPatch, form: str, v_first: bool, planned: bool) -> None:
+    import torch
+
+    from cula_runtime.cute.lightning import chunk_states as cs
+
+    rec = _Recorder()
+    monkeypatch.setattr(cs, "launch", rec.launch)
+    monkeypatch.setattr(cs, "bound_launch", rec.bound_launch)
+    N, H = 3, 2
+    seg_state = torch.randn(4, H, K, K)
+    segments = torch.tensor([[0, 0, 64, 0], [0, 64, 10, 0], [2, 74, 64, 0], [2, 138, 1, 0]], dtype=torch.int32)
+    seq_segments = torch.tensor([0, 2, 2, 4], dtype=torch.int32)
+    g = -torch.rand(H)
+    h0 = torch.randn(N, H, K, K) if form.startswith("h0") else None
+    ht = torch.empty(N, H, K, K) if form == "h0-ht" else None
+    pool = idx = flags = None
+    if form.startswith("pool"):
+        pool = torch.randn(5, H, K, K).to(torch.bfloat16 if "bf16" in form else torch.float32)
+        idx = torch.tensor([4, -1, 0], dtype=torch.int32)
+        flags = torch.tensor([True, False, True]) if "flags" in form else None
+    if planned:
+        flags_key = cs.scan_flags(h0, ht is not None, v_first, pool, flags)
+        cs.plan_segment_scan(H, N, flags_key, torch.device("cpu"))(seg_state, segments, seq_segments, g, h0, ht,
+                                                                      pool, idx, flags)
+    else:
+        cs._scan_run(seg_state, segments, seq_segments, g, h0, ht, v_first, pool, idx, flags)
+    (kernel_cls, config, specs, tensors, outputs, scalars), = rec.launches
+    assert kernel_cls is cs.LightningSegmentScan and scalars == ()
+    assert config == cs.LightningSegmentScanConfig(
+        num_heads=H, has_initial_state=h0 is not None, output_final_state=ht is not None, state_v_first=v_first,
+        state_pool=pool is not None, state_dtype="bfloat16" if "bf16" in form else "float32",
+        initial_state_flags=flags is not None)
+    _check_marshalled(kernel_cls, config, specs, tensors, outputs,
+                      {0: seg_state, 1: segments, 2: seq_segments, 3: g, 4: h0, 5: ht, 6: pool, 7: idx})
+    if flags is not None:
+        assert tensors[8].dtype == torch.uint8 and tensors[8].data_ptr() == flags.data_ptr()  # a view, no copy
+    assert outputs == frozenset({0, 5, 6})
