@@ -286,3 +286,25 @@ def test_repeats_are_bit_identical(backend: str, monkeypatch: pytest.MonkeyPatch
     for later in results[1:]:
         for a, b in zip(results[0], later, strict=True):
             assert torch.equal(a, b)
+
+
+def test_the_dispatch_serves_every_call_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unforced: a call the kernels may not take (fp16, K = V = 64, fp32 pool) runs on them or on the reference with
+    a ``CulaFallbackWarning``; either way the result matches fp64."""
+    import warnings
+
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    q, k, v = make_inputs(3, 1, H, 64, 64, seed=11, dtype=torch.float16, device="cuda")
+    pool = make_pool(4, H, 64, 64, v_first=False, device="cuda")
+    before = pool.clone()
+    kwargs = dict(state=pool, state_indices=_i32([2, -1, 0]))
+    choice = dispatch.explain_lightning_decode(validate_lightning_decode(q, k, v, _gamma(), **kwargs))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = lightning_decode(q, k, v, _gamma(), **kwargs)
+    torch.cuda.synchronize()
+    fallbacks = [w for w in caught if issubclass(w.category, dispatch.CulaFallbackWarning)]
+    assert len(fallbacks) == int(choice.gpu_fallback)
+    o_ref, expected = pool_oracle(q, k, v, _gamma(), None, before, [2, -1, 0], None, v_first=False, decode=True)
+    assert rel_l2(o.cpu(), o_ref) <= BOUND
+    _check_pool(pool, expected, [2, 0], before)
