@@ -637,13 +637,14 @@ def scan_flags(initial_state, output_final_state: bool, state_v_first: bool, poo
 
 def _scan_run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, state_v_first: bool, pool=None,
               state_indices=None, has_initial_state=None) -> None:
-    """:func:`lightning_segment_scan` after its checks, ``ht`` allocated by the caller (or None)."""
+    """:func:`lightning_segment_scan` after its checks, ``ht`` allocated by the caller (or None); no launch
+    without sequences."""
+    import torch
+
     if seq_segments.shape[0] <= 1:
         return
     config, specs = _scan_plan(seg_state.shape[1], scan_flags(initial_state, ht is not None, state_v_first, pool,
                                                                has_initial_state))
-    import torch
-
     flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)  # (a view: no copy)
     tensors = (seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices, flag_bytes)
     launch(LightningSegmentScan, config, specs, tensors, _SCAN_OUTPUTS, seg_state.device)
@@ -651,12 +652,13 @@ def _scan_run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, sta
 
 def plan_segment_scan(H: int, N: int, flags: tuple, device):
     """Kernel B bound to one call signature: ``run(seg_state, segments, seq_segments, g_gamma, initial_state, ht,
-    pool, state_indices, has_initial_state)`` with nothing checked; ``flags``: :func:`scan_flags`."""
+    pool, state_indices, has_initial_state)`` with nothing checked; ``flags``: :func:`scan_flags` (no launch for
+    N = 0)."""
+    import torch
+
     if N == 0:
         return lambda *tensors: None
     config, specs = _scan_plan(H, flags)
-    import torch
-
     run = bound_launch(LightningSegmentScan, config, specs, _SCAN_OUTPUTS, device)
     uint8 = torch.uint8
 
