@@ -144,3 +144,21 @@ def test_compile_fullgraph_of_a_prefill_and_a_decode_step_matches_eager() -> Non
     got = torch.compile(step, fullgraph=True, backend="aot_eager")(kwargs["q"], kwargs["k"], kwargs["v"],
                                                                    compiled_pool, idx)
     assert torch.equal(got, expected) and torch.equal(compiled_pool, eager_pool)
+
+
+def test_fake_outputs_follow_symbolic_sizes() -> None:
+    """Traced with symbolic sizes, ``o`` has v's shape and the final state ``len(cu_seqlens) - 1`` rows."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def prefill(q, k, v, cu_seqlens):
+        return torch.ops.cula.lightning_prefill(q, k, v, layer_idx=0, num_layers=2, output_final_state=True,
+                                                cu_seqlens=cu_seqlens, state_v_first=True)
+
+    kwargs = _qkv(1, 9, 9)
+    graph = make_fx(prefill, tracing_mode="symbolic")(kwargs["q"], kwargs["k"], kwargs["v"], _i32([0, 3, 9]))
+    placeholders = {node.target: node.meta["val"] for node in graph.graph.nodes if node.op == "placeholder"}
+    v, cu = placeholders["v_1"], placeholders["cu_seqlens_1"]
+    output, = [node for node in graph.graph.nodes if node.op == "output"]
+    o, final_state = (node.meta["val"] for node in output.args[0])
+    assert not all(isinstance(size, int) for size in o.shape) and o.shape == v.shape
+    assert final_state.shape[0] == cu.shape[0] - 1 and tuple(final_state.shape[1:]) == (v.shape[2], V, K)
