@@ -36,15 +36,15 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
   is what counts. N = 1, H = 64 is 256 CTAs (K-first bf16: 128), about two per SM.
 * **Registers**: no gate vector and no second reduction leave fewer live values than KDA's decode (the lane's
   state, its 8 q and k rows, its v columns and the partial sums). The caps (:data:`MIN_BLOCKS_PER_SM`) are the
-  most CTAs per SM at which ptxas (sm_90a, CuTeDSL 4.8) spills nothing: fp32 pool 6 (K-first, 85 registers) or 7
-  (V-first, 73) CTAs of 128 threads, 96-112 KB of state in flight per SM; bf16 pool 4 CTAs of 128 threads
-  (K-first) or 8 of 64 (V-first) at 128 registers, 64 KB per SM. Little's law at 4.3 TB/s and ≈ 1 us of loaded
-  latency asks ≈ 33 KB per SM, so every cap leaves room for CTAs in their math and store phases. One more CTA per
-  SM spilled 4-46 instructions, some inside the token loop. sm_100a/sm_103a allocate more registers for the same
-  code and spill 21-71 instructions at these caps (pointers saved around the state's loads, loop invariants of
-  the token loop; spill-free there at 5 fp32 / 3 bf16 K-first, 5 fp32 / 6 bf16 V-first CTAs); no Blackwell GPU
-  has timed either. :attr:`LightningDecodeConfig.min_blocks_per_sm` overrides the cap for A/B runs on a GPU;
-  the compile tests pin the spill counts of the defaults.
+  most CTAs per SM at which ptxas (sm_90a, CuTeDSL 4.8 and 4.6) spills nothing: fp32 pool 6 (K-first, 80
+  registers) or 7 (V-first, 72) CTAs of 128 threads, 96-112 KB of state in flight per SM; bf16 pool 4 CTAs of 128
+  threads (K-first, 124-126 registers) or 8 of 64 (V-first, 115-118), 64 KB per SM. Little's law at 4.3 TB/s and
+  ≈ 1 us of loaded latency asks ≈ 33 KB per SM, so every cap leaves room for CTAs in their math and store phases.
+  One more CTA per SM spilled 4-46 instructions, some inside the token loop. sm_100a/sm_103a allocate more
+  registers for the same code and spill 21-71 instructions at these caps (pointers saved around the state's loads,
+  loop invariants of the token loop; spill-free there at 5 fp32 / 3 bf16 K-first, 5 fp32 / 6 bf16 V-first CTAs);
+  no Blackwell GPU has timed either. :attr:`LightningDecodeConfig.min_blocks_per_sm` overrides the cap for A/B
+  runs on a GPU; the compile tests pin the spill counts of the defaults.
 * Nothing is allocated (with ``out``), nothing is read on the host: a call is CUDA-graph capturable. A slot outside
   ``[0, P)`` is a padding row: nothing read or written, its o rows zero. ``cu_seqlens`` values are clamped into
   ``[0, T]`` (a bad one cannot read past the inputs); a sequence index past ``B`` (fixed length) or past
@@ -53,7 +53,6 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
 :func:`lightning_decode_cutedsl` is the host wrapper, :func:`plan_lightning_decode_launch` its call-plan form.
 """
 
-from __future__ import annotations
 
 import dataclasses
 import functools
@@ -78,10 +77,10 @@ HEAD_DIM = 128
 # Registers per thread follow from the CTAs per SM asked of ptxas (65536 / (threads per CTA · blocks)): see the
 # module docstring. Keyed by (state dtype, V-first).
 MIN_BLOCKS_PER_SM = {
-    ("float32", False): 6,  # 128 threads, 85 registers: 96 KB of state per SM (8 CTAs, 64 registers: 25 spills)
-    ("float32", True): 7,  # 128 threads, 73 registers: 112 KB per SM (8 CTAs: 7 spills)
-    ("bfloat16", False): 4,  # 128 threads, 128 registers: 64 KB per SM (5 CTAs, 102 registers: 28 spills)
-    ("bfloat16", True): 8,  # 64 threads, 128 registers: 64 KB per SM (10 CTAs: 46 spills)
+    ("float32", False): 6,  # 128 threads, <= 85 registers: 96 KB of state per SM (8 CTAs, 64 registers: 25 spills)
+    ("float32", True): 7,  # 128 threads, <= 73 registers: 112 KB per SM (8 CTAs: 7 spills)
+    ("bfloat16", False): 4,  # 128 threads, <= 128 registers: 64 KB per SM (5 CTAs, 102 registers: 28 spills)
+    ("bfloat16", True): 8,  # 64 threads, <= 128 registers: 64 KB per SM (10 CTAs: 46 spills)
 }
 # percent of the SM's shared memory for K-first CTAs (1-2 KB of exchange + the driver's 1 KB each): 8 CTAs need at
 # most 24 KB; 25 % leaves room, so shared memory never limits the CTAs per SM
