@@ -15,7 +15,8 @@ seq_segments[n + 1] - 1`` in order). Per head h, with λ = exp(g_gamma[h]) (``g_
   ``ldmatrix.trans``. The decay ``exp(g · (L-1-j))`` (an exponent ``<= 0`` always: rows past the segment's end get
   0, never the exponential of a positive number) is computed in fp32 once per token into a shared table and
   multiplied into the vᵀ fragment in registers, rounded once to the operand dtype. Rows past the segment's end are
-  zero-filled in shared memory and never read from global memory. k and v are read once per V block.
+  zero-filled in shared memory and never read from global memory (the segment's rows are also clamped into the
+  token axis). k and v are read once per V block.
 * **Kernel B** (:class:`LightningSegmentScan`, grid ``(N, H, 16)``): elementwise over each (sequence, head) state,
   sequential over the sequence's segments: ``S`` = the start state (``initial_state[n]``; or pool slot
   ``state_indices[n]`` when it is in ``[0, P)`` and ``has_initial_state[n]`` is not False; else zeros); for each
@@ -176,8 +177,10 @@ class LightningSegmentStates(ChunkTiles):
         dtype = self.operand_type
         tidx, _, _ = cute.arch.thread_idx()
         s, h, vb = cute.arch.block_idx()
-        start = mSegments[s, 1]
-        length = mSegments[s, 2]
+        # the segment's rows, clamped into the token axis (the host's table is always inside it)
+        rows = mK.shape[0]
+        start = cutlass.min(cutlass.max(mSegments[s, 1], 0), rows)
+        length = cutlass.min(cutlass.max(mSegments[s, 2], 0), rows - start)
         gamma2 = mGamma[h] * LOG2E  # log2 of the per-token decay, <= 0
         num_chunks = (length + (C - 1)) // C
 
@@ -365,8 +368,10 @@ class LightningSegmentScan:
         k0 = (tile // 2) * 16 + (lane // 8) * 4
         v0 = ((tile % 2) * self.num_warps + warp_idx) * 32 + (lane % 8) * 4
         gamma2 = mGamma[h] * LOG2E
-        seg0 = mSeqSegments[n]
-        seg1 = mSeqSegments[n + 1]
+        # the sequence's segment rows, clamped into the table (the host's offsets always are)
+        nseg = mSegState.shape[0]
+        seg0 = cutlass.min(cutlass.max(mSeqSegments[n], 0), nseg)
+        seg1 = cutlass.min(cutlass.max(mSeqSegments[n + 1], seg0), nseg)
 
         f_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         rS = cute.make_rmem_tensor(cute.make_layout((4, 4)), Float32)  # rS[j, i]: row k0 + i, column v0 + j
