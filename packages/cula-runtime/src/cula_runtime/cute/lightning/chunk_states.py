@@ -28,7 +28,8 @@ seq_segments[n + 1] - 1`` in order). Per head h, with λ = exp(g_gamma[h]) (``g_
   of a K-first row and 4 lanes 64 contiguous bytes of a V-first one, so every access is a 16-byte vector in whole
   sectors. The segments' states are loaded ``prefetch`` segments ahead (one memory latency per group of
   ``prefetch`` segments, not per segment). No MMA. Race-free in place: each element of ``seg_state`` and of a pool
-  slot is read and written by one thread only (two sequences naming one slot race, as in KDA's pool form).
+  slot is read and written by one thread only (two sequences naming one slot race, as in KDA's pool form). The
+  offsets ``seq_segments`` are clamped into the table.
 
 Host wrappers: :func:`lightning_segment_states` and :func:`lightning_segment_scan` (checked), and the unchecked
 ``_states_run`` / ``_scan_run`` / the planned forms the prefill backend calls.
