@@ -33,26 +33,20 @@ CONFIGS = {
 }
 # compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
 DSL_FLOOR = ("bv64-H16",)
-# Local-memory spill instructions (LDL + STL) per CuTeDSL minor version, configuration and target, as measured: a
-# few loop invariants (the next chunk's row addresses) saved before the chunk loop and reloaded in it.
-SPILLS = {
-    "4.6": {
-        "bv64-H16": {"sm_90a": 10, "sm_100a": 10, "sm_103a": 10},
-    },
-    "4.8": {
-        "bv64-H16": {"sm_90a": 10, "sm_100a": 10, "sm_103a": 10},
-        "bv128-H64": {"sm_90a": 10, "sm_100a": 10, "sm_103a": 10},
-    },
-}
+# Local-memory spill instructions (LDL + STL) per CuTeDSL minor version, configuration and target, as measured: none
+# (255 registers on sm_90a, 254-255 on sm_100a/sm_103a, for 4.6.2, 4.7.1 and 4.8.1 alike).
+SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in CONFIGS} for version in ("4.6", "4.7", "4.8")}
 
 # Per chunk and warp (16 value rows): q·S 8 k-blocks x 8 token tiles, vᵀ·Pᵀ 2 x (4 + 3 + 2 + 1) tiles, the state
 # 4 token blocks x 16 K tiles; the score tile's 10 lower 16 x 16 blocks (2 n8 tiles x 8 k-blocks each), each in
 # the code of the one warp that makes it.
 SCORE_BLOCKS = 10
 HMMA_PER_CHUNK = 64 + 20 + 64 + SCORE_BLOCKS * 16
-# ldmatrix x4 per chunk: q 8 k-blocks x 4, P 4 + 3 + 2 + 1 (upper blocks are never loaded), a score block's q rows
-# and k rows 8 + 8; transposed: kᵀ 4 token blocks x 8, vᵀ 4. stmatrix.trans x4: oᵀ 4.
-LDSM_PER_CHUNK = 32 + 10 + SCORE_BLOCKS * 16
+# ldmatrix x4 per chunk: q 8 k-blocks x 4, P 4 + 3 + 2 + 1 (upper blocks are never loaded), a score block's k rows
+# 8 and its q rows 8, once per query block of a warp (4 warps: 7 query blocks over the 10 blocks; 8 warps: 8);
+# transposed: kᵀ 4 token blocks x 8, vᵀ 4. stmatrix.trans x4: oᵀ 4.
+SCORE_Q_ROWS = {64: 7, 128: 8}
+LDSM_PER_CHUNK = {block_v: 32 + 10 + SCORE_BLOCKS * 8 + rows * 8 for block_v, rows in SCORE_Q_ROWS.items()}
 LDSM_T_PER_CHUNK = 32 + 4
 STSM_T_PER_CHUNK = 4
 
@@ -81,7 +75,7 @@ def test_lightning_output_machine_code(config_id: str, target: str) -> None:
     assert code.opcodes["HMMA.16816.F32.BF16"] == HMMA_PER_CHUNK
     assert code.count("HMMA") == HMMA_PER_CHUNK  # no other MMA flavour
     assert code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0 and code.count("UTCQMMA") == 0  # no wgmma/tcgen05
-    assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK
+    assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK[config.block_v]
     assert code.opcodes["LDSM.16.MT88.4"] == LDSM_T_PER_CHUNK
     assert code.opcodes["STSM.16.MT88.4"] == STSM_T_PER_CHUNK
     spills = code.count("LDL") + code.count("STL")
@@ -94,6 +88,8 @@ def test_lightning_output_machine_code(config_id: str, target: str) -> None:
     assert code.count("BAR.SYNC") == 2  # per chunk: tiles landed; the score tile complete
     assert code.count("MUFU.EX2") == 4  # the three decay tables and λ^64, once per CTA: no exp in the chunk loop
     assert code.opcodes["STG.E.128"] == C // 16  # o rows: one 16-byte store per row segment, nothing else stored
+    # the score tile: adjacent key pairs, 4 bytes per store (2 per n8 tile and lane), never single elements
+    assert code.opcodes["STS.U16"] == 0 and code.opcodes["STS"] >= SCORE_BLOCKS * 2 * 2
     assert code.count("STG") == C // 16
 
 
@@ -132,8 +128,81 @@ def test_can_implement_says_why(changes: dict, reason: str) -> None:
 @pytest.mark.parametrize("block_v", [64, 128])
 def test_score_blocks_cover_the_lower_triangle_once(block_v: int) -> None:
     """Every lower 16 x 16 block (J <= I) of the 64 x 64 score tile is made by exactly one warp."""
-    from cula_runtime.cute.lightning.chunk_output import _SCORE_BLOCKS
+    from cula_runtime.cute.lightning.chunk_output import _SCORE_BLOCKS, _rows_of
 
     blocks = [block for per_warp in _SCORE_BLOCKS[block_v // 16] for block in per_warp]
     assert len(_SCORE_BLOCKS[block_v // 16]) == block_v // 16
+    assert sum(len(_rows_of(per_warp)) for per_warp in _SCORE_BLOCKS[block_v // 16]) == SCORE_Q_ROWS[block_v]
     assert sorted(blocks) == [(i, j) for i in range(4) for j in range(i + 1)]
+
+
+def test_score_fragment_coordinates() -> None:
+    """Traced on the host with static lane indices: in the one-warp score MMA's partition of the whole 64 x 64 tile,
+    modes (I, 2J + h) hold exactly the (query, key) coordinates of n8 tile h of block (I, J)'s accumulator (the
+    kernel computes a block's values from the block's coordinates and stores them through the whole tile's
+    partition), and each lane's pairs are adjacent keys (one 4-byte store each)."""
+    import cutlass.cute as cute
+
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
+
+    kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1))
+    seen = {}
+
+    @cute.jit
+    def probe():
+        score_mma = kernel.make_score_mma()
+        for lane in tuple(range(32)):
+            thr = score_mma.get_slice(lane)
+            block = thr.partition_C(cute.make_identity_tensor((16, 16)))
+            whole = thr.partition_C(cute.make_identity_tensor((C, C)))
+            pairs = [((bi * 16 + block[v, 0, half][0], bj * 16 + block[v, 0, half][1]),
+                      (whole[v, bi, 2 * bj + half][0], whole[v, bi, 2 * bj + half][1]))
+                     for bi in range(4) for bj in range(bi + 1) for half in range(2) for v in range(4)]
+            seen[lane] = pairs
+
+    probe()
+    assert sorted(seen) == list(range(32))
+    covered = set()
+    for lane, pairs in seen.items():
+        for expected, got in pairs:
+            assert tuple(int(x) for x in expected) == tuple(int(x) for x in got), lane
+            covered.add(tuple(int(x) for x in got))
+        keys = [(int(g[0]), int(g[1])) for _, g in pairs]
+        for a, b in zip(keys[0::2], keys[1::2], strict=True):  # elements (0, 1) and (2, 3) of each n8 tile
+            assert b == (a[0], a[1] + 1) and a[1] % 2 == 0, lane
+    assert covered == {(i, j) for i in range(C) for j in range(C) if j // 16 <= i // 16}
+
+
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_token_fragments_chain_as_operand_a(block_v: int) -> None:
+    """Traced on the host with static thread indices: a (block_v x 64 tokens) accumulator-layout fragment (vᵀ, read
+    with ldmatrix.trans in that layout) viewed as the A operand holds exactly the A operand's coordinates, and warp
+    w owns value rows 16w..16w+15 (the o staging over its own v columns relies on it)."""
+    import cutlass.cute as cute
+
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
+
+    kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1, block_v=block_v))
+    threads = list(range(0, kernel.num_threads, 11))
+    seen = {}
+
+    @cute.jit
+    def probe():
+        tiled_mma = kernel.make_tiled_mma()
+        for tidx in tuple(threads):
+            thr = tiled_mma.get_slice(tidx)
+            acc = thr.partition_C(cute.make_identity_tensor((block_v, C)))
+            frag_a = kernel._acc_as_operand_a(acc)
+            op_a = thr.partition_A(cute.make_identity_tensor((block_v, C)))
+            seen[tidx] = (
+                [acc[i] for i in range(cute.size(acc))],
+                [frag_a[v, 0, kb] for kb in range(C // 16) for v in range(8)],
+                [op_a[v, 0, kb] for kb in range(C // 16) for v in range(8)],
+            )
+
+    probe()
+    assert sorted(seen) == threads
+    for tidx, (acc, frag_a, op_a) in seen.items():
+        assert [tuple(int(x) for x in c) for c in frag_a] == [tuple(int(x) for x in c) for c in op_a], tidx
+        row = 16 * (tidx // 32) + tidx % 32 // 4
+        assert {int(c[0]) for c in acc} == {row, row + 8}, tidx

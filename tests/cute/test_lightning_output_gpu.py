@@ -3,11 +3,15 @@ same start states (KDA_SPEC §5).
 
 Each segment's start state is drawn at random (kernel C takes whatever the scan left in ``seg_state``), so the
 check is the output formula alone: ``o_t = scale · q_t · S_t`` with ``S_t = λ^(t+1) S_0 + Σ_{j <= t} λ^(t-j)
-k_jᵀ v_j`` over the segment's own tokens (float64, closed form per segment). Bound: rel-L2 < 1e-2 per segment and
+k_jᵀ v_j`` over the segment's own tokens (float64, closed form per segment). Bound: rel-L2 < 6e-3 per segment and
 head (the kernel rounds the state, the score tile and the decayed v to bf16 for its products, and o to bf16).
 ``o`` is NaN-poisoned and the segment tables leave gaps: rows outside every segment must stay NaN. Cases: one
 segment and many, partial last chunks, 1-token segments, decays 0 and -8, two scales, both V blocks (the same
 bits), and 20 replays bit-identical.
+
+``test_emulation_stays_within_the_bound`` runs on the CPU: :func:`emulate_kernel` rounds where the kernel rounds
+(fp32 products of bf16 operands; S, P and the decayed v in bf16), and its error against the float64 computation
+must leave headroom under the bound on the same cases.
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ import torch
 from cula_runtime import cute as cula_cute
 from tests.helpers import rel_l2
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not cula_cute.is_available(),
-                       reason="CuTeDSL or TVM-FFI is missing (cula-runtime brings them on Linux x86_64/aarch64)"),
-]
+on_gpu = pytest.mark.gpu
+needs_cutedsl = pytest.mark.skipif(
+    not cula_cute.is_available(),
+    reason="CuTeDSL or TVM-FFI is missing (cula-runtime brings them on Linux x86_64/aarch64)",
+)
 
 K = 128
-BOUND = 1e-2
+BOUND = 6e-3  # 2.2x the emulated kernel's worst case here (2.7e-3), 3.2x bf16's own rounding of o (1.9e-3)
 
 
 @dataclass(frozen=True)
@@ -56,16 +60,16 @@ CASES = [
 ]
 
 
-def _inputs(case: Case, seed: int = 0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def _inputs(case: Case, seed: int = 0, device: str = "cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
     H = len(case.g_gamma)
-    q = torch.randn(case.rows, H, K, device="cuda", generator=gen).to(torch.bfloat16)
-    k = torch.randn(case.rows, H, K, device="cuda", generator=gen).to(torch.bfloat16)
-    v = torch.randn(case.rows, H, K, device="cuda", generator=gen).to(torch.bfloat16)
-    g_gamma = torch.tensor(case.g_gamma, dtype=torch.float32, device="cuda")
-    seg_state = 4.0 * torch.randn(len(case.segments), H, K, K, device="cuda", generator=gen)
+    q = torch.randn(case.rows, H, K, device=device, generator=gen).to(torch.bfloat16)
+    k = torch.randn(case.rows, H, K, device=device, generator=gen).to(torch.bfloat16)
+    v = torch.randn(case.rows, H, K, device=device, generator=gen).to(torch.bfloat16)
+    g_gamma = torch.tensor(case.g_gamma, dtype=torch.float32, device=device)
+    seg_state = 4.0 * torch.randn(len(case.segments), H, K, K, device=device, generator=gen)
     segments = torch.tensor([(0, first, length, 0) for first, length in case.segments], dtype=torch.int32,
-                            device="cuda").reshape(-1, 4)
+                            device=device).reshape(-1, 4)
     return q, k, v, g_gamma, seg_state, segments
 
 
@@ -74,14 +78,43 @@ def _oracle(case: Case, q, k, v, g_gamma, seg_state) -> list[torch.Tensor]:
     outs = []
     for s, (first, length) in enumerate(case.segments):
         qs, ks, vs = (x[first:first + length].double().transpose(0, 1) for x in (q, k, v))  # [H, L, K]
-        t = torch.arange(length, device="cuda", dtype=torch.float64)
+        t = torch.arange(length, device=q.device, dtype=torch.float64)
         g = g_gamma.double()[:, None, None]
         diff = t[:, None] - t[None, :]
         decay = torch.where(diff >= 0, torch.exp(g * diff.clamp(min=0)), torch.zeros((), dtype=torch.float64,
-                                                                                   device="cuda"))
+                                                                                   device=q.device))
         intra = (decay * (qs @ ks.transpose(1, 2))) @ vs
         inter = torch.exp(g * (t[None, :, None] + 1)) * (qs @ seg_state[s].double())
         outs.append((case.scale * (intra + inter)).transpose(0, 1))
+    return outs
+
+
+def emulate_kernel(case: Case, q, k, v, g_gamma, seg_state) -> list[torch.Tensor]:
+    """The kernel's arithmetic in float32 with its bf16 roundings: o [L, H, V] (bf16) of every segment."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    C = 64
+    lg = g_gamma.to(f32) * 1.4426950408889634  # log2 units, <= 0
+    d = torch.arange(C + 1, dtype=f32, device=q.device)
+    pw = torch.exp2(d[None, :] * lg[:, None])  # [H, 65]: λ^d
+    i = torch.arange(C, device=q.device)
+    mask = i[:, None] >= i[None, :]
+    p_decay = torch.where(mask, case.scale * pw[:, (i[:, None] - i[None, :]).clamp(min=0)], 0.0)  # [H, C, C]
+    o_decay = case.scale * pw[:, 1:C + 1]  # [H, C]: scale · λ^(i+1)
+    v_decay = pw[:, C - 1 - i]  # [H, C]: λ^(63-j)
+    outs = []
+    for s, (first, length) in enumerate(case.segments):
+        S = seg_state[s].to(f32).clone()  # [H, K, V]
+        o = torch.empty(length, q.shape[1], K, dtype=bf16, device=q.device)
+        for c0 in range(0, length, C):
+            n = min(C, length - c0)
+            qc, kc, vc = (x[first + c0:first + c0 + n].to(f32).transpose(0, 1) for x in (q, k, v))  # [H, n, K]
+            inter = (qc @ S.to(bf16).to(f32)) * o_decay[:, :n, None]
+            P = ((qc @ kc.transpose(1, 2)) * p_decay[:, :n, :n]).to(bf16).to(f32)
+            o[c0:c0 + n] = (inter + P @ vc).to(bf16).transpose(0, 1)
+            if c0 + n < length:  # not the segment's last chunk (which alone may be partial)
+                v_dec = (vc * v_decay[:, :, None]).to(bf16).to(f32)
+                S = pw[:, C, None, None] * S + kc.transpose(1, 2) @ v_dec
+        outs.append(o)
     return outs
 
 
@@ -95,6 +128,19 @@ def _run(case: Case, tensors, block_v: int | None = None) -> torch.Tensor:
     return o
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_emulation_stays_within_the_bound(case: Case) -> None:
+    """CPU: the kernel's rounding model stays under half the bound against float64."""
+    tensors = _inputs(case, device="cpu")
+    for (first, length), emu, ref in zip(case.segments, emulate_kernel(case, *tensors[:5]),
+                                         _oracle(case, *tensors[:5]), strict=True):
+        for h in range(len(case.g_gamma)):
+            err = rel_l2(emu[:, h].double(), ref[:, h])
+            assert err < BOUND / 2, f"segment at {first} (length {length}), head {h}: rel-L2 {err:.2e}"
+
+
+@on_gpu
+@needs_cutedsl
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_matches_float64_from_start_states(case: Case) -> None:
     tensors = _inputs(case)
@@ -110,6 +156,8 @@ def test_matches_float64_from_start_states(case: Case) -> None:
     assert torch.isnan(o[~covered]).all(), "the kernel wrote rows outside its segments"
 
 
+@on_gpu
+@needs_cutedsl
 @pytest.mark.parametrize("case", [CASES[2], CASES[4]], ids=[CASES[2].name, CASES[4].name])
 def test_both_v_blocks_give_the_same_bits(case: Case) -> None:
     tensors = _inputs(case, seed=1)
@@ -118,6 +166,8 @@ def test_both_v_blocks_give_the_same_bits(case: Case) -> None:
     assert torch.equal(o64.view(torch.int16), o128.view(torch.int16))
 
 
+@on_gpu
+@needs_cutedsl
 def test_replays_are_bit_identical() -> None:
     case = CASES[3]
     tensors = _inputs(case, seed=2)
@@ -126,6 +176,8 @@ def test_replays_are_bit_identical() -> None:
         assert torch.equal(_run(case, tensors).view(torch.int16), first.view(torch.int16))
 
 
+@on_gpu
+@needs_cutedsl
 def test_a_segment_does_not_read_its_neighbours() -> None:
     """Changing the tokens of one segment (and its start state) leaves every other segment's outputs unchanged."""
     case = CASES[2]
@@ -143,6 +195,8 @@ def test_a_segment_does_not_read_its_neighbours() -> None:
     assert not torch.equal(before[~mask].view(torch.int16), after[~mask].view(torch.int16))
 
 
+@on_gpu
+@needs_cutedsl
 def test_bad_arguments_are_named() -> None:
     from cula_runtime.cute.lightning.chunk_output import lightning_chunk_output
 

@@ -1,7 +1,8 @@
 """Device-side machinery shared by the chunked KDA CuTeDSL kernels: :func:`chunk_span` and
 :func:`chunk_grid_extent` (which tokens a chunk-parallel CTA owns, fixed or varlen: the intra kernel) and
-:class:`ChunkTiles`, for a kernel that puts value rows on the MMA's M (the recurrence): swizzled shared-memory
-tiles, cp.async row copies, the warp-per-16-rows tiled MMA and the row store of a staged tile.
+:class:`ChunkTiles`, for a kernel that puts value rows on the MMA's M (the recurrence; the Lightning output
+kernel): swizzled shared-memory tiles, cp.async row copies, the warp-per-16-rows tiled MMA, an accumulator viewed
+as the next product's A operand and the row store of a staged tile.
 
 A class using :class:`ChunkTiles` has ``config`` (with ``chunk_size``, ``block_v``), ``num_warps`` and
 ``num_threads``.
@@ -104,6 +105,18 @@ class ChunkTiles:
             (self.num_warps, 1, 1),
             permutation_mnk=(self.config.block_v, 16, 16),
         )
+
+    @staticmethod
+    def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
+        """View an m16n8 accumulator fragment ``((2,2), M, N)`` as the m16k16 A fragment ``(((2,2),2), M, N/2)``:
+        the two adjacent n8 tiles 2j, 2j+1 hold exactly k-block j of the next product (same registers). (The
+        Lightning output kernel's; the KDA recurrence still defines its own identical copy.)"""
+        split = cute.logical_divide(acc.layout, (None, None, 2))
+        layout = cute.make_layout(
+            ((split.shape[0], split.shape[2][0]), split.shape[1], split.shape[2][1]),
+            stride=((split.stride[0], split.stride[2][0]), split.stride[1], split.stride[2][1]),
+        )
+        return cute.make_tensor(acc.iterator, layout)
 
     @staticmethod
     def _rank3(t: cute.Tensor) -> cute.Tensor:

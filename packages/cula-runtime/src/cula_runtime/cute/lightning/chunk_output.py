@@ -39,22 +39,29 @@ same q and k, run side by side: the second read is an L2 hit).
 
 The V block (the choice, per chunk of 64 tokens and head, K = V = 128):
 
-* Bytes: q, k, v 16 KB each in, o 16 KB out: 64 KB, whatever the block (a second V block re-reads q and k from L2).
-* MMA (m16n8k16, 4096 flops each): per warp ``Sᵀ_bf · qᵀ`` 64, ``vᵀ · Pᵀ`` 20, the state 64, the score blocks
-  16 each. block_v = 128 (8 warps): 8 x 148 + 10 x 16 = 1344 MMAs = 5.5 MFLOP; block_v = 64 (two CTAs of 4 warps):
-  2 x (4 x 148 + 160) = 1504 = 6.2 MFLOP (the score tile is made twice: +12%).
-* At the H200's 4.8 TB/s and 132 SMs, 64 KB per chunk and head is 1.8 us per SM; ~1400 MMAs per SM and chunk take
-  ~0.6-1.2 us of its 4 tensor cores at mma.sync rates. The kernel is bound by memory if the loads keep flowing,
-  so what matters is bytes in flight and barrier bubbles, not the 12%.
-* Shared memory: block_v = 64: 2 stages x (16 + 16 + 8) KB + 8 KB score tile + 0.6 KB tables = 89 KB, two CTAs
-  per SM (178 of 228 KB); block_v = 128: 2 x 48 + 8 + 0.6 = 105 KB, one CTA per SM.
-* Registers: 128 threads per CTA at <= 255 registers (measured below): two 4-warp CTAs fit the 64K registers of
-  an SM exactly like one 8-warp CTA.
-* block_v = 64 is the default (:data:`DEFAULT_BLOCK_V`): with two independent CTAs per SM one CTA's barriers and
-  score phase overlap the other's products and loads (an 8-warp CTA stalls all its warps at each of its two
+* Bytes: q, k, v 16 KB each in, o 16 KB out: 64 KB, whatever the block (the second V block's CTA, launched next
+  to the first, re-reads q and k from L2, not HBM).
+* MMA (m16n8k16, 4096 flops each): per warp ``Sᵀ_bf · qᵀ`` 64, ``vᵀ · Pᵀ`` 20, the state 64 (148), plus its
+  score blocks at 16 each. block_v = 128 (one CTA of 8 warps): 8 x 148 + 10 x 16 = 1344 MMAs = 5.5 MFLOP;
+  block_v = 64 (two CTAs of 4 warps): 2 x (4 x 148 + 160) = 1504 = 6.2 MFLOP (the score tile is made twice).
+* H200 budget per SM and chunk-head (4.8 TB/s over 132 SMs = 36 B/ns): the 64 KB take 1.8 us, the MMAs ~1.2-1.3 us
+  at mma.sync's ~2/3 of the wgmma peak (~6 cycles per m16n8k16 on each of the 4 tensor cores), the other
+  instructions ~0.6 us of issue slots (about 1100 per warp and chunk with a warp's own score blocks; the loop holds
+  ~1650 more or less per arch: 2032 / 1976 / 1976 instructions in all at block_v = 64 on sm_90a / sm_100a /
+  sm_103a, 1864 / 1792 / 1792 at 128). So the kernel can be bound by memory if the loads keep flowing; what decides
+  is bytes in flight and the barrier bubbles, more than the score tile's extra 12%.
+* Shared memory: block_v = 64: 2 stages x (16 + 16 + 8) KB + 8 KB score tile + 768 B tables = 90,880 B, two CTAs
+  per SM (with the 1 KB per CTA the hardware reserves: 184 of 228 KB); block_v = 128: 2 x 48 KB + 8 KB + 768 B =
+  107,264 B, one CTA per SM (two would need 216 KB + 2 KB: they would fit the smem, but not the registers).
+* Registers (compiled on the CPU, CuTeDSL 4.6.2, 4.7.1 and 4.8.1 alike): 255 per thread on sm_90a, 254-255 on
+  sm_100a / sm_103a, no spills. 128 threads x 256 allocated = 32K registers: two 4-warp CTAs per SM, as many warps
+  (8) as one 8-warp CTA.
+* block_v = 64 is the default (:data:`DEFAULT_BLOCK_V`): with two independent CTAs per SM one CTA's barrier waits
+  and score phase overlap the other's products and loads (an 8-warp CTA stalls all its warps at each of its two
   barriers per chunk), 80 KB of loads are in flight per SM instead of 48 KB, and the grid has twice the CTAs, so
-  the host reaches two waves with longer segments (fewer state passes). block_v = 128 stays selectable (same
-  arithmetic per element: both give the same bits).
+  the host reaches two waves with longer segments (fewer state passes). block_v = 128 does 11% fewer MMAs and
+  stays selectable; which wins must be measured on the H200 (not yet run). Both give the same bits: every
+  element's arithmetic (its MMAs, their order, the roundings) is the same in either.
 
 :func:`lightning_chunk_output` is the host wrapper.
 """
@@ -90,6 +97,14 @@ _SCORE_BLOCKS = {
     4: (((0, 0), (3, 0), (3, 1)), ((1, 0), (1, 1), (3, 2)), ((2, 0), (2, 1)), ((2, 2), (3, 3))),
     8: (((3, 0), (3, 3)), ((3, 1), (3, 2)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),)),
 }
+
+
+def _rows_of(blocks: tuple) -> tuple:
+    """A warp's score blocks grouped by query block, in first-seen order: ``((I, (J, ...)), ...)``."""
+    rows: dict[int, list[int]] = {}
+    for bi, bj in blocks:
+        rows.setdefault(bi, []).append(bj)
+    return tuple((bi, tuple(bjs)) for bi, bjs in rows.items())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +194,7 @@ class LightningChunkOutput(ChunkTiles):
             sVdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # λ^(63-j)
 
         tiled_mma = self.make_tiled_mma()
-        score_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1),
-                                        permutation_mnk=(16, 16, 16))
+        score_mma = self.make_score_mma()
         grid = [mSeg.shape[0] * c.num_heads * (K // BV), 1, 1]
         self.kernel(
             mQ, mK, mV, mG, mS0, mSeg, mO, scale, sK_layout, sV_layout, sP_layout, tiled_mma, score_mma,
@@ -364,27 +378,37 @@ class LightningChunkOutput(ChunkTiles):
         copy_A = cute.make_tiled_copy_A(ld_atom, score_mma).get_slice(lane)
         copy_B = cute.make_tiled_copy_B(ld_atom, score_mma).get_slice(lane)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
-        assignment = _SCORE_BLOCKS[self.num_warps]
+        tCsP = thr_mma.partition_C(sP)  # ((2,2), C/16, C/8): block (I, J) is modes (I, 2J) and (I, 2J + 1)
         for w in cutlass.range_constexpr(self.num_warps):
             if warp_idx == w:
-                for bi, bj in assignment[w]:
+                for bi, key_blocks in _rows_of(_SCORE_BLOCKS[self.num_warps][w]):
                     sQI = cute.local_tile(sQs, (SUB, K), (bi, 0))
-                    sKJ = cute.local_tile(sKs, (SUB, K), (bj, 0))
                     tCrX = thr_mma.make_fragment_A(thr_mma.partition_A(sQI))
-                    tCrY = thr_mma.make_fragment_B(thr_mma.partition_B(sKJ))
-                    cute.copy(copy_A, copy_A.partition_S(sQI), copy_A.retile(tCrX))
-                    cute.copy(copy_B, copy_B.partition_S(sKJ), copy_B.retile(tCrY))
-                    acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
-                    acc.fill(0.0)
-                    cute.gemm(score_mma, acc, tCrX, tCrY, acc)
-                    for e in cutlass.range_constexpr(cute.size(acc)):
-                        i, j = tCcC[e]
-                        if const_expr(bi == bj):  # diagonal block: zero the keys after the query
-                            p = acc[e] * sPdec[cutlass.max(i - j, 0)]
-                            p = cutlass.select_(j <= i, p, Float32(0.0))
-                        else:
-                            p = acc[e] * sPdec[(bi - bj) * SUB + i - j]
-                        sP[bi * SUB + i, bj * SUB + j] = Float32(p).to(BFloat16)
+                    cute.copy(copy_A, copy_A.partition_S(sQI), copy_A.retile(tCrX))  # once per query block
+                    for bj in key_blocks:
+                        sKJ = cute.local_tile(sKs, (SUB, K), (bj, 0))
+                        tCrY = thr_mma.make_fragment_B(thr_mma.partition_B(sKJ))
+                        cute.copy(copy_B, copy_B.partition_S(sKJ), copy_B.retile(tCrY))
+                        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
+                        acc.fill(0.0)
+                        cute.gemm(score_mma, acc, tCrX, tCrY, acc)
+                        rP = cute.make_rmem_tensor(acc.layout, BFloat16)
+                        for e in cutlass.range_constexpr(cute.size(acc)):
+                            i, j = tCcC[e]
+                            if const_expr(bi == bj):  # diagonal block: zero the keys after the query
+                                p = acc[e] * sPdec[cutlass.max(i - j, 0)]
+                                p = cutlass.select_(j <= i, p, Float32(0.0))
+                            else:
+                                p = acc[e] * sPdec[(bi - bj) * SUB + i - j]
+                            rP[e] = Float32(p).to(BFloat16)
+                        for half in cutlass.range_constexpr(2):  # the block's two n8 tiles: key pairs, 4 bytes
+                            tCsP[None, bi, 2 * bj + half].store(rP[None, 0, half].load())
+
+    @staticmethod
+    def make_score_mma():
+        """The score blocks' MMA: one warp, a 16 x 16 block (two n8 tiles of m16n8k16 bf16, fp32 accumulators)."""
+        return cute.make_tiled_mma(warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)), (1, 1, 1),
+                                   permutation_mnk=(16, 16, 16))
 
     @cute.jit
     def _state_tile(self, head: cute.Tensor, vb: Int32) -> cute.Tensor:
@@ -395,17 +419,6 @@ class LightningChunkOutput(ChunkTiles):
             (head.shape[1], head.shape[0]), stride=(head.stride[1], head.stride[0])
         ))
         return cute.local_tile(head, (c.block_v, c.head_dim), (vb, 0))
-
-    @staticmethod
-    def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
-        """View an m16n8 accumulator fragment ``((2,2), M, N)`` as the m16k16 A fragment ``(((2,2),2), M, N/2)``:
-        the two adjacent n8 tiles 2j, 2j+1 hold exactly k-block j of the next product (same registers)."""
-        split = cute.logical_divide(acc.layout, (None, None, 2))
-        layout = cute.make_layout(
-            ((split.shape[0], split.shape[2][0]), split.shape[1], split.shape[2][1]),
-            stride=((split.stride[0], split.stride[2][0]), split.stride[1], split.stride[2][1]),
-        )
-        return cute.make_tensor(acc.iterator, layout)
 
     @cute.jit
     def load_chunk(self, loader, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
