@@ -7,7 +7,9 @@ k_jᵀ v_j`` over the segment's own tokens (float64, closed form per segment). B
 head (the kernel rounds the state, the score tile and the decayed v to bf16 for its products, and o to bf16).
 ``o`` is NaN-poisoned and the segment tables leave gaps: rows outside every segment must stay NaN. Cases: one
 segment and many, partial last chunks, 1-token segments, decays 0 and -8, two scales, both V blocks (the same
-bits), and 20 replays bit-identical.
+bits), 20 replays bit-identical, a segment's outputs independent of its neighbours' tokens, and a shape like the
+benchmark's (B2 T8192 H16, FLA's decays for 16 heads, 1024-token segments). ``test_bad_arguments_are_named`` runs
+on the CPU: every check of the wrapper, with the argument named.
 
 ``test_emulation_stays_within_the_bound`` runs on the CPU: :func:`emulate_kernel` rounds where the kernel rounds
 (fp32 products of bf16 operands; S, P and the decayed v in bf16), and its error against the float64 computation
@@ -57,6 +59,11 @@ CASES = [
     Case("tokens-1-64-65-1-gaps", rows=300, segments=((3, 1), (10, 64), (80, 65), (200, 1), (250, 33)),
          g_gamma=(-0.02, -8.0, 0.0), seg_len=128),
     Case("scale-0.37", rows=700, segments=_fixed(1, 700, 192), g_gamma=(-0.1, -0.001), seg_len=192, scale=0.37),
+]
+# GPU only (the float64 closed form is too slow for the CPU emulation test): a benchmark-like shape, 512 CTAs
+LARGE = [
+    Case("B2-T8192-H16-seg1024", rows=16384, segments=_fixed(2, 8192, 1024),
+         g_gamma=tuple(-(8 / 16) * h for h in range(16)), seg_len=1024),
 ]
 
 
@@ -141,7 +148,7 @@ def test_emulation_stays_within_the_bound(case: Case) -> None:
 
 @on_gpu
 @needs_cutedsl
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", CASES + LARGE, ids=[c.name for c in CASES + LARGE])
 def test_matches_float64_from_start_states(case: Case) -> None:
     tensors = _inputs(case)
     o = _run(case, tensors)
@@ -195,21 +202,33 @@ def test_a_segment_does_not_read_its_neighbours() -> None:
     assert not torch.equal(before[~mask].view(torch.int16), after[~mask].view(torch.int16))
 
 
-@on_gpu
 @needs_cutedsl
-def test_bad_arguments_are_named() -> None:
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(seg_len=100), "seg_len must be a positive multiple of 64"),
+    (dict(seg_len=0), "seg_len"),
+    (dict(segments="long"), "segments must be contiguous int32"),
+    (dict(seg_state="narrow"), "seg_state must be contiguous float32"),
+    (dict(o="float"), "o must be bfloat16"),
+    (dict(k="short"), "k must be bfloat16"),
+    (dict(g_gamma="double"), "g_gamma must be contiguous float32"),
+    (dict(block_v=32), "block_v must be 64 or 128"),
+    (dict(scale=float("nan")), "scale must be a finite real number"),
+    (dict(q="list"), "q must be a torch.Tensor"),
+    (dict(), "on one CUDA device"),  # CPU tensors, every other check passed
+])
+def test_bad_arguments_are_named(change: dict, message: str) -> None:
+    """CPU: every check of the wrapper runs before anything touches a GPU, and names the argument."""
     from cula_runtime.cute.lightning.chunk_output import lightning_chunk_output
 
     case = CASES[0]
-    q, k, v, g_gamma, seg_state, segments = _inputs(case)
-    o = torch.empty_like(v)
-    with pytest.raises(ValueError, match="seg_len"):
-        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, 1.0, 100)
-    with pytest.raises(ValueError, match="segments"):
-        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments.long(), o, 1.0, 256)
-    with pytest.raises(ValueError, match="seg_state"):
-        lightning_chunk_output(q, k, v, g_gamma, seg_state[:, :, :, :64], segments, o, 1.0, 256)
-    with pytest.raises(ValueError, match="o must be"):
-        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o.float(), 1.0, 256)
-    with pytest.raises(ValueError, match="block_v"):
-        lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, 1.0, 256, block_v=32)
+    q, k, v, g_gamma, seg_state, segments = _inputs(case, device="cpu")
+    args = dict(q=q, k=k, v=v, g_gamma=g_gamma, seg_state=seg_state, segments=segments, o=torch.empty_like(v),
+                scale=1.0, seg_len=256)
+    edits = {"long": lambda t: t.long(), "narrow": lambda t: t[:, :, :, :64], "float": lambda t: t.float(),
+             "short": lambda t: t[:-1], "double": lambda t: t.double(), "list": lambda t: t.tolist()}
+    for name, value in change.items():
+        args[name] = edits[value](args[name]) if isinstance(value, str) else value
+    block_v = args.pop("block_v", None)
+    error = TypeError if message.endswith(("finite real number", "torch.Tensor")) else ValueError
+    with pytest.raises(error, match=message):
+        lightning_chunk_output(**args, block_v=block_v)

@@ -482,8 +482,6 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
         raise ValueError(f"q must be [B·T, H, 128], got {tuple(q.shape)}")
     rows, H, K = q.shape
     device = q.device
-    if device.type != "cuda":
-        raise ValueError(f"q must be on a CUDA device, got {device}")
     for name in ("q", "k", "v", "o"):
         tensor = named[name]
         if tuple(tensor.shape) != (rows, H, K) or tensor.dtype != torch.bfloat16 or tensor.device != device:
@@ -513,6 +511,8 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
         raise ValueError(f"block_v must be 64 or 128, got {block_v!r}")
     if nseg * H * (K // block_v) > _MAX_GRID_X:
         raise ValueError(f"{nseg} segments x {H} heads x {K // block_v} V blocks exceed the grid ({_MAX_GRID_X} CTAs)")
+    if device.type != "cuda":
+        raise ValueError(f"q, k, v, g_gamma, seg_state, segments and o must be on one CUDA device, got {device}")
     if nseg == 0 or rows == 0:
         return
     config, specs = _plan(H, block_v)
