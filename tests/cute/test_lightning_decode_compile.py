@@ -6,9 +6,11 @@ any kind); V-first reduces over K with warp shuffles only (no shared memory, no 
 warp's rows with shuffles, then over the 4 warps through one shared-memory exchange and one barrier per token. The
 decay is one exponential per CTA. Local-memory spills are the ones measured with the installed CuTeDSL.
 
-Five configurations cover the code paths: fixed-length K-first fp32 pool with bf16 q/k/v (the serving case);
-packed sequences in a K-first fp32 pool (also compiled by the oldest CuTeDSL: ``dsl_floor``); a V-first fp32 pool;
-packed sequences in a V-first bf16 pool; a K-first bf16 pool with fp16 q/k/v and H = 64.
+Nine configurations cover the code paths: the single-token form (fixed length, T = 1: a decode step) for both
+layouts and pool dtypes, with bf16 or fp16 q/k/v; and the general form (a token loop): a fixed-length K-first fp32
+pool, packed sequences in a K-first fp32 pool (also compiled by the oldest CuTeDSL: ``dsl_floor``), a V-first fp32
+pool, packed sequences in a V-first bf16 pool, a K-first bf16 pool with fp16 q/k/v and H = 64. Every state load of
+a lane is issued before its first FMA (all 8 16-byte vectors in flight at once).
 
 The lane → (K row, V column) mapping is the KDA decode kernel's (tests/cute/test_kda_decode_compile.py emulates it:
 each element once, whole 128-byte lines per warp access, each reduction's lanes one column's 128 rows). Here the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 
@@ -41,6 +44,11 @@ SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
 
 # LightningDecodeConfig fields of the compiled configurations
 CONFIGS = {
+    "T1-kv-fp32-bf16-H8": dict(num_heads=8, single_token=True),
+    "T1-vk-fp32-bf16-H8": dict(num_heads=8, single_token=True, state_v_first=True),
+    "T1-kv-bf16pool-bf16-H64": dict(num_heads=64, single_token=True, state_dtype="bfloat16"),
+    "T1-vk-bf16pool-fp16-H64": dict(num_heads=64, single_token=True, state_v_first=True, state_dtype="bfloat16",
+                                    dtype="float16"),
     "kv-fp32-bf16-H8": dict(num_heads=8),
     "varlen-kv-fp32-bf16-H4": dict(num_heads=4, varlen=True),
     "vk-fp32-bf16-H8": dict(num_heads=8, state_v_first=True),
@@ -51,10 +59,14 @@ CONFIGS = {
 DSL_FLOOR = "varlen-kv-fp32-bf16-H4"
 # Local-memory spill instructions (LDL + STL) per CuTeDSL minor version, configuration and target, as measured. The
 # register caps (decode.MIN_BLOCKS_PER_SM) are the most CTAs per SM at which sm_90a spills nothing; sm_100a/sm_103a
-# allocate more registers for the same code and spill at those caps (a few values around the state's loads and the
-# token loop), which no GPU has timed yet.
+# allocate more registers for the general form and spill at its caps (a few values around the state's loads and the
+# token loop), which no GPU has timed yet; the single-token form spills nowhere.
 SPILLS = {
     "4.6": {
+        "T1-kv-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-kv-bf16pool-bf16-H64": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-vk-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "kv-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 23, "sm_103a": 23},
         "varlen-kv-fp32-bf16-H4": {"sm_90a": 0, "sm_100a": 34, "sm_103a": 34},
         "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
@@ -62,6 +74,10 @@ SPILLS = {
         "kv-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 62, "sm_103a": 62},
     },
     "4.8": {
+        "T1-kv-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-kv-bf16pool-bf16-H64": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-vk-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "kv-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 21, "sm_103a": 21},
         "varlen-kv-fp32-bf16-H4": {"sm_90a": 0, "sm_100a": 34, "sm_103a": 34},
         "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
@@ -98,8 +114,8 @@ def test_lightning_decode_machine_code(config_id: str, target: str) -> None:
     for prefix in ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "UTCMMA"):
         assert code.count(prefix) == 0, prefix
     assert not [op for op in code.opcodes if op.startswith("UTC")]
-    # The token step is in the code twice: the peeled first token and the token loop.
-    steps = 2
+    # The token step is in the code twice (the peeled first token and the token loop), once in the single-token form.
+    steps = 1 if config.single_token else 2
     VC, VEC = kernel.cols, kernel.vec
     k_first = not config.state_v_first
     if k_first:
@@ -118,14 +134,22 @@ def test_lightning_decode_machine_code(config_id: str, target: str) -> None:
     # 16 bytes with a bf16 pool's 8, 8 bytes with an fp32 pool's 4); scalar loads: the slot, g_gamma[h] and (packed
     # sequences) the two cu_seqlens bounds.
     qk_pieces = 4 if (config.state_v_first and VEC == 4) else 0
+    per_step = (2 if qk_pieces == 0 else qk_pieces) + 1  # q and k, then v
     assert code.opcodes["LDG.E.128"] == 8 + steps * ((2 if qk_pieces == 0 else 0) + (1 if VC == 8 else 0))
     assert code.opcodes["LDG.E.64"] == steps * (qk_pieces + (1 if VC == 4 else 0))
+    # ... and token 0's inputs and all 8 state vectors are issued before the first FMA of the state (the decay's
+    # exponential has FMAs with immediates; the state's take three registers)
+    lines = code.sass.splitlines()
+    first_fma = next(i for i, line in enumerate(lines) if re.search(r"\bFFMA2? R\d+, R\d+(\.reuse)?, R\d+", line))
+    early = sum(1 for line in lines[:first_fma] if re.search(r"\bLDG\.E\.(128|64)\b", line))
+    assert early == 8 + per_step, f"{early} vector loads before the first FMA, not the 8 of the state + {per_step}"
     assert code.opcodes["LDG.E"] == 2 + (2 if config.varlen else 0)
     # Stores: the state's 8 vectors, once; o, one store per token (8 bytes for 4 columns, 16 for 8) in the padding
     # row's zero loop and the two copies of the token step
     o_store = "STG.E.64" if VC == 4 else "STG.E.128"
-    assert code.opcodes["STG.E.128"] == 8 + (3 if o_store == "STG.E.128" else 0)
-    assert code.opcodes[o_store] == 3 + (8 if o_store == "STG.E.128" else 0)
+    o_stores = 1 + steps
+    assert code.opcodes["STG.E.128"] == 8 + (o_stores if o_store == "STG.E.128" else 0)
+    assert code.opcodes[o_store] == o_stores + (8 if o_store == "STG.E.128" else 0)
     assert not any(op.startswith("STG") and op not in ("STG.E.128", "STG.E.64") for op in code.opcodes), \
         "every store is a vector (state 16 bytes, o 8 or 16 bytes)"
     # shfl.bfly all-reduces of the lane's VC sums, per token step: V-first 4 steps over its column group's 16
@@ -159,6 +183,7 @@ def test_one_binary_serves_every_batch() -> None:
         ({"dtype": "float32"}, "dtype"),
         ({"state_dtype": "float64"}, "state_dtype"),
         ({"min_blocks_per_sm": 33}, "min_blocks_per_sm"),
+        ({"single_token": True, "varlen": True}, "single_token needs fixed-length"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:
@@ -414,6 +439,7 @@ def test_backend_hands_the_kernel_the_pool_itself(cu_dtype, io: str, pool: str, 
     assert kernel_cls is LightningDecode
     assert (config.num_heads, config.dtype, config.state_dtype, config.state_v_first, config.varlen) == (
         4, io, pool, v_first, cu is not None)
+    assert config.single_token == (cu is None), "a fixed-length call of T = 1 takes the single-token form"
     q, k, v, g_gamma, state, idx, cu_arg, out, scale = call
     assert q is args.q and k is args.k and v is args.v and g_gamma is args.g_gamma
     assert state is args.state, "the pool is written in place: never a copy"
@@ -435,6 +461,9 @@ def test_out_and_scale_pass_through_and_empty_calls_launch_nothing(launches) -> 
     args = _validated_cpu(scale=0.5, out=True)
     assert lightning_decode_cutedsl_backend(args) is args.out
     assert launches[-1][2][7] is args.out and launches[-1][2][8] == 0.5
+    assert not launches[-1][1].single_token or args.T == 1
+    lightning_decode_cutedsl_backend(_validated_cpu(T=3))
+    assert not launches[-1][1].single_token and not launches[-1][1].varlen, "T = 3: the general form"
     count = len(launches)
     empty = _validated_cpu(T=0)
     assert lightning_decode_cutedsl_backend(empty).shape == (3, 0, 4, K)

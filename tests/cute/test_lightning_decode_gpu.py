@@ -222,6 +222,28 @@ def test_cuda_graph_replays_with_new_values(case: Case) -> None:
         _check(now, args, before, out)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]], ids=[CASES[i].name for i in (0, 1, 2, 4)])
+def test_single_token_form_agrees_with_the_general_form(case: Case) -> None:
+    """A fixed-length T = 1 call runs the single-token form; the same batch as packed sequences of one token each
+    runs the general form (the token loop): the same state and o up to rounding (T = 2 cases: one token each)."""
+    one = replace(case, T=1)
+    args = make_case(one, seed=13)
+    start = args["state"].clone()
+    fixed = _poisoned_out(one)
+    run_kernel(one, args, fixed)
+    after_fixed = args["state"].clone()
+    args["state"].copy_(start)
+    packed_case = replace(one, B=1, cu=tuple(range(one.B + 1)), T=one.B)
+    packed = dict(args, cu_seqlens=torch.arange(one.B + 1, dtype=torch.int32, device="cuda"),
+                  **{name: args[name].view(1, one.B, one.H, K) for name in ("q", "k", "v")})
+    out = _poisoned_out(packed_case)
+    run_kernel(packed_case, packed, out)
+    torch.cuda.synchronize()
+    assert rel_l2(out.view_as(fixed), fixed) < 1e-3
+    assert rel_l2(args["state"], after_fixed) < (1e-6 if args["state"].dtype == torch.float32 else 1e-2)
+    assert torch.equal(out.view_as(fixed).float() == 0, fixed.float() == 0)  # the same padding rows
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The backend entry points on validated arguments
 

@@ -34,17 +34,22 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
   6 us small-batch goal is reachable only where the floor is under it (fewer heads, or N <= 2 at H = 64), and
   there the critical path (index load → state load → 2 FMAs per element → reduction → stores, ≈ 3 DRAM latencies)
   is what counts. N = 1, H = 64 is 256 CTAs (K-first bf16: 128), about two per SM.
-* **Registers**: no gate vector and no second reduction leave fewer live values than KDA's decode (the lane's
-  state, its 8 q and k rows, its v columns and the partial sums). The caps (:data:`MIN_BLOCKS_PER_SM`) are the
-  most CTAs per SM at which ptxas (sm_90a, CuTeDSL 4.8 and 4.6) spills nothing: fp32 pool 6 (K-first, 80
-  registers) or 7 (V-first, 72) CTAs of 128 threads, 96-112 KB of state in flight per SM; bf16 pool 4 CTAs of 128
-  threads (K-first, 124-126 registers) or 8 of 64 (V-first, 115-118), 64 KB per SM. Little's law at 4.3 TB/s and
-  ≈ 1 us of loaded latency asks ≈ 33 KB per SM, so every cap leaves room for CTAs in their math and store phases.
-  One more CTA per SM spilled 4-46 instructions, some inside the token loop. sm_100a/sm_103a allocate more
-  registers for the same code and spill 21-71 instructions at these caps (pointers saved around the state's loads,
-  loop invariants of the token loop; spill-free there at 5 fp32 / 3 bf16 K-first, 5 fp32 / 6 bf16 V-first CTAs);
-  no Blackwell GPU has timed either. :attr:`LightningDecodeConfig.min_blocks_per_sm` overrides the cap for A/B
-  runs on a GPU; the compile tests pin the spill counts of the defaults.
+* **Registers** (:data:`MIN_BLOCKS_PER_SM`): no gate vector and no second reduction leave fewer live values than
+  KDA's decode (the lane's state, its 8 q and k rows, its v columns and the partial sums). Each cap is the most
+  CTAs per SM at which ptxas (sm_90a, CuTeDSL 4.8 and 4.6) spills nothing. The general form (any T, packed
+  sequences) keeps the lane's state in fp32 registers across the token loop: fp32 pool 6 (K-first, 80 registers)
+  or 7 (V-first, 72) CTAs of 128 threads, 96-112 KB of state in flight per SM; bf16 pool 4 CTAs of 128 threads
+  (K-first, ~125 registers) or 8 of 64 (V-first, ~117), 64 KB. The **single-token form**
+  (:attr:`LightningDecodeConfig.single_token`: fixed length with T = 1, a decode step; the host knows it from the
+  shape) has no token loop and updates, rounds and stores the state one 16-byte vector at a time, so that only the
+  raw vectors stay live: fp32 pool 8 CTAs of 128 threads (61-64 registers, 128 KB per SM), bf16 pool 6 (K-first,
+  79 registers, 96 KB) or 10 of 64 threads (V-first, 96 registers, 80 KB), each cap also the most at which all 8
+  state loads are issued before the first FMA. Little's law at 4.3 TB/s and ≈ 1 us of loaded latency asks ≈ 33
+  KB per SM, so every cap leaves room for CTAs in their math and store phases. sm_100a/sm_103a allocate more
+  registers for the same general form and spill 21-71 instructions at its caps (pointers saved around the state's
+  loads, loop invariants of the token loop); the single-token form spills nothing there. No GPU has timed these
+  caps yet: :attr:`LightningDecodeConfig.min_blocks_per_sm` overrides them for A/B runs, and the compile tests
+  pin the spill counts of the defaults.
 * Nothing is allocated (with ``out``), nothing is read on the host: a call is CUDA-graph capturable. A slot outside
   ``[0, P)`` is a padding row: nothing read or written, its o rows zero. ``cu_seqlens`` values are clamped into
   ``[0, T]`` (a bad one cannot read past the inputs); a sequence index past ``B`` (fixed length) or past
@@ -74,13 +79,20 @@ __all__ = ["LightningDecode", "LightningDecodeConfig", "lightning_decode_cutedsl
 _STATE_DTYPES = {"float32": Float32, "bfloat16": BFloat16}
 _IO_DTYPES = {"bfloat16": BFloat16, "float16": Float16}
 HEAD_DIM = 128
-# Registers per thread follow from the CTAs per SM asked of ptxas (65536 / (threads per CTA · blocks)): see the
-# module docstring. Keyed by (state dtype, V-first).
+# Registers per thread follow from the CTAs per SM asked of ptxas (65536 / (threads per CTA · blocks)). Keyed by
+# (state dtype, V-first, single token): the most CTAs at which sm_90a (CuTeDSL 4.8 and 4.6) spills nothing and, for
+# the single-token form, still issues all 8 state loads before the first FMA (one more CTA makes ptxas hold some
+# loads back until earlier vectors are stored: less in flight per thread, a longer CTA). The comments: registers
+# used, state in flight per SM, what one more CTA per SM did.
 MIN_BLOCKS_PER_SM = {
-    ("float32", False): 6,  # 128 threads, <= 85 registers: 96 KB of state per SM (8 CTAs, 64 registers: 25 spills)
-    ("float32", True): 7,  # 128 threads, <= 73 registers: 112 KB per SM (8 CTAs: 7 spills)
-    ("bfloat16", False): 4,  # 128 threads, <= 128 registers: 64 KB per SM (5 CTAs, 102 registers: 28 spills)
-    ("bfloat16", True): 8,  # 64 threads, <= 128 registers: 64 KB per SM (10 CTAs: 46 spills)
+    ("float32", False, False): 6,  # 128 threads, 80 registers, 96 KB (7 CTAs: 11 spills)
+    ("float32", True, False): 7,  # 128 threads, 72 registers, 112 KB (8 CTAs: 7 spills)
+    ("bfloat16", False, False): 4,  # 128 threads, 124-126 registers, 64 KB (5 CTAs: 28 spills)
+    ("bfloat16", True, False): 8,  # 64 threads, 115-118 registers, 64 KB (10 CTAs: 46 spills)
+    ("float32", False, True): 8,  # 128 threads, 61 registers, 128 KB (9 CTAs: 2 loads held back)
+    ("float32", True, True): 8,  # 128 threads, 64 registers, 128 KB (9 CTAs: 4 held back)
+    ("bfloat16", False, True): 6,  # 128 threads, 79 registers, 96 KB (7 CTAs: 2 spills)
+    ("bfloat16", True, True): 10,  # 64 threads, 96 registers, 80 KB (11 CTAs: 8 spills)
 }
 # percent of the SM's shared memory for K-first CTAs (1-2 KB of exchange + the driver's 1 KB each): 8 CTAs need at
 # most 24 KB; 25 % leaves room, so shared memory never limits the CTAs per SM
@@ -98,6 +110,9 @@ class LightningDecodeConfig:
         state_dtype: the pool's dtype, ``"float32"`` or ``"bfloat16"`` (the running state is fp32 either way).
         state_v_first: the pool is ``[P, H, V, K]`` (else ``[P, H, K, V]``).
         varlen: packed sequences (B = 1, ``cu_seqlens``).
+        single_token: every sequence has exactly one token (fixed length, T = 1: the host knows it from q's shape;
+            a decode step): no token loop, and the state is updated and stored one 16-byte vector at a time in the
+            pool's dtype, which frees registers for more CTAs per SM (:data:`MIN_BLOCKS_PER_SM`).
         min_blocks_per_sm: CTAs per SM asked of ptxas (its register cap); 0: :data:`MIN_BLOCKS_PER_SM`.
     """
 
@@ -107,6 +122,7 @@ class LightningDecodeConfig:
     state_dtype: str = "float32"
     state_v_first: bool = False
     varlen: bool = False
+    single_token: bool = False
     min_blocks_per_sm: int = 0
 
 
@@ -125,6 +141,8 @@ class LightningDecode:
             return False, f"dtype={c.dtype!r}: expected one of {tuple(_IO_DTYPES)}"
         if c.state_dtype not in _STATE_DTYPES:
             return False, f"state_dtype={c.state_dtype!r}: expected one of {tuple(_STATE_DTYPES)}"
+        if c.single_token and c.varlen:
+            return False, "single_token needs fixed-length sequences (T = 1); packed lengths are device values"
         if not 0 <= c.min_blocks_per_sm <= 32:
             return False, f"min_blocks_per_sm={c.min_blocks_per_sm}: expected 0 (the default) to 32"
         return True, ""
@@ -145,8 +163,8 @@ class LightningDecode:
         self.num_warps = self.lanes.num_warps
         self.num_threads = 32 * self.num_warps
         self.io_dtype = _IO_DTYPES[config.dtype]
-        self.min_blocks_per_sm = config.min_blocks_per_sm or MIN_BLOCKS_PER_SM[(config.state_dtype,
-                                                                                config.state_v_first)]
+        self.min_blocks_per_sm = config.min_blocks_per_sm or MIN_BLOCKS_PER_SM[
+            (config.state_dtype, config.state_v_first, config.single_token)]
         self.smem_carveout = 0 if config.state_v_first else SMEM_CARVEOUT_K_FIRST
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
@@ -285,22 +303,26 @@ class LightningDecode:
         rRaw = cute.make_rmem_tensor(cute.make_layout((VEC, 8)), state_type)
         for p in cutlass.range_constexpr(8):
             cute.copy(s_atom, lanes.state_vector(head, p, col0, bases), rRaw[None, p])
-        rS = cute.make_rmem_tensor(cute.make_layout((VEC, 8)), Float32)
-        rS.store(rRaw.load().to(Float32))
-
-        self.token_step(mO, frags, rS, decay, scale, b, bos, Int32(0), h, col0, stores_o, red)
-        for t in cutlass.range(1, length, unroll=1):
-            tok = cutlass.min(bos + t, mQ.shape[1] - 1)  # it is already; see KdaDecode's note on the clamp
-            self.load_token(mQ, mK, mV, frags, b, tok, h, col0, bases)
-            self.token_step(mO, frags, rS, decay, scale, b, tok, t, h, col0, stores_o, red)
-
-        lanes.store_state(head, rS, rRaw, s_atom, col0, bases)
+        if const_expr(c.single_token):  # each vector updated in place and stored as soon as it is done
+            self.token_step(mO, frags, None, decay, scale, b, bos, Int32(0), h, col0, stores_o, red,
+                            (head, rRaw, s_atom, bases))
+        else:
+            rS = cute.make_rmem_tensor(cute.make_layout((VEC, 8)), Float32)
+            rS.store(rRaw.load().to(Float32))
+            self.token_step(mO, frags, rS, decay, scale, b, bos, Int32(0), h, col0, stores_o, red)
+            for t in cutlass.range(1, length, unroll=1):
+                tok = cutlass.min(bos + t, mQ.shape[1] - 1)  # it is already; see KdaDecode's note on the clamp
+                self.load_token(mQ, mK, mV, frags, b, tok, h, col0, bases)
+                self.token_step(mO, frags, rS, decay, scale, b, tok, t, h, col0, stores_o, red)
+            lanes.store_state(head, rS, rRaw, s_atom, col0, bases)
 
     @cute.jit
-    def token_step(self, mO: cute.Tensor, frags: tuple, rS: cute.Tensor, decay: Float32, scale: Float32, b: Int32,
-                   tok: Int32, t: Int32, h: Int32, col0: Int32, stores_o, red):
-        """One token (its inputs in ``frags``): ``s ← λ s + k_i v_j`` and ``acc_j += q_i s`` over the lane's state,
-        the sums over K, and o."""
+    def token_step(self, mO: cute.Tensor, frags: tuple, rS: cute.Tensor | None, decay: Float32, scale: Float32,
+                   b: Int32, tok: Int32, t: Int32, h: Int32, col0: Int32, stores_o, red, single: tuple | None = None):
+        """One token (its inputs in ``frags``): ``s ← λ s + k_i v_j`` and ``acc_j += q_i s`` over the lane's fp32
+        state ``rS``, the sums over K, and o. ``single``: the single-token form, ``(head, rRaw, s_atom, bases)``
+        (``rS`` None): each of the lane's 8 vectors is taken from ``rRaw`` (the pool's dtype) into fp32, updated,
+        rounded back and stored into the pool's ``head`` at once, so that only the raw vectors stay live."""
         VC, VEC = self.cols, self.vec
         rQ, rK, rV = frags
         q = rQ.load().to(Float32)
@@ -312,11 +334,21 @@ class LightningDecode:
         v = [rV[j].to(Float32) for j in range(VC)]
         part = [Float32(0.0)] * VC
         for p in cutlass.range_constexpr(8):
+            vector = None
+            if const_expr(single is None):
+                vector = rS[None, p]
+            else:
+                vector = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+                vector.store(single[1][None, p].load().to(Float32))
             for e in cutlass.range_constexpr(VEC):
                 i, j = self.lanes.element(e, p)
-                s = decay * rS[e, p] + rKf[i % 4, i // 4] * v[j]
-                rS[e, p] = s
+                s = decay * vector[e] + rKf[i % 4, i // 4] * v[j]
+                vector[e] = s
                 part[j] = part[j] + rQf[i % 4, i // 4] * s
+            if const_expr(single is not None):
+                head, rRaw, s_atom, bases = single
+                rRaw[None, p].store(vector.load().to(rRaw.element_type))
+                cute.copy(s_atom, rRaw[None, p], self.lanes.state_vector(head, p, col0, bases))
         sums = self.lanes.lane_sum(part)  # V-first: the column group's 16 lanes; K-first: the warp's 4 row groups
         if const_expr(red is None):
             self.store_output(mO, sums, scale, b, tok, h, col0, stores_o)
@@ -402,10 +434,10 @@ class LightningDecode:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(H: int, dtype: str, state_dtype: str, v_first: bool, varlen: bool) -> tuple:
+def _plan(H: int, dtype: str, state_dtype: str, v_first: bool, varlen: bool, single_token: bool) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
     config = LightningDecodeConfig(num_heads=H, dtype=dtype, state_dtype=state_dtype, state_v_first=v_first,
-                                   varlen=varlen)
+                                   varlen=varlen, single_token=single_token)
     ok, reason = LightningDecode.can_implement(config)
     if not ok:
         raise ValueError(f"LightningDecode: {reason}")
@@ -444,9 +476,10 @@ def _check_shapes(q, k, v, g_gamma, state, state_indices, cu_seqlens, state_v_fi
 
 
 def _launch_config(q, state, state_v_first: bool, cu_seqlens) -> tuple:
-    """``(config, specs)`` of one call."""
+    """``(config, specs)`` of one call: fixed-length calls of T = 1 (a decode step) take the single-token form."""
+    varlen = cu_seqlens is not None
     return _plan(q.shape[2], _DTYPE_NAMES[str(q.dtype)], _DTYPE_NAMES[str(state.dtype)], bool(state_v_first),
-                 cu_seqlens is not None)
+                 varlen, not varlen and q.shape[1] == 1)
 
 
 def lightning_decode_cutedsl(q, k, v, g_gamma, *, state, state_indices, scale: float | None = None,
