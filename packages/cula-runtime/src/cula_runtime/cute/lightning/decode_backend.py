@@ -7,6 +7,10 @@ whose heads are dense ``[128, 128]`` blocks (16-byte aligned; the slot stride is
 that is contiguous and 16-byte aligned. Everything else is declined with the reason (the dispatch then runs the
 reference): fp32 q/k/v, other head dims, an fp64 (or any other) pool, misaligned or non-dense pool heads.
 
+A fixed-length call of T = 1 (a decode step) runs the kernel's single-token form, every other call (T > 1, packed
+sequences) its general form (:class:`~.decode.LightningDecodeConfig`); both compile once per configuration and
+serve every batch size.
+
 An int64 ``cu_seqlens`` is narrowed to int32 on the device (one small copy and allocation per call; int32 is the
 zero-allocation form a CUDA graph wants, and a packed batch's offsets fit in it: the kernel indexes tokens with
 int32).
