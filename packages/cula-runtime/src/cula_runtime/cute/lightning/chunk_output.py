@@ -44,15 +44,16 @@ The V block (the choice, per chunk of 64 tokens and head, K = V = 128):
 * MMA (m16n8k16, 4096 flops each): per warp ``Sᵀ_bf · qᵀ`` 64, ``vᵀ · Pᵀ`` 20, the state 64 (148), plus its
   score blocks at 16 each. block_v = 128 (one CTA of 8 warps): 8 x 148 + 10 x 16 = 1344 MMAs = 5.5 MFLOP;
   block_v = 64 (two CTAs of 4 warps): 2 x (4 x 148 + 160) = 1504 = 6.2 MFLOP (the score tile is made twice).
-* H200 budget per SM and chunk-head (4.8 TB/s over 132 SMs = 36 B/ns): the 64 KB take 1.8 us, the MMAs ~1.2-1.3 us
-  at mma.sync's ~2/3 of the wgmma peak (~6 cycles per m16n8k16 on each of the 4 tensor cores), the other
-  instructions ~0.6 us of issue slots (about 1100 per warp and chunk with a warp's own score blocks; the loop holds
-  ~1650 more or less per arch: 2032 / 1976 / 1976 instructions in all at block_v = 64 on sm_90a / sm_100a /
-  sm_103a, 1864 / 1792 / 1792 at 128). So the kernel can be bound by memory if the loads keep flowing; what decides
-  is bytes in flight and the barrier bubbles, more than the score tile's extra 12%.
+* H200 budget per SM and chunk-head (both V halves; 4.8 TB/s over 132 SMs = 36 B/ns; 1.83 GHz; 2 warps per SM
+  sub-partition): the 64 KB take 1.8 us; the MMAs 2 x ~190 per sub-partition at ~6 cycles each (mma.sync at ~2/3
+  of the wgmma peak) ~1.2 us; instruction issue ~1.3 us (sm_90a, block_v = 64: the chunk loop is ~1420
+  instructions, of which a warp runs ~1160, the other warps' score blocks being branches it skips). So the kernel
+  can be bound by memory if the loads keep flowing; what decides is bytes in flight and the barrier bubbles, more
+  than the score tile's extra 12%. (Whole kernel: 2032 / 1976 / 1976 SASS instructions at block_v = 64 on sm_90a
+  / sm_100a / sm_103a, 1864 / 1792 / 1792 at 128.)
 * Shared memory: block_v = 64: 2 stages x (16 + 16 + 8) KB + 8 KB score tile + 768 B tables = 90,880 B, two CTAs
   per SM (with the 1 KB per CTA the hardware reserves: 184 of 228 KB); block_v = 128: 2 x 48 KB + 8 KB + 768 B =
-  107,264 B, one CTA per SM (two would need 216 KB + 2 KB: they would fit the smem, but not the registers).
+  107,264 B, one CTA per SM (two would fit the shared memory, 212 KB with the reserve, but not the registers).
 * Registers (compiled on the CPU, CuTeDSL 4.6.2, 4.7.1 and 4.8.1 alike): 255 per thread on sm_90a, 254-255 on
   sm_100a / sm_103a, no spills. 128 threads x 256 allocated = 32K registers: two 4-warp CTAs per SM, as many warps
   (8) as one 8-warp CTA.
