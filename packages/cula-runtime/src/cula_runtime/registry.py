@@ -46,6 +46,11 @@ _REF_GPU_STATUS = ("torch reference; tested on CPU against the fp64 recurrence (
                    "as the GPU fallback of kda_prefill (tests/gpu, 2026-11-29)")
 # The exact wording issue 4 asks of every CuTeDSL kernel (evidence: tests/cute, tests/gpu, 2026-11-29).
 _CUTE_STATUS = "ran on sm_90 (H200) vs fp64; compiled for sm_100a/sm_103a, not run"
+_CUTE_ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+# The Lightning kernels (issue 28; evidence: tests/cute/test_lightning_*_gpu.py, tests/gpu/test_lightning_gpu.py,
+# 127 + 114 passed on the H200, 2026-12-02; benchmarks/results/lightning_h200.md).
+_LIGHTNING_CUTE_STATUS = ("ran on sm_90 (H200, 2026-12-02) vs fp64; compiled for sm_100a/sm_103a in CI (CuTeDSL 4.6.2 "
+                          "and 4.8.1, machine code checked), not run")
 _REF_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _KDA_FEATURES = ("gva", "varlen", "tail-chunks", "zero-length-seqs", "gate-in-kernel", "qk-l2norm", "beta-sigmoid",
                  "state-kv", "state-vk", "initial-state", "final-state")
@@ -181,6 +186,41 @@ KERNELS: tuple[KernelEntry, ...] = (
         entry="cula_runtime.reference.lightning_backend:lightning_decode_reference",
         summary="the reference backend of cula.lightning.lightning_decode: the per-token recurrence in fp32 (fp64 "
                 "for the oracle) over T_n >= 0 tokens per sequence, from and into a state pool in place; padding rows",
+    ),
+    KernelEntry(
+        name="lightning_segment_states", family="lightning", backend="cutedsl", archs=_CUTE_ARCHS,
+        dtypes=("bfloat16", "float16"), features=("varlen", "tail-chunks", "zero-length-seqs"),
+        status=_LIGHTNING_CUTE_STATUS,
+        entry="cula_runtime.cute.lightning.chunk_states:lightning_segment_states",
+        summary="CuTeDSL Lightning prefill, kernel A: each segment's own state from zeros (decayed k^T v on warp "
+                "MMA, fp32), the first of the cutedsl backend's three launches",
+    ),
+    KernelEntry(
+        name="lightning_segment_scan", family="lightning", backend="cutedsl", archs=_CUTE_ARCHS,
+        dtypes=("float32",), features=("varlen", "zero-length-seqs", "state-kv", "state-vk", "initial-state",
+                                       "final-state", "state-pool", "padding-rows"),
+        status=_LIGHTNING_CUTE_STATUS,
+        entry="cula_runtime.cute.lightning.chunk_states:lightning_segment_scan",
+        summary="CuTeDSL Lightning prefill, kernel B: the scan over each sequence's segments (start states in place; "
+                "initial states or pool slots in, final states or pool slots out; fp32 or bf16 pools)",
+    ),
+    KernelEntry(
+        name="lightning_chunk_output", family="lightning", backend="cutedsl", archs=_CUTE_ARCHS,
+        dtypes=("bfloat16",), features=("varlen", "tail-chunks", "zero-length-seqs"),
+        status=_LIGHTNING_CUTE_STATUS,
+        entry="cula_runtime.cute.lightning.chunk_output:lightning_chunk_output",
+        summary="CuTeDSL Lightning prefill, kernel C: every segment's outputs from its start state (fp32 state in "
+                "registers across its chunks, the decayed score tile made in the kernel, warp MMA); K = V = 128",
+    ),
+    KernelEntry(
+        name="lightning_decode_cutedsl", family="lightning", backend="cutedsl", archs=_CUTE_ARCHS,
+        dtypes=("bfloat16", "float16"),
+        features=("varlen", "zero-length-seqs", "state-kv", "state-vk", "state-pool", "padding-rows"),
+        status=_LIGHTNING_CUTE_STATUS,
+        entry="cula_runtime.cute.lightning.decode:lightning_decode_cutedsl",
+        summary="CuTeDSL Lightning decode over an in-place state pool (fp32 or bf16 slots, either layout; KDA "
+                "decode's lane layout; a single-token form for T = 1 steps); K = V = 128; what "
+                "cula.lightning.lightning_decode runs on SM90/SM100/SM103",
     ),
 )
 
