@@ -15,9 +15,9 @@ slow) and says so in a ``CulaFallbackWarning``. Other GPUs raise ``NotImplemente
 A backend may also make call plans (``register_planner``; sm90 and cutedsl do): ``cula.kda.kda_prefill`` keeps the
 plan of an accepted call and runs it for later calls of the same signature without asking again (``cula.call_plans``).
 
-``kda_decode`` is dispatched the same way over its own table (:func:`explain_decode`): only the reference serves it
-so far; on SM90/SM100/SM103 it runs on the GPU with the ``CulaFallbackWarning``, each GPU backend answering that its
-decode kernel is not written yet (issue 26).
+``kda_decode`` is dispatched the same way over its own table (:func:`explain_decode`): on SM90/SM100/SM103 the
+CuTeDSL decode kernel serves it (cula-sm90 has none: :data:`NO_DECODE_KERNEL`); a call outside that kernel runs the
+reference on the GPU with the ``CulaFallbackWarning`` and the kernel's reason.
 
 ``cula.lightning``'s ``lightning_prefill`` and ``lightning_decode`` are dispatched by the same rules over tables of
 their own (:func:`explain_lightning_prefill`, :func:`explain_lightning_decode`): CPU → reference; SM90/SM100/SM103 →
