@@ -69,14 +69,14 @@ def cutedsl_decode(monkeypatch):
     from cula_runtime.cute.kda import decode_backend
 
     monkeypatch.delenv("CULA_BACKEND", raising=False)
-    monkeypatch.setattr(decode_backend, "is_available", lambda: True)
+    monkeypatch.setattr("cula_runtime.cute.is_available", lambda: True)
     return decode_backend
 
 
 @pytest.mark.parametrize("cap,expected", CHAINS, ids=["sm90", "sm100", "sm103"])
 def test_gpu_decode_runs_the_cutedsl_kernel(cap, expected, monkeypatch, cutedsl_decode) -> None:
     monkeypatch.setattr(dispatch, "device_capability", lambda device: cap)
-    monkeypatch.setattr(cutedsl_decode, "device_capability", lambda device: cap)
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: cap)
     choice = dispatch.explain_decode(_gpu_decode_call())
     assert [d.backend for d in choice.decisions] == expected[:-1] and not choice.gpu_fallback
     assert choice.runner is cutedsl_decode.kda_decode_cutedsl_backend
@@ -92,7 +92,7 @@ def test_gpu_decode_runs_the_cutedsl_kernel(cap, expected, monkeypatch, cutedsl_
 ], ids=["fp16", "fp64-pool", "misaligned-pool", "K64"])
 def test_gpu_decode_outside_the_kernel_falls_back_with_the_reason(change, reason, monkeypatch, cutedsl_decode) -> None:
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (10, 0))
-    monkeypatch.setattr(cutedsl_decode, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: (10, 0))
     call = _gpu_decode_call()
     if "q" in change:
         call = _gpu_decode_call(q=call.q.half(), k=call.k.half(), v=call.v.half())
@@ -115,11 +115,10 @@ def test_gpu_decode_outside_the_kernel_falls_back_with_the_reason(change, reason
 
 
 def test_gpu_decode_without_cutedsl_falls_back_naming_why(monkeypatch) -> None:
-    from cula_runtime.cute.kda import decode_backend
 
     monkeypatch.delenv("CULA_BACKEND", raising=False)
-    monkeypatch.setattr(decode_backend, "is_available", lambda: False)
-    monkeypatch.setattr(decode_backend, "unavailable_reason", lambda: "CuTeDSL is not installed")
+    monkeypatch.setattr("cula_runtime.cute.is_available", lambda: False)
+    monkeypatch.setattr("cula_runtime.cute.unavailable_reason", lambda: "CuTeDSL is not installed")
     monkeypatch.setattr(dispatch, "device_capability", lambda device: (10, 3))
     choice = dispatch.explain_decode(_gpu_decode_call())
     assert choice.gpu_fallback and choice.decisions[0].reason == "needs CuTeDSL and TVM-FFI: CuTeDSL is not installed"
@@ -207,8 +206,9 @@ def test_cutedsl_verify_serves_the_pool_form(monkeypatch) -> None:
     reason."""
     from cula_runtime.cute.kda import backend
 
-    monkeypatch.setattr(backend, "is_available", lambda: True)  # (CuTeDSL need not be installed: nothing compiles)
-    monkeypatch.setattr(backend, "device_capability", lambda device: (10, 0))
+    # (CuTeDSL need not be installed: nothing compiles)
+    monkeypatch.setattr("cula_runtime.cute.is_available", lambda: True)
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: (10, 0))
     args = _pool_prefill_args()
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
 
@@ -231,8 +231,8 @@ def test_gpu_pool_prefill_runs_on_the_cutedsl_kernels(cap, expected, monkeypatch
     monkeypatch.setattr(dispatch, "device_capability", lambda device: cap)
     monkeypatch.setattr(kda, "device_capability", lambda device: cap)
     monkeypatch.setattr(dispatch, "_sm90_found", (kda.verify_kda_prefill, kda.kda_prefill))
-    monkeypatch.setattr(backend, "is_available", lambda: True)
-    monkeypatch.setattr(backend, "device_capability", lambda device: cap)
+    monkeypatch.setattr("cula_runtime.cute.is_available", lambda: True)
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: cap)
     args = _pool_prefill_args()
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     call = SimpleNamespace(**fields, device=torch.device("cuda", 0))

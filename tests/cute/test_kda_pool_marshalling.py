@@ -159,7 +159,7 @@ def test_verify_says_which_pools_it_takes(pool: torch.Tensor, reason: str | None
 
     from cula_runtime.cute.kda import backend
 
-    monkeypatch.setattr(backend, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: (9, 0))
     args = _pool_args(None, pool=pool, slots=[2, -1], flags=False)
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
     ok, why = backend.verify(SimpleNamespace(**fields, device=torch.device("cuda", 0)))

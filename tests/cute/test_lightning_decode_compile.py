@@ -341,7 +341,7 @@ def _stand_in_args(**changes):
 def _declines(monkeypatch, capability=(9, 0), **changes) -> str:
     from cula_runtime.cute.lightning import decode_backend
 
-    monkeypatch.setattr(decode_backend, "device_capability", lambda device: capability)
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: capability)
     ok, reason = decode_backend.verify_lightning_decode(_stand_in_args(**changes))
     assert not ok
     assert decode_backend.plan_lightning_decode(_stand_in_args(**changes)) is None
@@ -354,7 +354,7 @@ def test_verify_accepts_the_served_forms(monkeypatch) -> None:
     from cula_runtime.cute.lightning import decode_backend
 
     for capability in ((9, 0), (10, 0), (10, 3)):
-        monkeypatch.setattr(decode_backend, "device_capability", lambda device, c=capability: c)
+        monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device, c=capability: c)
         for q_dtype in (torch.bfloat16, torch.float16):
             for state in (torch.zeros(3, 4, K, K), torch.zeros(3, 4, K, K, dtype=torch.bfloat16),
                           torch.zeros(3, 5, K, K)[:, 1:]):  # a slot stride of 5 heads: free

@@ -301,8 +301,8 @@ def _args(**changes) -> types.SimpleNamespace:
     (dict(state=torch.empty(2 * 128 * 128 + 1)[1:].view(1, 2, 128, 128)), "aligned"),
 ])
 def test_verify_declines_with_reasons(monkeypatch: pytest.MonkeyPatch, changes: dict, reason: str) -> None:
-    monkeypatch.setattr(pb, "is_available", lambda: True)
-    monkeypatch.setattr(pb, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr("cula_runtime.cute.is_available", lambda: True)
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: (9, 0))
     assert pb.verify_lightning_prefill(_args()) == (True, "CuTeDSL kernels serve this call (segment states, scan, "
                                                           "output)")
     ok, why = pb.verify_lightning_prefill(_args(**changes))
@@ -312,15 +312,15 @@ def test_verify_declines_with_reasons(monkeypatch: pytest.MonkeyPatch, changes: 
 @pytest.mark.parametrize(("capability", "ok"), [((9, 0), True), ((10, 0), True), ((10, 3), True), ((8, 0), False),
                                                 ((12, 0), False)])
 def test_verify_targets(monkeypatch: pytest.MonkeyPatch, capability, ok: bool) -> None:
-    monkeypatch.setattr(pb, "is_available", lambda: True)
-    monkeypatch.setattr(pb, "device_capability", lambda device: capability)
+    monkeypatch.setattr("cula_runtime.cute.is_available", lambda: True)
+    monkeypatch.setattr("cula_runtime.cute.device_capability", lambda device: capability)
     got, why = pb.verify_lightning_prefill(_args())
     assert got == ok and (ok or "sm_90a/sm_100a/sm_103a" in why)
 
 
 def test_verify_without_cutedsl(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pb, "is_available", lambda: False)
-    monkeypatch.setattr(pb, "unavailable_reason", lambda: "pip install it")
+    monkeypatch.setattr("cula_runtime.cute.is_available", lambda: False)
+    monkeypatch.setattr("cula_runtime.cute.unavailable_reason", lambda: "pip install it")
     assert pb.verify_lightning_prefill(_args()) == (False, "needs CuTeDSL and TVM-FFI: pip install it")
 
 

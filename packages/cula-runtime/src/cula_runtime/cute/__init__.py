@@ -18,8 +18,10 @@ import importlib
 import importlib.util
 import platform
 import sys
+from typing import Any
 
 from .._lazy import lazy_exports
+from ..kda_tuning import device_capability
 
 _LAZY_EXPORTS = {
     "compile_target": "cula_runtime.cute.arch",
@@ -34,8 +36,8 @@ _LAZY_EXPORTS = {
     "MachineCode": "cula_runtime.cute.machine_code",
 }
 
-__all__ = ["DSL_REQUIREMENTS", "CUTEDSL_PLATFORMS", "INSTALL_HINT", "is_available", "platform_note",
-           "unavailable_reason", *_LAZY_EXPORTS]
+__all__ = ["DSL_REQUIREMENTS", "CUTEDSL_PLATFORMS", "INSTALL_HINT", "KERNEL_CAPABILITIES", "device_rejection",
+           "is_available", "platform_note", "unavailable_reason", *_LAZY_EXPORTS]
 
 # cula-runtime's requirements on CuTeDSL and TVM-FFI, as its pyproject.toml declares them (without their platform
 # markers; tests/packaging/test_versions.py checks the two agree): the CuTeDSL range is exactly what CI compiles.
@@ -89,6 +91,24 @@ def _installed(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):  # a finder refusing the name counts as "not installed"
         return False
+
+
+#: the compute capabilities the CuTeDSL kernels target: sm_90a, sm_100a, sm_103a
+KERNEL_CAPABILITIES = frozenset({(9, 0), (10, 0), (10, 3)})
+
+
+def device_rejection(device: Any) -> str | None:
+    """Why no CuTeDSL kernel runs on ``device`` (a ``torch.device``), or None: CuTeDSL or TVM-FFI missing, tensors
+    not on CUDA, or a GPU outside :data:`KERNEL_CAPABILITIES`. The first check of every ``cutedsl`` backend's
+    ``verify``; imports neither package (the capability is asked once per device, :mod:`cula_runtime.kda_tuning`)."""
+    if not is_available():
+        return f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
+    if device.type != "cuda":
+        return f"needs CUDA tensors, got {device.type}"
+    capability = device_capability(device)
+    if capability not in KERNEL_CAPABILITIES:
+        return f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    return None
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY_EXPORTS)

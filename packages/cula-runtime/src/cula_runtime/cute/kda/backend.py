@@ -29,26 +29,21 @@ from typing import Any
 
 from ...index import prepare_varlen_launch
 from ...kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
-from ...kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
-from .. import is_available, unavailable_reason
+from ...kda_tuning import BLOCK_V_CHOICES, recurrence_block_v, sm_count
+from .. import device_rejection
 
 __all__ = ["verify", "kda_prefill_cutedsl"]
 
 CHUNK = 64
 HEAD_DIM = 128
-_CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
 WORKSPACE_ALIGN = 128  # bytes: every intermediate starts at a multiple (the kernels' TensorSpecs promise 16 at most)
 
 
 def verify(args: Any) -> tuple[bool, str]:
     """Whether the CuTeDSL kernels serve these validated ``kda_prefill`` arguments, and if not, why."""
-    if not is_available():
-        return False, f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
-    if args.device.type != "cuda":
-        return False, f"needs CUDA tensors, got {args.device.type}"
-    capability = device_capability(args.device)
-    if capability not in _CAPABILITIES:
-        return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    reason = device_rejection(args.device)
+    if reason is not None:
+        return False, reason
     reason = gpu_kernel_rejection(args, HEAD_DIM)
     if reason is None and args.state is not None:
         reason = pool_rejection(args.state)

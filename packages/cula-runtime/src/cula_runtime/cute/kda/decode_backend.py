@@ -18,25 +18,19 @@ import functools
 import torch
 
 from ...kda_decode_args import KdaDecodeArgs
-from ...kda_tuning import device_capability
-from .. import is_available, unavailable_reason
+from .. import device_rejection
 
 __all__ = ["verify_decode", "kda_decode_cutedsl_backend", "plan_kda_decode"]
 
 HEAD_DIM = 128
-_CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def verify_decode(args: KdaDecodeArgs) -> tuple[bool, str]:
     """Whether the CuTeDSL decode kernel serves these validated ``kda_decode`` arguments, and if not, why."""
-    if not is_available():
-        return False, f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
-    if args.device.type != "cuda":
-        return False, f"needs CUDA tensors, got {args.device.type}"
-    capability = device_capability(args.device)
-    if capability not in _CAPABILITIES:
-        return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    reason = device_rejection(args.device)
+    if reason is not None:
+        return False, reason
     if args.q.dtype != torch.bfloat16:
         return False, f"needs bf16 q/k/v, got {args.q.dtype}"
     if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):

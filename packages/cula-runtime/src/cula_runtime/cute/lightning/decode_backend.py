@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...kda_tuning import device_capability
-from .. import is_available, unavailable_reason
+from .. import device_rejection
 
 if TYPE_CHECKING:
     from ...lightning_args import LightningDecodeArgs
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["verify_lightning_decode", "lightning_decode_cutedsl_backend", "plan_lightning_decode"]
 
 HEAD_DIM = 128
-_CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
 _IO_DTYPES = (torch.bfloat16, torch.float16)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -45,13 +43,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 def verify_lightning_decode(args: LightningDecodeArgs) -> tuple[bool, str]:
     """Whether the CuTeDSL Lightning decode kernel serves these validated ``lightning_decode`` arguments, and if
     not, why. Free of side effects; reads no device value."""
-    if not is_available():
-        return False, f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
-    if args.device.type != "cuda":
-        return False, f"needs CUDA tensors, got {args.device.type}"
-    capability = device_capability(args.device)
-    if capability not in _CAPABILITIES:
-        return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    reason = device_rejection(args.device)
+    if reason is not None:
+        return False, reason
     if args.q.dtype not in _IO_DTYPES:
         return False, f"needs bf16 or fp16 q/k/v, got {args.q.dtype}"
     if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):

@@ -34,8 +34,8 @@ import torch
 
 from ...env import env_value
 from ...index import _host_tensor, cached_on_version, checked_cu_seqlens_host
-from ...kda_tuning import device_capability, recurrence_block_v, sm_count
-from .. import is_available, unavailable_reason
+from ...kda_tuning import recurrence_block_v, sm_count
+from .. import device_rejection
 
 if TYPE_CHECKING:
     from ...lightning_args import LightningPrefillArgs
@@ -62,7 +62,6 @@ WAVES = 2
 MIN_PREFERRED_SEG_LEN = 256  # shorter segments only when this length cannot fill one wave
 SEG_LEN_ENV = "CULA_LIGHTNING_SEG_LEN"  # a fixed seg_len for every call (a multiple of 64), for timing; 0: chosen
 MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
-_CAPABILITIES = {(9, 0), (10, 0), (10, 3)}
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -251,13 +250,9 @@ def pool_layout_rejection(pool: torch.Tensor) -> str | None:
 def verify_lightning_prefill(args: LightningPrefillArgs) -> tuple[bool, str]:
     """Whether the CuTeDSL kernels serve these validated ``lightning_prefill`` arguments, and if not, why. Free of
     side effects; imports no CuTeDSL."""
-    if not is_available():
-        return False, f"needs CuTeDSL and TVM-FFI: {unavailable_reason()}"
-    if args.device.type != "cuda":
-        return False, f"needs CUDA tensors, got {args.device.type}"
-    capability = device_capability(args.device)
-    if capability not in _CAPABILITIES:
-        return False, f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
+    reason = device_rejection(args.device)
+    if reason is not None:
+        return False, reason
     if args.q.dtype != torch.bfloat16:
         return False, f"needs bf16 q/k/v, got {args.q.dtype}"
     if (args.K, args.V) != (HEAD_DIM, HEAD_DIM):
