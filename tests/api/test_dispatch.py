@@ -134,7 +134,9 @@ def test_info_command_explains_the_choice() -> None:
     out = subprocess.run([sys.executable, "-m", "cula", "info"], capture_output=True, text=True, check=True,
                          env=env).stdout
     for words in ("cula-runtime", "torch", "nvidia-cutlass-dsl", "picks:", "reference", "cutedsl", "sm90",
-                  "gate forms", "softplus gate in kernel (Kimi-Linear): unbounded-gate kernels"):
+                  "gate forms", "softplus gate in kernel (Kimi-Linear): unbounded-gate kernels",
+                  "kda_decode: CPU tensors run on the torch reference backend", "lightning_prefill: ",
+                  "lightning_decode: "):
         assert words in out, out
 
 

@@ -1,4 +1,5 @@
-"""``python -m cula info``: versions, the GPU, and which backend ``kda_prefill`` picks for a typical call and why."""
+"""``python -m cula info``: versions, the GPU, and which backend ``kda_prefill`` picks for a typical call and why (and
+``kda_decode``, ``lightning_prefill`` and ``lightning_decode`` for theirs)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import torch
 
 from cula_runtime import cute
 from cula_runtime.kda_args import gate_is_bounded, validate_kda_prefill
+from cula_runtime.kda_decode_args import validate_kda_decode
+from cula_runtime.lightning_args import validate_lightning_decode, validate_lightning_prefill
 
 from . import dispatch
 
-__all__ = ["collect_info", "format_info", "typical_call"]
+__all__ = ["collect_info", "format_info", "other_op_choices", "typical_call"]
 
 _DISTRIBUTIONS = ("cula", "cula-runtime", "cula-sm90", "torch", "nvidia-cutlass-dsl", "apache-tvm-ffi")
 
@@ -70,6 +73,32 @@ def gate_form_support(device: torch.device) -> dict[str, str]:
     return out
 
 
+def other_op_choices(device: torch.device) -> dict[str, str]:
+    """Which backend serves a typical call of each other op on ``device``, and why (the dispatch's summary): a
+    serving decode step (``kda_decode``: 8 sequences of one token, fp32 K-first pool, gate and beta in kernel) and
+    Lightning's prefill and decode (bf16, H = 4, K = V = 128, FLA's decays of layer 0 of 2)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, dt: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+
+    N, H, K = 8, 4, 128
+    pool = torch.zeros(N + 1, H, K, K, device=device)
+    slots = torch.arange(N, dtype=torch.int32).to(device)
+    decode = validate_kda_decode(rand(N, 1, H, K), rand(N, 1, H, K), rand(N, 1, H, K), rand(N, 1, H, K),
+                                 rand(N, 1, H, dt=torch.float32), state=pool, state_indices=slots,
+                                 A_log=rand(H, dt=torch.float32), dt_bias=rand(H * K, dt=torch.float32),
+                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 use_beta_sigmoid_in_kernel=True)
+    prefill = validate_lightning_prefill(rand(1, 128, H, K), rand(1, 128, H, K), rand(1, 128, H, K), layer_idx=0,
+                                         num_layers=2, output_final_state=True)
+    step = validate_lightning_decode(rand(N, 1, H, K), rand(N, 1, H, K), rand(N, 1, H, K), layer_idx=0,
+                                     num_layers=2, state=pool, state_indices=slots)
+    return {"kda_decode": dispatch.explain_decode(decode).summary,
+            "lightning_prefill": dispatch.explain_lightning_prefill(prefill).summary,
+            "lightning_decode": dispatch.explain_lightning_decode(step).summary}
+
+
 def collect_info() -> dict:
     """Everything ``python -m cula info`` prints, as a dict."""
     info: dict = {"versions": {d: _version(d) for d in _DISTRIBUTIONS}}
@@ -92,6 +121,7 @@ def collect_info() -> dict:
         decision, _ = ask(args)
         info["backends"][name] = ("accepts" if decision.ok else "rejects") + f": {decision.reason}"
     info["gate_forms"] = gate_form_support(device)
+    info["other_ops"] = other_op_choices(device)
     return info
 
 
@@ -107,4 +137,6 @@ def format_info(info: dict) -> str:
         lines.append(f"  {name:10s} {answer}")
     lines.append("gate forms (the kernel form that serves each; the backends that take it on this device):")
     lines += [f"  {form}: {answer}" for form, answer in info["gate_forms"].items()]
+    lines.append("other ops (a typical call of each):")
+    lines += [f"  {op}: {summary}" for op, summary in info["other_ops"].items()]
     return "\n".join(lines)
