@@ -26,18 +26,15 @@ import dataclasses
 
 import pytest
 
-from cula_runtime import cute as cula_cute
-from tests.cute.dsl_versions import measured
+from tests.cute.compile_helpers import (
+    COMPILE_MARKS,
+    assert_measured_spills,
+    assert_simt_only,
+    compile_machine_code,
+    compile_params,
+)
 
-pytestmark = [
-    pytest.mark.compile,
-    pytest.mark.skipif(
-        not cula_cute.is_available(),
-        reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
-    ),
-]
-
-SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+pytestmark = COMPILE_MARKS
 
 # KdaDecodeConfig fields (the gate as InKernelGate fields) of the compiled configurations
 CONFIGS = {
@@ -93,26 +90,16 @@ def _config(config_id: str):
     return KdaDecodeConfig(**fields)
 
 
-@pytest.mark.parametrize(("config_id", "target"), [
-    pytest.param(config_id, target, id=f"{config_id}-{target}",
-                 marks=[pytest.mark.dsl_floor] if config_id == DSL_FLOOR else [])
-    for config_id in CONFIGS for target in SM
-])
+@pytest.mark.parametrize(("config_id", "target"), compile_params(CONFIGS, DSL_FLOOR))
 def test_kda_decode_machine_code(config_id: str, target: str) -> None:
-    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
     from cula_runtime.cute.kda.decode import KdaDecode
-    from cula_runtime.cute.machine_code import disassemble
 
     config = _config(config_id)
     kernel = KdaDecode(config)
-    code = disassemble(compile_kernel(KdaDecode, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
-    assert compile_seconds(KdaDecode, config, target) > 0
+    code = compile_machine_code(KdaDecode, config, target)
 
     # SIMT only: no MMA of any flavour
-    for prefix in ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "UTCMMA"):
-        assert code.count(prefix) == 0, prefix
-    assert not [op for op in code.opcodes if op.startswith("UTC")]
+    assert_simt_only(code)
     # The token step is in the code twice: the peeled first token and the token loop.
     steps = 2
     VC = kernel.cols
@@ -157,8 +144,7 @@ def test_kda_decode_machine_code(config_id: str, target: str) -> None:
         shuffles = 4 * (values + (2 if config.l2norm else 0))
     assert code.opcodes["SHFL.BFLY"] == steps * shuffles
     assert code.count("MUFU.EX2") >= 8  # the decay of the lane's 8 K rows
-    spills = code.count("LDL") + code.count("STL")
-    assert spills <= measured(SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
+    assert_measured_spills(code, SPILLS, config_id, target)
 
 
 # ---------------------------------------------------------------------------------------------------------------

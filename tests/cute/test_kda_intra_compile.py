@@ -11,18 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from cula_runtime import cute as cula_cute
-from tests.cute.dsl_versions import measured
+from tests.cute.compile_helpers import COMPILE_MARKS, assert_measured_spills, compile_machine_code, compile_params
 
-pytestmark = [
-    pytest.mark.compile,
-    pytest.mark.skipif(
-        not cula_cute.is_available(),
-        reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
-    ),
-]
-
-SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+pytestmark = COMPILE_MARKS
 
 # KdaIntraConfig fields and InKernelGate fields of the compiled configurations. Each compile takes 10-20 s on CI's
 # two cores.
@@ -93,9 +84,7 @@ TWO_CTA_BUDGET = SMEM_PER_SM // 2 - 1024
 def compile_cases(config_ids) -> list:
     """(config_id, target) parameters: every configuration for sm_90a, those outside SM90_ONLY for every target;
     DSL_FLOOR's marked ``dsl_floor``."""
-    return [pytest.param(config_id, target, id=f"{config_id}-{target}",
-                         marks=[pytest.mark.dsl_floor] if config_id == DSL_FLOOR else [])
-            for config_id in config_ids for target in SM if target == "sm_90a" or config_id not in SM90_ONLY]
+    return compile_params(config_ids, DSL_FLOOR, sm90_only=SM90_ONLY)
 
 
 def _config(config_id: str):
@@ -124,18 +113,15 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
     """Warp-MMA code, two CTAs per SM, the measured spills, and the traffic of one chunk: raw gate and β read once
     (scalar loads, one per element), q/k rows then k/v rows in 16-byte accesses, the decay row stored once per
     element a thread scans, and w/u/qg/kg/Aqk rows stored once in 16-byte accesses."""
-    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
+    from cula_runtime.cute.compile_cache import compile_seconds
     from cula_runtime.cute.kda.gate import gate_scan_segments
     from cula_runtime.cute.kda.intra import KdaIntra
-    from cula_runtime.cute.machine_code import disassemble
 
     config = _config(config_id)
     gate = config.gate
     kernel = KdaIntra(config)
     K, C, threads = config.head_dim, config.chunk_size, kernel.num_threads
-    code = disassemble(compile_kernel(KdaIntra, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
-    assert compile_seconds(KdaIntra, config, target) > 0
+    code = compile_machine_code(KdaIntra, config, target)
 
     # Warp MMA only: 10 score blocks x (Aqk, Akk) x 2 n-atoms x K/16 k-steps (each of the 8 warps' code holds one of a
     # block's two products), plus half of a W/U row band per warp (16 x K outputs, 64-deep: 4 k-steps x K/8 n-atoms
@@ -149,8 +135,7 @@ def test_kda_intra_machine_code(config_id: str, target: str) -> None:
     assert code.count("HGMMA") == 0 and not [op for op in code.opcodes if op.startswith("UTC")]  # no wgmma/tcgen05
     assert code.count("LDSM") > 0  # operands through ldmatrix
     assert code.count("LDSM.16.MT88") > 0  # the W/U right-hand sides are read transposed
-    spills = code.count("LDL") + code.count("STL")
-    assert spills <= measured(SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
+    spills = assert_measured_spills(code, SPILLS, config_id, target)
     assert kernel.smem_bytes() <= TWO_CTA_BUDGET, kernel.smem_bytes()  # the staging tile lives in Tinv's bytes
     assert code.count("BAR.SYNC") >= 8
 

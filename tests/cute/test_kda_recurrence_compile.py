@@ -14,18 +14,9 @@ import dataclasses
 
 import pytest
 
-from cula_runtime import cute as cula_cute
-from tests.cute.dsl_versions import measured
+from tests.cute.compile_helpers import COMPILE_MARKS, SM, assert_measured_spills, compile_machine_code, compile_params
 
-pytestmark = [
-    pytest.mark.compile,
-    pytest.mark.skipif(
-        not cula_cute.is_available(),
-        reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
-    ),
-]
-
-SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+pytestmark = COMPILE_MARKS
 C, K = 64, 128
 
 # KdaRecurrenceConfig fields of the compiled configurations: together both block_v (64, 128), fixed and varlen
@@ -70,28 +61,19 @@ def _config(config_id: str):
     return KdaRecurrenceConfig(**CONFIGS[config_id])
 
 
-@pytest.mark.parametrize(("config_id", "target"), [
-    pytest.param(config_id, target, id=f"{config_id}-{target}",
-                 marks=[pytest.mark.dsl_floor] if config_id in DSL_FLOOR else [])
-    for config_id in CONFIGS for target in SM
-])
+@pytest.mark.parametrize(("config_id", "target"), compile_params(CONFIGS, DSL_FLOOR))
 def test_kda_recurrence_machine_code(config_id: str, target: str) -> None:
-    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
     from cula_runtime.cute.kda.recurrence import KdaRecurrence
-    from cula_runtime.cute.machine_code import disassemble
 
     config = _config(config_id)
-    code = disassemble(compile_kernel(KdaRecurrence, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
-    assert compile_seconds(KdaRecurrence, config, target) > 0
+    code = compile_machine_code(KdaRecurrence, config, target)
 
     assert code.opcodes["HMMA.16816.F32.BF16"] == HMMA_PER_CHUNK
     assert code.count("HMMA") == HMMA_PER_CHUNK  # no other MMA flavour
     assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK
     assert code.opcodes["LDSM.16.MT88.4"] == LDSM_T_PER_CHUNK
     assert code.opcodes["STSM.16.MT88.4"] == STSM_T_PER_CHUNK
-    spills = code.count("LDL") + code.count("STL")
-    assert spills <= measured(SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
+    assert_measured_spills(code, SPILLS, config_id, target)
     assert code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0  # warp-level MMA only: one source for every SM
     # Per thread, per chunk: 16-byte cp.async of w, qg, kg (3 x 64 x 128 bf16), u (64 x block_v), Aqk (64 x 64)
     # for both the prologue and the in-loop prefetch, plus the decay row (16 bytes on 32 threads).

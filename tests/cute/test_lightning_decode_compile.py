@@ -29,18 +29,15 @@ import re
 
 import pytest
 
-from cula_runtime import cute as cula_cute
-from tests.cute.dsl_versions import measured
+from tests.cute.compile_helpers import (
+    COMPILE_MARKS,
+    assert_measured_spills,
+    assert_simt_only,
+    compile_machine_code,
+    compile_params,
+)
 
-pytestmark = [
-    pytest.mark.compile,
-    pytest.mark.skipif(
-        not cula_cute.is_available(),
-        reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
-    ),
-]
-
-SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+pytestmark = COMPILE_MARKS
 
 # LightningDecodeConfig fields of the compiled configurations
 CONFIGS = {
@@ -94,26 +91,16 @@ def _config(config_id: str, **changes):
     return LightningDecodeConfig(**{**CONFIGS[config_id], **changes})
 
 
-@pytest.mark.parametrize(("config_id", "target"), [
-    pytest.param(config_id, target, id=f"{config_id}-{target}",
-                 marks=[pytest.mark.dsl_floor] if config_id == DSL_FLOOR else [])
-    for config_id in CONFIGS for target in SM
-])
+@pytest.mark.parametrize(("config_id", "target"), compile_params(CONFIGS, DSL_FLOOR))
 def test_lightning_decode_machine_code(config_id: str, target: str) -> None:
-    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
     from cula_runtime.cute.lightning.decode import LightningDecode
-    from cula_runtime.cute.machine_code import disassemble
 
     config = _config(config_id)
     kernel = LightningDecode(config)
-    code = disassemble(compile_kernel(LightningDecode, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
-    assert compile_seconds(LightningDecode, config, target) > 0
+    code = compile_machine_code(LightningDecode, config, target)
 
     # SIMT only: no MMA of any flavour
-    for prefix in ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "UTCMMA"):
-        assert code.count(prefix) == 0, prefix
-    assert not [op for op in code.opcodes if op.startswith("UTC")]
+    assert_simt_only(code)
     # The token step is in the code twice (the peeled first token and the token loop), once in the single-token form.
     steps = 1 if config.single_token else 2
     VC, VEC = kernel.cols, kernel.vec
@@ -158,8 +145,7 @@ def test_lightning_decode_machine_code(config_id: str, target: str) -> None:
     assert code.count("MUFU.EX2") == 1  # λ = exp(g_gamma[h]), once per CTA
     if target == "sm_90a":  # λ s + k v and acc + q s: two FMAs (and a product) per state element per token
         assert code.count("FFMA") >= steps * 2 * 8 * VEC
-    spills = code.count("LDL") + code.count("STL")
-    assert spills <= measured(SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
+    assert_measured_spills(code, SPILLS, config_id, target)
 
 
 def test_one_binary_serves_every_batch() -> None:

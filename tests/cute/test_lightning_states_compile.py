@@ -17,18 +17,9 @@ import dataclasses
 
 import pytest
 
-from cula_runtime import cute as cula_cute
-from tests.cute.dsl_versions import measured
+from tests.cute.compile_helpers import COMPILE_MARKS, SM, assert_measured_spills, compile_machine_code, compile_params
 
-pytestmark = [
-    pytest.mark.compile,
-    pytest.mark.skipif(
-        not cula_cute.is_available(),
-        reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
-    ),
-]
-
-SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+pytestmark = COMPILE_MARKS
 C, K = 64, 128
 
 # LightningSegmentStatesConfig fields: both block_v, both operand dtypes
@@ -71,22 +62,12 @@ def _scan_config(config_id: str):
     return LightningSegmentScanConfig(**SCAN_CONFIGS[config_id])
 
 
-def _params(configs: dict) -> list:
-    return [pytest.param(config_id, target, id=f"{config_id}-{target}",
-                         marks=[pytest.mark.dsl_floor] if config_id in DSL_FLOOR else [])
-            for config_id in configs for target in SM]
-
-
-@pytest.mark.parametrize(("config_id", "target"), _params(STATES_CONFIGS))
+@pytest.mark.parametrize(("config_id", "target"), compile_params(STATES_CONFIGS, DSL_FLOOR))
 def test_segment_states_machine_code(config_id: str, target: str) -> None:
-    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
     from cula_runtime.cute.lightning.chunk_states import LightningSegmentStates
-    from cula_runtime.cute.machine_code import disassemble
 
     config = _states_config(config_id)
-    code = disassemble(compile_kernel(LightningSegmentStates, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
-    assert compile_seconds(LightningSegmentStates, config, target) > 0
+    code = compile_machine_code(LightningSegmentStates, config, target)
 
     mma = "HMMA.16816.F32.BF16" if config.dtype == "bfloat16" else "HMMA.16816.F32"
     assert code.opcodes[mma] == HMMA_PER_CHUNK
@@ -94,8 +75,7 @@ def test_segment_states_machine_code(config_id: str, target: str) -> None:
     assert code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0  # warp-level MMA only: one source for every SM
     assert code.opcodes["LDSM.16.MT88.4"] == LDSM_T_PER_CHUNK
     assert code.opcodes["LDSM.16.M88.4"] == 0  # both operands are read token-major, transposed
-    spills = code.count("LDL") + code.count("STL")
-    assert spills <= measured(SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
+    assert_measured_spills(code, SPILLS, config_id, target)
     # 16-byte cp.async of the k tile (64 x 128) and the CTA's v columns (64 x block_v), prologue and loop
     threads = config.block_v // 16 * 32
     per_chunk = (C * K + C * config.block_v) // 8 // threads
@@ -108,19 +88,15 @@ def test_segment_states_machine_code(config_id: str, target: str) -> None:
     assert code.count("STG") == code.opcodes["STG.E"]  # nothing else is stored to global memory
 
 
-@pytest.mark.parametrize(("config_id", "target"), _params(SCAN_CONFIGS))
+@pytest.mark.parametrize(("config_id", "target"), compile_params(SCAN_CONFIGS, DSL_FLOOR))
 def test_segment_scan_machine_code(config_id: str, target: str) -> None:
-    from cula_runtime.cute.compile_cache import compile_kernel
     from cula_runtime.cute.lightning.chunk_states import LightningSegmentScan
-    from cula_runtime.cute.machine_code import disassemble
 
     c = _scan_config(config_id)
-    code = disassemble(compile_kernel(LightningSegmentScan, c, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
+    code = compile_machine_code(LightningSegmentScan, c, target, timed=False)
     assert code.count("HMMA") == 0 and code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0
     assert code.count("LDSM") == 0 and code.count("LDS") == 0 and code.count("STS") == 0
-    spills = code.count("LDL") + code.count("STL")
-    assert spills <= measured(SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
+    assert_measured_spills(code, SPILLS, config_id, target)
     # the lane's 4 x 4 block: 4 vectors per state. seg_state: `prefetch` segments' loads and stores per group;
     # h0 / ht / an fp32 pool: 4 more 16-byte vectors; a bf16 pool: 4 8-byte ones each way
     fp32_in = c.has_initial_state or (c.state_pool and c.state_dtype == "float32")

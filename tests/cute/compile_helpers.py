@@ -1,0 +1,65 @@
+"""What every CuTeDSL compile test (tests/cute/test_*_compile.py) starts from: the ``compile`` marks with the skip
+when CuTeDSL or TVM-FFI is missing, the targets and the SM each one names, the (config_id, target) parameters with
+the oldest-CuTeDSL case marked ``dsl_floor``, compiling one configuration for one target into its machine code, and
+the check of its local-memory spills against the measured table."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+import pytest
+
+from cula_runtime import cute as cula_cute
+from tests.cute.dsl_versions import measured
+
+COMPILE_MARKS = [
+    pytest.mark.compile,
+    pytest.mark.skipif(
+        not cula_cute.is_available(),
+        reason="CuTeDSL or TVM-FFI is not installed (cula-runtime brings them on Linux x86_64/aarch64)",
+    ),
+]
+
+# compile target -> the SM its machine code names
+SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
+
+MMA_PREFIXES = ("HMMA", "HGMMA", "UTCHMMA", "UTCQMMA", "UTCMMA")
+
+
+def compile_params(config_ids: Iterable[str], dsl_floor: str | Collection[str],
+                   sm90_only: Collection[str] = ()) -> list:
+    """``pytest.param(config_id, target)`` for every configuration and target (only sm_90a for those in
+    ``sm90_only``), id ``"{config_id}-{target}"``; the ``dsl_floor`` configuration(s) marked ``dsl_floor`` (compiled
+    by ``nox -s cute_compile_oldest`` too)."""
+    floor = {dsl_floor} if isinstance(dsl_floor, str) else set(dsl_floor)
+    return [pytest.param(config_id, target, id=f"{config_id}-{target}",
+                         marks=[pytest.mark.dsl_floor] if config_id in floor else [])
+            for config_id in config_ids for target in SM if target == "sm_90a" or config_id not in sm90_only]
+
+
+def compile_machine_code(kernel_cls: type, config, target: str, *, timed: bool = True):
+    """The :class:`cula_runtime.cute.machine_code.MachineCode` of ``kernel_cls(config)`` compiled for ``target``
+    (through the compile cache), checked to name ``target`` and its SM; ``timed``: its compile time was recorded."""
+    from cula_runtime.cute.compile_cache import compile_kernel, compile_seconds
+    from cula_runtime.cute.machine_code import disassemble
+
+    code = disassemble(compile_kernel(kernel_cls, config, target=target))
+    assert (code.sm, code.target) == (SM[target], target)
+    if timed:
+        assert compile_seconds(kernel_cls, config, target) > 0
+    return code
+
+
+def assert_simt_only(code) -> None:
+    """No MMA of any flavour (warp, warpgroup or tcgen05) and no tcgen05 instruction at all."""
+    for prefix in MMA_PREFIXES:
+        assert code.count(prefix) == 0, prefix
+    assert not [op for op in code.opcodes if op.startswith("UTC")]
+
+
+def assert_measured_spills(code, table: dict[str, dict], config_id: str, target: str) -> int:
+    """Local loads + stores (LDL + STL), checked to be at most the count measured with the installed CuTeDSL
+    (``table`` as :func:`tests.cute.dsl_versions.measured` reads it); returns them."""
+    spills = code.count("LDL") + code.count("STL")
+    assert spills <= measured(table, config_id, target), f"register spill: {spills} local loads + stores"
+    return spills
