@@ -33,6 +33,7 @@ SAFE_GATE_LOWER_BOUND_MIN = -5.0
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 _PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # A_log, dt_bias
+_CU_DTYPES = (torch.int32, torch.int64)  # the decode's and the Lightning ops' cu_seqlens
 
 
 #: why the GPU prefill kernels do not serve a call with a state pool yet (their ``verify`` answer)
@@ -256,6 +257,63 @@ def check_cu_seqlens_shape(cu_seqlens: torch.Tensor, B: int) -> int:
     if B != 1:
         raise ValueError(f"with cu_seqlens the batch must be packed: B must be 1, got B={B}")
     return cu_seqlens.numel() - 1
+
+
+def check_packed_cu_seqlens(cu_seqlens: torch.Tensor, B: int) -> int:
+    """``cu_seqlens`` int32 or int64 ``[N + 1]`` of a packed batch (:func:`check_cu_seqlens_shape`); returns ``N``.
+    Its values are each caller's to check."""
+    if cu_seqlens.dtype not in _CU_DTYPES:
+        raise TypeError(f"cu_seqlens must have dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
+    return check_cu_seqlens_shape(cu_seqlens, B)
+
+
+def check_decode_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int) -> tuple[int, torch.Tensor | None]:
+    """A decode call's ``cu_seqlens`` (int32 or int64 ``[N + 1]``, ``B == 1``) or None (``N = B``); returns ``(N,
+    host boundaries or None)``. Its values are checked only when it is a CPU tensor: on a GPU they are never read
+    (no synchronisation; a CUDA graph replays the call with new values)."""
+    if cu_seqlens is None:
+        return B, None
+    N = check_packed_cu_seqlens(cu_seqlens, B)
+    cu_host = checked_cu_seqlens_host(cu_seqlens, T) if cu_seqlens.device.type == "cpu" else None
+    return N, cu_host
+
+
+def check_out(out: torch.Tensor | None, q: torch.Tensor, shape: tuple[int, ...], dims: str) -> None:
+    """``out`` (None, or written in place): q's dtype, ``shape`` (``dims`` names it, e.g. ``"[B, T, HV, V]"``),
+    contiguous."""
+    if out is None:
+        return
+    if out.dtype != q.dtype:
+        raise TypeError(f"out must have the dtype of q ({q.dtype}), got {out.dtype}")
+    if out.shape != shape:
+        raise ValueError(f"out must have shape {dims}=[{', '.join(map(str, shape))}], got {list(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous (it is written in place), got strides {list(out.stride())}")
+
+
+def check_pool_form(state: object, state_indices: object, initial_state: object, output_final_state: bool,
+                    heads: str = "HV") -> None:
+    """A prefill's pool form (any of ``state``, ``state_indices``, ``has_initial_state`` given): ``state`` is given,
+    ``initial_state`` and ``output_final_state`` are not. ``heads``: the head dim's name in the messages."""
+    if state is None:
+        name = "state_indices" if state_indices is not None else "has_initial_state"
+        raise ValueError(f"{name} is only used with state (the pool [P, {heads}, K, V] it indexes); pass state too")
+    if initial_state is not None:
+        raise ValueError("initial_state and state are exclusive: with a pool (state=), each sequence starts from "
+                         "its slot state[state_indices[n]]; pass initial_state=None")
+    if output_final_state:
+        raise ValueError("output_final_state=True and state are exclusive: with a pool (state=), the final states "
+                         "are written to the pool in place; pass output_final_state=False")
+
+
+def check_has_initial_state(has_initial_state: torch.Tensor | None, N: int) -> None:
+    """``has_initial_state``: None, or bool ``[N]`` (one flag per sequence)."""
+    if has_initial_state is None:
+        return
+    if has_initial_state.dtype != torch.bool:
+        raise TypeError(f"has_initial_state must have dtype torch.bool, got {has_initial_state.dtype}")
+    if has_initial_state.shape != (N,):
+        _shape("has_initial_state", has_initial_state, (N,), "[N], one flag per sequence")
 
 
 def check_gate(use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
@@ -483,21 +541,9 @@ def _prefill_pool(state: object, state_indices: object, has_initial_state: objec
                   initial_state: torch.Tensor | None, output_final_state: bool, N: int, T: int, HV: int, K: int,
                   V: int, state_v_first: bool, cu_host: torch.Tensor | None) -> PoolSlots | None:
     """The pool arguments of ``kda_prefill``; the slots checked on the host when the indices are CPU tensors."""
-    if state is None:
-        name = "state_indices" if state_indices is not None else "has_initial_state"
-        raise ValueError(f"{name} is only used with state (the pool [P, HV, K, V] it indexes); pass state too")
-    if initial_state is not None:
-        raise ValueError("initial_state and state are exclusive: with a pool (state=), each sequence starts from "
-                         "its slot state[state_indices[n]]; pass initial_state=None")
-    if output_final_state:
-        raise ValueError("output_final_state=True and state are exclusive: with a pool (state=), the final states "
-                         "are written to the pool in place; pass output_final_state=False")
+    check_pool_form(state, state_indices, initial_state, output_final_state)
     pool_size, _ = check_state_pool(state, state_indices, N, HV, K, V, state_v_first, per_token_allowed=False)
-    if has_initial_state is not None:
-        if has_initial_state.dtype != torch.bool:
-            raise TypeError(f"has_initial_state must have dtype torch.bool, got {has_initial_state.dtype}")
-        if has_initial_state.shape != (N,):
-            _shape("has_initial_state", has_initial_state, (N,), "[N], one flag per sequence")
+    check_has_initial_state(has_initial_state, N)
     if state_indices.device.type != "cpu":
         return None  # (reading the values would synchronise: the backend treats a slot past the pool as padding)
     return pool_slots(state_indices.tolist(), sequence_lengths(N, T, cu_host), pool_size, per_token=False,

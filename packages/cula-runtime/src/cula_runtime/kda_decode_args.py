@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .index import checked_cu_seqlens_host
 from .kda_args import (
     KdaCallArgs,
-    check_cu_seqlens_shape,
+    check_decode_cu_seqlens,
     check_devices,
     check_flags,
     check_gate,
     check_input_types,
     check_kda_inputs,
+    check_out,
     check_scale,
     check_state_pool,
     sequence_lengths,
@@ -36,7 +36,6 @@ __all__ = ["KdaDecodeArgs", "validate_kda_decode", "decode_slots"]
 
 _FLAG_NAMES = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
                "state_v_first")
-_CU_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -92,15 +91,7 @@ def validate_kda_decode(
                                      ("num_accepted_tokens", num_accepted_tokens), ("out", out)))
     scale = check_scale(scale, K)
 
-    cu_host = None
-    if cu_seqlens is not None:
-        if cu_seqlens.dtype not in _CU_DTYPES:
-            raise TypeError(f"cu_seqlens must have dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
-        N = check_cu_seqlens_shape(cu_seqlens, B)
-        if cu_seqlens.device.type == "cpu":  # (on a GPU its values are never read here: no synchronisation)
-            cu_host = checked_cu_seqlens_host(cu_seqlens, T)
-    else:
-        N = B
+    N, cu_host = check_decode_cu_seqlens(cu_seqlens, B, T)
 
     P, per_token = check_state_pool(state, state_indices, N, HV, K, V, state_v_first, per_token_allowed=True)
     W = state_indices.shape[1] if per_token else 0
@@ -121,13 +112,7 @@ def validate_kda_decode(
     lower_bound, dt_bias = check_gate(use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, None,
                                       lower_bound, A_log, dt_bias, HV, K)
 
-    if out is not None:
-        if out.dtype != q.dtype:
-            raise TypeError(f"out must have the dtype of q ({q.dtype}), got {out.dtype}")
-        if out.shape != (B, T, HV, V):
-            raise ValueError(f"out must have shape [B, T, HV, V]=[{B}, {T}, {HV}, {V}], got {list(out.shape)}")
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous (it is written in place), got strides {list(out.stride())}")
+    check_out(out, q, (B, T, HV, V), "[B, T, HV, V]")
 
     slots = None
     if state_indices.device.type == "cpu":

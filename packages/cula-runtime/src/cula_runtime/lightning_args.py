@@ -31,13 +31,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .index import checked_cu_seqlens_host
 from .kda_args import (
     _dtype,
     _shape,
     _tensor,
-    check_cu_seqlens_shape,
+    check_decode_cu_seqlens,
     check_flags,
+    check_has_initial_state,
+    check_out,
+    check_packed_cu_seqlens,
+    check_pool_form,
     check_scale,
     check_state_pool,
     checked_boundaries,
@@ -51,7 +54,6 @@ __all__ = ["LightningPrefillArgs", "LightningDecodeArgs", "validate_lightning_pr
 MAX_HEAD_DIM = 256
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
-_CU_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -241,11 +243,6 @@ def _check_optional_devices(device: torch.device, optional: tuple[tuple[str, obj
             raise ValueError(f"{name} must be on q's device ({device}), got {x.device}")
 
 
-def _check_cu_dtype(cu_seqlens: torch.Tensor) -> None:
-    if cu_seqlens.dtype not in _CU_DTYPES:
-        raise TypeError(f"cu_seqlens must have dtype torch.int32 or torch.int64, got {cu_seqlens.dtype}")
-
-
 def _check_pool(state: object, state_indices: object, N: int, H: int, K: int, V: int, state_v_first: bool) -> int:
     """The pool ``[P, H, K, V]`` (``[P, H, V, K]``) in fp32 or bf16 with dense slots and int32 ``[N]`` indices
     (:func:`cula_runtime.kda_args.check_state_pool`); returns ``P``."""
@@ -295,8 +292,7 @@ def validate_lightning_prefill(
 
     cu_host = None
     if cu_seqlens is not None:
-        _check_cu_dtype(cu_seqlens)
-        N = check_cu_seqlens_shape(cu_seqlens, B)
+        N = check_packed_cu_seqlens(cu_seqlens, B)
         cu_host = checked_boundaries(cu_seqlens, None, T)
     else:
         N = B
@@ -310,21 +306,9 @@ def validate_lightning_prefill(
             raise TypeError(f"initial_state must have dtype torch.float32, got {initial_state.dtype}")
 
     if pooled:
-        if state is None:
-            name = "state_indices" if state_indices is not None else "has_initial_state"
-            raise ValueError(f"{name} is only used with state (the pool [P, H, K, V] it indexes); pass state too")
-        if initial_state is not None:
-            raise ValueError("initial_state and state are exclusive: with a pool (state=), each sequence starts from "
-                             "its slot state[state_indices[n]]; pass initial_state=None")
-        if output_final_state:
-            raise ValueError("output_final_state=True and state are exclusive: with a pool (state=), the final "
-                             "states are written to the pool in place; pass output_final_state=False")
+        check_pool_form(state, state_indices, initial_state, output_final_state, heads="H")
         P = _check_pool(state, state_indices, N, H, K, V, state_v_first)
-        if has_initial_state is not None:
-            if has_initial_state.dtype != torch.bool:
-                raise TypeError(f"has_initial_state must have dtype torch.bool, got {has_initial_state.dtype}")
-            if has_initial_state.shape != (N,):
-                _shape("has_initial_state", has_initial_state, (N,), "[N], one flag per sequence")
+        check_has_initial_state(has_initial_state, N)
         if state_indices.device.type == "cpu":  # (GPU values are never read here: out of range is padding)
             lightning_pool_slots(state_indices, sequence_lengths(N, T, cu_host), P, strict=True)
 
@@ -367,24 +351,11 @@ def validate_lightning_decode(
     gamma = resolve_g_gamma(g_gamma, layer_idx, num_layers, H, device)
     scale = check_scale(scale, K)
 
-    cu_host = None
-    if cu_seqlens is not None:
-        _check_cu_dtype(cu_seqlens)
-        N = check_cu_seqlens_shape(cu_seqlens, B)
-        if cu_seqlens.device.type == "cpu":  # (on a GPU its values are never read here: no synchronisation)
-            cu_host = checked_cu_seqlens_host(cu_seqlens, T)
-    else:
-        N = B
+    N, cu_host = check_decode_cu_seqlens(cu_seqlens, B, T)
 
     P = _check_pool(state, state_indices, N, H, K, V, state_v_first)
 
-    if out is not None:
-        if out.dtype != q.dtype:
-            raise TypeError(f"out must have the dtype of q ({q.dtype}), got {out.dtype}")
-        if out.shape != (B, T, H, V):
-            raise ValueError(f"out must have shape [B, T, H, V]=[{B}, {T}, {H}, {V}], got {list(out.shape)}")
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous (it is written in place), got strides {list(out.stride())}")
+    check_out(out, q, (B, T, H, V), "[B, T, H, V]")
 
     if state_indices.device.type == "cpu":
         lightning_pool_slots(state_indices, sequence_lengths(N, T, cu_host), P, strict=True)
