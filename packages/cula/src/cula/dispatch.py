@@ -33,7 +33,7 @@ import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -215,39 +215,25 @@ def _missing(name: str) -> str:
     return f"this cula-runtime has no CuTeDSL Lightning backend ({name} is missing)"
 
 
-def _reference_lightning_prefill(args: LightningPrefillArgs) -> tuple[Decision, LightningPrefillRunner | None]:
+def _reference_lightning(op: str, args: LightningPrefillArgs | LightningDecodeArgs) -> tuple[Decision, Callable | None]:
+    """The reference's answer for ``lightning_<op>`` (``op``: ``"prefill"`` or ``"decode"``)."""
     from cula_runtime.reference import lightning_backend
 
-    ok, reason = lightning_backend.verify_lightning_prefill(args)
-    return Decision("reference", ok, reason), lightning_backend.lightning_prefill_reference if ok else None
+    ok, reason = getattr(lightning_backend, f"verify_lightning_{op}")(args)
+    return Decision("reference", ok, reason), getattr(lightning_backend, f"lightning_{op}_reference") if ok else None
 
 
-def _cutedsl_lightning_prefill(args: LightningPrefillArgs) -> tuple[Decision, LightningPrefillRunner | None]:
-    backend = _backend_module(LIGHTNING_PREFILL_MODULE)
+def _cutedsl_lightning(op: str, args: LightningPrefillArgs | LightningDecodeArgs) -> tuple[Decision, Callable | None]:
+    """The CuTeDSL backend's answer for ``lightning_<op>``: its module (``LIGHTNING_PREFILL_MODULE`` /
+    ``LIGHTNING_DECODE_MODULE``) imported on the first call, its planner registered with its runner."""
+    name = LIGHTNING_PREFILL_MODULE if op == "prefill" else LIGHTNING_DECODE_MODULE
+    backend = _backend_module(name)
     if backend is None:
-        return Decision("cutedsl", False, _missing(LIGHTNING_PREFILL_MODULE)), None
-    ok, reason = backend.verify_lightning_prefill(args)
-    runner = backend.lightning_prefill_cutedsl_backend
+        return Decision("cutedsl", False, _missing(name)), None
+    ok, reason = getattr(backend, f"verify_lightning_{op}")(args)
+    runner = getattr(backend, f"lightning_{op}_cutedsl_backend")
     if ok and runner not in _planners:
-        register_planner(runner, backend.plan_lightning_prefill)
-    return Decision("cutedsl", ok, reason), runner if ok else None
-
-
-def _reference_lightning_decode(args: LightningDecodeArgs) -> tuple[Decision, LightningDecodeRunner | None]:
-    from cula_runtime.reference import lightning_backend
-
-    ok, reason = lightning_backend.verify_lightning_decode(args)
-    return Decision("reference", ok, reason), lightning_backend.lightning_decode_reference if ok else None
-
-
-def _cutedsl_lightning_decode(args: LightningDecodeArgs) -> tuple[Decision, LightningDecodeRunner | None]:
-    backend = _backend_module(LIGHTNING_DECODE_MODULE)
-    if backend is None:
-        return Decision("cutedsl", False, _missing(LIGHTNING_DECODE_MODULE)), None
-    ok, reason = backend.verify_lightning_decode(args)
-    runner = backend.lightning_decode_cutedsl_backend
-    if ok and runner not in _planners:
-        register_planner(runner, backend.plan_lightning_decode)
+        register_planner(runner, getattr(backend, f"plan_lightning_{op}"))
     return Decision("cutedsl", ok, reason), runner if ok else None
 
 
@@ -256,13 +242,13 @@ def _sm90_lightning(args: object) -> tuple[Decision, None]:
 
 
 _LIGHTNING_PREFILL_BACKENDS: dict[str, Callable] = {
-    "reference": _reference_lightning_prefill,
-    "cutedsl": _cutedsl_lightning_prefill,
+    "reference": partial(_reference_lightning, "prefill"),
+    "cutedsl": partial(_cutedsl_lightning, "prefill"),
     "sm90": _sm90_lightning,
 }
 _LIGHTNING_DECODE_BACKENDS: dict[str, Callable] = {
-    "reference": _reference_lightning_decode,
-    "cutedsl": _cutedsl_lightning_decode,
+    "reference": partial(_reference_lightning, "decode"),
+    "cutedsl": partial(_cutedsl_lightning, "decode"),
     "sm90": _sm90_lightning,
 }
 
