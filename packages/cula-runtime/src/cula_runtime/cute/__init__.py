@@ -37,7 +37,7 @@ _LAZY_EXPORTS = {
 }
 
 __all__ = ["DSL_REQUIREMENTS", "CUTEDSL_PLATFORMS", "INSTALL_HINT", "KERNEL_CAPABILITIES", "device_rejection",
-           "is_available", "platform_note", "unavailable_reason", *_LAZY_EXPORTS]
+           "decode_pool_rejection", "is_available", "platform_note", "unavailable_reason", *_LAZY_EXPORTS]
 
 # cula-runtime's requirements on CuTeDSL and TVM-FFI, as its pyproject.toml declares them (without their platform
 # markers; tests/packaging/test_versions.py checks the two agree): the CuTeDSL range is exactly what CI compiles.
@@ -109,6 +109,22 @@ def device_rejection(device: Any) -> str | None:
     if capability not in KERNEL_CAPABILITIES:
         return f"targets sm_90a/sm_100a/sm_103a; this GPU is sm_{capability[0]}{capability[1]}"
     return None
+
+
+def decode_pool_rejection(state: Any, served: str, head_dim: int = 128) -> tuple[bool, str]:
+    """The decode kernels' (KDA and Lightning) promises about the state pool ``state`` (a ``torch.Tensor``), as a
+    ``verify`` answer: fp32 or bf16, each head a dense ``[head_dim, head_dim]`` block, the other strides whole
+    16-byte vectors, the data 16-byte aligned. ``(True, served)`` when all hold."""
+    import torch
+
+    if state.dtype not in (torch.float32, torch.bfloat16):
+        return False, f"needs an fp32 or bf16 state pool, got {state.dtype}"
+    vec = 16 // state.element_size()
+    strides = state.stride()
+    if strides[-2:] != (head_dim, 1) or any(s % vec for s in strides[:-1]) or state.data_ptr() % 16:
+        return False, (f"needs each pool head a dense [{head_dim}, {head_dim}] block, 16-byte aligned, got strides "
+                       f"{list(strides)}")
+    return True, served
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY_EXPORTS)

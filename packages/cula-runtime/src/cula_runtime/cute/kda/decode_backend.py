@@ -18,12 +18,11 @@ import functools
 import torch
 
 from ...kda_decode_args import KdaDecodeArgs
-from .. import device_rejection
+from .. import decode_pool_rejection, device_rejection
 
 __all__ = ["verify_decode", "kda_decode_cutedsl_backend", "plan_kda_decode"]
 
 HEAD_DIM = 128
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def verify_decode(args: KdaDecodeArgs) -> tuple[bool, str]:
@@ -39,19 +38,7 @@ def verify_decode(args: KdaDecodeArgs) -> tuple[bool, str]:
         dtype = getattr(args, name).dtype
         if dtype not in (torch.float32, torch.bfloat16):
             return False, f"needs {name} in fp32 or bf16, got {dtype}"
-    return _pool_rejection(args.state)
-
-
-def _pool_rejection(state: torch.Tensor) -> tuple[bool, str]:
-    """The pool's layout promises of the kernel (dense heads, 16-byte vectors), as a verify answer."""
-    if state.dtype not in _STATE_DTYPES:
-        return False, f"needs an fp32 or bf16 state pool, got {state.dtype}"
-    vec = 16 // state.element_size()
-    strides = state.stride()
-    if strides[-2:] != (HEAD_DIM, 1) or any(s % vec for s in strides[:-1]) or state.data_ptr() % 16:
-        return False, (f"needs each pool head a dense [{HEAD_DIM}, {HEAD_DIM}] block, 16-byte aligned, got strides "
-                       f"{list(strides)}")
-    return True, "the CuTeDSL decode kernel serves this call"
+    return decode_pool_rejection(args.state, "the CuTeDSL decode kernel serves this call", HEAD_DIM)
 
 
 @functools.cache

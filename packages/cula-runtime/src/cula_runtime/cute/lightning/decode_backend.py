@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import device_rejection
+from .. import decode_pool_rejection, device_rejection
 
 if TYPE_CHECKING:
     from ...lightning_args import LightningDecodeArgs
@@ -36,7 +36,6 @@ __all__ = ["verify_lightning_decode", "lightning_decode_cutedsl_backend", "plan_
 
 HEAD_DIM = 128
 _IO_DTYPES = (torch.bfloat16, torch.float16)
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -61,19 +60,7 @@ def verify_lightning_decode(args: LightningDecodeArgs) -> tuple[bool, str]:
     if out is not None and (out.dtype != args.q.dtype or not out.is_contiguous() or out.data_ptr() % 16):
         return False, (f"needs out contiguous, 16-byte aligned, in q's dtype {args.q.dtype}, got {out.dtype} "
                        f"strides {list(out.stride())}")
-    return _pool_rejection(args.state)
-
-
-def _pool_rejection(state: torch.Tensor) -> tuple[bool, str]:
-    """The pool's layout promises of the kernel (dense heads, 16-byte vectors), as a verify answer."""
-    if state.dtype not in _STATE_DTYPES:
-        return False, f"needs an fp32 or bf16 state pool, got {state.dtype}"
-    vec = 16 // state.element_size()
-    strides = state.stride()
-    if strides[-2:] != (HEAD_DIM, 1) or any(s % vec for s in strides[:-1]) or state.data_ptr() % 16:
-        return False, (f"needs each pool head a dense [{HEAD_DIM}, {HEAD_DIM}] block, 16-byte aligned, got strides "
-                       f"{list(strides)}")
-    return True, "the CuTeDSL Lightning decode kernel serves this call"
+    return decode_pool_rejection(args.state, "the CuTeDSL Lightning decode kernel serves this call", HEAD_DIM)
 
 
 @functools.cache
