@@ -49,6 +49,7 @@ import contextlib
 import datetime
 import functools
 import gc
+import importlib
 import json
 import os
 import sys
@@ -287,44 +288,33 @@ class Contender:
     read: Callable[[object], tuple[torch.Tensor, torch.Tensor]]
 
 
+def _importable(skip: tuple[str, ...], sources: dict[str, tuple[str, str]]) -> dict[str, Callable | str]:
+    """``{name: function}`` for each ``name: (module, attribute)`` of ``sources`` not in ``skip``, imported now; a
+    string in place of a function says why it is absent."""
+    fns: dict[str, Callable | str] = {}
+    for name, (module, attribute) in sources.items():
+        if name in skip:
+            continue
+        try:
+            fn = getattr(importlib.import_module(module), attribute, None)
+            if fn is None:
+                raise ImportError(f"cannot import name {attribute!r} from {module!r}")
+            fns[name] = fn
+        except ImportError as error:
+            fns[name] = f"not importable ({str(error)[:80]})"
+    return fns
+
+
 def prefill_fns(skip: tuple[str, ...]) -> dict[str, Callable | str]:
     """The prefill functions by name; a string in place of one says why it is absent."""
-    fns: dict[str, Callable | str] = {}
-    if "cula" not in skip:
-        try:
-            from cula.lightning import lightning_prefill
-
-            fns["cula"] = lightning_prefill
-        except ImportError as error:
-            fns["cula"] = f"not importable ({str(error)[:80]})"
-    if "fla" not in skip:
-        try:
-            from fla.ops.lightning_attn import chunk_lightning_attn
-
-            fns["fla"] = chunk_lightning_attn
-        except ImportError as error:
-            fns["fla"] = f"not importable ({str(error)[:80]})"
-    return fns
+    return _importable(skip, {"cula": ("cula.lightning", "lightning_prefill"),
+                              "fla": ("fla.ops.lightning_attn", "chunk_lightning_attn")})
 
 
 def decode_fns(skip: tuple[str, ...]) -> dict[str, Callable | str]:
     """The decode functions by name; a string in place of one says why it is absent."""
-    fns: dict[str, Callable | str] = {}
-    if "cula" not in skip:
-        try:
-            from cula.lightning import lightning_decode
-
-            fns["cula"] = lightning_decode
-        except ImportError as error:
-            fns["cula"] = f"not importable ({str(error)[:80]})"
-    if "fla" not in skip:
-        try:
-            from fla.ops.simple_gla import fused_recurrent_simple_gla
-
-            fns["fla"] = fused_recurrent_simple_gla
-        except ImportError as error:
-            fns["fla"] = f"not importable ({str(error)[:80]})"
-    return fns
+    return _importable(skip, {"cula": ("cula.lightning", "lightning_decode"),
+                              "fla": ("fla.ops.simple_gla", "fused_recurrent_simple_gla")})
 
 
 def prefill_contenders(fns: dict[str, Callable | str], inp: PrefillInputs) -> dict[str, Contender | str]:
