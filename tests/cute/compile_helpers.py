@@ -1,7 +1,8 @@
 """What every CuTeDSL compile test (tests/cute/test_*_compile.py) starts from: the ``compile`` marks with the skip
 when CuTeDSL or TVM-FFI is missing, the targets and the SM each one names, the (config_id, target) parameters with
 the oldest-CuTeDSL case marked ``dsl_floor``, compiling one configuration for one target into its machine code, and
-the check of its local-memory spills against the measured table."""
+the check of its local-memory spills against the measured table; and, for the host-path tests, a recorder in place
+of ``compile_kernel`` (nothing compiles or runs)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,16 @@ def assert_measured_spills(code, table: dict[str, dict], config_id: str, target:
     spills = code.count("LDL") + code.count("STL")
     assert spills <= measured(table, config_id, target), f"register spill: {spills} local loads + stores"
     return spills
+
+
+def record_launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Replace ``compile_cache.compile_kernel`` by a recorder (launches run on sm_90a, nothing compiles or runs) and
+    return the list it fills: every launch as ``(kernel class, config, arguments)``."""
+    from cula_runtime.cute import compile_cache
+
+    calls: list = []
+    monkeypatch.setattr(compile_cache, "compile_kernel",
+                        lambda kernel_cls, config, *, target=None: lambda *a: calls.append((kernel_cls, config, a)))
+    monkeypatch.setattr(compile_cache, "launch_target", lambda index: "sm_90a")
+    monkeypatch.setattr(compile_cache, "_launchable", {})
+    return calls

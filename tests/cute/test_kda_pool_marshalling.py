@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from cula_runtime import cute as cula_cute
+from tests.cute.compile_helpers import record_launches
 
 pytestmark = pytest.mark.skipif(
     not cula_cute.is_available(),
@@ -29,14 +30,9 @@ CU = [0, 1, 64, 64, 130]  # lengths 1, 63, 0, 66
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     """Every launch as ``(kernel class, config, arguments)``; nothing compiles or runs."""
-    from cula_runtime.cute import compile_cache
     from cula_runtime.cute.kda import intra, recurrence
 
-    calls: list = []
-    monkeypatch.setattr(compile_cache, "compile_kernel",
-                        lambda kernel_cls, config, *, target=None: lambda *a: calls.append((kernel_cls, config, a)))
-    monkeypatch.setattr(compile_cache, "launch_target", lambda index: "sm_90a")
-    monkeypatch.setattr(compile_cache, "_launchable", {})
+    calls = record_launches(monkeypatch)
     for module in (intra, recurrence):  # the CUDA-device part of the token-tensor check
         monkeypatch.setattr(module, "check_token_tensors", lambda named, B, T: None)
     return calls

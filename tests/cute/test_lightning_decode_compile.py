@@ -35,6 +35,7 @@ from tests.cute.compile_helpers import (
     assert_simt_only,
     compile_machine_code,
     compile_params,
+    record_launches,
 )
 
 pytestmark = COMPILE_MARKS
@@ -381,14 +382,7 @@ def test_verify_declines_with_reasons(monkeypatch) -> None:
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     """Every launch as ``(kernel class, config, arguments)``."""
-    from cula_runtime.cute import compile_cache
-
-    calls: list = []
-    monkeypatch.setattr(compile_cache, "compile_kernel",
-                        lambda kernel_cls, config, *, target=None: lambda *a: calls.append((kernel_cls, config, a)))
-    monkeypatch.setattr(compile_cache, "launch_target", lambda index: "sm_90a")
-    monkeypatch.setattr(compile_cache, "_launchable", {})
-    return calls
+    return record_launches(monkeypatch)
 
 
 def _validated_cpu(cu=None, *, dtype=None, pool_dtype=None, v_first=False, scale=None, T=1, out=False):
