@@ -13,18 +13,14 @@ import textwrap
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cula
 from cula.kda import kda_decode, kda_prefill
 from cula.ops import OPS
+from tests.api.op_helpers import clone_kwargs, fake_outputs, i32, metadata
 from tests.kda_layer import TinyKda
 
 B, T, H, HV, K, V = 2, 9, 1, 2, 8, 4
-
-
-def _i32(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
 
 
 def inputs(B: int = B, T: int = T, dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
@@ -49,7 +45,7 @@ def packed(lens: list[int], **overrides) -> dict:
     for n in lens:
         cu.append(cu[-1] + n)
     kwargs = inputs(1, cu[-1])
-    kwargs.update(cu_seqlens=_i32(cu), **overrides)
+    kwargs.update(cu_seqlens=i32(cu), **overrides)
     return kwargs
 
 
@@ -75,25 +71,21 @@ PREFILL = {
 PREFILL["packed-cpu-copy"]["cu_seqlens_cpu"] = PREFILL["packed-cpu-copy"]["cu_seqlens"].clone()
 
 PREFILL_POOL = {
-    "fixed-slots-3-0": dict(inputs(), state=pool(5), state_indices=_i32([3, 0])),
-    "fixed-padding-row": dict(inputs(), state=pool(5), state_indices=_i32([-1, 2])),
-    "packed-has-initial": packed([3, 0, 6], state=pool(4, True), state_indices=_i32([1, 3, 0]),
+    "fixed-slots-3-0": dict(inputs(), state=pool(5), state_indices=i32([3, 0])),
+    "fixed-padding-row": dict(inputs(), state=pool(5), state_indices=i32([-1, 2])),
+    "packed-has-initial": packed([3, 0, 6], state=pool(4, True), state_indices=i32([1, 3, 0]),
                                  has_initial_state=torch.tensor([True, False, True]), state_v_first=True),
 }
 
 DECODE = {
-    "T1-B3": dict(inputs(3, 1), state=pool(6), state_indices=_i32([4, -1, 1])),
-    "T1-gate-vfirst": dict(inputs(3, 1), state=pool(6, True), state_indices=_i32([0, 5, 2]), state_v_first=True,
+    "T1-B3": dict(inputs(3, 1), state=pool(6), state_indices=i32([4, -1, 1])),
+    "T1-gate-vfirst": dict(inputs(3, 1), state=pool(6, True), state_indices=i32([0, 5, 2]), state_v_first=True,
                            lower_bound=-3.0, **gate_params()),
-    "packed-1-0-3-int64-cu": dict(packed([1, 0, 3]), state=pool(5), state_indices=_i32([2, 0, 4])),
-    "speculative-W3": dict(inputs(2, 3), state=pool(8), state_indices=_i32([[0, 1, 2], [5, 6, 7]]),
-                           num_accepted_tokens=_i32([2, 1])),
+    "packed-1-0-3-int64-cu": dict(packed([1, 0, 3]), state=pool(5), state_indices=i32([2, 0, 4])),
+    "speculative-W3": dict(inputs(2, 3), state=pool(8), state_indices=i32([[0, 1, 2], [5, 6, 7]]),
+                           num_accepted_tokens=i32([2, 1])),
 }
 DECODE["packed-1-0-3-int64-cu"]["cu_seqlens"] = DECODE["packed-1-0-3-int64-cu"]["cu_seqlens"].long()
-
-
-def _clone(kwargs: dict) -> dict:
-    return {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
 
 
 # opcheck (schema, autograd registration, fake tensors, AOT dispatch with dynamic shapes) costs ~2 s a case: a
@@ -107,32 +99,22 @@ OPCHECK += [("kda_decode_out", DECODE, name) for name in ("T1-gate-vfirst", "spe
 
 @pytest.mark.parametrize(("op", "cases", "name"), OPCHECK, ids=[f"{op}-{name}" for op, _, name in OPCHECK])
 def test_opcheck(op: str, cases: dict, name: str) -> None:
-    kwargs = _clone(cases[name])
+    kwargs = clone_kwargs(cases[name])
     if op == "kda_decode_out":
         kwargs["out"] = torch.empty_like(kwargs["v"])
     torch.library.opcheck(getattr(torch.ops.cula, op).default, (), kwargs)
 
 
-def _metadata(x: torch.Tensor) -> tuple:
-    return tuple(x.shape), x.stride(), x.dtype, x.device.type
-
-
-def _fake_outputs(op, kwargs: dict):
-    with FakeTensorMode() as mode:
-        fake = {name: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
-        return op(**fake)
-
-
 @pytest.mark.parametrize("name", list(PREFILL))
 def test_kda_prefill_fake_matches_the_real_result_and_the_python_api(name: str) -> None:
     kwargs = PREFILL[name]
-    o, final_state = torch.ops.cula.kda_prefill(**_clone(kwargs))
-    fake_o, fake_final = _fake_outputs(torch.ops.cula.kda_prefill, kwargs)
-    assert _metadata(fake_o) == _metadata(o)
-    assert _metadata(fake_final) == _metadata(final_state)
+    o, final_state = torch.ops.cula.kda_prefill(**clone_kwargs(kwargs))
+    fake_o, fake_final = fake_outputs(torch.ops.cula.kda_prefill, kwargs)
+    assert metadata(fake_o) == metadata(o)
+    assert metadata(fake_final) == metadata(final_state)
     N = kwargs["q"].shape[0] if "cu_seqlens" not in kwargs else kwargs["cu_seqlens"].numel() - 1
     assert o.shape == (*kwargs["v"].shape[:2], HV, V) and o.dtype == kwargs["q"].dtype and o.is_contiguous()
-    o_api, final_api = kda_prefill(**_clone(kwargs))
+    o_api, final_api = kda_prefill(**clone_kwargs(kwargs))
     assert torch.equal(o, o_api)
     if kwargs.get("output_final_state"):
         dims = (V, K) if kwargs.get("state_v_first") else (K, V)
@@ -145,9 +127,9 @@ def test_kda_prefill_fake_matches_the_real_result_and_the_python_api(name: str) 
 @pytest.mark.parametrize("name", list(PREFILL_POOL))
 def test_kda_prefill_pool_writes_the_pool_as_the_python_api(name: str) -> None:
     kwargs = PREFILL_POOL[name]
-    op_kwargs, api_kwargs = _clone(kwargs), _clone(kwargs)
+    op_kwargs, api_kwargs = clone_kwargs(kwargs), clone_kwargs(kwargs)
     o = torch.ops.cula.kda_prefill_pool(**op_kwargs)
-    assert _metadata(_fake_outputs(torch.ops.cula.kda_prefill_pool, kwargs)) == _metadata(o)
+    assert metadata(fake_outputs(torch.ops.cula.kda_prefill_pool, kwargs)) == metadata(o)
     o_api, none = kda_prefill(**api_kwargs)
     assert none is None and torch.equal(o, o_api)
     assert torch.equal(op_kwargs["state"], api_kwargs["state"])
@@ -157,9 +139,9 @@ def test_kda_prefill_pool_writes_the_pool_as_the_python_api(name: str) -> None:
 @pytest.mark.parametrize("name", list(DECODE))
 def test_kda_decode_and_its_out_form_write_the_pool_as_the_python_api(name: str) -> None:
     kwargs = DECODE[name]
-    op_kwargs, out_kwargs, api_kwargs = _clone(kwargs), _clone(kwargs), _clone(kwargs)
+    op_kwargs, out_kwargs, api_kwargs = clone_kwargs(kwargs), clone_kwargs(kwargs), clone_kwargs(kwargs)
     o = torch.ops.cula.kda_decode(**op_kwargs)
-    assert _metadata(_fake_outputs(torch.ops.cula.kda_decode, kwargs)) == _metadata(o)
+    assert metadata(fake_outputs(torch.ops.cula.kda_decode, kwargs)) == metadata(o)
     out = torch.full_like(kwargs["v"], float("nan"))
     assert torch.ops.cula.kda_decode_out(**out_kwargs, out=out) is None
     o_api = kda_decode(**api_kwargs)
@@ -195,13 +177,13 @@ def test_bad_arguments_raise_the_python_api_errors_through_the_ops() -> None:
     with pytest.raises(TypeError, match=r"state_indices must have dtype torch.int32"):
         torch.ops.cula.kda_decode(**dict(DECODE["T1-B3"], state_indices=torch.tensor([4, -1, 1])))
     with pytest.raises(ValueError, match=r"out must have shape"):
-        torch.ops.cula.kda_decode_out(**_clone(DECODE["T1-B3"]), out=torch.empty(3, 1, HV, V + 1))
+        torch.ops.cula.kda_decode_out(**clone_kwargs(DECODE["T1-B3"]), out=torch.empty(3, 1, HV, V + 1))
 
 
 def test_gradients_flow_through_an_op_only_where_the_python_api_has_them() -> None:
     """No op registers a backward: torch's autograd fallback lets the CPU reference's own torch ops record the
     graph (the gradient is the Python API's), and warns that the op has no autograd kernel."""
-    api_kwargs, op_kwargs = _clone(inputs()), _clone(inputs())
+    api_kwargs, op_kwargs = clone_kwargs(inputs()), clone_kwargs(inputs())
     for kwargs in (api_kwargs, op_kwargs):
         kwargs["q"].requires_grad_()
     kda_prefill(**api_kwargs)[0].sum().backward()
@@ -241,7 +223,7 @@ def test_compile_fullgraph_of_a_decode_step_mutates_the_pool_as_eager() -> None:
     with torch.no_grad():
         for slots in ([0, 3], [5, -1], [3, 0]):
             x = torch.randn(2, 1, 32)
-            torch.testing.assert_close(compiled(x, _i32(slots)), eager.step(x, _i32(slots)), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(x, i32(slots)), eager.step(x, i32(slots)), rtol=0, atol=0)
             assert torch.equal(compiled_layer.pool, eager.pool)
 
 
