@@ -184,6 +184,12 @@ def _kda_prefill_fake(q, k, v, g, beta, scale=None, initial_state=None, output_f
                       use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                       allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None,
                       cu_seqlens=None, state_v_first=False, cu_seqlens_cpu=None):
+    return _prefill_outputs_like(q, v, output_final_state, cu_seqlens, state_v_first)
+
+
+def _prefill_outputs_like(q, v, output_final_state, cu_seqlens, state_v_first):
+    """A prefill's fake ``(o, final state)``: o like v in q's dtype; the fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]``)
+    final state, or the op's empty stand-in for None (v's heads: KDA's HV, Lightning's H)."""
     o = _output_like(q, v)
     if not output_final_state:
         return o, _no_final_state(q)
@@ -207,12 +213,7 @@ def _kda_decode_out_fake(q, k, v, g, beta, state, state_indices, out, *args):
 
 def _lightning_prefill_fake(q, k, v, g_gamma=None, layer_idx=None, num_layers=None, scale=None, initial_state=None,
                             output_final_state=False, cu_seqlens=None, state_v_first=False):
-    o = _output_like(q, v)
-    if not output_final_state:
-        return o, _no_final_state(q)
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    H, K, V = q.shape[2], q.shape[3], v.shape[3]
-    return o, q.new_empty((N, H, V, K) if state_v_first else (N, H, K, V), dtype=torch.float32)
+    return _prefill_outputs_like(q, v, output_final_state, cu_seqlens, state_v_first)
 
 
 def _lightning_output_fake(q, k, v, *args, **kwargs):
