@@ -61,8 +61,8 @@ The V block (the choice, per chunk of 64 tokens and head, K = V = 128):
   and score phase overlap the other's products and loads (an 8-warp CTA stalls all its warps at each of its two
   barriers per chunk), 80 KB of loads are in flight per SM instead of 48 KB, and the grid has twice the CTAs, so
   the host reaches two waves with longer segments (fewer state passes). block_v = 128 does 11% fewer MMAs and
-  stays selectable; which wins must be measured on the H200 (not yet run). Both give the same bits: every
-  element's arithmetic (its MMAs, their order, the roundings) is the same in either.
+  stays selectable; which wins is not yet measured (the default ran on the H200, 2026-12-02). Both give the same
+  bits: every element's arithmetic (its MMAs, their order, the roundings) is the same in either.
 
 :func:`lightning_chunk_output` is the host wrapper.
 """

@@ -15,8 +15,9 @@ An int64 ``cu_seqlens`` is narrowed to int32 on the device (one small copy and a
 zero-allocation form a CUDA graph wants, and a packed batch's offsets fit in it: the kernel indexes tokens with
 int32).
 
-Where it has run: compiled for sm_90a, sm_100a and sm_103a on a CPU (``tests/cute/test_lightning_decode_compile.py``);
-no GPU has run it yet (``tests/cute/test_lightning_decode_gpu.py`` is written for the H200).
+Where it has run: on sm_90 (H200, 2026-12-02) against a float64 loop (``tests/cute/test_lightning_decode_gpu.py``) and
+through ``cula.lightning.lightning_decode`` (``tests/gpu/test_lightning_gpu.py``), both forms; compiled for sm_100a
+and sm_103a in CI (``tests/cute/test_lightning_decode_compile.py``), where no GPU has run it.
 """
 
 from __future__ import annotations

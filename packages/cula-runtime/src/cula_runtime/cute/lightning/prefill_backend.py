@@ -18,9 +18,10 @@ tensors are passed flattened (views): q, k ``[B·T, H, K]``, v, o ``[B·T, H, V]
 
 Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules load on the first call.
 
-Where it has run: nowhere yet. Kernels A and B compile for sm_90a, sm_100a and sm_103a on the CPU
-(``tests/cute/test_lightning_states_compile.py``); their GPU tests (``tests/cute/test_lightning_states_gpu.py``)
-have not run.
+Where it has run: on sm_90 (H200, 2026-12-02): kernels A, B and C against float64
+(``tests/cute/test_lightning_states_gpu.py``, ``tests/cute/test_lightning_output_gpu.py``) and this backend through
+``cula.lightning.lightning_prefill`` against the fp64 recurrence (``tests/gpu/test_lightning_gpu.py``); timed against
+FLA in ``benchmarks/results/lightning_h200.md``. Compiled for sm_100a and sm_103a in CI, where no GPU has run them.
 """
 
 from __future__ import annotations
