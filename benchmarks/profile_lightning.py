@@ -19,6 +19,14 @@ os.environ.setdefault("CULA_BACKEND", "cutedsl")
 PEAK_BYTES_PER_S = 4.3e12  # the decode and prefill benchmarks' HBM figure for the H200
 
 
+def _short(kernel_name: str) -> str:
+    """A kernel's name without the compiler's prefix and mangled tail: what tells the kernels apart."""
+    for family in ("LightningSegmentStates", "LightningSegmentScan", "LightningChunkOutput"):
+        if family in kernel_name:
+            return family
+    return kernel_name[:80]
+
+
 def _parse_shape(text: str) -> tuple[int, int, int]:
     B, T, H = (int(x) for x in text.split(","))
     return B, T, H
@@ -57,10 +65,10 @@ def main() -> None:
             times: dict[str, list[float]] = {}
             for event in prof.events():
                 if event.device_type.name == "CUDA":
-                    times.setdefault(event.name[:60], []).append(event.device_time)
+                    times.setdefault(event.name, []).append(event.device_time)
             parts = {name: statistics.median(ts) for name, ts in times.items()}
             total = sum(statistics.median(ts) * len(ts) / args.reps for ts in times.values())
-            line = "; ".join(f"{name} {us:.1f} x{len(times[name]) // args.reps}" for name, us in parts.items())
+            line = "; ".join(f"{_short(name)} {us:.1f} x{len(times[name]) // args.reps}" for name, us in parts.items())
             print(f"B{B} T{T} H{H} seg_len={seg_len or 'auto'}: total {total:.1f} us (floor {floor_us:.1f}, "
                   f"{total / floor_us:.2f}x): {line}", flush=True)
 
