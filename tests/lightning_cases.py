@@ -61,13 +61,18 @@ class LightningCase:
     def pool(self) -> bool:
         return self.indices is not None
 
-    def written(self) -> list[int]:
-        """The pool slots the call writes: every in-pool slot (decode: of a sequence with tokens)."""
+    def written_rows(self) -> list[tuple[int, int]]:
+        """``(sequence, slot)`` of each pool slot the call writes: every in-pool slot (decode: of a sequence with
+        tokens)."""
         if not self.pool:
             return []
         starts = bounds_of(None if self.lens is None else list(self.lens), self.B, self.T)
-        return [s for n, s in enumerate(self.indices) if 0 <= s < POOL_SLOTS
+        return [(n, s) for n, s in enumerate(self.indices) if 0 <= s < POOL_SLOTS
                 and (self.op == "prefill" or starts[n + 1] > starts[n])]
+
+    def written(self) -> list[int]:
+        """The pool slots the call writes (:meth:`written_rows`)."""
+        return [s for _, s in self.written_rows()]
 
 
 _LAYOUTS = ((False, "kfirst"), (True, "vfirst"))
@@ -178,11 +183,11 @@ def start_states(case: LightningCase, kwargs: dict) -> torch.Tensor | None:
     return h0
 
 
-def oracle(case: LightningCase, kwargs: dict, pool_before: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def oracle(case: LightningCase, kwargs: dict, pool_before: torch.Tensor | None = None,
+           final_state: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float64 o ``[B, T, H, V]`` and the expected states on the CPU: the final states ``[N, H, ...]`` of a dense
-    call (None for the layer case), the pool's expected contents after a pool call (from ``pool_before``, default
-    ``kwargs["state"]``, which must be the pool as it was before the call)."""
+    call (None for the layer case, unless ``final_state``), the pool's expected contents after a pool call (from
+    ``pool_before``, default ``kwargs["state"]``, which must be the pool as it was before the call)."""
     from cula_runtime.reference.lightning import lightning_naive
 
     q, k, v = (kwargs[n].cpu() for n in ("q", "k", "v"))
@@ -195,7 +200,8 @@ def oracle(case: LightningCase, kwargs: dict, pool_before: torch.Tensor | None =
     h0 = kwargs.get("initial_state")
     cu = kwargs.get("cu_seqlens")
     o, ht = lightning_naive(q, k, v, g, initial_state=None if h0 is None else h0.cpu(),
-                            output_final_state=case.layer is None, cu_seqlens=None if cu is None else cu.cpu(),
+                            output_final_state=case.layer is None if final_state is None else final_state,
+                            cu_seqlens=None if cu is None else cu.cpu(),
                             state_v_first=case.v_first)
     return o, ht
 
