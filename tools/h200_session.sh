@@ -19,6 +19,9 @@
 #          bash tools/h200_session.sh bench:lightning
 #   ... && bash tools/h200_session.sh sanitizer:lightning
 #   ... && bash tools/h200_session.sh stress:lightning
+# FLA's errors on the Lightning GPU tests' cases (the frozen bounds; 300 s; writes $OUT/lightning_fla_errors.py, to
+# be copied to tests/lightning_fla_errors.py; only the cases not recorded there yet):
+#   ... && bash tools/h200_session.sh fla:lightning
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default: BENCH_EXTRA
@@ -77,6 +80,8 @@ for step in "$@"; do
                         tests/sm90 ;;
     tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
+    fla:lightning) timeout 300 python3 benchmarks/fla_lightning_error_bounds.py "$OUT/lightning_fla_errors.py" \
+                     missing ;;
     bench) timeout 580 python3 benchmarks/bench_kda_prefill.py --out "$OUT/kda_prefill_h200.md" ;;
     bench-fixed) timeout 580 python3 benchmarks/bench_kda_prefill.py --only fixed --out "$OUT/kda_prefill_fixed.md" \
                    $BENCH_EXTRA ;;
