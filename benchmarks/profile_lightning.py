@@ -3,7 +3,8 @@ lengths, from torch.profiler's CUDA activity (every kernel launch, TVM-FFI's inc
 
     python benchmarks/profile_lightning.py [--shapes B,T,H ...] [--seg-lens 0,512,1024,...] [--reps 5]
 
-``--seg-lens 0`` is the backend's own choice; any other value is forced through ``CULA_LIGHTNING_SEG_LEN``. Prints
+``--seg-lens 0`` is the backend's own choice; any other value is passed to the cutedsl backend as its fixed
+``seg_len`` (the calls run the backend on validated arguments, as ``cula.lightning`` does after dispatch). Prints
 one line per (shape, segment length): each kernel's median time per call in us, their sum, and the bytes floor of
 the call (q, k, v read and o written once, bf16, at 4.3 TB/s).
 """
@@ -11,10 +12,7 @@ the call (q, k, v read and o written once, bf16, at 4.3 TB/s).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-
-os.environ.setdefault("CULA_BACKEND", "cutedsl")
 
 PEAK_BYTES_PER_S = 4.3e12  # the decode and prefill benchmarks' HBM figure for the H200
 
@@ -43,24 +41,22 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from cula.lightning import lightning_prefill
+    from cula_runtime.cute.lightning.prefill_backend import lightning_prefill_cutedsl_backend
+    from cula_runtime.lightning_args import validate_lightning_prefill
 
     D = 128
     for B, T, H in args.shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
         floor_us = 4 * q.numel() * 2 / PEAK_BYTES_PER_S * 1e6
+        call = validate_lightning_prefill(q, k, v, layer_idx=0, num_layers=2)
         for seg_len in (int(x) for x in args.seg_lens.split(",")):
-            if seg_len:
-                os.environ["CULA_LIGHTNING_SEG_LEN"] = str(seg_len)
-            else:
-                os.environ.pop("CULA_LIGHTNING_SEG_LEN", None)
             for _ in range(3):
-                lightning_prefill(q, k, v, layer_idx=0, num_layers=2)
+                lightning_prefill_cutedsl_backend(call, seg_len=seg_len)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.reps):
-                    lightning_prefill(q, k, v, layer_idx=0, num_layers=2)
+                    lightning_prefill_cutedsl_backend(call, seg_len=seg_len)
                 torch.cuda.synchronize()
             times: dict[str, list[float]] = {}
             for event in prof.events():

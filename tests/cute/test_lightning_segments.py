@@ -3,7 +3,7 @@
 
 * :func:`segment_table` for fixed lengths, varlen batches with empty sequences and tails, against a brute-force
   cut of every sequence; its argument errors; :func:`choose_seg_len` (the examples of its docstring, its rule) and
-  the ``CULA_LIGHTNING_SEG_LEN`` override; the device table's cache (a repeated call builds nothing; an in-place
+  a fixed seg_len; the device table's cache (a repeated call builds nothing; an in-place
   change of ``cu_seqlens`` rebuilds).
 * ``verify_lightning_prefill``'s declines, each with its reason.
 * ``lightning_prefill_cutedsl_backend`` and its call plan with the three kernels replaced by the float64
@@ -149,7 +149,6 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
     monkeypatch.setattr(pb, "_states", lambda: fake)
     monkeypatch.setattr(pb, "_output", lambda: fake.chunk_output)
     monkeypatch.setattr(pb, "sm_count", lambda device: 132)
-    monkeypatch.delenv(pb.SEG_LEN_ENV, raising=False)
     pb.clear_segment_cache()
     return fake
 
@@ -239,19 +238,14 @@ def test_choose_seg_len_rule(lens: list[int], H: int) -> None:
         assert all(num_segments(lens, s) * H < sms for s in SEG_LEN_CHOICES if s >= pb.MIN_PREFERRED_SEG_LEN)
 
 
-def test_seg_len_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(pb.SEG_LEN_ENV, raising=False)
-    assert pb.requested_seg_len() == 0
-    assert pb.requested_seg_len(192) == 192
-    monkeypatch.setenv(pb.SEG_LEN_ENV, "0")
-    assert pb.requested_seg_len() == 0
-    monkeypatch.setenv(pb.SEG_LEN_ENV, "640")
-    assert pb.requested_seg_len() == 640
-    assert pb.requested_seg_len(64) == 64  # an explicit argument wins
-    for bad in ("100", "-64", "abc"):
-        monkeypatch.setenv(pb.SEG_LEN_ENV, bad)
-        with pytest.raises(ValueError, match="CULA_LIGHTNING_SEG_LEN"):
-            pb.requested_seg_len()
+def test_seg_len_fixed_by_the_caller() -> None:
+    assert pb._requested_seg_len(0) == 0  # chosen per call
+    assert pb._requested_seg_len(192) == 192
+    for bad in (100, -64, 1 << 30):
+        with pytest.raises(ValueError, match="seg_len must be a positive multiple of 64"):
+            pb._requested_seg_len(bad)
+    with pytest.raises(TypeError, match="seg_len must be an int"):
+        pb._requested_seg_len("640")
 
 
 def test_device_table_is_cached() -> None:
@@ -359,10 +353,8 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=initial, output_final_state=True,
                                       cu_seqlens=cu_t, state_v_first=v_first)
     if planned:
-        if seg_len:
-            monkeypatch.setenv(pb.SEG_LEN_ENV, str(seg_len))
-        o, ht = pb.plan_lightning_prefill(args)(args.q, args.k, args.v, args.g_gamma, args.initial_state,
-                                                args.cu_seqlens, None, None, None)
+        plan = pb.plan_lightning_prefill(args, seg_len=seg_len)
+        o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, None, None, None)
     else:
         o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len)
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, initial, cu_t, v_first)

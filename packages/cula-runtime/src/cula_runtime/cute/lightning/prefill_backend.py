@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ...env import env_value
 from ...index import _host_tensor, cached_on_version, checked_cu_seqlens_host
 from ...kda_tuning import recurrence_block_v, sm_count
 from .. import device_rejection
@@ -49,7 +48,6 @@ __all__ = [
     "num_segments",
     "plan_lightning_prefill",
     "pool_layout_rejection",
-    "requested_seg_len",
     "segment_table",
     "verify_lightning_prefill",
 ]
@@ -61,7 +59,6 @@ HEAD_DIM = 128
 SEG_LEN_CHOICES = (4096, 2048, 1024, 512, 256, 128, 64)
 WAVES = 2
 MIN_PREFERRED_SEG_LEN = 256  # shorter segments only when this length cannot fill one wave
-SEG_LEN_ENV = "CULA_LIGHTNING_SEG_LEN"  # a fixed seg_len for every call (a multiple of 64), for timing; 0: chosen
 MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -146,7 +143,8 @@ def choose_seg_len(lens: Sequence[int], num_heads: int, num_sms: int, *, waves: 
     that length that still fills one wave (``NSEG · H >= num_sms``), if any; else the shortest that fills the waves,
     else 64 (all the parallelism there is). Longer segments mean fewer state bytes (4 passes of ``NSEG · H · 64
     KB`` against the inputs' ``T · H · 1 KB``) and shorter scans; shorter ones more CTAs. (A first guess, to be
-    timed on the GPU: ``CULA_LIGHTNING_SEG_LEN`` overrides it.)
+    timed on the GPU: the backend and its plan take a fixed ``seg_len`` for that, see
+    ``benchmarks/profile_lightning.py``.)
 
     Examples, 132 SMs: B1 H16 T32768 -> 1024 (512 CTAs); B1 H64 T4096 -> 512; B2 H64 T32768 -> 4096; B1 H16
     T4096 -> 256 (256 CTAs, one wave and a bit: 128 would make 512 but quadruple the state bytes).
@@ -180,22 +178,9 @@ def _resolved_seg_len(lens: list[int], H: int, num_sms: int, seg_len: int) -> in
     return choose_seg_len(lens, H, num_sms) if seg_len == 0 else _check_seg_len(seg_len)
 
 
-def requested_seg_len(seg_len: int = 0) -> int:
-    """``seg_len`` if nonzero, else ``CULA_LIGHTNING_SEG_LEN`` (unset or 0: chosen per call, returned as 0).
-
-    Raises:
-        ValueError: the variable is not a non-negative multiple of 64.
-    """
-    if seg_len:
-        return _check_seg_len(seg_len)
-    raw = env_value(SEG_LEN_ENV, "")
-    if raw in ("", "0"):
-        return 0
-    try:
-        return _check_seg_len(int(raw))
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{SEG_LEN_ENV}={raw!r}: expected 0 (chosen per call) or a positive multiple of {CHUNK} "
-                         f"up to {MAX_SEG_LEN}") from exc
+def _requested_seg_len(seg_len: int) -> int:
+    """``seg_len`` checked (a positive multiple of 64), or 0 (chosen per call) as given."""
+    return _check_seg_len(seg_len) if seg_len else 0
 
 
 def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, device: torch.device, num_sms: int,
@@ -302,8 +287,7 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
 
     Args:
         args: validated arguments.
-        seg_len: the segment length (a positive multiple of 64); 0: ``CULA_LIGHTNING_SEG_LEN`` if set, else
-            :func:`choose_seg_len` per call.
+        seg_len: the segment length (a positive multiple of 64); 0: :func:`choose_seg_len` per call.
         block_v: kernel A's value columns per CTA, 64 or 128 (the same bits); 0: chosen from NSEG · H and the SMs.
 
     Returns:
@@ -326,7 +310,7 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         return o, ht
     num_sms = sm_count(device)
     chosen, segments, seq_segments = device_segments(B, T, H, args.cu_seqlens, device, num_sms,
-                                                     requested_seg_len(seg_len))
+                                                     _requested_seg_len(seg_len))
     nseg = segments.shape[0]
     seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
     q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
@@ -339,13 +323,14 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     return o, ht
 
 
-def plan_lightning_prefill(args: LightningPrefillArgs) -> Callable | None:
+def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
     state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched:
     kernels A and B through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
     (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked host
-    copy of its values). Holds no tensor of the call it was made from."""
+    copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
+    plan. Holds no tensor of the call it was made from."""
     states = _states()
     device = args.device
     B, T, H, K, V, N = args.B, args.T, args.H, args.K, args.V, args.N
@@ -353,6 +338,7 @@ def plan_lightning_prefill(args: LightningPrefillArgs) -> Callable | None:
     state_shape = args.state_shape
     want_ht = args.output_final_state and args.state is None
     num_sms = sm_count(device)
+    fixed_seg_len = _requested_seg_len(seg_len)
     scan = states.plan_segment_scan(H, N, states.scan_flags(args.initial_state, want_ht, v_first, args.state,
                                                             args.has_initial_state), device)
     runs_a: dict[int, Callable] = {}
@@ -362,7 +348,7 @@ def plan_lightning_prefill(args: LightningPrefillArgs) -> Callable | None:
         ht = torch.empty(state_shape, dtype=torch.float32, device=device) if want_ht else None
         if N == 0:
             return o, ht
-        chosen, segments, seq_segments = device_segments(B, T, H, cu_seqlens, device, num_sms, requested_seg_len())
+        chosen, segments, seq_segments = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len)
         nseg = segments.shape[0]
         seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
         kf, o_flat = _flat(k), _flat(o)
