@@ -160,7 +160,7 @@ def test_decode_plans_without_the_stand_in_never_serve_cpu_indices(monkeypatch: 
     """Through the real dispatch on the CPU: every call validated (the reference makes no plans; CPU indices)."""
     monkeypatch.delenv("CULA_BACKEND", raising=False)
     remembered = []
-    monkeypatch.setattr(cula.lightning, "remember", lambda *a: remembered.append(a))
+    monkeypatch.setattr(call_plans, "remember", lambda *a: remembered.append(a))  # (where every op keeps plans)
     q, k, v = _inputs(B=2, T=1)
     pool = torch.zeros(3, H, K, V)
     for _ in range(2):

@@ -17,6 +17,12 @@ holds no tensor of the call that made it. Calls with non-tensor arguments, tenso
 never planned: the validator sees each of them. A planned pool-form call takes its pool, indices and flags as it
 comes (``kda_decode`` likewise). ``CULA_CALL_PLANS=0`` turns plans off.
 
+Every op runs the same two steps: ``plan = lookup(signature)`` and, on a hit, the plan; on a miss validation,
+dispatch and :func:`first_call`, the one place plans are made and kept. A decode plan is the kernel module's launch
+itself (one Python frame between the public call and the compiled kernel, which it calls without Python checks:
+TVM-FFI refuses a misaligned pointer before launching, and the plan then sends the call through
+``compile_cache.launch``, as the unplanned path does).
+
 ``cula.lightning``'s calls are planned by the same rules (:func:`lightning_prefill_call_signature`,
 :func:`lightning_decode_call_signature`): the decay is part of the signature as ``g_gamma``'s tensor key, or as the
 ``layer_idx`` / ``num_layers`` ints; a call with a CPU ``g_gamma`` (the validator checks its values) or CPU index
@@ -31,8 +37,10 @@ import torch
 
 from cula_runtime.env import env_snapshot, env_value
 
-__all__ = ["ENV_CALL_PLANS", "call_signature", "clear_call_plans", "decode_call_signature", "lookup", "remember",
-           "with_current_knobs", "lightning_prefill_call_signature", "lightning_decode_call_signature"]
+from .dispatch import planner_for
+
+__all__ = ["ENV_CALL_PLANS", "call_signature", "clear_call_plans", "decode_call_signature", "first_call", "lookup",
+           "remember", "with_current_knobs", "lightning_prefill_call_signature", "lightning_decode_call_signature"]
 
 #: "0" turns call plans off: every call is validated and dispatched (for debugging; read on every call).
 ENV_CALL_PLANS = "CULA_CALL_PLANS"
@@ -92,24 +100,31 @@ def decode_call_signature(q, k, v, g, beta, state, state_indices, scale, A_log, 
     """The signature of a ``kda_decode`` call (its arguments in ``kda_decode``'s order), or None for a call that is
     never planned (``CULA_CALL_PLANS=0``, a flag that is not ``bool``, a ``scale``/``lower_bound`` that is not a
     number, a tensor subclass, or index tensors on the CPU, whose values the validator checks on every call). A
-    decode signature never equals a prefill one (its first element is ``"decode"``)."""
-    if env_value(ENV_CALL_PLANS, "1") == "0" or state_indices.__class__ is not _Tensor \
-            or indices_checked_on_host(state_indices):
-        return None
-    flags = (use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-             state_v_first)
-    for flag in flags:
-        if flag.__class__ is not bool:
-            return None
-    if not ((scale is None or scale.__class__ in _NUMBERS)
+    decode signature never equals a prefill one (its first element is ``"decode"``). One flat tuple, the required
+    tensors' keys written out (no call per tensor): about 5 us here for the benchmark's call."""
+    if not (q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor and g.__class__ is _Tensor
+            and beta.__class__ is _Tensor and state.__class__ is _Tensor and state_indices.__class__ is _Tensor
+            and use_qk_l2norm_in_kernel.__class__ is bool and use_gate_in_kernel.__class__ is bool
+            and use_beta_sigmoid_in_kernel.__class__ is bool and allow_neg_eigval.__class__ is bool
+            and state_v_first.__class__ is bool and (scale is None or scale.__class__ in _NUMBERS)
             and (lower_bound is None or lower_bound.__class__ in _NUMBERS)):
         return None
-    try:
-        tensors = tuple(map(_tensor_key, (q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens,
-                                          num_accepted_tokens, out)))
-    except (_Unplannable, RuntimeError):
+    if env_value(ENV_CALL_PLANS, "1") == "0" or indices_checked_on_host(state_indices):
         return None
-    return "decode", tensors, flags, scale, lower_bound, env_snapshot()
+    try:
+        return ("decode",
+                q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+                v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride(), g.dtype, g.device,
+                beta.shape, beta.stride(), beta.dtype, beta.device, state.shape, state.stride(), state.dtype,
+                state.device, state_indices.shape, state_indices.stride(), state_indices.dtype, state_indices.device,
+                None if A_log is None else _tensor_key(A_log), None if dt_bias is None else _tensor_key(dt_bias),
+                None if cu_seqlens is None else _tensor_key(cu_seqlens),
+                None if num_accepted_tokens is None else _tensor_key(num_accepted_tokens),
+                None if out is None else _tensor_key(out),
+                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                state_v_first, scale, lower_bound, env_snapshot())
+    except (_Unplannable, RuntimeError):  # (RuntimeError: a layout without strides)
+        return None
 
 
 def _decay_key(g_gamma: object, layer_idx: object, num_layers: object) -> tuple:
@@ -152,18 +167,23 @@ def lightning_prefill_call_signature(q, k, v, g_gamma, layer_idx, num_layers, sc
 def lightning_decode_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, state, state_indices,
                                     state_v_first, cu_seqlens, out) -> tuple | None:
     """The signature of a ``lightning_decode`` call (its arguments in ``lightning_decode``'s order), or None for
-    one that is never planned (as :func:`lightning_prefill_call_signature`; CPU ``state_indices`` never are)."""
-    if env_value(ENV_CALL_PLANS, "1") == "0" or state_indices.__class__ is not _Tensor \
-            or indices_checked_on_host(state_indices):
+    one that is never planned (as :func:`lightning_prefill_call_signature`; CPU ``state_indices`` never are). One
+    flat tuple, as :func:`decode_call_signature`'s."""
+    if not (q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
+            and state.__class__ is _Tensor and state_indices.__class__ is _Tensor
+            and state_v_first.__class__ is bool and (scale is None or scale.__class__ in _NUMBERS)):
         return None
-    if state_v_first.__class__ is not bool or not (scale is None or scale.__class__ in _NUMBERS):
+    if env_value(ENV_CALL_PLANS, "1") == "0" or indices_checked_on_host(state_indices):
         return None
     try:
-        decay = _decay_key(g_gamma, layer_idx, num_layers)
-        tensors = tuple(map(_tensor_key, (q, k, v, state, state_indices, cu_seqlens, out)))
+        return ("lightning_decode",
+                q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+                v.shape, v.stride(), v.dtype, v.device, state.shape, state.stride(), state.dtype, state.device,
+                state_indices.shape, state_indices.stride(), state_indices.dtype, state_indices.device,
+                None if cu_seqlens is None else _tensor_key(cu_seqlens), None if out is None else _tensor_key(out),
+                _decay_key(g_gamma, layer_idx, num_layers), state_v_first, scale, env_snapshot())
     except (_Unplannable, RuntimeError):
         return None
-    return "lightning_decode", tensors, decay, state_v_first, scale, env_snapshot()
 
 
 def indices_checked_on_host(state_indices: torch.Tensor) -> bool:
@@ -177,8 +197,8 @@ def with_current_knobs(signature: tuple) -> tuple:
     return *signature[:-1], env_snapshot()
 
 
-def lookup(signature: tuple) -> Plan | None:
-    """The plan made for this signature, or None."""
+def lookup(signature: tuple | None) -> Plan | None:
+    """The plan made for this signature, or None (also for a None signature: a call never planned)."""
     return _plans.get(signature)
 
 
@@ -187,6 +207,24 @@ def remember(signature: tuple, plan: Plan) -> None:
     if len(_plans) >= _CAPACITY:
         _plans.clear()
     _plans[signature] = plan
+
+
+def first_call(signature: tuple | None, args: object, runner: Callable, as_is: bool, plan_args: tuple,
+               plan_kwargs: dict | None = None) -> object:
+    """A call no plan served, after validation (``args``) and dispatch (``runner``): the one place where plans are
+    made, for every op. When the call has a signature and its tensors were taken as passed (``as_is``) and
+    ``runner``'s backend makes plans (:func:`cula.dispatch.planner_for`) and makes one for ``args``, that plan runs
+    the call (``plan(*plan_args, **plan_kwargs)``) and is kept under the signature with the knobs as they are after
+    this first run (which may read a knob for the first time); otherwise ``runner(args)`` runs it. Returns what
+    either returned."""
+    if signature is not None and as_is:
+        planner = planner_for(runner)
+        plan = None if planner is None else planner(args)
+        if plan is not None:
+            result = plan(*plan_args, **(plan_kwargs or {}))
+            remember(with_current_knobs(signature), plan)
+            return result
+    return runner(args)
 
 
 def clear_call_plans() -> None:

@@ -8,8 +8,8 @@ from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, pre
 from cula_runtime.kda_args import KdaPrefillArgs, checked_boundaries, validate_kda_prefill
 from cula_runtime.kda_decode_args import validate_kda_decode
 
-from .call_plans import call_signature, decode_call_signature, lookup, remember, with_current_knobs
-from .dispatch import planner_for, select_backend, select_decode_backend
+from .call_plans import call_signature, decode_call_signature, first_call, lookup
+from .dispatch import select_backend, select_decode_backend
 
 __all__ = ["kda_prefill", "kda_decode", "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets"]
 
@@ -96,33 +96,25 @@ def kda_prefill(
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
         state_v_first, cu_seqlens_cpu, state, state_indices, has_initial_state,
     )  # (None for a call never planned: e.g. a pool with CPU indices)
-    if signature is not None:
-        plan = lookup(signature)
-        if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
-            # cu_seqlens' values are checked on every call, as the validator does (ValueError before any launch)
-            cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
-            if state is None:
-                return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
-            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, state=state,
-                        state_indices=state_indices, has_initial_state=has_initial_state)
+    plan = lookup(signature)
+    if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
+        # cu_seqlens' values are checked on every call, as the validator does (ValueError before any launch)
+        cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+        if state is None:
+            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
+        return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, state=state,
+                    state_indices=state_indices, has_initial_state=has_initial_state)
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
         state_v_first, cu_seqlens_cpu, state, state_indices, has_initial_state,
     )
-    runner = select_backend(args)
-    if signature is not None and _passed_as_is(args, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
-                                               state_indices, has_initial_state):
-        planner = planner_for(runner)
-        plan = None if planner is None else planner(args)
-        if plan is not None:
-            pool = {} if state is None else dict(state=state, state_indices=state_indices,
-                                                 has_initial_state=has_initial_state)
-            result = plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, args.cu_seqlens_host, **pool)
-            # kept under the knobs as they are after its first run (which may read a knob for the first time)
-            remember(with_current_knobs(signature), plan)
-            return result
-    return runner(args)
+    as_is = signature is not None and _passed_as_is(args, q, k, v, g, beta, initial_state, A_log, dt_bias,
+                                                    cu_seqlens, state_indices, has_initial_state)
+    pool = None if state is None else dict(state=state, state_indices=state_indices,
+                                           has_initial_state=has_initial_state)
+    return first_call(signature, args, select_backend(args), as_is,
+                      (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, args.cu_seqlens_host), pool)
 
 
 def kda_decode(
@@ -196,10 +188,9 @@ def kda_decode(
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
         num_accepted_tokens, out,
     )
-    if signature is not None:
-        plan = lookup(signature)
-        if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
-            return plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out)
+    plan = lookup(signature)
+    if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
+        return plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out)
     args = validate_kda_decode(
         q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -207,20 +198,12 @@ def kda_decode(
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         num_accepted_tokens=num_accepted_tokens, out=out,
     )
-    runner = select_decode_backend(args)
-    passed_as_is = (args.q is q and args.k is k and args.v is v and args.g is g and args.beta is beta
-                    and args.state_indices is state_indices and args.A_log is A_log and args.cu_seqlens is cu_seqlens
-                    and args.num_accepted_tokens is num_accepted_tokens
-                    and (dt_bias is None or args.dt_bias is dt_bias or dt_bias.is_contiguous()))
-    if signature is not None and passed_as_is:
-        planner = planner_for(runner)
-        plan = None if planner is None else planner(args)
-        if plan is not None:
-            result = plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens,
-                          out)
-            remember(with_current_knobs(signature), plan)
-            return result
-    return runner(args)
+    as_is = (signature is not None and args.q is q and args.k is k and args.v is v and args.g is g
+             and args.beta is beta and args.state_indices is state_indices and args.A_log is A_log
+             and args.cu_seqlens is cu_seqlens and args.num_accepted_tokens is num_accepted_tokens
+             and (dt_bias is None or args.dt_bias is dt_bias or dt_bias.is_contiguous()))
+    return first_call(signature, args, select_decode_backend(args), as_is,
+                      (q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out))
 
 
 def _passed_as_is(args: KdaPrefillArgs, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,

@@ -21,14 +21,8 @@ from cula_runtime.lightning_args import (
     validate_lightning_prefill,
 )
 
-from .call_plans import (
-    lightning_decode_call_signature,
-    lightning_prefill_call_signature,
-    lookup,
-    remember,
-    with_current_knobs,
-)
-from .dispatch import planner_for, select_lightning_decode_backend, select_lightning_prefill_backend
+from .call_plans import first_call, lightning_decode_call_signature, lightning_prefill_call_signature, lookup
+from .dispatch import select_lightning_decode_backend, select_lightning_prefill_backend
 
 __all__ = ["lightning_prefill", "lightning_decode", "layer_g_gamma"]
 
@@ -97,26 +91,19 @@ def lightning_prefill(
     signature = lightning_prefill_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, initial_state,
                                                  output_final_state, cu_seqlens, state_v_first, state, state_indices,
                                                  has_initial_state)
-    if signature is not None:
-        plan = lookup(signature)
-        if plan is not None:
-            if cu_seqlens is not None:  # (its values, checked as the validator does: cached, no new synchronisation)
-                checked_boundaries(cu_seqlens, None, q.shape[1])
-            return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), initial_state, cu_seqlens, state,
-                        state_indices, has_initial_state)
+    plan = lookup(signature)
+    if plan is not None:
+        if cu_seqlens is not None:  # (its values, checked as the validator does: cached, no new synchronisation)
+            checked_boundaries(cu_seqlens, None, q.shape[1])
+        return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), initial_state, cu_seqlens, state,
+                    state_indices, has_initial_state)
     args = validate_lightning_prefill(q, k, v, g_gamma, layer_idx, num_layers, scale, initial_state,
                                       output_final_state, cu_seqlens, state_v_first, state, state_indices,
                                       has_initial_state)
-    runner = select_lightning_prefill_backend(args)
-    if signature is not None and _prefill_passed_as_is(args, q, k, v, g_gamma, initial_state, cu_seqlens,
-                                                       state_indices, has_initial_state):
-        planner = planner_for(runner)
-        plan = None if planner is None else planner(args)
-        if plan is not None:
-            result = plan(q, k, v, args.g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state)
-            remember(with_current_knobs(signature), plan)
-            return result
-    return runner(args)
+    as_is = signature is not None and _prefill_passed_as_is(args, q, k, v, g_gamma, initial_state, cu_seqlens,
+                                                            state_indices, has_initial_state)
+    return first_call(signature, args, select_lightning_prefill_backend(args), as_is,
+                      (q, k, v, args.g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state))
 
 
 def lightning_decode(
@@ -165,22 +152,15 @@ def lightning_decode(
     """
     signature = lightning_decode_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, state, state_indices,
                                                 state_v_first, cu_seqlens, out)
-    if signature is not None:
-        plan = lookup(signature)
-        if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
-            return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), state, state_indices, cu_seqlens, out)
+    plan = lookup(signature)
+    if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
+        return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), state, state_indices, cu_seqlens, out)
     args = validate_lightning_decode(q, k, v, g_gamma, layer_idx, num_layers, scale, state=state,
                                      state_indices=state_indices, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                                      out=out)
-    runner = select_lightning_decode_backend(args)
-    if signature is not None and _decode_passed_as_is(args, q, k, v, g_gamma, state_indices, cu_seqlens):
-        planner = planner_for(runner)
-        plan = None if planner is None else planner(args)
-        if plan is not None:
-            result = plan(q, k, v, args.g_gamma, state, state_indices, cu_seqlens, out)
-            remember(with_current_knobs(signature), plan)
-            return result
-    return runner(args)
+    as_is = signature is not None and _decode_passed_as_is(args, q, k, v, g_gamma, state_indices, cu_seqlens)
+    return first_call(signature, args, select_lightning_decode_backend(args), as_is,
+                      (q, k, v, args.g_gamma, state, state_indices, cu_seqlens, out))
 
 
 def _prefill_passed_as_is(args: LightningPrefillArgs, q, k, v, g_gamma, initial_state, cu_seqlens, state_indices,

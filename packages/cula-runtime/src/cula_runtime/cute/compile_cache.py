@@ -33,6 +33,8 @@ from .arch import CUTE_DSL_ARCH_ENV, compile_target, launch_target, normalize_ta
 
 __all__ = [
     "bound_launch",
+    "direct_callable",
+    "planned_launch",
     "INSTALL_HINT",
     "CacheInfo",
     "CompileRecord",
@@ -288,16 +290,34 @@ def fake_call_arguments(specs: tuple, *scalars: Any) -> tuple:
     return (*(None if spec is None else spec.fake() for spec in specs), *scalars, fake_stream())
 
 
+def direct_callable(compiled: Any) -> Any:
+    """What to call for ``compiled`` (a ``cute.compile`` result): the TVM-FFI function under CuTeDSL's Python
+    wrapper where that wrapper only forwards positional arguments to it, else ``compiled`` itself.
+
+    Every cuLA launch passes every argument by position (the launch convention above), and CuTeDSL 4.8's compiled
+    object (``TVMFFIJitCompiledFunctionWithKwargs``) then hands them unchanged to its ``tvm_ffi.Function``
+    (``__tvm_ffi_object__()``) through two Python frames: calling that function skips them (about 0.5 us per launch
+    here). Kept as it is: an object without that function (another CuTeDSL, a stand-in), one whose function is not
+    initialised (its own call raises the reason), or one whose arguments carry Python pointers to convert."""
+    function_of = getattr(compiled, "__tvm_ffi_object__", None)
+    execution_args = getattr(compiled, "execution_args", None)
+    if function_of is None or getattr(execution_args, "has_pointer_address_arg_specs", True):
+        return compiled
+    function = function_of()
+    return compiled if function is None else function
+
+
 def _launchable_for(kernel_cls: type[CuteKernelFamily], config: Hashable, index: int | None, *,
                     count_hit: bool = False) -> Any:
-    """The compiled callable of ``(kernel_cls, config)`` for device ``index`` under the current ``CUTE_DSL_ARCH``:
-    looked up in the launch table, or compiled for the device (:func:`compile_kernel`) and kept there. ``count_hit``:
-    count a lookup that found it as a compile-cache hit (as :func:`compile_kernel` would)."""
+    """The callable of ``(kernel_cls, config)`` for device ``index`` under the current ``CUTE_DSL_ARCH``
+    (:func:`direct_callable` of the compiled kernel): looked up in the launch table, or compiled for the device
+    (:func:`compile_kernel`) and kept there. ``count_hit``: count a lookup that found it as a compile-cache hit (as
+    :func:`compile_kernel` would)."""
     global _hits
     key = (kernel_cls, config, index, env_value(CUTE_DSL_ARCH_ENV, "") or None)
     compiled = _launchable.get(key)
     if compiled is None:
-        compiled = compile_kernel(kernel_cls, config, target=launch_target(index))
+        compiled = direct_callable(compile_kernel(kernel_cls, config, target=launch_target(index)))
         _launchable[key] = compiled
     elif count_hit:
         with _lock:
@@ -305,26 +325,43 @@ def _launchable_for(kernel_cls: type[CuteKernelFamily], config: Hashable, index:
     return compiled
 
 
+def planned_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
+                   device: Any) -> tuple[Any, Any]:
+    """``(kernel, relaunch)`` of ``kernel_cls(config)`` on ``device``, for call plans (the kernel looked up, or
+    compiled, here, once).
+
+    ``kernel(*tensors, *scalars)`` is the compiled kernel itself (:func:`direct_callable`): every tensor of
+    ``specs`` in order (None where a spec is None), then the scalars. The caller promises that every call passes
+    tensors of the shapes, strides and dtypes of the call the plan was made from (a call plan's signature), so of
+    the layout promises only the data pointers' alignment can differ; TVM-FFI checks it (with each tensor's dtype,
+    rank, device and strides) and raises ``ValueError`` before anything is launched. On that ``ValueError`` the
+    caller runs ``relaunch(tensors, scalars)``: the same call through :func:`launch`, which copies a misaligned
+    input, refuses a misaligned output with a ``ValueError`` saying why, and raises any other error again. A plan
+    thus checks nothing in Python on the common path and behaves as :func:`launch` on every other."""
+    kernel = _launchable_for(kernel_cls, config, device.index)
+
+    def relaunch(tensors: tuple, scalars: tuple) -> None:
+        launch(kernel_cls, config, specs, tensors, outputs, device, *scalars)
+
+    return kernel, relaunch
+
+
 def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
                  device: Any) -> Any:
     """:func:`launch` bound to one call signature, for call plans: ``run(tensors, scalars)`` calls the compiled
-    kernel (looked up, or compiled, here, once) on ``tensors`` and ``scalars``.
-
-    The caller promises that every later call passes tensors of the shapes, strides and dtypes of the call the plan
-    was made from (a call plan's signature), so of the layout promises only the data pointers' alignment can differ:
-    ``run`` checks it, and a misaligned tensor sends the call through :func:`launch` (which copies an input or
-    refuses an output). A tensor at a position whose spec is None is not passed (the kernel's configuration has no
-    such argument)."""
-    compiled = _launchable_for(kernel_cls, config, device.index)
+    kernel on ``tensors`` and ``scalars`` as :func:`planned_launch`'s ``kernel``, and on its ``ValueError`` as
+    ``relaunch`` (a misaligned input copied, a misaligned output refused). A tensor at a position whose spec is None
+    is not passed (the kernel's configuration has no such argument)."""
+    kernel, relaunch = planned_launch(kernel_cls, config, specs, outputs, device)
     present = tuple(spec is not None for spec in specs)
-    aligned = tuple((i, spec.align) for i, spec in enumerate(specs) if spec is not None and spec.align > 1)
+    every = all(present)
 
     def run(tensors: tuple, scalars: tuple) -> None:
-        for i, align in aligned:
-            if tensors[i].data_ptr() % align:
-                return launch(kernel_cls, config, specs, tensors, outputs, device, *scalars)
-        compiled(*[t if p else None for t, p in zip(tensors, present, strict=True)], *scalars)
-        return None
+        args = tensors if every else [t if p else None for t, p in zip(tensors, present, strict=True)]
+        try:
+            kernel(*args, *scalars)
+        except ValueError:  # (TVM-FFI's refusal, before any launch: launch's answer instead)
+            relaunch(tensors, scalars)
 
     return run
 

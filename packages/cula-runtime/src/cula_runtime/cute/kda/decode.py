@@ -69,7 +69,7 @@ bf16 pool) and sums its rows; the two layouts then reduce over K differently (:m
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
 from ..dsl_compat import SmemAllocator
 from .gate import GATE_FORMS, activate_beta, activate_gate
 from .intra import L2NORM_EPS, InKernelGate
@@ -770,26 +770,42 @@ def plan_kda_decode_launch(q, v, g, beta, *, state, state_indices, scale: float 
                            use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
                            allow_neg_eigval: bool = False, state_v_first: bool = False, cu_seqlens=None,
                            num_accepted_tokens=None):
-    """:func:`kda_decode_cutedsl` for a call plan: ``run(q, k, v, g, beta, A_log, dt_bias, state, state_indices,
-    num_accepted_tokens, cu_seqlens, out) -> out`` runs every later call whose tensors have the shapes, strides and
-    dtypes of these (and the same flags and scalars: the plan's signature) with the kernel looked up once
-    (:func:`~cula_runtime.compile_cache.bound_launch`). ``out`` is required (``[B, T, HV, 128]`` bf16, contiguous);
-    ``dt_bias`` may be ``[HV * K]`` or ``[HV, K]``; ``A_log`` and ``dt_bias`` fp32. Compiles the kernel now if
-    no launch did yet. Holds no tensor of this call."""
-    T, H, K = q.shape[1], q.shape[2], q.shape[3]
+    """:func:`kda_decode_cutedsl` for a call plan: ``run(q, k, v, g, beta, state, state_indices, A_log, dt_bias,
+    cu_seqlens, num_accepted_tokens, out) -> o`` (``cula.call_plans``' order) runs every later call whose tensors
+    have the shapes, strides and dtypes of these (and the same flags and scalars: the plan's signature) with the
+    kernel looked up once and called directly (:func:`~cula_runtime.cute.compile_cache.planned_launch`: TVM-FFI
+    checks the pointers' alignment; a misaligned input is copied, a misaligned ``out`` or pool refused). ``out``:
+    ``[B, T, HV, 128]`` bf16 contiguous, or None (then ``o`` is allocated); ``dt_bias`` may be ``[HV * K]`` or
+    ``[HV, K]``; ``A_log`` and ``dt_bias`` fp32. Compiles the kernel now if no launch did yet. Holds no tensor of
+    this call."""
+    import torch
+
+    B, T, H, K = q.shape
     HV = v.shape[2]
+    o_shape, device, empty, bf16 = (B, T, HV, K), q.device, torch.empty, torch.bfloat16
     if state_indices.shape[0] == 0 or T == 0:
-        return lambda q, k, v, g, beta, A_log, dt_bias, state, idx, accepted, cu, out: out
+        def launch_nothing(q, k, v, g, beta, state, idx, A_log, dt_bias, cu, accepted, out):
+            return empty(o_shape, dtype=bf16, device=device) if out is None else out
+
+        return launch_nothing
     config, specs, A_log_used, dt_used, scalars = _launch_args(
         H, HV, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
         num_accepted_tokens)
-    run = bound_launch(KdaDecode, config, specs, _OUTPUTS, q.device)
+    kernel, relaunch = planned_launch(KdaDecode, config, specs, _OUTPUTS, device)
     with_A_log, with_dt_bias = A_log_used is not None, dt_used is not None
+    scale_value, lower_value = scalars
 
-    def launch_planned(q, k, v, g, beta, A_log, dt_bias, state, idx, accepted, cu, out):
-        dt = dt_bias.view(HV, K) if with_dt_bias else None
-        run((q, k, v, g, beta, A_log if with_A_log else None, dt, state, idx, accepted, cu, out), scalars)
+    def launch_planned(q, k, v, g, beta, state, idx, A_log, dt_bias, cu, accepted, out):
+        if out is None:
+            out = empty(o_shape, dtype=bf16, device=device)
+        A_log = A_log if with_A_log else None
+        # (a [HV, K] dt_bias is passed as it is: a view costs a dispatcher call)
+        dt = (dt_bias if dt_bias.dim() == 2 else dt_bias.view(HV, K)) if with_dt_bias else None
+        try:
+            kernel(q, k, v, g, beta, A_log, dt, state, idx, accepted, cu, out, scale_value, lower_value)
+        except ValueError:  # (TVM-FFI refused a pointer's alignment before launching: launch's answer instead)
+            relaunch((q, k, v, g, beta, A_log, dt, state, idx, accepted, cu, out), scalars)
         return out
 
     return launch_planned

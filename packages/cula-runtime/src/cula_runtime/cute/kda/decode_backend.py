@@ -82,9 +82,11 @@ def plan_kda_decode(args: KdaDecodeArgs):
     """A call plan (``cula.call_plans``) for every later ``kda_decode`` call with the signature of ``args``
     (validated arguments :func:`verify_decode` accepted, every tensor passed as it is): ``plan(q, k, v, g, beta,
     state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out) -> o`` launches the kernel with
-    nothing validated or dispatched and the compiled kernel looked up once; it converts what the validator would
-    have converted (an int64 ``cu_seqlens``, non-fp32 gate parameters) and allocates ``o`` when ``out`` is None.
-    Holds no tensor of the call it was made from (the pool, the indices and every input come with each call)."""
+    nothing validated or dispatched and the compiled kernel looked up once, allocating ``o`` when ``out`` is None
+    (:func:`~.decode.plan_kda_decode_launch`, which is the plan itself: one Python frame per call); for a signature
+    with an int64 ``cu_seqlens`` or non-fp32 gate parameters, the plan first converts them as the validator and
+    :func:`kda_decode_cutedsl_backend` would. Holds no tensor of the call it was made from (the pool, the indices
+    and every input come with each call)."""
     cu = args.cu_seqlens
     narrow_cu = cu is not None and cu.dtype != torch.int32
     A_log, dt_bias = _fp32(args.A_log), _fp32(args.dt_bias)
@@ -97,17 +99,16 @@ def plan_kda_decode(args: KdaDecodeArgs):
         use_beta_sigmoid_in_kernel=args.use_beta_sigmoid_in_kernel, allow_neg_eigval=args.allow_neg_eigval,
         state_v_first=args.state_v_first, cu_seqlens=None if cu is None else cu.to(torch.int32),
         num_accepted_tokens=args.num_accepted_tokens)
-    out_shape, out_dtype, device = (args.B, args.T, args.HV, args.V), args.q.dtype, args.device
+    if not (narrow_cu or widen_A_log or widen_dt_bias):
+        return launch
 
     def plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out):
-        if out is None:
-            out = torch.empty(out_shape, dtype=out_dtype, device=device)
         if narrow_cu:
             cu_seqlens = cu_seqlens.to(torch.int32)
         if widen_A_log:
             A_log = A_log.float()
         if widen_dt_bias:
             dt_bias = dt_bias.float()
-        return launch(q, k, v, g, beta, A_log, dt_bias, state, state_indices, num_accepted_tokens, cu_seqlens, out)
+        return launch(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out)
 
     return plan

@@ -62,7 +62,7 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
 from ..dsl_compat import SmemAllocator
 from ..kda.decode import KdaDecode, KdaDecodeConfig
 
@@ -528,24 +528,35 @@ def lightning_decode_cutedsl(q, k, v, g_gamma, *, state, state_indices, scale: f
 def plan_lightning_decode_launch(q, k, v, g_gamma, *, state, state_indices, scale: float | None = None,
                                  state_v_first: bool = False, cu_seqlens=None):
     """:func:`lightning_decode_cutedsl` for a call plan: ``run(q, k, v, g_gamma, state, state_indices, cu_seqlens,
-    out) -> out`` runs every later call whose tensors have the shapes, strides and dtypes of these (and the same
-    flags and scale: the plan's signature) with the kernel looked up once
-    (:func:`~cula_runtime.cute.compile_cache.bound_launch`) and nothing checked but the pointers' alignment.
-    ``out`` is required (``[B, T, H, 128]`` in q's dtype, contiguous). Compiles the kernel now if no launch did
-    yet. Holds no tensor of this call.
+    out) -> o`` runs every later call whose tensors have the shapes, strides and dtypes of these (and the same
+    flags and scale: the plan's signature) with the kernel looked up once and called directly
+    (:func:`~cula_runtime.cute.compile_cache.planned_launch`: TVM-FFI checks the pointers' alignment; a misaligned
+    input is copied, a misaligned ``out`` or pool refused). ``out``: ``[B, T, H, 128]`` in q's dtype, contiguous,
+    or None (then ``o`` is allocated). Compiles the kernel now if no launch did yet. Holds no tensor of this call.
 
     Raises:
         ValueError: as :func:`lightning_decode_cutedsl`, for the tensors given here.
     """
+    import torch
+
     _check_shapes(q, k, v, g_gamma, state, state_indices, cu_seqlens, state_v_first)
+    o_shape, dtype, device, empty = tuple(q.shape), q.dtype, q.device, torch.empty
     if state_indices.shape[0] == 0 or q.shape[1] == 0:
-        return lambda q, k, v, g_gamma, state, idx, cu, out: out
+        def launch_nothing(q, k, v, g_gamma, state, idx, cu, out):
+            return empty(o_shape, dtype=dtype, device=device) if out is None else out
+
+        return launch_nothing
     config, specs = _launch_config(q, state, state_v_first, cu_seqlens)
-    run = bound_launch(LightningDecode, config, specs, _OUTPUTS, q.device)
-    scalars = (float(q.shape[-1] ** -0.5 if scale is None else scale),)
+    kernel, relaunch = planned_launch(LightningDecode, config, specs, _OUTPUTS, device)
+    scale_value = float(q.shape[-1] ** -0.5 if scale is None else scale)
 
     def launch_planned(q, k, v, g_gamma, state, idx, cu, out):
-        run((q, k, v, g_gamma, state, idx, cu, out), scalars)
+        if out is None:
+            out = empty(o_shape, dtype=dtype, device=device)
+        try:
+            kernel(q, k, v, g_gamma, state, idx, cu, out, scale_value)
+        except ValueError:  # (TVM-FFI refused a pointer's alignment before launching: launch's answer instead)
+            relaunch((q, k, v, g_gamma, state, idx, cu, out), (scale_value,))
         return out
 
     return launch_planned

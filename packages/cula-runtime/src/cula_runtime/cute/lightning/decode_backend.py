@@ -98,23 +98,20 @@ def lightning_decode_cutedsl_backend(args: LightningDecodeArgs) -> torch.Tensor:
 def plan_lightning_decode(args: LightningDecodeArgs) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later ``lightning_decode`` call with the signature of ``args``
     (validated arguments, every tensor passed as it is): ``plan(q, k, v, g_gamma, state, state_indices, cu_seqlens,
-    out) -> o`` launches the kernel with nothing validated or dispatched and the compiled kernel looked up once; it
-    narrows an int64 ``cu_seqlens`` as the backend does and allocates ``o`` when ``out`` is None. None when
-    :func:`verify_lightning_decode` declines ``args``. Holds no tensor of the call it was made from (the pool, the
-    indices and every input come with each call)."""
+    out) -> o`` launches the kernel with nothing validated or dispatched and the compiled kernel looked up once,
+    allocating ``o`` when ``out`` is None (:func:`~.decode.plan_lightning_decode_launch`, which is the plan itself:
+    one Python frame per call); for a signature with an int64 ``cu_seqlens``, the plan first narrows it as the
+    backend does. None when :func:`verify_lightning_decode` declines ``args``. Holds no tensor of the call it was
+    made from (the pool, the indices and every input come with each call)."""
     if not verify_lightning_decode(args)[0]:
         return None
     cu = args.cu_seqlens
-    narrow_cu = cu is not None and cu.dtype != torch.int32
     launch = _planner()(args.q, args.k, args.v, args.g_gamma, state=args.state, state_indices=args.state_indices,
                         scale=args.scale, state_v_first=args.state_v_first, cu_seqlens=_int32(cu))
-    out_shape, out_dtype, device = (args.B, args.T, args.H, args.V), args.q.dtype, args.device
+    if cu is None or cu.dtype == torch.int32:
+        return launch
 
     def plan(q, k, v, g_gamma, state, state_indices, cu_seqlens, out):
-        if out is None:
-            out = torch.empty(out_shape, dtype=out_dtype, device=device)
-        if narrow_cu:
-            cu_seqlens = cu_seqlens.to(torch.int32)
-        return launch(q, k, v, g_gamma, state, state_indices, cu_seqlens, out)
+        return launch(q, k, v, g_gamma, state, state_indices, cu_seqlens.to(torch.int32), out)
 
     return plan
