@@ -91,10 +91,19 @@ for step in "$@"; do
     stress:cutedsl) timeout 400 python3 benchmarks/stress_kda_determinism.py --backend cutedsl \
                       --out "$OUT/stress_cutedsl.md" ;;
     # the unbounded gate's forms (issue 25), 10^5 replays per problem
-    stress:unbounded) for b in sm90 cutedsl; do timeout 280 python3 benchmarks/stress_kda_determinism.py --backend $b \
-                        --gate unbounded --replays 100000 --out "$OUT/stress_unbounded_$b.md"; done ;;
+    stress:unbounded) for b in ${STRESS_BACKENDS:-sm90 cutedsl}; do timeout 280 python3 \
+                        benchmarks/stress_kda_determinism.py --backend $b --gate unbounded --replays 100000 \
+                        --out "$OUT/stress_unbounded_$b.md"; done ;;
+    stress:decode) timeout 300 python3 benchmarks/stress_kda_determinism.py --backend cutedsl --op decode \
+                     --replays 100000 --out "$OUT/stress_decode.md" ;;
     sanitizer|sanitizer:sm90) CULA_BACKEND=sm90 timeout 500 bash tools/h200_sanitizer.sh ;;
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
+    # the unbounded gate's forms (issue 25) on each backend, and the decode kernel (issue 26: any GPU backend runs
+    # the CuTeDSL decode kernel)
+    sanitizer:unbounded) for b in sm90 cutedsl; do CULA_BACKEND=$b SANITIZER_SHAPES="small-kimi gva-extreme large-kimi" \
+                           timeout 500 bash tools/h200_sanitizer.sh; done ;;
+    sanitizer:decode) CULA_BACKEND=cutedsl SANITIZER_SHAPES="decode-kimi decode-gva-vfirst decode-bf16 decode-spec" \
+                        timeout 400 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
     # each BV (64 and 128: warpgroup MMAs)
     profile:sm90) timeout 100 python3 benchmarks/profile_kda.py --backend sm90 | tee -a "$OUT/profile_kda_sm90.txt" ;;
@@ -125,6 +134,11 @@ for step in "$@"; do
                     --out "$OUT/kda_decode_h200.md" ;;
     bench:pool-prefill) timeout 300 python3 benchmarks/bench_kda_decode.py --pool-prefill \
                           --out "$OUT/kda_pool_prefill_h200.md" ;;
+    # the ecosystem doors (issue 27): FLA's chunk_kda / decode through cuLA against FLA's own path, torch.compile of a
+    # KDA layer and a captured decode op (FLA's Triton autotuning takes minutes on first use); each door's host time
+    tests:doors) GPU_LOG_TAG=_doors timeout 560 bash tools/h200_tests.sh -q tests/integrations/test_fla_backend_gpu.py \
+                   tests/gpu/test_custom_ops_gpu.py ;;
+    bench:doors) timeout 400 python3 benchmarks/host_doors_kda.py --backend all --out "$OUT/kda_host_doors_h200.md" ;;
     # the unbounded gate's Kimi rows against FLA (UNB_ONLY: bench_kda_unbounded.py --only)
     bench:unbounded) timeout 560 python3 benchmarks/bench_kda_unbounded.py ${UNB_ONLY:+--only "$UNB_ONLY"} \
                        --out "$OUT/kda_unbounded_h200.md" ;;
@@ -140,7 +154,8 @@ for step in "$@"; do
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap tests:pool tests:decode bench:decode" \
-          "bench:pool-prefill bench:unbounded tests:lightning bench:lightning sanitizer:lightning stress:lightning)" ;;
+          "bench:pool-prefill bench:unbounded tests:doors bench:doors sanitizer:unbounded sanitizer:decode" \
+          "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning)" ;;
   esac
   echo "=== $step: exit $?"
 done

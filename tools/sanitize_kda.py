@@ -1,9 +1,13 @@
-"""One kda_prefill call at a named shape, for compute-sanitizer (tools/h200_sanitizer.sh runs it).
+"""One kda_prefill or kda_decode call at a named shape, for compute-sanitizer (tools/h200_sanitizer.sh runs it).
 
-    compute-sanitizer --tool memcheck python3 tools/sanitize_kda.py small|gva|large
+    compute-sanitizer --tool memcheck python3 tools/sanitize_kda.py small|gva|large|decode-kimi|...
 
-With ``CULA_BACKEND=cutedsl`` the call runs both CuTeDSL kernels (the intra kernel on the raw inputs, then the
-recurrence on its outputs), which are every CuTeDSL kernel cuLA ships.
+With ``CULA_BACKEND=cutedsl`` a prefill call runs both CuTeDSL prefill kernels (the intra kernel on the raw inputs,
+then the recurrence on its outputs). The ``decode-*`` shapes are cases of ``tests/gpu/test_kda_decode_gpu.py`` on a
+pool of 13 slots (the decode kernel on any GPU backend: cula-sm90 has none): Kimi's softplus gate at H = 32 with
+two padding rows (-1, and a slot past the pool), GVA packed lengths 0/1/2/5 on a V-first pool, a bf16 pool with
+int64 cu_seqlens, and speculative verification (per-token slots, accepted counts). Each decode call checks the
+slots no index names unchanged after a synchronisation.
 """
 
 from __future__ import annotations
@@ -27,11 +31,38 @@ SHAPES = {
                            gate_in_kernel=False),
     "large-kimi": KdaCase("sanitize-large-kimi", B=2, T=4096, H=8, HV=8, gate="kimi", gate_in_kernel=False),
 }
+# the decode shapes: names of tests/gpu/test_kda_decode_gpu.py's cases
+DECODE_SHAPES = {
+    "decode-kimi": "kimi-H32-N4-T1",
+    "decode-gva-vfirst": "gva-H2-HV8-packed-0-1-2-5-vfirst",
+    "decode-bf16": "bf16-pool-H4-packed-cu64",
+    "decode-spec": "spec-verify-H4-packed",
+}
+
+
+def run_decode(shape: str) -> str:
+    from cula.kda import kda_decode
+    from tests.gpu.test_kda_decode_gpu import CASES, make_call
+
+    case = next(c for c in CASES if c.name == DECODE_SHAPES[shape])
+    call = make_call(case)
+    before = call["state"].clone()
+    o = kda_decode(**call)
+    torch.cuda.synchronize()
+    idx = call["state_indices"].flatten()
+    named = {int(s) for s in idx.tolist() if 0 <= s < before.shape[0]}
+    untouched = [s for s in range(before.shape[0]) if s not in named]
+    assert torch.equal(call["state"][untouched], before[untouched]), "a slot no index names changed"
+    assert torch.isfinite(o).all() and torch.isfinite(call["state"]).all()
+    return f"o {tuple(o.shape)}"
 
 
 if __name__ == "__main__":
     from cula.kda import kda_prefill
 
+    if sys.argv[1] in DECODE_SHAPES:
+        print(f"{sys.argv[1]}: ok, {run_decode(sys.argv[1])}")
+        sys.exit(0)
     kwargs = make_inputs(SHAPES[sys.argv[1]], "cuda")
     o, ht = kda_prefill(**kwargs)
     torch.cuda.synchronize()
