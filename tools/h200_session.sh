@@ -100,7 +100,7 @@ for step in "$@"; do
     sanitizer:cutedsl) CULA_BACKEND=cutedsl timeout 500 bash tools/h200_sanitizer.sh ;;
     # the unbounded gate's forms (issue 25) on each backend, and the decode kernel (issue 26: any GPU backend runs
     # the CuTeDSL decode kernel)
-    sanitizer:unbounded) for b in sm90 cutedsl; do CULA_BACKEND=$b SANITIZER_SHAPES="small-kimi gva-extreme large-kimi" \
+    sanitizer:unbounded) for b in ${SANITIZER_BACKENDS:-sm90 cutedsl}; do CULA_BACKEND=$b SANITIZER_SHAPES="small-kimi gva-extreme large-kimi" \
                            timeout 500 bash tools/h200_sanitizer.sh; done ;;
     sanitizer:decode) CULA_BACKEND=cutedsl SANITIZER_SHAPES="decode-kimi decode-gva-vfirst decode-bf16 decode-spec" \
                         timeout 400 bash tools/h200_sanitizer.sh ;;
