@@ -14,8 +14,11 @@ around each of ``--calls`` calls, the least of three such medians, the timer's o
 
 - ``call``: the public call with the benchmark's keywords (``cula.kda.kda_decode(**kwargs)``);
 - ``signature``: ``cula.call_plans``' signature of the call, and in it ``knobs`` (the ``CULA_CALL_PLANS`` read and
-  the knob snapshot, ``cula_runtime.env``);
-- ``lookup``: the plan table's lookup of an equal (not identical) signature;
+  the knob snapshot, ``cula_runtime.env``; a KDA decode signature that holds no tensor metadata takes the snapshot
+  alone);
+- ``lookup``: the plan table's lookup of an equal (not identical) signature, and where the revision keeps a KDA
+  decode's plans with guards of its tensors (``call_plans.lookup_guarded``), the guards' check of the call's
+  tensors;
 - ``plan``: the plan run on the call's tensors (what the call passes it, recorded once), and in it ``o allocation``
   (``torch.empty`` of o, when no ``out`` is given) and ``compiled stand-in`` (the no-op on the recorded launch
   arguments); ``rest`` is ``call`` less the three above (the public function's own frame);
@@ -206,6 +209,34 @@ def _signature_fn(case: Case, kwargs: dict) -> Callable[[], tuple | None]:
     return lambda: fn(*args)
 
 
+_PLAN_TENSORS = ("q", "k", "v", "g", "beta", "state", "state_indices", "A_log", "dt_bias", "cu_seqlens",
+                 "num_accepted_tokens", "out")
+
+
+def _lookup_fn(case: Case, kwargs: dict, signature: tuple | None) -> Callable[[], object]:
+    """The plan's lookup for ``signature`` as the call does it: for a KDA decode whose revision guards its plans
+    (``call_plans.lookup_guarded``), the table's lookup and the guards' check of the call's tensors; otherwise the
+    table's lookup."""
+    from cula import call_plans
+
+    guarded = getattr(call_plans, "lookup_guarded", None)
+    if case.op == "kda" and guarded is not None:
+        tensors = tuple(kwargs.get(name) for name in _PLAN_TENSORS)
+        return lambda: guarded(signature, *tensors)
+    return lambda: call_plans.lookup(signature)
+
+
+def _keep(signature: tuple, plan: Callable, new: Callable) -> None:
+    """Keep ``new`` where ``plan`` is kept for ``signature`` (with its guards, where the revision has them)."""
+    from cula import call_plans
+
+    guarded = getattr(call_plans, "_guarded_plans", {})
+    if signature in guarded:
+        guarded[signature] = tuple((guards, new if kept is plan else kept) for guards, kept in guarded[signature])
+    else:
+        call_plans.remember(signature, new)
+
+
 def _knobs_fn() -> Callable[[], object]:
     from cula import call_plans
     from cula_runtime.env import env_snapshot, env_value
@@ -217,12 +248,10 @@ def _knobs_fn() -> Callable[[], object]:
 def planned(case: Case, fn: Callable, kwargs: dict) -> tuple[Callable, tuple, dict] | None:
     """After warm-up calls of ``fn(**kwargs)``: ``(plan, args, kwargs)``, the plan ``cula.call_plans`` keeps for the
     call and what the call passes it (recorded on one call), or None when the call is not planned."""
-    from cula import call_plans
-
     signature = _signature_fn(case, kwargs)
     for _ in range(3):
         fn(**kwargs)
-    plan = call_plans.lookup(signature())
+    plan = _lookup_fn(case, kwargs, signature())()
     if plan is None:
         return None
     seen: list = []
@@ -231,11 +260,11 @@ def planned(case: Case, fn: Callable, kwargs: dict) -> tuple[Callable, tuple, di
         seen.append((args, kw))
         return plan(*args, **kw)
 
-    call_plans.remember(signature(), recording)
+    _keep(signature(), plan, recording)
     try:
         fn(**kwargs)
     finally:
-        call_plans.remember(signature(), plan)
+        _keep(signature(), recording, plan)
     return plan, *seen[0]
 
 
@@ -243,7 +272,6 @@ def cpu_pieces(case: Case, calls: int, profile: bool = False) -> dict[str, float
     """Every piece of ``case``'s planned call on the CPU (see the module docstring), in us per call."""
     import tvm_ffi
 
-    from cula import call_plans
     from tests.helpers import AllocationCounter
 
     with stand_ins() as recorder:
@@ -264,7 +292,7 @@ def cpu_pieces(case: Case, calls: int, profile: bool = False) -> dict[str, float
             "call": median_us(lambda: fn(**kwargs), calls),
             "signature": median_us(signature, calls),
             "knobs": median_us(_knobs_fn(), calls),
-            "lookup": median_us(lambda: call_plans.lookup(fresh), calls),
+            "lookup": median_us(_lookup_fn(case, kwargs, fresh), calls),
             "plan": median_us(lambda: plan(*plan_args, **plan_kwargs), calls),
             "o allocation": None if out_given else median_us(
                 lambda: torch.empty(o.shape, dtype=o.dtype, device=o.device), calls),

@@ -110,6 +110,12 @@ def _lightning(seed: int = 0, **changes) -> dict:
 OPS = {"kda": (cula.kda.kda_decode, _kda), "lightning": (cula.lightning.lightning_decode, _lightning)}
 
 
+def _kept_plans() -> list:
+    """Every plan kept, with or without guards."""
+    return [*call_plans._plans.values(), *(plan for entries in call_plans._guarded_plans.values()
+                                             for _, plan in entries)]
+
+
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in a contiguous tensor of its shape and dtype whose data starts one element into a buffer."""
     flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
@@ -120,14 +126,18 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 def test_the_plan_is_one_frame_and_allocates_nothing_with_out(op: str, kernels) -> None:
     stand_in, validations = kernels
     fn, make = OPS[op]
-    fn(**make(0))
+    # (the plans are made under a dispatch mode too, as the counted calls run: torch's native guards, which the
+    # KDA decode's plans use, compare the thread's dispatch state, and a plan made outside a mode is not used in one)
+    with AllocationCounter():
+        fn(**make(0))
     call = make(1)
     with AllocationCounter() as counted:
         assert fn(**call) is call["out"]
     assert counted.count == 0 and len(validations) == 1 and len(stand_in.launches) == 2
-    [plan] = call_plans._plans.values()
+    [plan] = _kept_plans()
     assert plan.__name__ == "launch_planned", "the kernel module's launch is the plan itself: no wrapper frame"
-    fn(**{**make(2), "out": None})  # (another signature: validated, planned)
+    with AllocationCounter():
+        fn(**{**make(2), "out": None})  # (another signature: validated, planned)
     no_out = {**make(3), "out": None}
     with AllocationCounter() as counted:
         o = fn(**no_out)
@@ -192,7 +202,7 @@ def test_plans_off_is_read_when_a_call_misses(op: str, kernels, monkeypatch) -> 
     monkeypatch.setenv("CULA_CALL_PLANS", "0")
     fn(**make(0))
     fn(**make(1))
-    assert len(validations) == 2 and call_plans._plans == {}
+    assert len(validations) == 2 and _kept_plans() == []
     monkeypatch.delenv("CULA_CALL_PLANS")
     fn(**make(2))
     fn(**make(3))
@@ -208,12 +218,155 @@ def test_a_misaligned_input_is_copied_and_a_misaligned_out_refused(op: str, kern
     odd_q = _misaligned(call["q"])
     assert odd_q.is_contiguous() and odd_q.data_ptr() % 16
     assert fn(**{**call, "q": odd_q}) is call["out"]
-    assert len(validations) == 1, "the signature holds no pointer: the plan serves the call"
+    if op == "kda":  # (the plan declines what TVM-FFI refuses: the unplanned path decides the call)
+        assert len(validations) == 2 and len(stand_in.launches) == 2
+    else:
+        assert len(validations) == 1, "the signature holds no pointer: the plan serves the call"
     q_passed = stand_in.launches[-1][0]
     assert q_passed is not odd_q and q_passed.data_ptr() % 16 == 0 and torch.equal(q_passed, odd_q)
     with pytest.raises(ValueError, match="output tensor .* breaks the kernel's layout promise"):
         fn(**{**make(2), "out": _misaligned(call["out"])})
     assert len(stand_in.launches) == 2
+
+
+def _sparse_g(call: dict) -> torch.Tensor:
+    return call["g"].to_sparse()
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: the validator sees every call with one."""
+
+
+# a change to the benchmark-form call that the first call's plan must not serve: (name, change) -> the call's kwargs
+_MISSES = {
+    "q-fp16": lambda c: {"q": c["q"].half()},  # (the validator accepts it; the reference serves it: another backend)
+    "g-bf16": lambda c: {"g": c["g"].bfloat16()},
+    "beta-bf16": lambda c: {"beta": c["beta"].bfloat16()},
+    "pool-bf16": lambda c: {"state": c["state"].bfloat16()},
+    "pool-slot-stride": lambda c: {"state": torch.zeros(7, 5, K, K)[:, :4]},
+    "pool-slots": lambda c: {"state": torch.zeros(9, 4, K, K)},
+    "k-shape": lambda c: {"k": torch.zeros(3, 1, 4, K).bfloat16()},
+    "v-heads": lambda c: {"v": torch.zeros(3, 1, 8, K).bfloat16(), "g": -torch.rand(3, 1, 8, K),
+                          "beta": torch.rand(3, 1, 8), "out": torch.empty(3, 1, 8, K, dtype=torch.bfloat16)},
+    "q-size-1-stride": lambda c: {"q": c["q"].as_strided(c["q"].shape, (2 * K, 7 * K, K, 1))},  # (contiguous)
+    "out-stride": lambda c: {"out": torch.empty(3, 1, 4, 2 * K, dtype=torch.bfloat16)[..., :K]},
+    "out-on-meta": lambda c: {"out": torch.empty(c["out"].shape, dtype=torch.bfloat16, device="meta")},
+    "idx-on-meta": lambda c: {"state_indices": c["state_indices"].to("meta")},
+    "idx-int64": lambda c: {"state_indices": c["state_indices"].long()},
+    "idx-per-token": lambda c: {"state_indices": c["state_indices"][:, None].contiguous()},
+    "g-sparse": lambda c: {"g": _sparse_g(c)},
+    "q-subclass": lambda c: {"q": c["q"].as_subclass(_Marked)},
+    "state-subclass": lambda c: {"state": c["state"].as_subclass(_Marked)},
+    "q-requires-grad": lambda c: {"q": c["q"].float().requires_grad_().bfloat16().detach().requires_grad_()},
+    "flag-beta-sigmoid": lambda c: {"use_beta_sigmoid_in_kernel": True},
+    "flag-state-v-first": lambda c: {"state_v_first": True},
+    "flag-int": lambda c: {"use_qk_l2norm_in_kernel": 1},
+    "scale": lambda c: {"scale": 0.5},
+    "scale-bool": lambda c: {"scale": True},
+    "cu-seqlens": lambda c: {"cu_seqlens": torch.tensor([0, 1, 2, 3], dtype=torch.int32)},
+    "gate-in-kernel": lambda c: {"use_gate_in_kernel": True, "A_log": torch.zeros(4), "lower_bound": -1.0},
+}
+
+
+@pytest.fixture(params=["native", "python"])
+def guard_kind(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way the plans' guards are made: torch's native guards (skipped where this torch has none that pass
+    the probe) and the Python form."""
+    if request.param == "native":
+        if call_plans._guard_maker() is not call_plans._native:
+            pytest.skip("torch's native tensor guards are missing or failed the probe here")
+    else:
+        monkeypatch.setattr(call_plans, "_guard_maker", lambda: call_plans._PythonGuards)
+    return request.param
+
+
+@pytest.mark.parametrize("change", list(_MISSES))
+def test_a_plan_never_serves_a_call_the_validator_must_see(change: str, kernels, guard_kind) -> None:
+    """Every change of a tensor's dtype, shape, strides, device, layout or class, of a flag, ``scale`` or the
+    optional tensors given: the call is validated (and then refused, or served by its own plan or backend), never
+    run by the plan of the first call."""
+    stand_in, validations = kernels
+    cula.kda.kda_decode(**_kda(0))
+    assert cula.kda.kda_decode(**_kda(1)) is not None and len(validations) == 1 and len(stand_in.launches) == 2
+    call = _kda(2)
+    call.update(_MISSES[change](call))
+    launches = len(stand_in.launches)
+    try:
+        cula.kda.kda_decode(**call)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        pass
+    assert len(validations) == 2, f"{change}: the first call's plan served the call"
+    if len(stand_in.launches) > launches:  # (planned or launched anew: with the call's own tensors)
+        assert stand_in.launches[-1][7] is call["state"]
+
+
+def test_cpu_indices_are_never_planned(kernels, monkeypatch) -> None:
+    """Through the real host check: CPU index tensors (whose values the validator checks) leave no plan."""
+    stand_in, validations = kernels
+    monkeypatch.setattr(call_plans, "indices_checked_on_host", lambda idx: idx.device.type == "cpu")
+    for seed in range(3):
+        cula.kda.kda_decode(**_kda(seed))
+    assert len(validations) == 3 and len(stand_in.launches) == 3 and _kept_plans() == []
+
+
+def test_a_misaligned_pool_goes_to_the_backend_the_dispatch_picks(kernels, monkeypatch) -> None:
+    """A pool whose data is not 16-byte aligned keeps every key of the plan's signature, but the CuTeDSL backend
+    declines it (``decode_pool_rejection``): the plan declines it too (TVM-FFI's refusal), so the call is validated
+    and dispatched as if no plan existed, here to the reference stand-in with the backend's reason."""
+    from cula_runtime.cute import decode_pool_rejection
+    from cula_runtime.cute.kda import decode_backend as kda_backend
+
+    stand_in, validations = kernels
+    served = []
+
+    def reference(args):
+        served.append(decode_pool_rejection(args.state, "")[1])
+        return args.out
+
+    monkeypatch.setattr(cula.kda, "select_decode_backend", lambda args: (
+        kda_backend.kda_decode_cutedsl_backend if decode_pool_rejection(args.state, "")[0] else reference))
+    cula.kda.kda_decode(**_kda(0))
+    call = _kda(1)
+    cula.kda.kda_decode(**call)
+    assert len(validations) == 1 and len(stand_in.launches) == 2
+    odd_pool = _misaligned(call["state"])
+    assert odd_pool.stride() == call["state"].stride() and odd_pool.data_ptr() % 16
+    assert cula.kda.kda_decode(**{**call, "state": odd_pool}) is call["out"]
+    assert len(validations) == 2 and len(stand_in.launches) == 2 and served == [
+        "needs each pool head a dense [128, 128] block, 16-byte aligned, got strides [65536, 16384, 128, 1]"]
+    cula.kda.kda_decode(**_kda(2))
+    assert len(validations) == 2 and len(stand_in.launches) == 3, "the aligned pool: the plan again"
+
+
+def test_the_native_and_python_guards_agree() -> None:
+    """The two ways of making guards answer alike (the native ones also refuse one object at two places, which
+    :func:`call_plans.tensor_guards` never plans), and a subclass or an aliased tensor is never guarded."""
+    if call_plans._guard_maker() is not call_plans._native:
+        pytest.skip("torch's native tensor guards are missing or failed the probe here")
+    base = (torch.zeros(3, 1, 2, K).bfloat16(), torch.zeros(5, 2, K, K), None, torch.zeros(3, dtype=torch.int32))
+    native, python = call_plans._native(tuple(_fill(base))), call_plans._PythonGuards(tuple(_fill(base)))
+    others = [
+        _fill(base),
+        _fill((base[0].clone(), *base[1:])),
+        _fill((base[0].half(), *base[1:])),
+        _fill((base[0], torch.zeros(5, 3, K, K)[:, :2], *base[2:])),
+        _fill((base[0], base[1], None, base[3].long())),
+        _fill((base[0], base[1], None, base[3][None])),
+        _fill((base[0].to("meta"), *base[1:])),
+        _fill((base[0].as_subclass(_Marked), *base[1:])),
+        _fill((base[0].clone().requires_grad_(), *base[1:])),
+        _fill((base[0].to_sparse(), *base[1:])),
+    ]
+    for other in others:
+        assert native.check(*other) == python.check(*other)
+    assert [python.check(*o) for o in others] == [True, True] + [False] * 8
+    assert call_plans.tensor_guards((base[0].as_subclass(_Marked), *base[1:])) is None
+    assert call_plans.tensor_guards((base[0], base[0], *base[2:])) is None
+    assert call_plans.tensor_guards(base) is not None
+
+
+def _fill(tensors: tuple) -> list:
+    return [call_plans._ABSENT[i] if t is None else t for i, t in enumerate(tensors)]
 
 
 def test_bound_launch_sends_a_misaligned_input_through_launch(monkeypatch) -> None:
@@ -343,7 +496,7 @@ def test_on_the_gpu_a_planned_call_through_tvm_ffi_gives_the_unplanned_bits(op: 
     unplanned = run()
     monkeypatch.delenv("CULA_CALL_PLANS")
     run()  # (makes the plan)
-    assert len(call_plans._plans) == 1
+    assert len(_kept_plans()) == 1
     planned = run()
     assert all(torch.equal(a, b) for a, b in zip(planned, unplanned, strict=True))
     import tvm_ffi
@@ -356,5 +509,25 @@ def test_on_the_gpu_a_planned_call_through_tvm_ffi_gives_the_unplanned_bits(op: 
         fn(**{**call, "out": _misaligned(call["out"])})
     torch.cuda.synchronize()
     assert torch.equal(call["state"], pool), "a refused call writes nothing"
-    assert len(call_plans._plans) == 1
+    assert len(_kept_plans()) == 1
+    call_plans.clear_call_plans()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_misaligned_pool_runs_the_reference_planned_or_not(monkeypatch) -> None:
+    """The real dispatch: a pool whose data is not 16-byte aligned (the same shape and strides as the planned
+    call's) is declined by the CuTeDSL backend, so the planned call runs the reference with the fallback warning
+    and its reason, as an unplanned one does; the aligned pool runs the plan again."""
+    from cula.dispatch import CulaFallbackWarning
+
+    monkeypatch.delenv("CULA_CALL_PLANS", raising=False)
+    call_plans.clear_call_plans()
+    call = _on_gpu(_kda(0))
+    cula.kda.kda_decode(**call)
+    cula.kda.kda_decode(**call)
+    assert len(_kept_plans()) == 1
+    odd = _misaligned(call["state"])
+    with pytest.warns(CulaFallbackWarning, match="16-byte aligned"):
+        cula.kda.kda_decode(**{**call, "state": odd})
+    assert len(_kept_plans()) == 1
     call_plans.clear_call_plans()

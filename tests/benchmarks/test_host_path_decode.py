@@ -23,7 +23,7 @@ def test_the_stand_ins_are_put_back() -> None:
     with harness.stand_ins():
         assert compile_cache.compile_kernel is not before[0]
     assert (compile_cache.compile_kernel, call_plans.indices_checked_on_host) == before
-    assert call_plans._plans == {}
+    assert call_plans._plans == {} and call_plans._guarded_plans == {}
 
 
 @pytest.mark.parametrize("case", [harness.Case("kda", 1), harness.Case("kda", 1, form="gate-no-out"),

@@ -20,8 +20,18 @@ comes (``kda_decode`` likewise). ``CULA_CALL_PLANS=0`` turns plans off.
 Every op runs the same two steps: ``plan = lookup(signature)`` and, on a hit, the plan; on a miss validation,
 dispatch and :func:`first_call`, the one place plans are made and kept. A decode plan is the kernel module's launch
 itself (one Python frame between the public call and the compiled kernel, which it calls without Python checks:
-TVM-FFI refuses a misaligned pointer before launching, and the plan then sends the call through
-``compile_cache.launch``, as the unplanned path does).
+TVM-FFI refuses a misaligned pointer before launching; the KDA decode's plan then raises
+:class:`~cula_runtime.cute.compile_cache.LaunchDeclined` and the call is validated and dispatched as if there were
+no plan, e.g. to the reference for a misaligned pool, which the CuTeDSL backend declines).
+
+``kda_decode``'s signature (:func:`decode_call_signature`) holds no tensor metadata but ``q``'s shape: its plans are
+kept with *guards* of the tensors of the call that made them (:func:`tensor_guards`, checked by
+:func:`lookup_guarded`), torch's native tensor guards (the C++ check behind ``torch.compile``'s guards: each tensor's
+exact class, dispatch keys, dtype, device, shape, strides, ``requires_grad``) where they pass a probe, else the same
+comparison in Python. Reading a tensor's shape, strides, dtype and device in Python and hashing them cost about
+0.45 us per tensor here; the native check about 0.1 us. A decode with CPU index tensors (checked on every call by
+the validator) or a tensor subclass, or one tensor at two places, is never planned; the guards hold the indices'
+device, so a later CPU-index call never passes a plan's guards.
 
 ``cula.lightning``'s calls are planned by the same rules (:func:`lightning_prefill_call_signature`,
 :func:`lightning_decode_call_signature`): the decay is part of the signature as ``g_gamma``'s tensor key, or as the
@@ -31,16 +41,19 @@ tensors is never planned. A planned prefill still checks ``cu_seqlens``' values 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
+from cula_runtime.cute.compile_cache import LaunchDeclined
 from cula_runtime.env import env_snapshot, env_value
 
 from .dispatch import planner_for
 
-__all__ = ["ENV_CALL_PLANS", "call_signature", "clear_call_plans", "decode_call_signature", "first_call", "lookup",
-           "remember", "with_current_knobs", "lightning_prefill_call_signature", "lightning_decode_call_signature"]
+__all__ = ["ENV_CALL_PLANS", "LaunchDeclined", "call_signature", "clear_call_plans", "decode_call_signature",
+           "first_call", "lookup", "lookup_guarded", "remember", "tensor_guards", "with_current_knobs",
+           "lightning_prefill_call_signature", "lightning_decode_call_signature"]
 
 #: "0" turns call plans off: every call is validated and dispatched (for debugging; read on every call).
 ENV_CALL_PLANS = "CULA_CALL_PLANS"
@@ -49,6 +62,9 @@ Plan = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 _CAPACITY = 256  # signatures; past it the cache starts over (a serving engine sees a few dozen shapes)
 _plans: dict[tuple, Plan] = {}
+# decode signatures (no tensor metadata) -> ((guards, plan), ...), the newest first, at most _GUARDED_PER_SIGNATURE
+_guarded_plans: dict[tuple, tuple[tuple[object, Plan], ...]] = {}
+_GUARDED_PER_SIGNATURE = 4
 _Tensor = torch.Tensor
 _NUMBERS = (float, int)
 
@@ -63,6 +79,78 @@ def _tensor_key(x: object) -> tuple | None:
     if x.__class__ is not _Tensor:  # (a subclass, or not a tensor: the validator decides)
         raise _Unplannable
     return x.shape, x.stride(), x.dtype, x.device
+
+
+# ------------------------------------------------------------------------------------------------- tensor guards
+
+#: what a plan's guards check where a tensor is absent, one per place (which ones are absent is in the signature;
+#: the native guards refuse one object at two places)
+_ABSENT = tuple(torch.empty(()) for _ in range(16))
+
+
+def _guard_key(x: object) -> tuple:
+    return x.__class__, x.shape, x.stride(), x.dtype, x.device, x.requires_grad
+
+
+class _PythonGuards:
+    """Tensor guards in Python: each tensor's exact class, shape, strides, dtype, device and ``requires_grad``
+    compared with the recorded ones (where torch's native guards are missing or do not answer as expected)."""
+
+    __slots__ = ("_recorded",)
+
+    def __init__(self, tensors: tuple) -> None:
+        self._recorded = tuple(map(_guard_key, tensors))
+
+    def check(self, *tensors: object) -> bool:
+        try:
+            return tuple(map(_guard_key, tensors)) == self._recorded
+        except (AttributeError, RuntimeError, TypeError):  # (not a tensor; a layout without strides)
+            return False
+
+
+class _ProbeSubclass(torch.Tensor):
+    pass
+
+
+def _native(tensors: tuple) -> object:
+    from torch._C._dynamo.guards import TensorGuards
+
+    return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                        dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+
+@functools.cache
+def _guard_maker() -> Callable[[tuple], object]:
+    """How guards are made: torch's native tensor guards (``torch._C._dynamo.guards.TensorGuards``, the C++ check
+    behind ``torch.compile``'s guards: about 0.1 us per tensor here, against 0.35 us to read a tensor's shape,
+    strides, dtype and device in Python and more to hash them) when they import and answer a probe as this module
+    needs (equal metadata passes; another shape, strides, dtype, device, class or ``requires_grad`` fails); else
+    :class:`_PythonGuards`, which checks the same in Python. The native guards also compare each tensor's dispatch
+    keys under the thread's dispatch state (for instance ``torch.inference_mode``): stricter, never looser."""
+    try:
+        probe, absent = torch.zeros(2, 3), _ABSENT[1]
+        guards = _native((probe, absent))
+        changed = (torch.zeros(3, 2), torch.zeros(2, 4)[:, :3], torch.zeros(2, 3, dtype=torch.float64),
+                   torch.zeros(2, 3, device="meta"), torch.zeros(2, 3).as_subclass(_ProbeSubclass),
+                   torch.zeros(2, 3, requires_grad=True))
+        if guards.check(torch.zeros(2, 3), absent) and not any(guards.check(x, absent) for x in changed) \
+                and not guards.check(probe, None):
+            return _native
+    except (ImportError, AttributeError, RuntimeError, TypeError, ValueError):
+        pass
+    return _PythonGuards
+
+
+def tensor_guards(tensors: tuple) -> object | None:
+    """Guards of these tensors (None where absent: :data:`_ABSENT` stands in): ``guards.check(*others)`` is True
+    exactly when each of ``others`` has the class, shape, strides, dtype, device (and ``requires_grad``) of the
+    tensor at its place and, with the native guards, no object is at two places. None (never planned) when one of
+    them is not exactly a ``torch.Tensor`` (a subclass) or one tensor is at two places (the native guards would
+    refuse every such call)."""
+    tensors = tuple(_ABSENT[i] if t is None else t for i, t in enumerate(tensors))
+    if any(t.__class__ is not _Tensor for t in tensors) or len(set(map(id, tensors))) != len(tensors):
+        return None
+    return _guard_maker()(tensors)
 
 
 def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
@@ -97,34 +185,40 @@ def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, u
 def decode_call_signature(q, k, v, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound,
                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                           state_v_first, cu_seqlens, num_accepted_tokens, out) -> tuple | None:
-    """The signature of a ``kda_decode`` call (its arguments in ``kda_decode``'s order), or None for a call that is
-    never planned (``CULA_CALL_PLANS=0``, a flag that is not ``bool``, a ``scale``/``lower_bound`` that is not a
-    number, a tensor subclass, or index tensors on the CPU, whose values the validator checks on every call). A
-    decode signature never equals a prefill one (its first element is ``"decode"``). One flat tuple, the required
-    tensors' keys written out (no call per tensor): about 5 us here for the benchmark's call."""
-    if not (q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor and g.__class__ is _Tensor
-            and beta.__class__ is _Tensor and state.__class__ is _Tensor and state_indices.__class__ is _Tensor
-            and use_qk_l2norm_in_kernel.__class__ is bool and use_gate_in_kernel.__class__ is bool
-            and use_beta_sigmoid_in_kernel.__class__ is bool and allow_neg_eigval.__class__ is bool
-            and state_v_first.__class__ is bool and (scale is None or scale.__class__ in _NUMBERS)
+    """The signature of a ``kda_decode`` call (its arguments in ``kda_decode``'s order) without its tensors'
+    metadata, or None for a call that is never planned (a flag that is not ``bool``, a ``scale``/``lower_bound``
+    that is not a number, a ``q`` that is not exactly a ``torch.Tensor``): ``("decode", q.shape, which optional
+    tensors are None, the flags, scale, lower_bound, the knob snapshot)``. The tensors themselves are checked by the
+    plan's guards (:func:`lookup_guarded`: every tensor's class, shape, strides, dtype, device), which is what the
+    rest of a full signature would have held; ``CULA_CALL_PLANS`` and the indices' device are read when a plan is
+    made (:func:`first_call`), since a plan's guards hold the device of the indices it was made for and the snapshot
+    holds ``CULA_CALL_PLANS``' value. Its first element is ``"decode"``: it never equals another op's."""
+    if not (q.__class__ is _Tensor and use_qk_l2norm_in_kernel.__class__ is bool
+            and use_gate_in_kernel.__class__ is bool and use_beta_sigmoid_in_kernel.__class__ is bool
+            and allow_neg_eigval.__class__ is bool and state_v_first.__class__ is bool
+            and (scale is None or scale.__class__ in _NUMBERS)
             and (lower_bound is None or lower_bound.__class__ in _NUMBERS)):
         return None
-    if env_value(ENV_CALL_PLANS, "1") == "0" or indices_checked_on_host(state_indices):
-        return None
-    try:
-        return ("decode",
-                q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-                v.shape, v.stride(), v.dtype, v.device, g.shape, g.stride(), g.dtype, g.device,
-                beta.shape, beta.stride(), beta.dtype, beta.device, state.shape, state.stride(), state.dtype,
-                state.device, state_indices.shape, state_indices.stride(), state_indices.dtype, state_indices.device,
-                None if A_log is None else _tensor_key(A_log), None if dt_bias is None else _tensor_key(dt_bias),
-                None if cu_seqlens is None else _tensor_key(cu_seqlens),
-                None if num_accepted_tokens is None else _tensor_key(num_accepted_tokens),
-                None if out is None else _tensor_key(out),
-                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                state_v_first, scale, lower_bound, env_snapshot())
-    except (_Unplannable, RuntimeError):  # (RuntimeError: a layout without strides)
-        return None
+    return ("decode", q.shape, A_log is None, dt_bias is None, cu_seqlens is None, num_accepted_tokens is None,
+            out is None, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            state_v_first, scale, lower_bound, env_snapshot())
+
+
+def lookup_guarded(signature: tuple | None, q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens,
+                   num_accepted_tokens, out) -> Plan | None:
+    """The plan kept for this signature (:func:`decode_call_signature`) whose guards accept these tensors (in the
+    plan's argument order; an absent one is None, and which are absent is part of the signature), or None."""
+    entries = _guarded_plans.get(signature)
+    if entries is not None:
+        absent = _ABSENT
+        for guards, plan in entries:
+            if guards.check(q, k, v, g, beta, state, state_indices, absent[7] if A_log is None else A_log,
+                            absent[8] if dt_bias is None else dt_bias,
+                            absent[9] if cu_seqlens is None else cu_seqlens,
+                            absent[10] if num_accepted_tokens is None else num_accepted_tokens,
+                            absent[11] if out is None else out):
+                return plan
+    return None
 
 
 def _decay_key(g_gamma: object, layer_idx: object, num_layers: object) -> tuple:
@@ -202,27 +296,39 @@ def lookup(signature: tuple | None) -> Plan | None:
     return _plans.get(signature)
 
 
-def remember(signature: tuple, plan: Plan) -> None:
-    """Keep ``plan`` for every later call with this signature."""
-    if len(_plans) >= _CAPACITY:
+def remember(signature: tuple, plan: Plan, guards: object | None = None) -> None:
+    """Keep ``plan`` for every later call with this signature (and, with ``guards``, whose tensors they accept:
+    :func:`lookup_guarded`)."""
+    if len(_plans) + len(_guarded_plans) >= _CAPACITY:
         _plans.clear()
-    _plans[signature] = plan
+        _guarded_plans.clear()
+    if guards is None:
+        _plans[signature] = plan
+    else:
+        _guarded_plans[signature] = ((guards, plan), *_guarded_plans.get(signature, ())[:_GUARDED_PER_SIGNATURE - 1])
 
 
 def first_call(signature: tuple | None, args: object, runner: Callable, as_is: bool, plan_args: tuple,
-               plan_kwargs: dict | None = None) -> object:
+               plan_kwargs: dict | None = None, guarded: bool = False) -> object:
     """A call no plan served, after validation (``args``) and dispatch (``runner``): the one place where plans are
-    made, for every op. When the call has a signature and its tensors were taken as passed (``as_is``) and
-    ``runner``'s backend makes plans (:func:`cula.dispatch.planner_for`) and makes one for ``args``, that plan runs
-    the call (``plan(*plan_args, **plan_kwargs)``) and is kept under the signature with the knobs as they are after
-    this first run (which may read a knob for the first time); otherwise ``runner(args)`` runs it. Returns what
-    either returned."""
-    if signature is not None and as_is:
+    made, for every op. When the call has a signature and its tensors were taken as passed (``as_is``),
+    ``CULA_CALL_PLANS`` is not ``0``, and ``runner``'s backend makes plans (:func:`cula.dispatch.planner_for`) and
+    makes one for ``args``, that plan runs the call (``plan(*plan_args, **plan_kwargs)``) and is kept under the
+    signature with the knobs as they are after this first run (which may read a knob for the first time); with
+    ``guarded`` (a signature without tensor metadata), together with the guards of ``plan_args``' tensors
+    (:func:`tensor_guards`; a tensor subclass among them: no plan). A plan that declines its first call
+    (:class:`LaunchDeclined`: refused before launching, e.g. a misaligned pointer) is not kept and ``runner(args)``
+    runs the call; otherwise ``runner(args)`` runs it. Returns what either returned."""
+    if signature is not None and as_is and env_value(ENV_CALL_PLANS, "1") != "0":
         planner = planner_for(runner)
         plan = None if planner is None else planner(args)
-        if plan is not None:
-            result = plan(*plan_args, **(plan_kwargs or {}))
-            remember(with_current_knobs(signature), plan)
+        guards = tensor_guards(plan_args) if plan is not None and guarded else None
+        if plan is not None and (guards is not None or not guarded):
+            try:
+                result = plan(*plan_args, **(plan_kwargs or {}))
+            except LaunchDeclined:  # (kept by the next call it serves)
+                return runner(args)
+            remember(with_current_knobs(signature), plan, guards)
             return result
     return runner(args)
 
@@ -230,3 +336,4 @@ def first_call(signature: tuple | None, args: object, runner: Callable, as_is: b
 def clear_call_plans() -> None:
     """Forget every plan (the next call of each signature is validated and dispatched again)."""
     _plans.clear()
+    _guarded_plans.clear()

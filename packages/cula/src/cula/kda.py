@@ -8,7 +8,15 @@ from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, pre
 from cula_runtime.kda_args import KdaPrefillArgs, checked_boundaries, validate_kda_prefill
 from cula_runtime.kda_decode_args import validate_kda_decode
 
-from .call_plans import call_signature, decode_call_signature, first_call, lookup
+from . import call_plans
+from .call_plans import (
+    LaunchDeclined,
+    call_signature,
+    decode_call_signature,
+    first_call,
+    lookup,
+    lookup_guarded,
+)
 from .dispatch import select_backend, select_decode_backend
 
 __all__ = ["kda_prefill", "kda_decode", "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets"]
@@ -188,9 +196,13 @@ def kda_decode(
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
         num_accepted_tokens, out,
     )
-    plan = lookup(signature)
+    plan = lookup_guarded(signature, q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens,
+                          num_accepted_tokens, out)
     if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
-        return plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out)
+        try:
+            return plan(q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out)
+        except LaunchDeclined:  # (refused before launching: decided below, as if there were no plan)
+            pass
     args = validate_kda_decode(
         q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log, dt_bias=dt_bias,
         lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -198,12 +210,15 @@ def kda_decode(
         allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         num_accepted_tokens=num_accepted_tokens, out=out,
     )
-    as_is = (signature is not None and args.q is q and args.k is k and args.v is v and args.g is g
-             and args.beta is beta and args.state_indices is state_indices and args.A_log is A_log
-             and args.cu_seqlens is cu_seqlens and args.num_accepted_tokens is num_accepted_tokens
+    # (CPU indices: the validator checks their values on every call, so such a call is never planned)
+    as_is = (signature is not None and not call_plans.indices_checked_on_host(state_indices) and args.q is q
+             and args.k is k and args.v is v and args.g is g and args.beta is beta
+             and args.state_indices is state_indices and args.A_log is A_log and args.cu_seqlens is cu_seqlens
+             and args.num_accepted_tokens is num_accepted_tokens
              and (dt_bias is None or args.dt_bias is dt_bias or dt_bias.is_contiguous()))
     return first_call(signature, args, select_decode_backend(args), as_is,
-                      (q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out))
+                      (q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens, num_accepted_tokens, out),
+                      guarded=True)
 
 
 def _passed_as_is(args: KdaPrefillArgs, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,

@@ -32,6 +32,7 @@ from . import INSTALL_HINT, unavailable_reason
 from .arch import CUTE_DSL_ARCH_ENV, compile_target, launch_target, normalize_target
 
 __all__ = [
+    "LaunchDeclined",
     "bound_launch",
     "direct_callable",
     "planned_launch",
@@ -52,6 +53,14 @@ __all__ = [
     "missing_cutedsl",
     "require_cutedsl",
 ]
+
+
+class LaunchDeclined(Exception):
+    """A planned launch refused before anything ran (TVM-FFI's checks of the pointers): the call must take the
+    unplanned path instead (validation, dispatch, :func:`launch`), which decides it exactly as if no plan existed
+    (a misaligned input copied, a misaligned output refused, a pool the backend does not serve sent to the
+    reference with its reason)."""
+
 
 def missing_cutedsl(exc: ImportError) -> ImportError:
     """The ImportError to raise when importing CuTeDSL or TVM-FFI failed with ``exc``: it names the fix (or, on a

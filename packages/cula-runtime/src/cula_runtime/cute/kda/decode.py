@@ -69,7 +69,7 @@ bf16 pool) and sums its rows; the two layouts then reduce over K differently (:m
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
+from ..compile_cache import LaunchDeclined, TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
 from ..dsl_compat import SmemAllocator
 from .gate import GATE_FORMS, activate_beta, activate_gate
 from .intra import L2NORM_EPS, InKernelGate
@@ -773,11 +773,13 @@ def plan_kda_decode_launch(q, v, g, beta, *, state, state_indices, scale: float 
     """:func:`kda_decode_cutedsl` for a call plan: ``run(q, k, v, g, beta, state, state_indices, A_log, dt_bias,
     cu_seqlens, num_accepted_tokens, out) -> o`` (``cula.call_plans``' order) runs every later call whose tensors
     have the shapes, strides and dtypes of these (and the same flags and scalars: the plan's signature) with the
-    kernel looked up once and called directly (:func:`~cula_runtime.cute.compile_cache.planned_launch`: TVM-FFI
-    checks the pointers' alignment; a misaligned input is copied, a misaligned ``out`` or pool refused). ``out``:
-    ``[B, T, HV, 128]`` bf16 contiguous, or None (then ``o`` is allocated); ``dt_bias`` may be ``[HV * K]`` or
-    ``[HV, K]``; ``A_log`` and ``dt_bias`` fp32. Compiles the kernel now if no launch did yet. Holds no tensor of
-    this call."""
+    kernel looked up once and called directly (:func:`~cula_runtime.cute.compile_cache.planned_launch`). Nothing is
+    checked in Python: TVM-FFI checks the pointers' alignment before launching, and where it refuses one the plan
+    raises :class:`~cula_runtime.cute.compile_cache.LaunchDeclined` (nothing launched, nothing written), so that the
+    call takes the unplanned path, whose validation and dispatch decide it (a misaligned input copied, a misaligned
+    ``out`` refused, a misaligned pool sent to the reference with the backend's reason). ``out``: ``[B, T, HV,
+    128]`` bf16 contiguous, or None (then ``o`` is allocated); ``dt_bias`` may be ``[HV * K]`` or ``[HV, K]``;
+    ``A_log`` and ``dt_bias`` fp32. Compiles the kernel now if no launch did yet. Holds no tensor of this call."""
     import torch
 
     B, T, H, K = q.shape
@@ -792,20 +794,21 @@ def plan_kda_decode_launch(q, v, g, beta, *, state, state_indices, scale: float 
         H, HV, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
         num_accepted_tokens)
-    kernel, relaunch = planned_launch(KdaDecode, config, specs, _OUTPUTS, device)
+    kernel, _ = planned_launch(KdaDecode, config, specs, _OUTPUTS, device)
     with_A_log, with_dt_bias = A_log_used is not None, dt_used is not None
     scale_value, lower_value = scalars
 
     def launch_planned(q, k, v, g, beta, state, idx, A_log, dt_bias, cu, accepted, out):
         if out is None:
             out = empty(o_shape, dtype=bf16, device=device)
-        A_log = A_log if with_A_log else None
+        if not with_A_log:  # (the gate form reads no A_log)
+            A_log = None
         # (a [HV, K] dt_bias is passed as it is: a view costs a dispatcher call)
         dt = (dt_bias if dt_bias.dim() == 2 else dt_bias.view(HV, K)) if with_dt_bias else None
         try:
             kernel(q, k, v, g, beta, A_log, dt, state, idx, accepted, cu, out, scale_value, lower_value)
-        except ValueError:  # (TVM-FFI refused a pointer's alignment before launching: launch's answer instead)
-            relaunch((q, k, v, g, beta, A_log, dt, state, idx, accepted, cu, out), scalars)
+        except ValueError:  # (TVM-FFI refused a pointer before launching: the unplanned path decides the call)
+            raise LaunchDeclined from None
         return out
 
     return launch_planned
