@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from .graph_pools import outside_graph_pools
+
 __all__ = [
     "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets", "prepare_sequence_order", "prepare_varlen_launch",
     "check_chunk_size",
@@ -88,7 +90,8 @@ def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build:
     if hit is not None and hit[0]() is cu_seqlens:
         _cache.move_to_end(key)
         return hit[1]
-    value = build()
+    with outside_graph_pools(cu_seqlens.device):  # (the entry outlives the call: never in a CUDA graph's pool)
+        value = build()
     _cache[key] = (weakref.ref(cu_seqlens), value)
     while len(_cache) > _CACHE_CAPACITY:
         _cache.popitem(last=False)
