@@ -1,8 +1,11 @@
 """What the custom-op tests of KDA (tests/api/test_custom_ops.py) and Lightning (tests/api/test_lightning_ops.py)
 share: int32 index tensors, cloned keyword arguments (an op may write its pool in place), a tensor's metadata and an
-op's outputs under fake tensors."""
+op's outputs under fake tensors; and the call-plan tests' (test_decode_host_path.py, test_lightning_plans.py)
+validator that records its calls."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -28,3 +31,13 @@ def fake_outputs(op, kwargs: dict):
     with FakeTensorMode() as mode:
         fake = {name: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for name, x in kwargs.items()}
         return op(**fake)
+
+
+def counted(validate: Callable, validations: list[str]) -> Callable:
+    """``validate``, appending its name to ``validations`` on every call (what a call plan must skip)."""
+
+    def run(*args, **kwargs):
+        validations.append(validate.__name__)
+        return validate(*args, **kwargs)
+
+    return run

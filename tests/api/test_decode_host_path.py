@@ -16,6 +16,7 @@ from cula import call_plans, dispatch
 from cula_runtime.env import env_value
 from cula_runtime.kda_decode_args import validate_kda_decode
 from cula_runtime.lightning_args import validate_lightning_decode
+from tests.api.op_helpers import counted
 from tests.helpers import AllocationCounter
 
 pytest.importorskip("cutlass", reason="CuTeDSL is not installed (the plans build the kernels' real argument specs)")
@@ -57,14 +58,8 @@ def kernels(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(call_plans, "indices_checked_on_host", lambda idx: False)
     monkeypatch.setattr(lightning_backend, "device_rejection", lambda device: None)
 
-    def counted(validate):
-        def run(*a, **kw):
-            validations.append(validate.__name__)
-            return validate(*a, **kw)
-        return run
-
-    monkeypatch.setattr(cula.kda, "validate_kda_decode", counted(validate_kda_decode))
-    monkeypatch.setattr(cula.lightning, "validate_lightning_decode", counted(validate_lightning_decode))
+    monkeypatch.setattr(cula.kda, "validate_kda_decode", counted(validate_kda_decode, validations))
+    monkeypatch.setattr(cula.lightning, "validate_lightning_decode", counted(validate_lightning_decode, validations))
     monkeypatch.setattr(cula.kda, "select_decode_backend", lambda args: kda_backend.kda_decode_cutedsl_backend)
     monkeypatch.setattr(cula.lightning, "select_lightning_decode_backend",
                         lambda args: lightning_backend.lightning_decode_cutedsl_backend)

@@ -12,6 +12,7 @@ import torch
 import cula.lightning
 from cula import call_plans, dispatch
 from cula_runtime.lightning_args import layer_g_gamma, validate_lightning_decode, validate_lightning_prefill
+from tests.api.op_helpers import counted
 
 H, K, V = 2, 8, 4
 
@@ -31,14 +32,8 @@ def recorded(monkeypatch: pytest.MonkeyPatch):
         made.append(args)
         return lambda *a: calls.append(a) or "planned"
 
-    def counted(validate):
-        def run(*a, **kw):
-            validations.append(validate.__name__)
-            return validate(*a, **kw)
-        return run
-
-    monkeypatch.setattr(cula.lightning, "validate_lightning_prefill", counted(validate_lightning_prefill))
-    monkeypatch.setattr(cula.lightning, "validate_lightning_decode", counted(validate_lightning_decode))
+    monkeypatch.setattr(cula.lightning, "validate_lightning_prefill", counted(validate_lightning_prefill, validations))
+    monkeypatch.setattr(cula.lightning, "validate_lightning_decode", counted(validate_lightning_decode, validations))
     monkeypatch.setattr(cula.lightning, "select_lightning_prefill_backend", lambda args: prefill_runner)
     monkeypatch.setattr(cula.lightning, "select_lightning_decode_backend", lambda args: decode_runner)
     monkeypatch.setattr(dispatch, "_planners", {prefill_runner: planner, decode_runner: planner})
