@@ -42,6 +42,18 @@ UNBOUNDED_PROBLEMS = {
 }
 
 
+def replay(graph: torch.cuda.CUDAGraph, mismatches: torch.Tensor, replays: int, per_graph: int,
+           ) -> tuple[int, int, float]:
+    """Replay ``graph`` (``per_graph`` calls each) until at least ``replays`` calls ran; (calls, the device's count
+    of differing outputs, read once at the end, wall seconds)."""
+    rounds = -(-replays // per_graph)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        graph.replay()
+    torch.cuda.synchronize()
+    return rounds * per_graph, int(mismatches.item()), time.perf_counter() - start
+
+
 def stress(case: KdaCase, replays: int, per_graph: int) -> tuple[int, int, float]:
     from cula.kda import kda_prefill
 
@@ -56,12 +68,7 @@ def stress(case: KdaCase, replays: int, per_graph: int) -> tuple[int, int, float
             o, ht = kda_prefill(**kwargs)
             mismatches += (o.view(torch.int16) != o0.view(torch.int16)).any().long()
             mismatches += (ht.view(torch.int32) != ht0.view(torch.int32)).any().long()
-    rounds = -(-replays // per_graph)
-    start = time.perf_counter()
-    for _ in range(rounds):
-        graph.replay()
-    torch.cuda.synchronize()
-    return rounds * per_graph, int(mismatches.item()), time.perf_counter() - start
+    return replay(graph, mismatches, replays, per_graph)
 
 
 # --op decode: cases of tests/gpu/test_kda_decode_gpu.py, by name
@@ -90,12 +97,7 @@ def stress_decode(name: str, replays: int, per_graph: int) -> tuple[int, int, fl
             kda_decode(**call, out=out)
             mismatches += (out.view(torch.int16) != o0.view(torch.int16)).any().long()
             mismatches += (pool.view(torch.uint8) != after.view(torch.uint8)).any().long()
-    rounds = -(-replays // per_graph)
-    begin = time.perf_counter()
-    for _ in range(rounds):
-        graph.replay()
-    torch.cuda.synchronize()
-    return rounds * per_graph, int(mismatches.item()), time.perf_counter() - begin
+    return replay(graph, mismatches, replays, per_graph)
 
 
 def main() -> None:
