@@ -57,12 +57,13 @@ The V block (the choice, per chunk of 64 tokens and head, K = V = 128):
 * Registers (compiled on the CPU, CuTeDSL 4.6.2, 4.7.1 and 4.8.1 alike): 255 per thread on sm_90a, 254-255 on
   sm_100a / sm_103a, no spills. 128 threads x 256 allocated = 32K registers: two 4-warp CTAs per SM, as many warps
   (8) as one 8-warp CTA.
-* block_v = 64 is the default (:data:`DEFAULT_BLOCK_V`): with two independent CTAs per SM one CTA's barrier waits
-  and score phase overlap the other's products and loads (an 8-warp CTA stalls all its warps at each of its two
-  barriers per chunk), 80 KB of loads are in flight per SM instead of 48 KB, and the grid has twice the CTAs, so
-  the host reaches two waves with longer segments (fewer state passes). block_v = 128 does 11% fewer MMAs and
-  stays selectable; which wins is not yet measured (the default ran on the H200, 2026-12-02). Both give the same
-  bits: every element's arithmetic (its MMAs, their order, the roundings) is the same in either.
+* block_v = 128 is the default (:data:`DEFAULT_BLOCK_V`), measured: on the H200 kernel C at block_v = 128 took
+  0.86-0.91x the time of block_v = 64 on four shapes (B1 T32768 H64, B2 T16384 H16, varlen 10 seqs T16384 H64, B1
+  T4096 H64; ``benchmarks/results/lightning_kernel_c_ab_h200.md``): 11% fewer MMAs (the score tile made once per
+  chunk-head, not twice) outweigh the second CTA per SM that block_v = 64 overlaps (its barrier waits, 80 KB of
+  loads in flight per SM instead of 48 KB, twice the CTAs). block_v = 64 stays selectable until the end-to-end
+  benchmark has covered the short rows (T = 1024, where the grid is smallest). Both give the same bits: every
+  element's arithmetic (its MMAs, their order, the roundings) is the same in either.
 
 :func:`lightning_chunk_output` is the host wrapper.
 """
@@ -89,7 +90,7 @@ except ImportError as exc:
 
 __all__ = ["DEFAULT_BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output"]
 
-DEFAULT_BLOCK_V = 64  # value columns per CTA (module docstring: two 4-warp CTAs per SM)
+DEFAULT_BLOCK_V = 128  # value columns per CTA (module docstring: one 8-warp CTA per SM, measured faster)
 _LOG2E = 1.4426950408889634
 _MAX_GRID_X = 2**31 - 1
 
