@@ -17,7 +17,7 @@ import cula.kda
 from cula import call_plans, dispatch
 from cula_runtime.env import env_snapshot, env_value
 from cula_runtime.kda_args import checked_boundaries, validate_kda_prefill
-from tests.kda_cases import CASES, make_inputs
+from tests.kda_cases import CASES, UNBOUNDED_CASES, make_inputs
 
 FIXED, VARLEN = "B2-T200-H2-HV4", "varlen-6seqs-GVA2-vk"
 
@@ -174,10 +174,34 @@ def test_non_contiguous_or_subclass_inputs_are_validated_every_call(planned) -> 
         assert len(validations) == count
         assert fake.intra[2] != kwargs["v"].data_ptr()  # the kernel got the dense copy
     kwargs = _inputs(FIXED, fake, seed=1)
-    kwargs["q"] = torch.nn.Parameter(kwargs["q"], requires_grad=False)
+    kwargs["q"] = _MarkedParameter(kwargs["q"], requires_grad=False)
     for count in (3, 4):
         cula.kda.kda_prefill(**kwargs)
         assert len(validations) == count
+
+
+class _MarkedParameter(torch.nn.Parameter):
+    """A Parameter subclass (as engines define for their weights): the validator sees every call with one."""
+
+
+def test_a_model_s_parameters_are_planned_like_plain_tensors(planned) -> None:
+    """``A_log`` and ``dt_bias`` as ``nn.Parameter`` (how a model holds them, ``requires_grad`` on): the second call
+    runs the first call's plan, with the parameters' own pointers."""
+    kda, fake, validations = planned
+    case = next(c for c in UNBOUNDED_CASES if c.name == "kimi-B1-T1000-H4")
+    kwargs = make_inputs(case, "cpu", seed=2)
+    args = validate_kda_prefill(**kwargs)
+    fake.o_bytes = args.B * args.T * args.HV * 128 * 2
+    fake.state_bytes = args.N * args.HV * 128 * 128 * 4
+    assert kwargs["A_log"] is not None and kwargs["dt_bias"] is not None
+    kwargs["A_log"], kwargs["dt_bias"] = (torch.nn.Parameter(kwargs[n].clone()) for n in ("A_log", "dt_bias"))
+    with torch.no_grad():
+        cula.kda.kda_prefill(**kwargs)
+        first = _launch_record(fake, kwargs)
+        fake.intra = ()
+        cula.kda.kda_prefill(**kwargs)
+    assert validations == [1]
+    assert _launch_record(fake, kwargs) == first and kwargs["A_log"].data_ptr() in fake.intra
 
 
 def test_a_plan_follows_an_in_place_update_of_cu_seqlens(planned) -> None:

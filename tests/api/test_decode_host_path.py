@@ -232,6 +232,15 @@ class _Marked(torch.Tensor):
     """A tensor subclass: the validator sees every call with one."""
 
 
+class _MarkedParameter(torch.nn.Parameter):
+    """A Parameter subclass (as engines define for their weights): the validator sees every call with one."""
+
+
+def _gate_params(parameter: type) -> dict:
+    """The softplus gate in kernel with ``A_log`` / ``dt_bias`` held as ``parameter`` (``requires_grad`` on)."""
+    return {"use_gate_in_kernel": True, "A_log": parameter(torch.zeros(4)), "dt_bias": parameter(torch.zeros(4 * K))}
+
+
 # a change to the benchmark-form call that the first call's plan must not serve: (name, change) -> the call's kwargs
 _MISSES = {
     "q-fp16": lambda c: {"q": c["q"].half()},  # (the validator accepts it; the reference serves it: another backend)
@@ -260,6 +269,7 @@ _MISSES = {
     "scale-bool": lambda c: {"scale": True},
     "cu-seqlens": lambda c: {"cu_seqlens": torch.tensor([0, 1, 2, 3], dtype=torch.int32)},
     "gate-in-kernel": lambda c: {"use_gate_in_kernel": True, "A_log": torch.zeros(4), "lower_bound": -1.0},
+    "gate-parameter-subclass": lambda c: _gate_params(_MarkedParameter),
 }
 
 
@@ -293,6 +303,16 @@ def test_a_plan_never_serves_a_call_the_validator_must_see(change: str, kernels,
     assert len(validations) == 2, f"{change}: the first call's plan served the call"
     if len(stand_in.launches) > launches:  # (planned or launched anew: with the call's own tensors)
         assert stand_in.launches[-1][7] is call["state"]
+
+
+def test_a_model_s_gate_parameters_are_planned(kernels, guard_kind) -> None:
+    """``A_log`` and ``dt_bias`` as ``nn.Parameter`` (how Kimi-Linear's layer holds them): planned like plain
+    tensors, so the second call runs the first call's plan; a new parameter of the same metadata passes the guards."""
+    stand_in, validations = kernels
+    with torch.no_grad():
+        cula.kda.kda_decode(**_kda(0, **_gate_params(torch.nn.Parameter)))
+        cula.kda.kda_decode(**_kda(1, **_gate_params(torch.nn.Parameter)))
+    assert len(validations) == 1 and len(stand_in.launches) == 2
 
 
 def test_cpu_indices_are_never_planned(kernels, monkeypatch) -> None:

@@ -108,6 +108,10 @@ def test_a_cpu_g_gamma_and_cpu_indices_are_never_planned(monkeypatch: pytest.Mon
     assert dsig(q, k, v, gamma, None, None, None, pool, idx, False, None, None) is None
 
 
+class _MarkedParameter(torch.nn.Parameter):
+    """A Parameter subclass: the validator sees every call with one (``nn.Parameter`` itself is planned)."""
+
+
 def test_signatures_refuse_what_the_validator_must_see(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CULA_CALL_PLANS", raising=False)
     monkeypatch.setattr(call_plans, "indices_checked_on_host", lambda idx: False)
@@ -119,7 +123,8 @@ def test_signatures_refuse_what_the_validator_must_see(monkeypatch: pytest.Monke
     assert sig(q, k, v, None, 0, None, None, None, False, None, False) is None  # (the validator's error)
     assert sig(q, k, v, None, 0, 2, "0.5", None, False, None, False) is None
     assert sig(q, k, v, None, 0, 2, None, None, 1, None, False) is None
-    assert sig(q.as_subclass(torch.nn.Parameter), k, v, None, 0, 2, None, None, False, None, False) is None
+    assert sig(q.as_subclass(_MarkedParameter), k, v, None, 0, 2, None, None, False, None, False) is None
+    assert sig(torch.nn.Parameter(q), k, v, None, 0, 2, None, None, False, None, False) is not None  # (as plain)
     assert sig(*base) != sig(q, k, v, None, 1, 2, None, None, False, None, False)
     pool, idx = torch.zeros(3, H, K, V), torch.tensor([0], dtype=torch.int32)
     dsig = call_plans.lightning_decode_call_signature(q, k, v, None, 0, 2, None, pool, idx, False, None, None)

@@ -12,7 +12,8 @@ What depends on values is still checked on every call: ``cu_seqlens``' boundarie
 it runs a plan (the validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`, whose host copy the
 plan receives), and each pointer's alignment inside the sm90 plan. Plans are
 made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
-holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses, flags that are not
+holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses (``nn.Parameter`` itself
+aside: a model's ``A_log`` and ``dt_bias`` are planned), flags that are not
 ``bool``, or index tensors on the CPU (a pool-form prefill's or a decode's: the validator checks their values) are
 never planned: the validator sees each of them. A planned pool-form call takes its pool, indices and flags as it
 comes (``kda_decode`` likewise). ``CULA_CALL_PLANS=0`` turns plans off.
@@ -66,6 +67,10 @@ _plans: dict[tuple, Plan] = {}
 _guarded_plans: dict[tuple, tuple[tuple[object, Plan], ...]] = {}
 _GUARDED_PER_SIGNATURE = 4
 _Tensor = torch.Tensor
+# the classes a plan takes as they are: plain tensors and ``nn.Parameter`` (a model's ``A_log`` / ``dt_bias``), which
+# overrides no torch function, so every kernel and check sees it as a plain tensor; any other subclass (fake,
+# functional, distributed tensors, a Parameter subclass) goes through the validator on every call
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NUMBERS = (float, int)
 
 
@@ -76,7 +81,7 @@ class _Unplannable(Exception):
 def _tensor_key(x: object) -> tuple | None:
     if x is None:
         return None
-    if x.__class__ is not _Tensor:  # (a subclass, or not a tensor: the validator decides)
+    if x.__class__ not in _PLAIN:  # (a subclass, or not a tensor: the validator decides)
         raise _Unplannable
     return x.shape, x.stride(), x.dtype, x.device
 
@@ -145,10 +150,10 @@ def tensor_guards(tensors: tuple) -> object | None:
     """Guards of these tensors (None where absent: :data:`_ABSENT` stands in): ``guards.check(*others)`` is True
     exactly when each of ``others`` has the class, shape, strides, dtype, device (and ``requires_grad``) of the
     tensor at its place and, with the native guards, no object is at two places. None (never planned) when one of
-    them is not exactly a ``torch.Tensor`` (a subclass) or one tensor is at two places (the native guards would
-    refuse every such call)."""
+    them is neither a plain tensor nor exactly an ``nn.Parameter`` (another subclass) or one tensor is at two places
+    (the native guards would refuse every such call)."""
     tensors = tuple(_ABSENT[i] if t is None else t for i, t in enumerate(tensors))
-    if any(t.__class__ is not _Tensor for t in tensors) or len(set(map(id, tensors))) != len(tensors):
+    if any(t.__class__ not in _PLAIN for t in tensors) or len(set(map(id, tensors))) != len(tensors):
         return None
     return _guard_maker()(tensors)
 
@@ -225,7 +230,7 @@ def _decay_key(g_gamma: object, layer_idx: object, num_layers: object) -> tuple:
     """The decay's part of a Lightning signature; ``_Unplannable`` for one the validator must see (a CPU
     ``g_gamma``, whose values it checks; ``layer_idx`` / ``num_layers`` that are not both ints)."""
     if g_gamma is not None:
-        if g_gamma.__class__ is not _Tensor or g_gamma.device.type == "cpu":
+        if g_gamma.__class__ not in _PLAIN or g_gamma.device.type == "cpu":
             raise _Unplannable
         return _tensor_key(g_gamma), None, None
     if layer_idx.__class__ is not int or num_layers.__class__ is not int:
