@@ -56,11 +56,11 @@ sanitize_lightning() {
     done
   done
 }
-# The Lightning GPU tests that exist (tests/cute/test_lightning_*_gpu.py, tests/gpu/test_lightning_gpu.py): a missing
+# The Lightning GPU tests that exist (tests/cute/test_lightning_*_gpu.py, tests/gpu/test_lightning_*gpu.py): a missing
 # file named to pytest would stop the whole run, and none named would make h200_tests.sh run every GPU test.
 lightning_gpu_tests() {
   local f files=()
-  for f in tests/cute/test_lightning_*_gpu.py tests/gpu/test_lightning_gpu.py; do [ -e "$f" ] && files+=("$f"); done
+  for f in tests/cute/test_lightning_*_gpu.py tests/gpu/test_lightning_*gpu.py; do [ -e "$f" ] && files+=("$f"); done
   if [ ${#files[@]} = 0 ]; then echo "no Lightning GPU test files"; return 1; fi
   echo "Lightning GPU tests: ${files[*]}"
   GPU_LOG_TAG=_lightning timeout 400 bash tools/h200_tests.sh -q "${files[@]}"
