@@ -31,6 +31,16 @@ scores), three forms of the scores:
 
 Reported: each form's rel-L2 error of o and the final state against the fp64 recurrence, and whether any output is
 not finite. fp32 matmuls on the CPU sum in another order than the tensor cores: compare forms with each other.
+
+``--softplus`` instead compares two fp32 forms of the in-kernel softplus gate ``-exp(A_log) softplus(g + dt_bias)``
+(the CuTeDSL intra kernel's activation, :func:`cula_runtime.cute.kda.gate.activate_gate`): "log1p-exp" (its form
+before 2026-12: ``x`` above 20, else ``log1p(exp(x))``, precise library functions) and "ex2-lg2" (``max(x, 0) +
+ln 2 log2(1 + e)``, ``e = 2^(-|x| log2 e)``: one MUFU.EX2 and one MUFU.LG2; for ``e < 2^-5`` the series of
+log2(1 + e) to ``e^4`` instead, which keeps the relative accuracy of tiny gates). The MUFU ops are modelled as the
+fp32 functions with their documented worst error added with one sign everywhere (ex2: relative 2^-22, lg2: absolute
+2^-22): a biased model, the worst case for sums over long sequences. Reported: the gate's worst absolute and
+relative error against fp64 on a grid of x, and the o / final-state errors of the in-kernel Kimi cases (the gate
+precomputed in each form, then the "levels" emulation) against the fp64 oracle.
 """
 
 from __future__ import annotations
@@ -176,11 +186,78 @@ def measure(case) -> dict[str, tuple[float, float, bool]]:
     return out
 
 
+LOG2_E, LN2 = 1.4426950408889634, 0.6931471805599453
+MUFU_ERROR = 2.0 ** -22  # ex2.approx: relative; lg2.approx: absolute (on [1, 2])
+SERIES_BELOW = 2.0 ** -5  # e^-|x| below this: log1p by its series (the kernel's switch)
+SOFTPLUS_FORMS = ("log1p-exp", "ex2-lg2", "ex2-lg2 biased -", "ex2-lg2 biased +")
+
+
+def softplus_fp32(x: torch.Tensor, form: str) -> torch.Tensor:
+    """softplus of fp32 ``x`` in ``form`` (:data:`SOFTPLUS_FORMS`), fp32; "biased -"/"+" add the MUFU ops' worst
+    error with that sign everywhere."""
+    x = x.float()
+    if form == "log1p-exp":
+        return torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))
+    sign = {"ex2-lg2": 0.0, "ex2-lg2 biased -": -1.0, "ex2-lg2 biased +": 1.0}[form]
+    e = torch.exp2(-x.abs() * LOG2_E) * (1.0 + sign * MUFU_ERROR)
+    lg = torch.log2(1.0 + e) + sign * MUFU_ERROR
+    # e < 2^-5: log2(1 + e) by its series to e^4 (relative error below e^4 / 5 < 2^-22), as the kernel does
+    series = e * (LOG2_E + e * (-LOG2_E / 2 + e * (LOG2_E / 3 - e * (LOG2_E / 4))))
+    lg = torch.where(e < SERIES_BELOW, series, lg)
+    return (torch.clamp(x, min=0.0) + lg * LN2).float()
+
+
+def softplus_report() -> tuple[list[str], str]:
+    """The ``--softplus`` tables (see the module docstring)."""
+    x = torch.linspace(-40.0, 40.0, 400_001, dtype=torch.float64).float()
+    exact = torch.nn.functional.softplus(x.double())
+    lines = ["| softplus form | worst abs error, x in [-40, 40] | worst rel error, x in [-5, 40] | "
+             "worst rel error, x in [-40, -5] |", "|---|---|---|---|"]
+    for form in SOFTPLUS_FORMS:
+        err = (softplus_fp32(x, form).double() - exact).abs()
+        rel = err / exact
+        lines.append(f"| {form} | {err.max():.2e} | {rel[x >= -5].max():.2e} | {rel[x < -5].max():.2e} |")
+    lines += ["", "| case | " + " | ".join(f"{f}: o, state" for f in SOFTPLUS_FORMS) + " | ex2-lg2 (worst of the "
+              "three) / log1p-exp: o, state |", "|---|" + "---|" * (len(SOFTPLUS_FORMS) + 1)]
+    worst = [0.0, 0.0]
+    for case in [c for c in UNBOUNDED_CASES if c.gate == "kimi" and c.gate_in_kernel]:
+        kwargs = make_inputs(case, "cpu", seed=0)
+        o_ref, ht_ref = oracle(kwargs)
+        if ht_ref is not None and case.state_v_first:
+            ht_ref = ht_ref.transpose(-1, -2)
+        HV, K = kwargs["g"].shape[2], kwargs["g"].shape[3]
+        bias = kwargs["dt_bias"].view(HV, K) if "dt_bias" in kwargs else torch.zeros(HV, K)
+        xs = kwargs["g"].float() + bias
+        errs = {}
+        for form in SOFTPLUS_FORMS:
+            call = dict(kwargs, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                        g=-kwargs["A_log"].exp()[:, None] * softplus_fp32(xs, form))
+            o, ht = emulate(call, "fla", scores_of("levels"))
+            errs[form] = (rel_l2(o, o_ref), rel_l2(ht, ht_ref) if ht_ref is not None else 0.0)
+        base = errs["log1p-exp"]
+        ratio = [max(errs[f][i] for f in SOFTPLUS_FORMS[1:]) / base[i] if base[i] else 0.0 for i in range(2)]
+        worst = [max(worst[i], ratio[i]) for i in range(2)]
+        lines.append(f"| {case.name} | " + " | ".join(f"{errs[f][0]:.4e}, {errs[f][1]:.4e}" for f in SOFTPLUS_FORMS)
+                     + f" | {ratio[0]:.4f}, {ratio[1]:.4f} |")
+        print(lines[-1], flush=True)
+    summary = (f"\nWorst ex2-lg2 / log1p-exp error ratio on the in-kernel Kimi cases: o {worst[0]:.4f}x, final "
+               f"state {worst[1]:.4f}x.")
+    return lines, summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="write the Markdown table here as well")
     parser.add_argument("--safe", type=int, default=6, help="how many of the safe-gate cases to run beside them")
+    parser.add_argument("--softplus", action="store_true", help="compare the softplus gate's fp32 forms instead")
     opts = parser.parse_args()
+    if opts.softplus:
+        lines, summary = softplus_report()
+        print("\n".join(lines[:len(SOFTPLUS_FORMS) + 2]), summary, sep="\n")
+        if opts.out:
+            write_report(opts.out, "The in-kernel softplus gate's fp32 forms, emulated on the CPU",
+                         "benchmarks/precision_unbounded_diag.py --softplus", lines, summary)
+        return
     torch.manual_seed(0)
     lines = ["| case | gate | " + " | ".join(f"{f}: o, state" for f in FORMS)
              + " | levels / pairwise: o, state | levels-f16 / pairwise: o, state |",

@@ -8,7 +8,9 @@ already the log-gate). β: ``sigmoid(b)``, ``2 * sigmoid(b)`` with ``allow_neg_e
 
 These helpers were ``KdaPrepare``'s, the separate preprocessing kernel that the intra kernel's in-kernel gate
 replaced (its history keeps it); the intra kernel does the same arithmetic in the same order, so ``g_cum`` has the
-bits the H200 runs verified.
+bits the H200 runs verified, except the softplus form's: since issue 25 item 6 it is one MUFU exp2 and one MUFU log2
+per element (``max(x, 0) + log1p(e^-|x|)``) instead of the library's exp and log1p (CPU model:
+``benchmarks/precision_unbounded_diag.py --softplus``; not yet run on a GPU).
 """
 
 from ..compile_cache import missing_cutedsl
@@ -24,15 +26,23 @@ __all__ = ["GATE_FORMS", "RCP_LN2", "activate_beta", "activate_gate", "gate_argu
 
 GATE_FORMS = ("none", "softplus", "safe")
 RCP_LN2 = 1.4426950216  # fp32(1 / ln 2), the constant FLA multiplies the cumsum by
-SOFTPLUS_THRESHOLD = 20.0
+LOG2_E = 1.4426950408889634  # log2(e), for e^-|x| = 2^(-|x| log2 e)
+LN2 = 0.6931471805599453
+SERIES_BELOW = 2.0 ** -5  # the softplus's e^-|x| below which log1p is its series
 
 
 def activate_gate(form: str, x: Float32, scale: Float32, lower_bound: Float32) -> Float32:
     """The log-gate of one channel in ``form`` (:data:`GATE_FORMS`) from ``x = g + dt_bias`` (fp32), ``scale =
     exp(A_log)`` (1 without A_log): traced inline into the calling kernel."""
     if form == "softplus":
-        softplus = cutlass.select_(x > SOFTPLUS_THRESHOLD, x, cute.math.log1p(cute.math.exp(x)))
-        return -scale * Float32(softplus)
+        # softplus(x) = max(x, 0) + ln 2 log2(1 + e), e = e^-|x| in (0, 1]: one exp2 and one log2 (MUFU) per
+        # element, finite for every x; for e < 2^-5 log2(1 + e) is its series to e^4 (relative error < 2^-22),
+        # which keeps tiny gates (x << 0) accurate where 1 + e rounds (benchmarks/precision_unbounded_diag.py
+        # --softplus)
+        e = cute.math.exp2(-cute.math.abs(x) * LOG2_E, fastmath=True)
+        series = e * (LOG2_E + e * (-LOG2_E / 2 + e * (LOG2_E / 3 - e * (LOG2_E / 4))))
+        log_term = cutlass.select_(e < SERIES_BELOW, series, cute.math.log2(Float32(1.0) + e, fastmath=True))
+        return -scale * (cutlass.max(x, Float32(0.0)) + Float32(log_term) * LN2)
     if form == "safe":
         return lower_bound / (Float32(1.0) + cute.math.exp(-(scale * x)))
     return x
