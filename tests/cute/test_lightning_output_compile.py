@@ -1,7 +1,9 @@
 """CuTeDSL compilation of kernel C of the Lightning prefill (LightningChunkOutput) on the CPU, for sm_90a, sm_100a
 and sm_103a: the machine code holds exactly the warp-level bf16 MMAs, ldmatrix/stmatrix and cp.async traffic of one
-64-token chunk in its (not unrolled) chunk loop, its exp2 only in the prologue (the decay tables), two CTA barriers
-per chunk, and its local-memory spills are the ones measured with the installed CuTeDSL.
+64-token chunk in its (not unrolled) chunk loop, with the score tile's code once (one score block, in a loop every
+warp runs over its own blocks), its exp2 only in the prologue (the decay tables), two CTA barriers per chunk, rows
+past a segment zero-filled by the copies themselves, a chunk loop within its measured size, and its local-memory
+spills are the ones measured with the installed CuTeDSL.
 
 Needs CuTeDSL and TVM-FFI (cula-runtime brings them on Linux x86_64/aarch64); skips cleanly without them.
 """
@@ -38,17 +40,23 @@ DSL_FLOOR = ("bv64-H16",)
 SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in CONFIGS} for version in ("4.6", "4.7", "4.8")}
 
 # Per chunk and warp (16 value rows): q·S 8 k-blocks x 8 token tiles, vᵀ·Pᵀ 2 x (4 + 3 + 2 + 1) tiles, the state
-# 4 token blocks x 16 K tiles; the score tile's 10 lower 16 x 16 blocks (2 n8 tiles x 8 k-blocks each), each in
-# the code of the one warp that makes it.
+# 4 token blocks x 16 K tiles; one 16 x 16 score block (2 n8 tiles x 8 k-blocks): the code every warp loops over
+# for its blocks of the score tile's 10 (before issue 28's instruction cut each warp's blocks had their own code:
+# 10 x 16 MMAs in the loop, two warps' worth issued by each warp, one of them predicated off).
 SCORE_BLOCKS = 10
-HMMA_PER_CHUNK = 64 + 20 + 64 + SCORE_BLOCKS * 16
-# ldmatrix x4 per chunk: q 8 k-blocks x 4, P 4 + 3 + 2 + 1 (upper blocks are never loaded), a score block's k rows
-# 8 and its q rows 8, once per query block of a warp (4 warps: 7 query blocks over the 10 blocks; 8 warps: 8);
-# transposed: kᵀ 4 token blocks x 8, vᵀ 4. stmatrix.trans x4: oᵀ 4.
-SCORE_Q_ROWS = {64: 7, 128: 8}
-LDSM_PER_CHUNK = {block_v: 32 + 10 + SCORE_BLOCKS * 8 + rows * 8 for block_v, rows in SCORE_Q_ROWS.items()}
+HMMA_PER_CHUNK = 64 + 20 + 64 + 16
+# ldmatrix x4 in the chunk loop: q 8 k-blocks x 4, P 4 + 3 + 2 + 1 (upper blocks are never loaded), a score block's
+# k rows 8 and its run's q rows 8 (read once per query block of a warp: 4 warps 5 query blocks over the 10 blocks,
+# 8 warps 8); transposed: kᵀ 4 token blocks x 8, vᵀ 4. stmatrix.trans x4: oᵀ 4.
+SCORE_Q_ROWS = {64: 5, 128: 8}
+LDSM_PER_CHUNK = 32 + 10 + 8 + 8
 LDSM_T_PER_CHUNK = 32 + 4
 STSM_T_PER_CHUNK = 4
+# Instructions (NOP excluded) of the chunk loop, as measured with CuTeDSL 4.8.1 after issue 28's instruction cut
+# (before it: sm_90a 1410 / 1347 at block_v 64 / 128, sm_100a and sm_103a 1357 / 1279), with a little headroom for
+# other CuTeDSL / ptxas versions: a bound, so that a change that grows the loop is seen.
+CHUNK_LOOP_MAX = {"bv64-H16": {"sm_90a": 800, "sm_100a": 740, "sm_103a": 740},
+                  "bv128-H64": {"sm_90a": 720, "sm_100a": 660, "sm_103a": 660}}
 
 
 def _config(config_id: str):
@@ -75,7 +83,7 @@ def test_lightning_output_machine_code(config_id: str, target: str) -> None:
     assert code.opcodes["HMMA.16816.F32.BF16"] == HMMA_PER_CHUNK
     assert code.count("HMMA") == HMMA_PER_CHUNK  # no other MMA flavour
     assert code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0 and code.count("UTCQMMA") == 0  # no wgmma/tcgen05
-    assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK[config.block_v]
+    assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK
     assert code.opcodes["LDSM.16.MT88.4"] == LDSM_T_PER_CHUNK
     assert code.opcodes["STSM.16.MT88.4"] == STSM_T_PER_CHUNK
     spills = code.count("LDL") + code.count("STL")
@@ -85,12 +93,39 @@ def test_lightning_output_machine_code(config_id: str, target: str) -> None:
     threads = config.block_v // 16 * 32
     per_chunk = (2 * C * K + C * config.block_v) // 8 // threads
     assert code.count("LDGSTS") == 2 * per_chunk
+    # rows past the segment: the copies' own zero fill (source size 0), no 16-byte shared stores of zeros
+    assert code.count("STS.128") == 0
     assert code.count("BAR.SYNC") == 2  # per chunk: tiles landed; the score tile complete
     assert code.count("MUFU.EX2") == 4  # the three decay tables and λ^64, once per CTA: no exp in the chunk loop
     assert code.opcodes["STG.E.128"] == C // 16  # o rows: one 16-byte store per row segment, nothing else stored
-    # the score tile: adjacent key pairs, 4 bytes per store (2 per n8 tile and lane), never single elements
-    assert code.opcodes["STS.U16"] == 0 and code.opcodes["STS"] >= SCORE_BLOCKS * 2 * 2
+    # the score block: adjacent key pairs, 4 bytes per store (2 per n8 tile and lane), never single elements; the
+    # prologue's decay tables: 4 stores
+    assert code.opcodes["STS.U16"] == 0 and code.opcodes["STS"] == 2 * 2 + 4
     assert code.count("STG") == C // 16
+    loop = chunk_loop(code.sass)
+    assert len(loop) <= CHUNK_LOOP_MAX[config_id][target], f"chunk loop: {len(loop)} instructions"
+    assert sum(op.startswith("HMMA") for op in loop) == HMMA_PER_CHUNK  # every MMA in it
+
+
+def chunk_loop(sass: str) -> list[str]:
+    """Opcodes (NOP excluded) of the longest backward branch's range in ``sass``: the chunk loop."""
+    import re
+
+    labels: dict[str, int] = {}
+    ops: list[tuple[str, str]] = []
+    for line in sass.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+        inst = re.match(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*)$", line)
+        if inst and inst.group(1) != "NOP":
+            ops.append((inst.group(1), inst.group(2)))
+    spans = [(labels[target.group(1)], i) for i, (op, rest) in enumerate(ops)
+             if op.startswith("BRA") and (target := re.search(r"(\.L_x_\d+)", rest)) and target.group(1) in labels
+             and labels[target.group(1)] <= i]
+    assert spans, "no loop in the machine code"
+    first, last = max(spans, key=lambda span: span[1] - span[0])
+    return [op for op, _ in ops[first:last + 1]]
 
 
 def test_one_binary_serves_every_length() -> None:
@@ -127,13 +162,49 @@ def test_can_implement_says_why(changes: dict, reason: str) -> None:
 
 @pytest.mark.parametrize("block_v", [64, 128])
 def test_score_blocks_cover_the_lower_triangle_once(block_v: int) -> None:
-    """Every lower 16 x 16 block (J <= I) of the 64 x 64 score tile is made by exactly one warp."""
-    from cula_runtime.cute.lightning.chunk_output import _SCORE_BLOCKS, _rows_of
+    """Every lower 16 x 16 block (J <= I) of the 64 x 64 score tile is made by exactly one warp, and the word the
+    kernel decodes for each warp (runs of adjacent key blocks) names exactly that warp's blocks."""
+    from cula_runtime.cute.lightning.chunk_output import _SCORE_BLOCKS, _rows_of, _score_word
 
     blocks = [block for per_warp in _SCORE_BLOCKS[block_v // 16] for block in per_warp]
     assert len(_SCORE_BLOCKS[block_v // 16]) == block_v // 16
     assert sum(len(_rows_of(per_warp)) for per_warp in _SCORE_BLOCKS[block_v // 16]) == SCORE_Q_ROWS[block_v]
     assert sorted(blocks) == [(i, j) for i in range(4) for j in range(i + 1)]
+    for per_warp in _SCORE_BLOCKS[block_v // 16]:
+        word = _score_word(per_warp)
+        decoded = []
+        for r in range(word & 15):  # as the kernel reads it
+            run = word >> (4 + 8 * r) & 255
+            decoded += [(run & 3, (run >> 2 & 3) + t) for t in range(run >> 4)]
+        assert decoded == list(per_warp)
+    with pytest.raises(ValueError, match="not adjacent"):
+        _score_word(((3, 0), (3, 2)))
+
+
+def test_row_blocks_lie_above_the_swizzle() -> None:
+    """The kernel reads a warp's 16-row blocks of the swizzled q and k tiles by moving the pointer of block 0 on by
+    ``_ROW_BLOCK`` elements per block: in the (64, 128, 2) tile's layout, row 16 I + r is row r plus that offset,
+    whatever the column and stage (the swizzle permutes bits below it)."""
+    import cutlass.cute as cute
+
+    from cula_runtime.cute.lightning.chunk_output import _ROW_BLOCK, LightningChunkOutput, LightningChunkOutputConfig
+
+    kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1))
+    pairs = []
+
+    @cute.jit
+    def probe():
+        layout = kernel._smem_layout(C, K, 2)
+        for bi in tuple(range(4)):
+            for r in tuple(range(16)):
+                for col in tuple(range(0, K, 3)):
+                    for stage in tuple(range(2)):
+                        pairs.append((bi, cute.crd2idx((16 * bi + r, col, stage), layout),
+                                      cute.crd2idx((r, col, stage), layout)))
+
+    probe()
+    assert len(pairs) == 4 * 16 * len(range(0, K, 3)) * 2
+    assert all(int(moved) == int(first) + _ROW_BLOCK * bi for bi, moved, first in pairs)
 
 
 def test_score_fragment_coordinates() -> None:
@@ -171,6 +242,37 @@ def test_score_fragment_coordinates() -> None:
         for a, b in zip(keys[0::2], keys[1::2], strict=True):  # elements (0, 1) and (2, 3) of each n8 tile
             assert b == (a[0], a[1] + 1) and a[1] % 2 == 0, lane
     assert covered == {(i, j) for i in range(C) for j in range(C) if j // 16 <= i // 16}
+
+
+def test_diagonal_mask_words() -> None:
+    """Traced on the host with static lane indices: the kernel clears a diagonal score block's elements with key >
+    row by ANDing its four packed bf16 pairs (elements 2k, 2k + 1 of the block's fragment): pairs 0 and 3 with
+    ``keep`` (made from elements 0 and 1), pair 2 with 0 (all masked), pair 1 kept; off the diagonal all are kept.
+    That is exactly ``key <= row`` for every element of every lane."""
+    import cutlass.cute as cute
+
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
+
+    kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1))
+    seen = {}
+
+    @cute.jit
+    def probe():
+        score_mma = kernel.make_score_mma()
+        for lane in tuple(range(32)):
+            block = score_mma.get_slice(lane).partition_C(cute.make_identity_tensor((16, 16)))
+            seen[lane] = [(block[e][0], block[e][1]) for e in range(8)]
+        seen["pairs"] = str(cute.recast_layout(32, 16, cute.make_layout(((2, 2), 1, 2))))
+
+    probe()
+    assert seen.pop("pairs") == "((1,2),1,2):((1,1),0,2)"  # pair k of the recast = elements 2k, 2k + 1
+    for lane, coords in seen.items():
+        (i0, j0), (i1, j1) = coords[0], coords[1]
+        keep = (0xFFFF if int(j0) <= int(i0) else 0) | (0xFFFF0000 if int(j1) <= int(i1) else 0)
+        words = [keep, 0xFFFFFFFF, 0, keep]
+        for e, (i, j) in enumerate(coords):
+            kept = words[e // 2] >> (16 * (e % 2)) & 0xFFFF == 0xFFFF
+            assert kept == (int(j) <= int(i)), (lane, e)
 
 
 @pytest.mark.parametrize("block_v", [64, 128])

@@ -8,8 +8,10 @@ head (the kernel rounds the state, the score tile and the decayed v to bf16 for 
 ``o`` is NaN-poisoned and the segment tables leave gaps: rows outside every segment must stay NaN. Cases: one
 segment and many, partial last chunks, 1-token segments, decays 0 and -8, two scales, both V blocks (the same
 bits), 20 replays bit-identical, a segment's outputs independent of its neighbours' tokens, and a shape like the
-benchmark's (B2 T8192 H16, FLA's decays for 16 heads, 1024-token segments). ``test_bad_arguments_are_named`` runs
-on the CPU: every check of the wrapper, with the argument named.
+benchmark's (B2 T8192 H16, FLA's decays for 16 heads, 1024-token segments). ``test_same_bits_as_before_the_cut``:
+the kernel's bits equal those of its source before issue 28's instruction cut (commit ``BEFORE_CUT``, read with
+git), both V blocks, every case, q/k/v also as strided views. ``test_bad_arguments_are_named`` runs on the CPU:
+every check of the wrapper, with the argument named.
 
 ``test_emulation_stays_within_the_bound`` runs on the CPU: :func:`emulate_kernel` rounds where the kernel rounds
 (fp32 products of bf16 operands; S, P and the decayed v in bf16), and its error against the float64 computation
@@ -125,14 +127,59 @@ def emulate_kernel(case: Case, q, k, v, g_gamma, seg_state) -> list[torch.Tensor
     return outs
 
 
-def _run(case: Case, tensors, block_v: int | None = None) -> torch.Tensor:
-    from cula_runtime.cute.lightning.chunk_output import lightning_chunk_output
+def _run(case: Case, tensors, block_v: int | None = None, kernel=None) -> torch.Tensor:
+    """o of kernel C (``kernel``: a module with ``lightning_chunk_output``; default the current one)."""
+    if kernel is None:
+        from cula_runtime.cute.lightning import chunk_output as kernel
 
     q, k, v, g_gamma, seg_state, segments = tensors
-    o = torch.full_like(v, float("nan"))
-    lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, case.scale, case.seg_len, block_v=block_v)
+    o = torch.full((q.shape[0], q.shape[1], K), float("nan"), dtype=torch.bfloat16, device=q.device)
+    kernel.lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, case.scale, case.seg_len,
+                                  block_v=block_v)
     torch.cuda.synchronize()
     return o
+
+
+BEFORE_CUT = "93a50a9"  # kernel C before issue 28's instruction cut (the same arithmetic, more instructions)
+
+
+def _kernel_before_cut(folder):
+    """chunk_output.py at ``BEFORE_CUT``, imported next to the current one (its relative imports resolve there);
+    skips where git or that revision is missing."""
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+
+    name = "cula_runtime.cute.lightning._chunk_output_before_cut"
+    if name in sys.modules:
+        return sys.modules[name]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    path = "packages/cula-runtime/src/cula_runtime/cute/lightning/chunk_output.py"
+    try:
+        source = subprocess.run(["git", "-C", str(root), "show", f"{BEFORE_CUT}:{path}"], capture_output=True,
+                                text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"kernel C at {BEFORE_CUT} is not readable with git here: {exc}")
+    file = pathlib.Path(folder) / "chunk_output_before_cut.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _strided(tensors):
+    """q, k, v as views with a token stride of 3 H K (columns 128..255 of a wider tensor for q, ...)."""
+    q, k, v, *rest = tensors
+    wide = torch.full((q.shape[0], q.shape[1], 3 * K), float("inf"), dtype=q.dtype, device=q.device)
+    views = []
+    for i, x in enumerate((q, k, v)):
+        view = wide.clone()[:, :, i * K:(i + 1) * K]
+        view.copy_(x)
+        views.append(view)
+    return (*views, *rest)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -171,6 +218,23 @@ def test_both_v_blocks_give_the_same_bits(case: Case) -> None:
     o64 = _run(case, tensors, block_v=64)
     o128 = _run(case, tensors, block_v=128)
     assert torch.equal(o64.view(torch.int16), o128.view(torch.int16))
+
+
+@on_gpu
+@needs_cutedsl
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_same_bits_as_before_the_cut(block_v: int, strided: bool, tmp_path_factory) -> None:
+    """Issue 28's instruction cut changed how kernel C issues its work (per-warp score blocks in one loop, copies
+    that zero-fill, bit moves for bf16 -> fp32), not its arithmetic: every output bit equals the kernel before it."""
+    before = _kernel_before_cut(tmp_path_factory.mktemp("kernel_c_before_cut"))
+    for n, case in enumerate(CASES + LARGE):
+        tensors = _inputs(case, seed=10 + n)
+        if strided:
+            tensors = _strided(tensors)
+        new = _run(case, tensors, block_v=block_v)
+        old = _run(case, tensors, block_v=block_v, kernel=before)
+        assert torch.equal(new.view(torch.int16), old.view(torch.int16)), case.name
 
 
 @on_gpu

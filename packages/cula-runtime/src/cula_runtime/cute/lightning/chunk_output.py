@@ -19,20 +19,26 @@ registers; B = q from shared memory), ``oᵀ += vᵀ · Pᵀ`` and ``Sᵀ = λ^6
 chunk with ``ldmatrix.trans`` in accumulator layout, two n8 tiles = one k16 A fragment; B = the score tile and kᵀ
 from shared memory). Warp w owns value rows ``16 w .. 16 w + 15`` of Sᵀ (64 fp32 registers per thread): the
 state needs no exchange between warps. The score tile is the only thing the warps share: its 10 lower 16 x 16
-blocks are split over the warps (4 warps: 3, 3, 2, 2 blocks; 8 warps: 2, 2, 1, ..., 1), written to shared memory
-in bf16 and read back by every warp as the B operand of ``vᵀ · Pᵀ`` after a CTA barrier.
+blocks are split over the warps (4 warps: 3, 3, 2, 2 blocks; 8 warps: 2, 2, 1, ..., 1; each warp's blocks are runs
+of adjacent key blocks of one query block, two runs for one of the 4 warps), written to shared memory in bf16
+(rows padded to 72 elements: no swizzle, no bank conflict) and read back by every warp as the B operand of
+``vᵀ · Pᵀ`` after a CTA barrier. One code path serves every warp: a loop over the warp's blocks, their offsets
+runtime values from a word per warp (:func:`_score_word`), the diagonal blocks' masked elements cleared in the
+packed bf16 pairs (bits, the same as the select they replace).
 
 Decay powers are made once per CTA into shared memory, each the exp2 of an fp32 product ``d · g · log2(e)`` with
-``d >= 0`` (never the exponent of a positive number): ``scale · λ^d`` (d = 0..63, the scores), ``scale · λ^(i+1)``
-(the inter-chunk term's rows), ``λ^(63-j)`` (the state update's keys); λ^64 is a register.
+``d >= 0`` (never the exponent of a positive number): ``scale · λ^d`` (d = 0..63, the scores; at 16 + d, after 16
+zeros that the diagonal blocks' masked elements read), ``scale · λ^(i+1)`` (the inter-chunk term's rows),
+``λ^(63-j)`` (the state update's keys); λ^64 is a register.
 
 Pipeline: each chunk's q, k (64 x 128) and the CTA's v columns (64 x block_v) are copied by ``cp.async`` into one
-of two shared-memory stages while the previous chunk computes; rows past the segment's end are zero-filled in
-shared memory and never read from global memory (they belong to the next segment or sequence). Per chunk: one CTA
-barrier (tiles landed, the other stage and the score tile free), the warp's score blocks, ``Sᵀ_bf · qᵀ``, a second
-barrier (the score tile complete), ``vᵀ · Pᵀ``, the state update, and oᵀ staged with ``stmatrix.trans`` over the
-warp's own (already read) v columns, then 16-byte row stores of the valid rows. Only warp-level MMA (``mma.sync``
-m16n8k16 bf16, fp32 accumulate): one source for SM90, SM100 and SM103.
+of two shared-memory stages while the previous chunk computes; rows past the segment's end are zero-filled by the
+copies themselves (source size 0) and never read from global memory (they belong to the next segment or sequence).
+Per chunk: one CTA barrier (tiles landed, the
+other stage and the score tile free), the warp's score blocks, ``Sᵀ_bf · qᵀ``, a second barrier (the score tile
+complete), ``vᵀ · Pᵀ``, the state update, and oᵀ staged with ``stmatrix.trans`` over the warp's own (already read)
+v columns, then 16-byte row stores of the valid rows. Only warp-level MMA (``mma.sync`` m16n8k16 bf16, fp32
+accumulate): one source for SM90, SM100 and SM103.
 
 Grid: one linear index, V block fastest, then head, then segment (the CTAs of one segment and head, which read the
 same q and k, run side by side: the second read is an L2 hit).
@@ -46,17 +52,24 @@ The V block (the choice, per chunk of 64 tokens and head, K = V = 128):
   block_v = 64 (two CTAs of 4 warps): 2 x (4 x 148 + 160) = 1504 = 6.2 MFLOP (the score tile is made twice).
 * H200 budget per SM and chunk-head (both V halves; 4.8 TB/s over 132 SMs = 36 B/ns; 1.83 GHz; 2 warps per SM
   sub-partition): the 64 KB take 1.8 us; the MMAs 2 x ~190 per sub-partition at ~6 cycles each (mma.sync at ~2/3
-  of the wgmma peak) ~1.2 us; instruction issue ~1.3 us (sm_90a, block_v = 64: the chunk loop is ~1420
-  instructions, of which a warp runs ~1160, the other warps' score blocks being branches it skips). So the kernel
-  can be bound by memory if the loads keep flowing; what decides is bytes in flight and the barrier bubbles, more
-  than the score tile's extra 12%. (Whole kernel: 2032 / 1976 / 1976 SASS instructions at block_v = 64 on sm_90a
-  / sm_100a / sm_103a, 1864 / 1792 / 1792 at 128.)
-* Shared memory: block_v = 64: 2 stages x (16 + 16 + 8) KB + 8 KB score tile + 768 B tables = 90,880 B, two CTAs
-  per SM (with the 1 KB per CTA the hardware reserves: 184 of 228 KB); block_v = 128: 2 x 48 KB + 8 KB + 768 B =
-  107,264 B, one CTA per SM (two would fit the shared memory, 212 KB with the reserve, but not the registers).
-* Registers (compiled on the CPU, CuTeDSL 4.6.2, 4.7.1 and 4.8.1 alike): 255 per thread on sm_90a, 254-255 on
-  sm_100a / sm_103a, no spills. 128 threads x 256 allocated = 32K registers: two 4-warp CTAs per SM, as many warps
-  (8) as one 8-warp CTA.
+  of the wgmma peak) ~1.2 us; instruction issue: see the next item. So the kernel can be bound by memory if the
+  loads keep flowing; what decides is bytes in flight and the barrier bubbles, more than the score tile's extra 12%.
+* Instructions (SASS, CuTeDSL 4.8.1; NOP excluded): the chunk loop is 767 / 691 instructions at block_v = 64 / 128
+  on sm_90a (706 / 632 on sm_100a and sm_103a), and a warp issues all of it but the score blocks it does not own:
+  sm_90a, per warp and (not last) chunk, block_v = 128: 691 (one score block) or 760 (two), 708 on average;
+  block_v = 64: 836-905, 880 on average. Before issue 28's instruction cut (commit 93a50a9, the same arithmetic)
+  the loop was 1410 / 1347 and a warp issued 1038-1153 (mean 1095) / 822-937 (mean 855): every warp's score blocks
+  had their own code, a warp issued its neighbour's too (predicated off), and the loads spent 3 filler
+  instructions per copy next to the zero-fill stores. Whole kernel: 1288 / 1224 / 1224 SASS instructions at
+  block_v = 64 on sm_90a / sm_100a / sm_103a, 1176 / 1120 / 1120 at 128 (with NOPs; 2032 / 1976 / 1976 and
+  1864 / 1792 / 1792 before).
+* Shared memory: block_v = 64: 2 stages x (16 + 16 + 8) KB + 9,200 B score tile (64 rows of 72) + 832 B tables =
+  91,952 B, two CTAs per SM (with the 1 KB per CTA the hardware reserves: 182 of 228 KB); block_v = 128: 2 x 48 KB
+  + 9,200 B + 832 B = 108,336 B, one CTA per SM (two would fit the shared memory, 214 KB with the reserve, but not
+  the registers).
+* Registers (compiled on the CPU with CuTeDSL 4.8.1; 4.6.2 and 4.7.1 gave 255 before the cut, not measured since):
+  224 / 222 per thread on sm_90a at block_v = 64 / 128, 218 / 216 on sm_100a / sm_103a, no spills. 128 threads x
+  224 = 28K registers: two 4-warp CTAs per SM, as many warps (8) as one 8-warp CTA.
 * block_v = 128 is the default (:data:`DEFAULT_BLOCK_V`), measured: on the H200 kernel C at block_v = 128 took
   0.86-0.91x the time of block_v = 64 on four shapes (B1 T32768 H64, B2 T16384 H16, varlen 10 seqs T16384 H64, B1
   T4096 H64; ``benchmarks/results/lightning_kernel_c_ab_h200.md``): 11% fewer MMAs (the score tile made once per
@@ -84,6 +97,7 @@ try:
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass._mlir.dialects import nvvm
     from cutlass.cute.nvgpu import warp
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
@@ -94,11 +108,14 @@ DEFAULT_BLOCK_V = 128  # value columns per CTA (module docstring: one 8-warp CTA
 _LOG2E = 1.4426950408889634
 _MAX_GRID_X = 2**31 - 1
 
-# The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp.
+# The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp: each warp's blocks are
+# runs of adjacent key blocks of one or two query blocks (the q rows are read once per run).
 _SCORE_BLOCKS = {
-    4: (((0, 0), (3, 0), (3, 1)), ((1, 0), (1, 1), (3, 2)), ((2, 0), (2, 1)), ((2, 2), (3, 3))),
-    8: (((3, 0), (3, 3)), ((3, 1), (3, 2)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),)),
+    4: (((3, 0), (3, 1), (3, 2)), ((2, 0), (2, 1), (2, 2)), ((1, 0), (1, 1)), ((3, 3), (0, 0))),
+    8: (((3, 0), (3, 1)), ((3, 2), (3, 3)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),)),
 }
+_SCORE_PAD = 8  # bf16 padding per score-tile row: 144-byte rows, conflict-free ldmatrix rows and 4-byte stores
+_ROW_BLOCK = 16 * 64  # elements between 16-row blocks of a swizzled (64, 128) tile: above the swizzle's bits
 
 
 def _rows_of(blocks: tuple) -> tuple:
@@ -107,6 +124,18 @@ def _rows_of(blocks: tuple) -> tuple:
     for bi, bj in blocks:
         rows.setdefault(bi, []).append(bj)
     return tuple((bi, tuple(bjs)) for bi, bjs in rows.items())
+
+
+def _score_word(blocks: tuple) -> int:
+    """One warp's score blocks packed into an int32 for the kernel: bits 0-3 the number of runs (query blocks),
+    then 8 bits per run: I (bits 0-1), its first key block J0 (bits 2-3), the number of key blocks (bits 4-7)."""
+    runs = _rows_of(blocks)
+    word = len(runs)
+    for r, (bi, bjs) in enumerate(runs):
+        if list(bjs) != list(range(bjs[0], bjs[0] + len(bjs))):
+            raise ValueError(f"the key blocks of query block {bi} are not adjacent: {bjs}")
+        word |= (bi | bjs[0] << 2 | len(bjs) << 4) << (4 + 8 * r)
+    return word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +212,7 @@ class LightningChunkOutput(ChunkTiles):
         C, K, BV = c.chunk_size, c.head_dim, c.block_v
         sK_layout = self._smem_layout(C, K, 2)
         sV_layout = self._smem_layout(C, BV, 2)
-        sP_layout = self._smem_layout(C, C, 1)
+        sP_layout = cute.make_layout((C, C, 1), stride=(C + _SCORE_PAD, 1, C * (C + _SCORE_PAD)))  # padded rows
 
         @cute.struct
         class SharedStorage:
@@ -191,7 +220,7 @@ class LightningChunkOutput(ChunkTiles):
             sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sV_layout)], 1024]
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
-            sPdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # scale · λ^d
+            sPdec: cute.struct.Align[cute.struct.MemRange[Float32, C + 16], 16]  # scale · λ^d at 16 + d, d >= -15
             sOdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # scale · λ^(i+1)
             sVdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # λ^(63-j)
 
@@ -219,7 +248,7 @@ class LightningChunkOutput(ChunkTiles):
         scale: Float32,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
+        sP_layout: cute.Layout,
         tiled_mma: cute.TiledMma,
         score_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
@@ -248,7 +277,7 @@ class LightningChunkOutput(ChunkTiles):
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)  # (C tokens, BV, stage)
         sP = storage.sP.get_tensor(sP_layout)  # (C query, C key, 1)
-        sPdec = storage.sPdec.get_tensor(cute.make_layout(C))
+        sPdec = storage.sPdec.get_tensor(cute.make_layout(C + 16))
         sOdec = storage.sOdec.get_tensor(cute.make_layout(C))
         sVdec = storage.sVdec.get_tensor(cute.make_layout(C))
         # Transposed views (the composition maps (col, row, stage) onto the token-major tiles).
@@ -259,20 +288,20 @@ class LightningChunkOutput(ChunkTiles):
         sVdecB = cute.make_tensor(sVdec.iterator, cute.make_layout((BV, C), stride=(0, 1)))
 
         # ---- global -> shared copies; chunk 0 first, so that its loads overlap the state's
-        g2s_K = self._g2s_copy(K).get_slice(tidx)
-        g2s_V = self._g2s_copy(BV).get_slice(tidx)
-        loader = (g2s_K, g2s_V)
+        loader = self.make_loader(mQ, mK, mV, h, vb, start, tidx)
         if num_chunks > 0:
-            self.load_chunk(loader, mQ, mK, mV, sQ, sK, sV, h, vb, start, cutlass.min(length, C), Int32(0))
+            self.load_chunk(loader, (sQ, sK, sV), Int32(0), cutlass.min(length, C), Int32(0))
             cute.arch.cp_async_commit_group()
 
         # ---- decay powers, once per CTA: exp2 of d · g · log2(e) with d >= 0 (visible after the loop's barrier)
         lg = mG[h] * Float32(_LOG2E)
         if tidx < C:
             d = Float32(tidx)
-            sPdec[tidx] = scale * cute.math.exp2(d * lg, fastmath=True)
+            sPdec[16 + tidx] = scale * cute.math.exp2(d * lg, fastmath=True)
             sOdec[tidx] = scale * cute.math.exp2((d + Float32(1.0)) * lg, fastmath=True)
             sVdec[tidx] = cute.math.exp2(Float32(C - 1 - tidx) * lg, fastmath=True)
+        if tidx < 16:
+            sPdec[tidx] = Float32(0.0)  # d < 0: read for the diagonal blocks' masked elements, never used
         lam_chunk = cute.math.exp2(Float32(C) * lg, fastmath=True)  # λ^64
 
         # ---- MMA partitions (M = BV value rows, warp w rows 16 w ..):
@@ -308,6 +337,12 @@ class LightningChunkOutput(ChunkTiles):
         tOsOdec = thr_mma.partition_C(sOdecB)
         tVsVdec = thr_mma.partition_C(sVdecB)
 
+        # ---- this warp's score blocks (a register for the whole segment)
+        score_word = Int32(0)
+        for w in cutlass.range_constexpr(self.num_warps):
+            score_word = cutlass.select_(warp_idx == w, Int32(_score_word(_SCORE_BLOCKS[self.num_warps][w])),
+                                         score_word)
+
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
         tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
         if num_chunks > 0:
@@ -319,13 +354,13 @@ class LightningChunkOutput(ChunkTiles):
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # chunk's tiles visible; everyone is done with the other stage and with sP
             if chunk + 1 < num_chunks:
-                self.load_chunk(loader, mQ, mK, mV, sQ, sK, sV, h, vb, start + (chunk + 1) * C,
-                                cutlass.min(length - (chunk + 1) * C, C), 1 - stage)
+                self.load_chunk(loader, (sQ, sK, sV), (chunk + 1) * C, cutlass.min(length - (chunk + 1) * C, C),
+                                1 - stage)
                 cute.arch.cp_async_commit_group()
 
             # ---- this warp's blocks of the masked, decayed, scaled score tile (gates the second barrier: first)
             self.scores(score_mma, sQ[None, None, stage], sK[None, None, stage], sP[None, None, 0], sPdec,
-                        warp_idx, lane)
+                        score_word, lane)
 
             # ---- oᵀ = (Sᵀ_bf · qᵀ) ⊙ scale · λ^(i+1)
             rSbf = cute.make_rmem_tensor(tSrS.layout, BFloat16)
@@ -353,7 +388,7 @@ class LightningChunkOutput(ChunkTiles):
             # ---- Sᵀ = λ^64 Sᵀ + bf16(vᵀ ⊙ λ^(63-j)) · k, for the next chunk (none after the segment's last)
             if chunk + 1 < num_chunks:
                 rVdec = cute.make_rmem_tensor(accO.layout, BFloat16)
-                rVdec.store((rV.load().to(Float32) * tVsVdec.load()).to(BFloat16))
+                rVdec.store((self._bf16_pairs_to_f32(rV).load() * tVsVdec.load()).to(BFloat16))
                 tCrVdec_A = self._acc_as_operand_a(rVdec)
                 tSrS.store(tSrS.load() * lam_chunk)
                 for kb in cutlass.range_constexpr(C // self.mma_k):
@@ -368,43 +403,89 @@ class LightningChunkOutput(ChunkTiles):
             self.store_rows(mO, sV[None, None, stage], Int32(0), h, vb, start + chunk * C, chunk_len, tidx)
 
     @cute.jit
+    def _bf16_pairs_to_f32(self, x: cute.Tensor) -> cute.Tensor:
+        """``x`` (bf16, compact, even size) widened to fp32 by moving bits, one integer op per element: the low
+        element of a 32-bit pair shifted up, the high one masked (exactly what the conversion does; 2 ops per pair
+        where the compiler's conversion takes 3)."""
+        pairs = cute.recast_tensor(x, Int32)
+        y = cute.make_rmem_tensor(x.layout, Float32)
+        y_bits = cute.recast_tensor(y, Int32)
+        for k in cutlass.range_constexpr(cute.size(pairs)):
+            y_bits[2 * k] = pairs[k] << 16
+            y_bits[2 * k + 1] = pairs[k] & Int32(-65536)
+        return y
+
+    @cute.jit
     def scores(self, score_mma: cute.TiledMma, sQs: cute.Tensor, sKs: cute.Tensor, sP: cute.Tensor,
-               sPdec: cute.Tensor, warp_idx: Int32, lane: Int32):
+               sPdec: cute.Tensor, word: Int32, lane: Int32):
         """This warp's lower 16 x 16 blocks (query block I, key block J) of ``P = scale · λ^(i-j) · q kᵀ``
-        (j <= i, else 0), rounded to bf16 into ``sP`` (C query, C key). ``sQs``, ``sKs``: the chunk's (C, K)
-        tiles."""
+        (j <= i, else 0), rounded to bf16 into ``sP`` (C query, C key; padded rows). ``sQs``, ``sKs``: the chunk's
+        (C, K) swizzled tiles; ``word``: the warp's blocks (:func:`_score_word`), runs of adjacent key blocks, so
+        that one code path serves every warp (the blocks' offsets are runtime values: a 16-row block of q or k is
+        ``_ROW_BLOCK`` elements on, outside the swizzle's bits; the padded score tile has no swizzle).
+
+        Elements: ``p = acc · sPdec[16 + d]`` with ``d = 16 (I - J) + i - j`` (local i, j; d >= -15), then bf16; the
+        masked ones (j > i, only in a diagonal block) are cleared in the packed bf16 pairs with an AND: bf16 +0,
+        the bits that ``select(j <= i, p, 0)`` rounds to."""
         K = self.config.head_dim
         SUB = 16
         thr_mma = score_mma.get_slice(lane)
         ld_atom = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
         copy_A = cute.make_tiled_copy_A(ld_atom, score_mma).get_slice(lane)
         copy_B = cute.make_tiled_copy_B(ld_atom, score_mma).get_slice(lane)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((SUB, SUB)))  # ((2,2), 1, 2): (row, key) of block
         tCsP = thr_mma.partition_C(sP)  # ((2,2), C/16, C/8): block (I, J) is modes (I, 2J) and (I, 2J + 1)
-        for w in cutlass.range_constexpr(self.num_warps):
-            if warp_idx == w:
-                for bi, key_blocks in _rows_of(_SCORE_BLOCKS[self.num_warps][w]):
-                    sQI = cute.local_tile(sQs, (SUB, K), (bi, 0))
-                    tCrX = thr_mma.make_fragment_A(thr_mma.partition_A(sQI))
-                    cute.copy(copy_A, copy_A.partition_S(sQI), copy_A.retile(tCrX))  # once per query block
-                    for bj in key_blocks:
-                        sKJ = cute.local_tile(sKs, (SUB, K), (bj, 0))
-                        tCrY = thr_mma.make_fragment_B(thr_mma.partition_B(sKJ))
-                        cute.copy(copy_B, copy_B.partition_S(sKJ), copy_B.retile(tCrY))
-                        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
-                        acc.fill(0.0)
-                        cute.gemm(score_mma, acc, tCrX, tCrY, acc)
-                        rP = cute.make_rmem_tensor(acc.layout, BFloat16)
-                        for e in cutlass.range_constexpr(cute.size(acc)):
-                            i, j = tCcC[e]
-                            if const_expr(bi == bj):  # diagonal block: zero the keys after the query
-                                p = acc[e] * sPdec[cutlass.max(i - j, 0)]
-                                p = cutlass.select_(j <= i, p, Float32(0.0))
-                            else:
-                                p = acc[e] * sPdec[(bi - bj) * SUB + i - j]
-                            rP[e] = Float32(p).to(BFloat16)
-                        for half in cutlass.range_constexpr(2):  # the block's two n8 tiles: key pairs, 4 bytes
-                            tCsP[None, bi, 2 * bj + half].store(rP[None, 0, half].load())
+        sQ0 = cute.local_tile(sQs, (SUB, K), (0, 0))
+        sK0 = cute.local_tile(sKs, (SUB, K), (0, 0))
+        tXsQ0 = copy_A.partition_S(sQ0)
+        tYsK0 = copy_B.partition_S(sK0)
+        tCrX = thr_mma.make_fragment_A(thr_mma.partition_A(sQ0))
+        tCrY = thr_mma.make_fragment_B(thr_mma.partition_B(sK0))
+        # The diagonal block's mask of the pairs (rows r, r + 8 with keys 2c, 2c + 1 and 8 + 2c, 9 + 2c): rows r
+        # with keys 2c.. and rows r + 8 with keys 8 + 2c.. keep the elements with key <= row (``keep``), rows r
+        # with keys 8 + .. keep none, rows r + 8 with keys 2c.. keep all (test_score_fragment_coordinates).
+        (i0, j0), (i1, j1) = tCcC[0], tCcC[1]
+        keep = cutlass.select_(j0 <= i0, Int32(0xFFFF), Int32(0)) | cutlass.select_(j1 <= i1, Int32(-65536), Int32(0))
+        ops = (score_mma, thr_mma, copy_A, copy_B, tCcC, tCsP, tXsQ0, tYsK0, tCrX, tCrY, sPdec, keep)
+        if const_expr(self._one_run_per_warp()):  # a static run: its offsets are the same every chunk
+            self._score_run(ops, (word >> 4) & 255)
+        else:
+            for r in cutlass.range(word & 15, unroll=1):  # the warp's runs (query blocks)
+                self._score_run(ops, (word >> (4 + 8 * r)) & 255)
+
+    def _one_run_per_warp(self) -> bool:
+        """Whether every warp's score blocks are one run (one query block)."""
+        return all(len(_rows_of(blocks)) == 1 for blocks in _SCORE_BLOCKS[self.num_warps])
+
+    @cute.jit
+    def _score_run(self, ops: tuple, run: Int32):
+        """One run of :meth:`scores`: query block I, then its key blocks J0, J0 + 1, .. (``run``: I | J0 << 2 |
+        count << 4)."""
+        score_mma, thr_mma, copy_A, copy_B, tCcC, tCsP, tXsQ0, tYsK0, tCrX, tCrY, sPdec, keep = ops
+        SUB = 16
+        bi = Int32(run & 3)
+        bj0 = Int32((run >> 2) & 3)
+        tXsQ = cute.make_tensor(tXsQ0.iterator + cute.assume(bi * _ROW_BLOCK, divby=_ROW_BLOCK), tXsQ0.layout)
+        cute.copy(copy_A, tXsQ, copy_A.retile(tCrX))  # once per query block
+        for t in cutlass.range(run >> 4, unroll=1):
+            bj = bj0 + t
+            tYsK = cute.make_tensor(tYsK0.iterator + cute.assume(bj * _ROW_BLOCK, divby=_ROW_BLOCK), tYsK0.layout)
+            cute.copy(copy_B, tYsK, copy_B.retile(tCrY))
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((SUB, SUB)), Float32)
+            acc.fill(0.0)
+            cute.gemm(score_mma, acc, tCrX, tCrY, acc)
+            rP = cute.make_rmem_tensor(acc.layout, BFloat16)
+            d0 = SUB * (bi - bj) + 16
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, j = tCcC[e]
+                rP[e] = Float32(acc[e] * sPdec[d0 + i - j]).to(BFloat16)
+            off = cutlass.select_(bi != bj, Int32(-1), Int32(0))  # all ones off the diagonal
+            rPw = cute.recast_tensor(rP, Int32)  # pairs: (row r, keys 2c..), (r + 8, 2c..), (r, 8 + 2c..), (r + 8, ..)
+            rPw[0] = rPw[0] & (keep | off)
+            rPw[3] = rPw[3] & (keep | off)
+            rPw[2] = rPw[2] & off
+            for half in cutlass.range_constexpr(2):  # the block's two n8 tiles: key pairs, 4 bytes
+                tCsP[None, bi, 2 * bj + half].store(rP[None, 0, half].load())
 
     @staticmethod
     def make_score_mma():
@@ -423,18 +504,32 @@ class LightningChunkOutput(ChunkTiles):
         return cute.local_tile(head, (c.block_v, c.head_dim), (vb, 0))
 
     @cute.jit
-    def load_chunk(self, loader, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, sQ: cute.Tensor,
-                   sK: cute.Tensor, sV: cute.Tensor, h: Int32, vb: Int32, tok0: Int32, length: Int32,
-                   stage: Int32):
-        """Issue the cp.async copies of one chunk (rows ``tok0 ..``, ``length`` valid) into ``stage``; rows past
-        ``length`` are zero-filled in shared memory and not read."""
+    def make_loader(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, h: Int32, vb: Int32, start: Int32,
+                    tidx: Int32):
+        """Per tensor (q, k, v): this thread's cp.async slice, its source segments in the segment's first chunk
+        ``(CPY, passes, 1)`` (a later chunk is the same plus a row offset) and their rows ``(passes,)`` within
+        the chunk."""
         C, K, BV = self.config.chunk_size, self.config.head_dim, self.config.block_v
-        g2s_K, g2s_V = loader
-        for mX, sX in ((mQ, sQ), (mK, sK)):
-            gX = cute.local_tile(cute.domain_offset((tok0, 0), mX[0, None, h, None]), (C, K), (0, 0))
-            self._copy_rows(g2s_K, gX, sX[None, None, stage], length)
-        gV = cute.local_tile(cute.domain_offset((tok0, 0), mV[0, None, h, None]), (C, BV), (0, vb))
-        self._copy_rows(g2s_V, gV, sV[None, None, stage], length)
+        loader = []
+        for mX, cols, block in ((mQ, K, 0), (mK, K, 0), (mV, BV, vb)):
+            thr = self._g2s_copy(cols).get_slice(tidx)
+            gX = cute.local_tile(cute.domain_offset((start, 0), mX[0, None, h, None]), (C, cols), (0, block))
+            loader.append((thr, thr.partition_S(gX), thr.partition_S(cute.make_identity_tensor((C, cols))),
+                           mX.stride[1]))
+        return loader
+
+    @cute.jit
+    def load_chunk(self, loader, tiles, row0: Int32, length: Int32, stage: Int32):
+        """Issue the cp.async copies of the chunk at row ``row0`` of the segment (``length`` valid rows) into
+        ``stage`` of ``tiles`` (sQ, sK, sV). A row past ``length`` is zero-filled by the copy itself (source size
+        0: nothing is read from global memory, no separate store)."""
+        for (thr, tXgX, tXcX, row_stride), sX in zip(loader, tiles, strict=True):
+            tXsX = thr.partition_D(sX[None, None, stage])
+            for p in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                src = tXgX[None, p, None].iterator + cutlass.Int64(row0) * row_stride
+                size = cutlass.select_(tXcX[(0, 0), p, 0][0] < length, Int32(16), Int32(0))
+                nvvm.cp_async_shared_global(tXsX[None, p, None].iterator.llvm_ptr, src.llvm_ptr, 16,
+                                            nvvm.LoadCacheModifierKind.CG, cp_size=size.ir_value())
 
 
 @functools.lru_cache(maxsize=64)
