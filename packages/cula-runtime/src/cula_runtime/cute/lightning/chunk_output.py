@@ -506,9 +506,9 @@ class LightningChunkOutput(ChunkTiles):
     @cute.jit
     def make_loader(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, h: Int32, vb: Int32, start: Int32,
                     tidx: Int32):
-        """Per tensor (q, k, v): this thread's cp.async slice, its source segments in the segment's first chunk
-        ``(CPY, passes, 1)`` (a later chunk is the same plus a row offset) and their rows ``(passes,)`` within
-        the chunk."""
+        """Per tensor (q, k, v): this thread's cp.async slice, its source segments ``(CPY, passes, 1)`` in the
+        segment's first chunk (a later chunk's are the same plus a row offset: :meth:`load_chunk`), their (row,
+        column) coordinates within a chunk, and the token stride (elements)."""
         C, K, BV = self.config.chunk_size, self.config.head_dim, self.config.block_v
         loader = []
         for mX, cols, block in ((mQ, K, 0), (mK, K, 0), (mV, BV, vb)):
