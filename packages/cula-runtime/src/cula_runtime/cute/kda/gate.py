@@ -8,9 +8,9 @@ already the log-gate). β: ``sigmoid(b)``, ``2 * sigmoid(b)`` with ``allow_neg_e
 
 These helpers were ``KdaPrepare``'s, the separate preprocessing kernel that the intra kernel's in-kernel gate
 replaced (its history keeps it); the intra kernel does the same arithmetic in the same order, so ``g_cum`` has the
-bits the H200 runs verified, except the softplus form's: since issue 25 item 6 it is one MUFU exp2 and one MUFU log2
-per element (``max(x, 0) + log1p(e^-|x|)``) instead of the library's exp and log1p (CPU model:
-``benchmarks/precision_unbounded_diag.py --softplus``; not yet run on a GPU).
+bits the H200 runs verified, except the intra kernel's softplus form: since issue 25 item 6 it is one MUFU exp2 and one
+MUFU log2 per element (``max(x, 0) + log1p(e^-|x|)``) instead of the library's exp and log1p, which the decode kernel
+keeps (CPU model: ``benchmarks/precision_unbounded_diag.py --softplus``; not yet run on a GPU).
 """
 
 from ..compile_cache import missing_cutedsl
@@ -29,11 +29,18 @@ RCP_LN2 = 1.4426950216  # fp32(1 / ln 2), the constant FLA multiplies the cumsum
 LOG2_E = 1.4426950408889634  # log2(e), for e^-|x| = 2^(-|x| log2 e)
 LN2 = 0.6931471805599453
 SERIES_BELOW = 2.0 ** -5  # the softplus's e^-|x| below which log1p is its series
+SOFTPLUS_THRESHOLD = 20.0  # the library form: x itself above
 
 
-def activate_gate(form: str, x: Float32, scale: Float32, lower_bound: Float32) -> Float32:
+def activate_gate(form: str, x: Float32, scale: Float32, lower_bound: Float32, mufu_softplus: bool = False) -> Float32:
     """The log-gate of one channel in ``form`` (:data:`GATE_FORMS`) from ``x = g + dt_bias`` (fp32), ``scale =
-    exp(A_log)`` (1 without A_log): traced inline into the calling kernel."""
+    exp(A_log)`` (1 without A_log): traced inline into the calling kernel. ``mufu_softplus``: the softplus form by one
+    MUFU exp2 and one MUFU log2 per element (the intra kernel's, issue 25 item 6); otherwise by the library's exp and
+    log1p (the decode kernel's: the MUFU form's temporaries took its softplus configurations from 8 to 47 spill
+    instructions on sm_90a, 12 to 86 on sm_100a, CuTeDSL 4.8.1)."""
+    if form == "softplus" and not mufu_softplus:
+        softplus = cutlass.select_(x > SOFTPLUS_THRESHOLD, x, cute.math.log1p(cute.math.exp(x)))
+        return -scale * Float32(softplus)
     if form == "softplus":
         # softplus(x) = max(x, 0) + ln 2 log2(1 + e), e = e^-|x| in (0, 1]: one exp2 and one log2 (MUFU) per
         # element, finite for every x; for e < 2^-5 log2(1 + e) is its series to e^4 (relative error < 2^-22),

@@ -517,7 +517,7 @@ class KdaIntra:
             row = run * run_len + i
             # rows past the end add the activation of 0 (never stored)
             x = cutlass.select_(row < valid, rRaw[i].to(Float32), Float32(0.0))
-            running = running + activate_gate(gate.form, x + bias, scale, lower_bound)
+            running = running + activate_gate(gate.form, x + bias, scale, lower_bound, mufu_softplus=True)
             sStage[row, column] = running
         sTotal[run, column] = running
         cute.arch.sync_threads()
@@ -712,16 +712,16 @@ class KdaIntra:
             anchor = ((r >> level) | 1) << level
             rM = cute.local_tile(sDG, (1, VEC), (anchor, group)).load()
             rF = cute.make_rmem_tensor(vec_layout, Float32)
-            rKf = cute.make_rmem_tensor(vec_layout, BFloat16)  # k_r's row or column
             for j in cutlass.range_constexpr(VEC):
                 # a row's exponent Γr - Γm and a column's Γm - Γr are both -|Γr - Γm| for a non-increasing Γ;
                 # past the end (Γ = 0) the factor multiplies a zero q and k, and it is <= 1 for any Γ
                 rF[0, j] = cute.math.exp2(-abs(rG[j] - rM[0, j]), fastmath=True)
-                rKf[0, j] = (rK[j].to(Float32) * rF[0, j]).to(BFloat16)
+            # bf16(k_r f), k_r's row or column, and bf16(q_r f), as whole vectors (rounded in pairs)
+            rKf = cute.make_rmem_tensor(vec_layout, BFloat16)
+            rKf.store((cute.make_tensor(rK.iterator, vec_layout).load().to(Float32) * rF.load()).to(BFloat16))
             if is_row:
                 rQf = cute.make_rmem_tensor(vec_layout, BFloat16)
-                for j in cutlass.range_constexpr(VEC):
-                    rQf[0, j] = (rQ[j].to(Float32) * rF[0, j]).to(BFloat16)
+                rQf.store((cute.make_tensor(rQ.iterator, vec_layout).load().to(Float32) * rF.load()).to(BFloat16))
                 sAq = cute.make_tensor(sDA.iterator + cute.assume(product * tile, divby=tile), sDA.layout)
                 sAk = cute.make_tensor(sDA.iterator + cute.assume((2 + product) * tile, divby=tile), sDA.layout)
                 cute.local_tile(sAq, (1, VEC), (slot, group)).store(rQf.load())
@@ -948,14 +948,22 @@ class KdaIntra:
                 cute.copy(copy_A, tCsA[None, None, kb], tCrA_view[None, None, kb])
                 cute.copy(copy_B, tCsB[None, None, kb], tCrB_view[None, None, kb])
                 cute.gemm(mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                i, j = tCcC[e]
-                row = bi * SUB + i
-                col = bj * SUB + half * (SUB // 2) + j
+            # the thread's outputs: two rows, two adjacent columns each (accumulator elements 2 h, 2 h + 1), stored
+            # as one bf16 pair (Aqk) or one fp32 pair (Akk)
+            row0, col0 = tCcC[0]
+            row = bi * SUB + row0
+            col = bj * SUB + half * (SUB // 2) + col0
+            pair = cute.make_layout((1, 2))
+            for h in cutlass.range_constexpr(cute.size(acc) // 2):
+                r_h = row + h * (SUB // 2)
                 if qk:
-                    sAqk[row, col] = Float32(acc[e] * scale).to(BFloat16)
+                    rP = cute.make_rmem_tensor(pair, BFloat16)
+                    rP.store((cute.make_tensor(acc.iterator + 2 * h, pair).load() * scale).to(BFloat16))
+                    cute.local_tile(sAqk, (1, 2), (r_h, col // 2)).store(rP.load())
                 else:
-                    sA[row, col] = Float32(acc[e] * sBeta[row])
+                    rP = cute.make_rmem_tensor(pair, Float32)
+                    rP.store(cute.make_tensor(acc.iterator + 2 * h, pair).load() * sBeta[r_h])
+                    cute.local_tile(sA, (1, 2), (r_h, col // 2)).store(rP.load())
 
     @cute.jit
     def inverse(self, sA: cute.Tensor, sT: cute.Tensor, sS: cute.Tensor, sTb: cute.Tensor, tidx: Int32):
