@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds .devcarry/ for the lent H200 within the device tool's 64 MiB carry (tree included), from the repository root:
-#   bash tools/prepare_devcarry.sh [REV ...]
+#   bash tools/prepare_devcarry.sh [REV | src:REV ...]
 # 1. ../shared/device/prepare.sh cute native peers (CuTeDSL 4.8.1, the CUTLASS wheel, FLA; cached per machine);
 # 2. the cp312 apache-tvm-ffi wheel into .devcarry/extra-tvm-ffi/ (tools/h200_setup.sh unpacks it);
 # 3. the CUTLASS wheel replaced by a zip of only the headers cula-sm90 includes (nvcc -M of csrc/probe_kernel.cu,
 #    ~0.6 MB instead of 6.4; CMake finds cutlass_library/source/include in it the same way);
-# 4. for each REV: .devcarry/src-REV/, that revision's pure packages (`git archive` of packages/cula and
-#    packages/cula-runtime, ~0.7 MB), for the A/B scripts' --before-src, and .devcarry/chunk_output-REV.py, its
-#    Lightning kernel C source (CULA_KERNEL_C_BEFORE_CUT for the bit test).
+# 4. for each REV: .devcarry/chunk_output-REV.py, that revision's Lightning kernel C source (CULA_KERNEL_C_BEFORE_CUT
+#    for the bit test, 30 KB); for each src:REV: .devcarry/src-REV/, its pure packages (`git archive` of packages/cula
+#    and packages/cula-runtime, ~0.7 MB), for the A/B scripts' --before-src.
 # Prints the carry's size and the tree's, and fails when they pass 64,000,000 bytes together (a call with 66.9 MB was
 # refused, 63.9 MB went; drop FLA's wheel or a REV where it fails and the call needs neither).
 set -euo pipefail
@@ -29,10 +29,14 @@ if [ -n "$wheel" ]; then
   (cd "$work" && zip -q "$OLDPWD/.devcarry/cutlass_headers.whl" -@ < headers.txt)
   rm -rf "$work" "$wheel"
 fi
-for rev in "$@"; do
-  rm -rf ".devcarry/src-$rev" && mkdir -p ".devcarry/src-$rev"
-  git archive "$rev" packages/cula packages/cula-runtime | tar -x -C ".devcarry/src-$rev"
-  git show "$rev:packages/cula-runtime/src/cula_runtime/cute/lightning/chunk_output.py" > ".devcarry/chunk_output-$rev.py"
+for arg in "$@"; do
+  if [[ "$arg" == src:* ]]; then
+    rev=${arg#src:}
+    rm -rf ".devcarry/src-$rev" && mkdir -p ".devcarry/src-$rev"
+    git archive "$rev" packages/cula packages/cula-runtime | tar -x -C ".devcarry/src-$rev"
+  else
+    git show "$arg:packages/cula-runtime/src/cula_runtime/cute/lightning/chunk_output.py" > ".devcarry/chunk_output-$arg.py"
+  fi
 done
 carry=$(du -sb .devcarry | cut -f1)
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
