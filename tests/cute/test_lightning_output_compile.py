@@ -208,6 +208,27 @@ def test_row_blocks_lie_above_the_swizzle() -> None:
     assert all(int(moved) == int(first) + _ROW_BLOCK * bi for bi, moved, first in pairs)
 
 
+def _traced_per_thread(make_mma, threads, per_thread, extra=None) -> dict:
+    """Traced on the host with static thread indices: ``{thread: per_thread(make_mma().get_slice(thread))}`` for
+    each of ``threads`` (and ``extra()`` under ``"extra"`` when given), the coordinates inside still CuTe integers.
+    (Both calls run in the traced function without a branch: the DSL rewrites a Python ``if`` there.)"""
+    import cutlass.cute as cute
+
+    seen = {}
+    extras = () if extra is None else (extra,)
+
+    @cute.jit
+    def probe():
+        mma = make_mma()
+        for thread in tuple(threads):
+            seen[thread] = per_thread(mma.get_slice(thread))
+        for make_extra in extras:
+            seen["extra"] = make_extra()
+
+    probe()
+    return seen
+
+
 def test_score_fragment_coordinates() -> None:
     """Traced on the host with static lane indices: in the one-warp score MMA's partition of the whole 64 x 64 tile,
     modes (I, 2J + h) hold exactly the (query, key) coordinates of n8 tile h of block (I, J)'s accumulator (the
@@ -218,21 +239,15 @@ def test_score_fragment_coordinates() -> None:
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
 
     kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1))
-    seen = {}
 
-    @cute.jit
-    def probe():
-        score_mma = kernel.make_score_mma()
-        for lane in tuple(range(32)):
-            thr = score_mma.get_slice(lane)
-            block = thr.partition_C(cute.make_identity_tensor((16, 16)))
-            whole = thr.partition_C(cute.make_identity_tensor((C, C)))
-            pairs = [((bi * 16 + block[v, 0, half][0], bj * 16 + block[v, 0, half][1]),
-                      (whole[v, bi, 2 * bj + half][0], whole[v, bi, 2 * bj + half][1]))
-                     for bi in range(4) for bj in range(bi + 1) for half in range(2) for v in range(4)]
-            seen[lane] = pairs
+    def pairs(thr):
+        block = thr.partition_C(cute.make_identity_tensor((16, 16)))
+        whole = thr.partition_C(cute.make_identity_tensor((C, C)))
+        return [((bi * 16 + block[v, 0, half][0], bj * 16 + block[v, 0, half][1]),
+                 (whole[v, bi, 2 * bj + half][0], whole[v, bi, 2 * bj + half][1]))
+                for bi in range(4) for bj in range(bi + 1) for half in range(2) for v in range(4)]
 
-    probe()
+    seen = _traced_per_thread(kernel.make_score_mma, range(32), pairs)
     assert sorted(seen) == list(range(32))
     covered = set()
     for lane, pairs in seen.items():
@@ -255,18 +270,14 @@ def test_diagonal_mask_words() -> None:
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
 
     kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1))
-    seen = {}
 
-    @cute.jit
-    def probe():
-        score_mma = kernel.make_score_mma()
-        for lane in tuple(range(32)):
-            block = score_mma.get_slice(lane).partition_C(cute.make_identity_tensor((16, 16)))
-            seen[lane] = [(block[e][0], block[e][1]) for e in range(8)]
-        seen["pairs"] = str(cute.recast_layout(32, 16, cute.make_layout(((2, 2), 1, 2))))
+    def coordinates(thr):
+        block = thr.partition_C(cute.make_identity_tensor((16, 16)))
+        return [(block[e][0], block[e][1]) for e in range(8)]
 
-    probe()
-    assert seen.pop("pairs") == "((1,2),1,2):((1,1),0,2)"  # pair k of the recast = elements 2k, 2k + 1
+    seen = _traced_per_thread(kernel.make_score_mma, range(32), coordinates, extra=lambda: str(
+        cute.recast_layout(32, 16, cute.make_layout(((2, 2), 1, 2)))))
+    assert seen.pop("extra") == "((1,2),1,2):((1,1),0,2)"  # pair k of the recast = elements 2k, 2k + 1
     for lane, coords in seen.items():
         (i0, j0), (i1, j1) = coords[0], coords[1]
         keep = (0xFFFF if int(j0) <= int(i0) else 0) | (0xFFFF0000 if int(j1) <= int(i1) else 0)
@@ -287,23 +298,16 @@ def test_token_fragments_chain_as_operand_a(block_v: int) -> None:
 
     kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1, block_v=block_v))
     threads = list(range(0, kernel.num_threads, 11))
-    seen = {}
 
-    @cute.jit
-    def probe():
-        tiled_mma = kernel.make_tiled_mma()
-        for tidx in tuple(threads):
-            thr = tiled_mma.get_slice(tidx)
-            acc = thr.partition_C(cute.make_identity_tensor((block_v, C)))
-            frag_a = kernel._acc_as_operand_a(acc)
-            op_a = thr.partition_A(cute.make_identity_tensor((block_v, C)))
-            seen[tidx] = (
-                [acc[i] for i in range(cute.size(acc))],
+    def fragments(thr):
+        acc = thr.partition_C(cute.make_identity_tensor((block_v, C)))
+        frag_a = kernel._acc_as_operand_a(acc)
+        op_a = thr.partition_A(cute.make_identity_tensor((block_v, C)))
+        return ([acc[i] for i in range(cute.size(acc))],
                 [frag_a[v, 0, kb] for kb in range(C // 16) for v in range(8)],
-                [op_a[v, 0, kb] for kb in range(C // 16) for v in range(8)],
-            )
+                [op_a[v, 0, kb] for kb in range(C // 16) for v in range(8)])
 
-    probe()
+    seen = _traced_per_thread(kernel.make_tiled_mma, threads, fragments)
     assert sorted(seen) == threads
     for tidx, (acc, frag_a, op_a) in seen.items():
         assert [tuple(int(x) for x in c) for c in frag_a] == [tuple(int(x) for x in c) for c in op_a], tidx
