@@ -1,7 +1,7 @@
 """``cula_runtime.graph_pools.outside_graph_pools``: a no-op off CUDA; on a GPU (marked ``gpu``) the body runs on a
-side stream that waits for the current one, and the current stream waits for the body's work. (The case it exists
-for, a first call inside ``torch.compile(mode="reduce-overhead")``'s warm-up, is ``tests/gpu/test_custom_ops_gpu.py``:
-sm90's cached fixed-length indices failed it before.)"""
+side stream that waits for the current one (a nested body stays on it), and the current stream waits for the body's
+work. (The case it exists for, a first call inside ``torch.compile(mode="reduce-overhead")``'s warm-up, is
+``tests/gpu/test_custom_ops_gpu.py``: sm90's cached fixed-length indices failed it before.)"""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def test_the_body_runs_on_a_side_stream_ordered_after_the_current_one() -> None:
     source.add_(1)  # queued on the current stream before the build
     with outside_graph_pools(device):
         seen = torch.cuda.current_stream(device)
+        with outside_graph_pools(device):  # (a nested build: on the same side stream, no second switch)
+            nested = torch.cuda.current_stream(device)
         copy = source.clone()
-    assert seen != main and torch.cuda.current_stream(device) == main
+    assert seen != main and nested == seen and torch.cuda.current_stream(device) == main
     assert torch.equal(copy.sum(), torch.tensor(float(1 << 20), device=device))

@@ -78,10 +78,13 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     return values
 
 
-def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build: Callable[[], _T]) -> _T:
+def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build: Callable[[], _T], *,
+                      on_device: bool = True) -> _T:
     """Return ``build()``, cached on (``kind``, identity and version counter of ``cu_seqlens``, ``extra``).
 
-    The one cache of everything derived from ``cu_seqlens`` (index tensors, validation results).
+    The one cache of everything derived from ``cu_seqlens`` (index tensors, validation results). ``on_device``
+    (the default): the value may hold device tensors, so a build on a miss runs outside any CUDA graph's memory
+    pool (:func:`~cula_runtime.graph_pools.outside_graph_pools`); False for a value of host tensors only.
     """
     if cu_seqlens.is_inference():
         return build()
@@ -90,7 +93,10 @@ def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build:
     if hit is not None and hit[0]() is cu_seqlens:
         _cache.move_to_end(key)
         return hit[1]
-    with outside_graph_pools(cu_seqlens.device):  # (the entry outlives the call: never in a CUDA graph's pool)
+    if on_device:
+        with outside_graph_pools(cu_seqlens.device):  # (the entry outlives the call: never in a CUDA graph's pool)
+            value = build()
+    else:
         value = build()
     _cache[key] = (weakref.ref(cu_seqlens), value)
     while len(_cache) > _CACHE_CAPACITY:
@@ -119,10 +125,10 @@ def checked_cu_seqlens_host(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     def build() -> torch.Tensor:
         host = _check_cu_seqlens_tensor(cu_seqlens).to("cpu", copy=True)  # a copy even of a CPU tensor
         check_cu_seqlens_values(host, T)
-        cached_on_version("boundaries", cu_seqlens, None, lambda: host)
+        cached_on_version("boundaries", cu_seqlens, None, lambda: host, on_device=False)
         return host
 
-    return cached_on_version("cu_seqlens_checked", cu_seqlens, T, build)
+    return cached_on_version("cu_seqlens_checked", cu_seqlens, T, build, on_device=False)
 
 
 def checked_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
