@@ -263,3 +263,33 @@ def test_smem_plan() -> None:
     assert uplan["diag_a"] == uplan["diag"] + SUB * K * 4 and uplan["diag_a"] % 1024 == 0
     assert uplan["diag_a"] + 4 * SUB * K * 2 == uplan["reuse"] == plan["reuse"] + 8 * 1024
     assert unbounded.smem_bytes() == kernel.smem_bytes() + 8 * 1024 + 2 * 1024 <= TWO_CTA_BUDGET
+
+
+def test_below_diagonal_outputs_pair_adjacent_columns() -> None:
+    """Traced on the host with static lane indices: in the diagonal product tile's accumulator (one m16n8k16 atom,
+    16 x 8 outputs per warp), each lane's elements 2 h and 2 h + 1 are columns c and c + 1 (c even) of row r + 8 h,
+    (r, c) being element 0's: ``scores_below`` stores each such pair as one bf16 (Aqk) or fp32 (Akk) pair from
+    element 0's coordinates alone."""
+    pytest.importorskip("cutlass", reason="CuTeDSL is not installed")
+    import cutlass.cute as cute
+
+    from cula_runtime.cute.kda.intra import SUB, KdaIntra
+
+    seen = {}
+
+    @cute.jit
+    def probe():
+        mma = KdaIntra.diag_mma()
+        for lane in tuple(range(32)):
+            coords = mma.get_slice(lane).partition_C(cute.make_identity_tensor((SUB, SUB // 2)))
+            seen[lane] = [coords[e] for e in range(cute.size(coords))]
+
+    probe()
+    assert sorted(seen) == list(range(32))
+    covered = set()
+    for lane, coords in seen.items():
+        coords = [(int(i), int(j)) for i, j in coords]
+        (r, c), pairs = coords[0], len(coords) // 2
+        assert c % 2 == 0 and coords == [(r + 8 * h, c + j) for h in range(pairs) for j in range(2)], lane
+        covered.update(coords)
+    assert covered == {(i, j) for i in range(SUB) for j in range(SUB // 2)}
