@@ -264,10 +264,10 @@ def _fla_off():
 
 
 def _report(rows: list[dict], environment: list[str], opts: argparse.Namespace) -> str:
-    import importlib.metadata
+    import cula  # (its version attribute: the lent H200 runs the tree's sources, with no installed metadata)
 
     lines = ["# Host time per eager call through each door into cuLA", "", *environment,
-             f"- cula {importlib.metadata.version('cula')}; calls {opts.calls}, rounds {opts.rounds}", "",
+             f"- cula {cula.__version__}; calls {opts.calls}, rounds {opts.rounds}", "",
              "Method: see the docstring of `benchmarks/host_doors_kda.py`. host us: median over rounds of the median "
              "host wall time of one call (GPU asleep: no call waits for it), [min, max] over rounds; over plain: "
              "minus the plain call's in the same mode; eager ms: CUDA events around one synchronised call. Goals: "

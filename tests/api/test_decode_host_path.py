@@ -213,15 +213,23 @@ def test_a_misaligned_input_is_copied_and_a_misaligned_out_refused(op: str, kern
     odd_q = _misaligned(call["q"])
     assert odd_q.is_contiguous() and odd_q.data_ptr() % 16
     assert fn(**{**call, "q": odd_q}) is call["out"]
-    if op == "kda":  # (the plan declines what TVM-FFI refuses: the unplanned path decides the call)
-        assert len(validations) == 2 and len(stand_in.launches) == 2
-    else:
-        assert len(validations) == 1, "the signature holds no pointer: the plan serves the call"
+    # (the plan declines what TVM-FFI refuses: the unplanned path decides the call)
+    assert len(validations) == 2 and len(stand_in.launches) == 2
     q_passed = stand_in.launches[-1][0]
     assert q_passed is not odd_q and q_passed.data_ptr() % 16 == 0 and torch.equal(q_passed, odd_q)
     with pytest.raises(ValueError, match="output tensor .* breaks the kernel's layout promise"):
         fn(**{**make(2), "out": _misaligned(call["out"])})
     assert len(stand_in.launches) == 2
+    call_plans.clear_call_plans()  # (the unplanned path answers a misaligned out as the plan does: refused)
+    odd_out = {**make(3), "out": _misaligned(call["out"])}
+    with pytest.raises(ValueError, match="output tensor .* breaks the kernel's layout promise"):
+        fn(**odd_out)
+    assert len(stand_in.launches) == 2
+    if op == "lightning":  # (dispatch keeps it on the kernel, which refuses it: never the reference's silent copy)
+        from cula_runtime.cute.lightning.decode_backend import verify_lightning_decode
+
+        odd_out.pop("scale")
+        assert verify_lightning_decode(validate_lightning_decode(**odd_out, scale=0.1))[0]
 
 
 def _sparse_g(call: dict) -> torch.Tensor:
@@ -384,8 +392,9 @@ def _fill(tensors: tuple) -> list:
     return [call_plans._ABSENT[i] if t is None else t for i, t in enumerate(tensors)]
 
 
-def test_bound_launch_sends_a_misaligned_input_through_launch(monkeypatch) -> None:
-    """bound_launch (the Lightning prefill's kernels) on the same rule: TVM-FFI's refusal, then launch's copy."""
+def test_bound_launch_declines_a_misaligned_pointer(monkeypatch) -> None:
+    """bound_launch (the Lightning prefill's kernels A and B) on the same rule: TVM-FFI's refusal is the plan's
+    LaunchDeclined, nothing launched, for the unplanned path to decide the call."""
     from cula_runtime.cute import compile_cache
     from cula_runtime.cute.lightning.decode import _OUTPUTS, LightningDecode, LightningDecodeConfig
 
@@ -402,9 +411,9 @@ def test_bound_launch_sends_a_misaligned_input_through_launch(monkeypatch) -> No
     run(tuple(tensors), (0.5,))
     assert stand_in.launches[-1][6] is None, "an argument its configuration has not is passed as None"
     tensors[1] = _misaligned(q)
-    run(tuple(tensors), (0.5,))
-    assert len(stand_in.launches) == 2 and stand_in.launches[-1][1] is not tensors[1]
-    assert torch.equal(stand_in.launches[-1][1], q)
+    with pytest.raises(compile_cache.LaunchDeclined):
+        run(tuple(tensors), (0.5,))
+    assert len(stand_in.launches) == 1
 
 
 class _Compiled:

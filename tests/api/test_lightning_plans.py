@@ -167,3 +167,41 @@ def test_decode_plans_without_the_stand_in_never_serve_cpu_indices(monkeypatch: 
         cula.lightning.lightning_decode(q, k, v, layer_idx=0, num_layers=2, state=pool,
                                         state_indices=torch.tensor([0, 2], dtype=torch.int32))
     assert remembered == []
+
+
+@pytest.mark.parametrize("op", ["prefill", "decode"])
+def test_a_plan_that_declines_sends_the_call_to_validation_and_dispatch(recorded, monkeypatch, op: str) -> None:
+    """A kept plan raising LaunchDeclined (TVM-FFI refused a pointer, nothing launched: a misaligned pool, say)
+    leaves the call to the unplanned path, which answers it as if there were no plan; the plan stays kept."""
+    calls, validations, made = recorded
+    declines = [False]
+
+    def planner(args):
+        made.append(args)
+
+        def plan(*a):
+            if declines[0]:
+                raise call_plans.LaunchDeclined
+            calls.append(a)
+            return "planned"
+
+        return plan
+
+    runners = dict(dispatch._planners)
+    monkeypatch.setattr(dispatch, "_planners", {runner: planner for runner in runners})
+    q, k, v = _inputs(B=2, T=1)
+    if op == "prefill":
+        def call():
+            return cula.lightning.lightning_prefill(q, k, v, layer_idx=0, num_layers=2)
+    else:
+        pool, idx = torch.zeros(4, H, K, V), torch.tensor([3, 0], dtype=torch.int32)
+
+        def call():
+            return cula.lightning.lightning_decode(q, k, v, layer_idx=0, num_layers=2, state=pool,
+                                                   state_indices=idx)
+    assert call() == "planned" and call() == "planned" and len(validations) == 1
+    declines[0] = True
+    # (the unplanned path plans again; that plan declines too, so the runner serves the call and nothing is kept)
+    assert call() == f"{op} unplanned" and len(validations) == 2 and len(made) == 2
+    declines[0] = False
+    assert call() == "planned" and len(validations) == 2 and len(calls) == 3

@@ -1,34 +1,113 @@
-"""``cula_runtime.graph_pools.outside_graph_pools``: a no-op off CUDA; on a GPU (marked ``gpu``) the body runs on a
-side stream that waits for the current one (a nested body stays on it), and the current stream waits for the body's
-work. (The case it exists for, a first call inside ``torch.compile(mode="reduce-overhead")``'s warm-up, is
-``tests/gpu/test_custom_ops_gpu.py``: sm90's cached fixed-length indices failed it before.)"""
+"""``cula_runtime.graph_pools.built_outside_graph_pools``: CPU builds inline; CUDA builds on a worker thread (the
+routing of inductor's warm-up is per thread), ordered between the caller's current stream and a side stream; nested
+and capturing builds inline; a build's exception raised to the caller. The hand-off is driven on the CPU with CUDA's
+stream calls recorded; on a GPU (marked ``gpu``) a tensor built under a thread-routed memory pool is outside it
+(the case it exists for, a first call inside ``torch.compile(mode="reduce-overhead")``'s warm-up, is
+``tests/gpu/test_custom_ops_gpu.py``: sm90's cached fixed-length indices failed it before)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from cula_runtime.graph_pools import outside_graph_pools
+from cula_runtime import graph_pools
+from cula_runtime.graph_pools import built_outside_graph_pools
 
 
 def test_cpu_tensors_are_built_where_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
                         lambda: pytest.fail("a CPU build asked CUDA whether it is capturing"))
-    with outside_graph_pools(torch.device("cpu")):
-        t = torch.arange(5, dtype=torch.int32)
+    t = built_outside_graph_pools(torch.device("cpu"), lambda: torch.arange(5, dtype=torch.int32))
     assert t.tolist() == [0, 1, 2, 3, 4]
 
 
+class _Streams:
+    """CUDA's stream calls, recorded: (event, thread name) in order."""
+
+    def __init__(self, capturing: bool = False) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.capturing = capturing
+
+    def note(self, what: str) -> None:
+        self.events.append((what, threading.current_thread().name))
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        streams = self
+
+        class Stream:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def wait_stream(self, other: Stream) -> None:
+                streams.note(f"{self.name} waits for {other.name}")
+
+        class Entered:
+            def __init__(self, stream: Stream) -> None:
+                self.stream = stream
+
+            def __enter__(self) -> None:
+                streams.note(f"on {self.stream.name}")
+
+            def __exit__(self, *exc: object) -> None:
+                streams.note(f"off {self.stream.name}")
+
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: streams.capturing)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device: Stream("current"))
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side"))
+        monkeypatch.setattr(torch.cuda, "stream", Entered)
+        monkeypatch.setattr(graph_pools, "_side_streams", {})
+
+
+def test_a_cuda_build_runs_on_the_worker_between_the_two_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    streams = _Streams()
+    streams.install(monkeypatch)
+    caller = threading.current_thread().name
+    device = torch.device("cuda", 0)
+
+    def build() -> str:
+        streams.note("build")
+        inner = built_outside_graph_pools(device, lambda: streams.note("nested build") or "inner")
+        return f"built with {inner}"
+
+    assert built_outside_graph_pools(device, build) == "built with inner"
+    assert streams.events == [
+        ("side waits for current", caller), ("on side", "cula-graph-pools"), ("build", "cula-graph-pools"),
+        ("nested build", "cula-graph-pools"), ("off side", "cula-graph-pools"), ("current waits for side", caller)]
+
+
+def test_a_build_during_a_capture_runs_in_the_callers_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    streams = _Streams(capturing=True)
+    streams.install(monkeypatch)
+    assert built_outside_graph_pools(torch.device("cuda", 0), lambda: streams.note("build") or 7) == 7
+    assert streams.events == [("build", threading.current_thread().name)]
+
+
+def test_a_builds_exception_is_raised_to_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    _Streams().install(monkeypatch)
+
+    def build() -> None:
+        raise ValueError("cu_seqlens must be non-decreasing")
+
+    with pytest.raises(ValueError, match="non-decreasing"):
+        built_outside_graph_pools(torch.device("cuda", 0), build)
+    assert built_outside_graph_pools(torch.device("cuda", 0), lambda: 3) == 3, "the worker serves on"
+
+
+def _in_pool(pool: torch.cuda.MemPool, t: torch.Tensor) -> bool:
+    return any(seg["address"] <= t.data_ptr() < seg["address"] + seg["total_size"] for seg in pool.snapshot())
+
+
 @pytest.mark.gpu
-def test_the_body_runs_on_a_side_stream_ordered_after_the_current_one() -> None:
+def test_a_tensor_built_under_a_thread_routed_pool_is_outside_it() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
-    main = torch.cuda.current_stream(device)
     source = torch.zeros(1 << 20, device=device)
     source.add_(1)  # queued on the current stream before the build
-    with outside_graph_pools(device):
-        seen = torch.cuda.current_stream(device)
-        with outside_graph_pools(device):  # (a nested build: on the same side stream, no second switch)
-            nested = torch.cuda.current_stream(device)
-        copy = source.clone()
-    assert seen != main and nested == seen and torch.cuda.current_stream(device) == main
-    assert torch.equal(copy.sum(), torch.tensor(float(1 << 20), device=device))
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device):  # (routes this thread's allocations, as inductor's warm-up does)
+        routed = torch.empty(1 << 10, device=device)
+        kept = built_outside_graph_pools(device, source.clone)
+    assert _in_pool(pool, routed), "the control: an allocation of this thread lands in the pool"
+    assert not _in_pool(pool, kept)
+    assert torch.equal(kept.sum(), torch.tensor(float(1 << 20), device=device)), "ordered after the current stream"

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .graph_pools import outside_graph_pools
+from .graph_pools import built_outside_graph_pools
 
 __all__ = [
     "prepare_lens", "prepare_chunk_indices", "prepare_chunk_offsets", "prepare_sequence_order", "prepare_varlen_launch",
@@ -84,7 +84,7 @@ def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build:
 
     The one cache of everything derived from ``cu_seqlens`` (index tensors, validation results). ``on_device``
     (the default): the value may hold device tensors, so a build on a miss runs outside any CUDA graph's memory
-    pool (:func:`~cula_runtime.graph_pools.outside_graph_pools`); False for a value of host tensors only.
+    pool (:func:`~cula_runtime.graph_pools.built_outside_graph_pools`); False for a value of host tensors only.
     """
     if cu_seqlens.is_inference():
         return build()
@@ -93,11 +93,8 @@ def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build:
     if hit is not None and hit[0]() is cu_seqlens:
         _cache.move_to_end(key)
         return hit[1]
-    if on_device:
-        with outside_graph_pools(cu_seqlens.device):  # (the entry outlives the call: never in a CUDA graph's pool)
-            value = build()
-    else:
-        value = build()
+    # (the entry outlives the call: never in a CUDA graph's pool)
+    value = built_outside_graph_pools(cu_seqlens.device, build) if on_device else build()
     _cache[key] = (weakref.ref(cu_seqlens), value)
     while len(_cache) > _CACHE_CAPACITY:
         _cache.popitem(last=False)

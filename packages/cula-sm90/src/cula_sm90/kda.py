@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cula_runtime.env import env_choice
-from cula_runtime.graph_pools import outside_graph_pools
+from cula_runtime.graph_pools import built_outside_graph_pools
 from cula_runtime.index import cached_on_version, prepare_chunk_indices, prepare_chunk_offsets
 from cula_runtime.kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from cula_runtime.kda_tuning import BLOCK_V_CHOICES, device_capability, recurrence_block_v, sm_count
@@ -146,9 +146,11 @@ def _fixed_indices(B: int, T: int, device: torch.device) -> tuple[torch.Tensor, 
     key = (B, T, device)
     cached = _fixed_index_cache.get(key)
     if cached is None:
-        with outside_graph_pools(device):  # (kept between calls: never in a CUDA graph's pool)
+        def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             cu = torch.arange(B + 1, dtype=torch.int32, device=device) * T
-            cached = (cu, prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK))
+            return cu, prepare_chunk_indices(cu, CHUNK), prepare_chunk_offsets(cu, CHUNK)
+
+        cached = built_outside_graph_pools(device, build)  # (kept between calls: never in a CUDA graph's pool)
         if len(_fixed_index_cache) > 64:
             _fixed_index_cache.clear()
         _fixed_index_cache[key] = cached

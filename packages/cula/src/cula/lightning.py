@@ -21,7 +21,13 @@ from cula_runtime.lightning_args import (
     validate_lightning_prefill,
 )
 
-from .call_plans import first_call, lightning_decode_call_signature, lightning_prefill_call_signature, lookup
+from .call_plans import (
+    LaunchDeclined,
+    first_call,
+    lightning_decode_call_signature,
+    lightning_prefill_call_signature,
+    lookup,
+)
 from .dispatch import select_lightning_decode_backend, select_lightning_prefill_backend
 
 __all__ = ["lightning_prefill", "lightning_decode", "layer_g_gamma"]
@@ -95,8 +101,11 @@ def lightning_prefill(
     if plan is not None:
         if cu_seqlens is not None:  # (its values, checked as the validator does: cached, no new synchronisation)
             checked_boundaries(cu_seqlens, None, q.shape[1])
-        return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), initial_state, cu_seqlens, state,
-                    state_indices, has_initial_state)
+        try:
+            return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), initial_state, cu_seqlens, state,
+                        state_indices, has_initial_state)
+        except LaunchDeclined:  # (refused before launching: decided below, as if there were no plan)
+            pass
     args = validate_lightning_prefill(q, k, v, g_gamma, layer_idx, num_layers, scale, initial_state,
                                       output_final_state, cu_seqlens, state_v_first, state, state_indices,
                                       has_initial_state)
@@ -139,7 +148,8 @@ def lightning_decode(
         state_v_first: the pool's layout.
         cu_seqlens: int32 or int64 ``[N + 1]`` on q's device: ``N`` packed sequences of any lengths, zero included
             (then ``B`` must be 1).
-        out: the output, written in place when given: contiguous ``[B, T, H, V]`` in q's dtype on q's device.
+        out: the output, written in place when given: contiguous ``[B, T, H, V]`` in q's dtype on q's device (on a
+            GPU served by the kernel, 16-byte aligned: a misaligned one is refused with a ``ValueError``).
 
     Returns:
         ``o`` ``[B, T, H, V]`` in q's dtype (``out`` when given), zeros on padding rows.
@@ -154,7 +164,10 @@ def lightning_decode(
                                                 state_v_first, cu_seqlens, out)
     plan = lookup(signature)
     if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
-        return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), state, state_indices, cu_seqlens, out)
+        try:
+            return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), state, state_indices, cu_seqlens, out)
+        except LaunchDeclined:  # (refused before launching: decided below, as if there were no plan)
+            pass
     args = validate_lightning_decode(q, k, v, g_gamma, layer_idx, num_layers, scale, state=state,
                                      state_indices=state_indices, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                                      out=out)

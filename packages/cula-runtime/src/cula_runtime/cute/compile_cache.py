@@ -335,33 +335,28 @@ def _launchable_for(kernel_cls: type[CuteKernelFamily], config: Hashable, index:
 
 
 def planned_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
-                   device: Any) -> tuple[Any, Any]:
-    """``(kernel, relaunch)`` of ``kernel_cls(config)`` on ``device``, for call plans (the kernel looked up, or
-    compiled, here, once).
-
-    ``kernel(*tensors, *scalars)`` is the compiled kernel itself (:func:`direct_callable`): every tensor of
-    ``specs`` in order (None where a spec is None), then the scalars. The caller promises that every call passes
-    tensors of the shapes, strides and dtypes of the call the plan was made from (a call plan's signature), so of
-    the layout promises only the data pointers' alignment can differ; TVM-FFI checks it (with each tensor's dtype,
-    rank, device and strides) and raises ``ValueError`` before anything is launched. On that ``ValueError`` the
-    caller runs ``relaunch(tensors, scalars)``: the same call through :func:`launch`, which copies a misaligned
-    input, refuses a misaligned output with a ``ValueError`` saying why, and raises any other error again. A plan
-    thus checks nothing in Python on the common path and behaves as :func:`launch` on every other."""
-    kernel = _launchable_for(kernel_cls, config, device.index)
-
-    def relaunch(tensors: tuple, scalars: tuple) -> None:
-        launch(kernel_cls, config, specs, tensors, outputs, device, *scalars)
-
-    return kernel, relaunch
+                   device: Any) -> Any:
+    """The compiled ``kernel_cls(config)`` on ``device`` for call plans (looked up, or compiled, here, once):
+    ``kernel(*tensors, *scalars)`` (:func:`direct_callable`), every tensor of ``specs`` in order (None where a spec
+    is None), then the scalars. ``outputs`` is unused here (the plan's caller passes the kernel's, as to
+    :func:`launch`). The caller promises that every call passes tensors of the shapes, strides and dtypes of the call
+    the plan was made from (a call plan's signature), so of the layout promises only the data pointers' alignment
+    can differ; TVM-FFI checks it (with each tensor's dtype, rank, device and strides) and raises ``ValueError``
+    before anything is launched. On that ``ValueError`` the plan raises :class:`LaunchDeclined`, and the call takes
+    the unplanned path, which decides it as if there were no plan (a misaligned input copied, a misaligned output
+    refused, a pool the backend does not serve sent to the reference). A plan thus checks nothing in Python on the
+    common path and answers every other call as the unplanned path does."""
+    del outputs
+    return _launchable_for(kernel_cls, config, device.index)
 
 
 def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
                  device: Any) -> Any:
-    """:func:`launch` bound to one call signature, for call plans: ``run(tensors, scalars)`` calls the compiled
-    kernel on ``tensors`` and ``scalars`` as :func:`planned_launch`'s ``kernel``, and on its ``ValueError`` as
-    ``relaunch`` (a misaligned input copied, a misaligned output refused). A tensor at a position whose spec is None
-    is not passed (the kernel's configuration has no such argument)."""
-    kernel, relaunch = planned_launch(kernel_cls, config, specs, outputs, device)
+    """:func:`planned_launch` bound to one call signature: ``run(tensors, scalars)`` calls the compiled kernel on
+    ``tensors`` and ``scalars``, and raises :class:`LaunchDeclined` where TVM-FFI refuses a pointer (nothing
+    launched). A tensor at a position whose spec is None is not passed (the kernel's configuration has no such
+    argument)."""
+    kernel = planned_launch(kernel_cls, config, specs, outputs, device)
     present = tuple(spec is not None for spec in specs)
     every = all(present)
 
@@ -369,8 +364,8 @@ def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tu
         args = tensors if every else [t if p else None for t, p in zip(tensors, present, strict=True)]
         try:
             kernel(*args, *scalars)
-        except ValueError:  # (TVM-FFI's refusal, before any launch: launch's answer instead)
-            relaunch(tensors, scalars)
+        except ValueError:  # (TVM-FFI's refusal, before any launch: the unplanned path decides the call)
+            raise LaunchDeclined from None
 
     return run
 

@@ -62,7 +62,7 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
+from ..compile_cache import LaunchDeclined, TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
 from ..dsl_compat import SmemAllocator
 from ..kda.decode import KdaDecode, KdaDecodeConfig
 
@@ -530,8 +530,9 @@ def plan_lightning_decode_launch(q, k, v, g_gamma, *, state, state_indices, scal
     """:func:`lightning_decode_cutedsl` for a call plan: ``run(q, k, v, g_gamma, state, state_indices, cu_seqlens,
     out) -> o`` runs every later call whose tensors have the shapes, strides and dtypes of these (and the same
     flags and scale: the plan's signature) with the kernel looked up once and called directly
-    (:func:`~cula_runtime.cute.compile_cache.planned_launch`: TVM-FFI checks the pointers' alignment; a misaligned
-    input is copied, a misaligned ``out`` or pool refused). ``out``: ``[B, T, H, 128]`` in q's dtype, contiguous,
+    (:func:`~cula_runtime.cute.compile_cache.planned_launch`: TVM-FFI checks the pointers' alignment, and where it
+    refuses one the plan raises :class:`~cula_runtime.cute.compile_cache.LaunchDeclined`, nothing launched, for the
+    unplanned path to decide the call). ``out``: ``[B, T, H, 128]`` in q's dtype, contiguous,
     or None (then ``o`` is allocated). Compiles the kernel now if no launch did yet. Holds no tensor of this call.
 
     Raises:
@@ -547,7 +548,7 @@ def plan_lightning_decode_launch(q, k, v, g_gamma, *, state, state_indices, scal
 
         return launch_nothing
     config, specs = _launch_config(q, state, state_v_first, cu_seqlens)
-    kernel, relaunch = planned_launch(LightningDecode, config, specs, _OUTPUTS, device)
+    kernel = planned_launch(LightningDecode, config, specs, _OUTPUTS, device)
     scale_value = float(q.shape[-1] ** -0.5 if scale is None else scale)
 
     def launch_planned(q, k, v, g_gamma, state, idx, cu, out):
@@ -555,8 +556,8 @@ def plan_lightning_decode_launch(q, k, v, g_gamma, *, state, state_indices, scal
             out = empty(o_shape, dtype=dtype, device=device)
         try:
             kernel(q, k, v, g_gamma, state, idx, cu, out, scale_value)
-        except ValueError:  # (TVM-FFI refused a pointer's alignment before launching: launch's answer instead)
-            relaunch((q, k, v, g_gamma, state, idx, cu, out), (scale_value,))
+        except ValueError:  # (TVM-FFI refused a pointer before launching: the unplanned path decides the call)
+            raise LaunchDeclined from None
         return out
 
     return launch_planned

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ...graph_pools import outside_graph_pools
+from ...graph_pools import built_outside_graph_pools
 from ...index import _host_tensor, cached_on_version, checked_cu_seqlens_host
 from ...kda_tuning import recurrence_block_v, sm_count
 from .. import device_rejection
@@ -198,8 +198,8 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
             return hit
         lens = [T] * B
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        with outside_graph_pools(device):  # (kept between calls: never in a CUDA graph's pool)
-            value = (chosen, *_to_device(segment_table(lens, chosen), device))
+        # (kept between calls: never in a CUDA graph's pool)
+        value = (chosen, *built_outside_graph_pools(device, lambda: _to_device(segment_table(lens, chosen), device)))
         _fixed_tables[key] = value
         while len(_fixed_tables) > _FIXED_CAPACITY:
             _fixed_tables.popitem(last=False)
