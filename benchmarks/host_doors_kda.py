@@ -66,6 +66,9 @@ def main() -> None:
 
     import cula  # noqa: F401  (the custom ops and the FLA backend)
 
+    # (bench_kda_prefill sets FLA_CULA=0 on import, for its own FLA contender: here FLA's door must reach cuLA)
+    os.environ.pop("FLA_CULA", None)
+
     sleep = GpuSleep()
     rows: list[dict] = []
     for backend in BACKENDS if opts.backend == "all" else (opts.backend,):

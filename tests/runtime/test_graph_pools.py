@@ -111,3 +111,24 @@ def test_a_tensor_built_under_a_thread_routed_pool_is_outside_it() -> None:
     assert _in_pool(pool, routed), "the control: an allocation of this thread lands in the pool"
     assert not _in_pool(pool, kept)
     assert torch.equal(kept.sum(), torch.tensor(float(1 << 20), device=device)), "ordered after the current stream"
+
+
+@pytest.mark.gpu
+def test_every_kept_tensor_of_the_backends_is_built_outside_a_routed_pool() -> None:
+    """The long-lived tensors a first call keeps (Lightning's layer decay, sm90's fixed-length indices, an index
+    entry of cu_seqlens), each built for the first time under a thread-routed pool: none lands in it."""
+    from cula_runtime.index import prepare_chunk_indices
+    from cula_runtime.lightning_args import layer_g_gamma
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    cu = torch.tensor([0, 70, 70, 200], dtype=torch.int32, device=device)
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device):
+        kept = [layer_g_gamma(7, 3, 11, device), prepare_chunk_indices(cu, 64)]
+        try:
+            from cula_sm90.kda import _fixed_indices
+        except ImportError:
+            pass
+        else:
+            kept += _fixed_indices(3, 129, device)
+    assert not [t.shape for t in kept if _in_pool(pool, t)]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .graph_pools import built_outside_graph_pools
 from .kda_args import (
     _dtype,
     _shape,
@@ -157,8 +158,9 @@ def layer_g_gamma(H: int, layer_idx: int, num_layers: int, device: torch.device 
     key = (H, layer_idx, num_layers, device)
     gamma = _layer_gammas.get(key)
     if gamma is None:
-        # the product as FLA forms it: a Python float times an fp32 arange
-        gamma = (-(8 / H * (1 - layer_idx / num_layers)) * torch.arange(H, dtype=torch.float32)).to(device)
+        # the product as FLA forms it: a Python float times an fp32 arange (kept: never in a CUDA graph's pool)
+        host = -(8 / H * (1 - layer_idx / num_layers)) * torch.arange(H, dtype=torch.float32)
+        gamma = built_outside_graph_pools(device, lambda: host.to(device))
         _layer_gammas[key] = gamma
     return gamma
 
