@@ -16,7 +16,8 @@ def _kwargs(seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     B, T, H, K = 1, 64, 2, 128
     q, k, v, g = (torch.randn(B, T, H, K, generator=gen).bfloat16() for _ in range(4))
-    return dict(q=q, k=k, v=v, g=g, beta=torch.randn(B, T, H, generator=gen).bfloat16(), initial_state=torch.zeros(B, H, K, K),
+    return dict(q=q, k=k, v=v, g=g, beta=torch.randn(B, T, H, generator=gen).bfloat16(),
+                initial_state=torch.zeros(B, H, K, K),
                 output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=torch.zeros(H),
                 dt_bias=torch.zeros(H * K))
