@@ -463,3 +463,38 @@ def test_fla_cula_0_leaves_fla_s_decode_kernel(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.delenv("FLA_CULA")
     fused_recurrent_kda_fwd(**_clone(kwargs))
     assert spies["kda_decode"] == 1 and len(fla_decode_kernel.launches) == 1
+
+
+def test_the_decode_verifier_answers_a_planned_call_from_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode call whose signature and tensors have a kept plan (a GPU backend served it) is accepted without
+    cuLA's validator (FLA asks the verifier on every call: the validation would be paid twice per step); another
+    call is still validated."""
+    from cula import call_plans
+    from cula.integrations import fla as cula_fla
+
+    fla_kwargs = _clone(DECODE_SERVED["pool-T1-B3"][0])
+    call, _ = cula_fla._decode_call(**{n: fla_kwargs.get(n) for n in (
+        "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale")}, output_final_state=False,
+        inplace_final_state=True, state_v_first=False, cu_seqlens=None,
+        ssm_state_indices=fla_kwargs["ssm_state_indices"], num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+        out=None, kwargs={}, verifying=True)
+    c = call
+    signature = call_plans.decode_call_signature(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
+        c["dt_bias"], c["lower_bound"], False, False, False, False, False, None, None, None)
+    guards = call_plans.tensor_guards((c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"],
+                                       None, None, None, None, None))
+    validations = []
+    monkeypatch.setattr(cula_fla, "validate_kda_decode", lambda **kw: validations.append(1) or pytest.fail("asked"))
+    call_plans.clear_call_plans()
+    try:
+        call_plans.remember(signature, lambda *a: None, guards)
+        assert cula_fla.CulaBackend().fused_recurrent_kda_fwd_verifier(**fla_kwargs) == (True, None)
+        assert validations == []
+        other = dict(fla_kwargs, initial_state=states(7))  # (a pool of another shape: the guards refuse it)
+        with pytest.raises(pytest.fail.Exception, match="asked"):
+            cula_fla.CulaBackend().fused_recurrent_kda_fwd_verifier(**other)
+        assert validations == [1]
+    finally:
+        call_plans.clear_call_plans()

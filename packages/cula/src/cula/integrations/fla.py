@@ -52,7 +52,7 @@ from cula_runtime.index import cached_on_version
 from cula_runtime.kda_args import validate_kda_prefill
 from cula_runtime.kda_decode_args import validate_kda_decode
 
-from ..call_plans import call_signature, lookup
+from ..call_plans import call_signature, decode_call_signature, lookup, lookup_guarded
 from ..dispatch import explain, explain_decode
 from ..kda import kda_decode, kda_prefill
 
@@ -229,7 +229,18 @@ def _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_
 
 
 def _decode_verdict(call: dict) -> tuple[bool, str | None]:
-    """Whether cuLA serves the ``kda_decode`` call ``call`` on its tensors' device (its validator and dispatch)."""
+    """Whether cuLA serves the ``kda_decode`` call ``call`` on its tensors' device: a call whose signature and
+    tensors already have a call plan (a GPU backend served it), else cuLA's validator and dispatch asked."""
+    c = call
+    signature = decode_call_signature(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
+        c["dt_bias"], c["lower_bound"], c["use_qk_l2norm_in_kernel"], c["use_gate_in_kernel"],
+        c["use_beta_sigmoid_in_kernel"], c["allow_neg_eigval"], c["state_v_first"], c["cu_seqlens"],
+        c["num_accepted_tokens"], c["out"])
+    if signature is not None and lookup_guarded(
+            signature, c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["A_log"],
+            c["dt_bias"], c["cu_seqlens"], c["num_accepted_tokens"], c["out"]) is not None:
+        return True, None
     try:
         args = validate_kda_decode(**call)
     except (TypeError, ValueError) as error:
