@@ -71,17 +71,18 @@ def main() -> None:
 
     sleep = GpuSleep()
     rows: list[dict] = []
+    env = environment()
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     for backend in BACKENDS if opts.backend == "all" else (opts.backend,):
         os.environ["CULA_BACKEND"] = backend
         for cfg in _configs(opts.configs):
             rows += measure(_prefill_doors(cfg), f"prefill {cfg.name}", backend, opts, sleep)
+            Path(opts.out).write_text(_report(rows, env, opts))  # (after each call: a time-capped run keeps it)
         if opts.decode_batch and backend in DECODE_BACKENDS:
             rows += measure(_decode_doors(opts.decode_batch), f"decode B{opts.decode_batch} T1 H32", backend, opts,
                             sleep)
-    report = _report(rows, environment(), opts)
-    print(report)
-    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(opts.out).write_text(report)
+            Path(opts.out).write_text(_report(rows, env, opts))
+    print(_report(rows, env, opts))
 
 
 def _configs(names: str):

@@ -498,3 +498,48 @@ def test_the_decode_verifier_answers_a_planned_call_from_its_plan(monkeypatch: p
         assert validations == [1]
     finally:
         call_plans.clear_call_plans()
+
+
+@pytest.mark.parametrize("name", ["packed-int64-cu-and-cpu-copy", "gate-safe-lower-bound"])
+def test_a_planned_chunk_kda_call_runs_the_plan_its_verifier_found(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                                   spies: dict, fla_chunk_path: list) -> None:
+    """FLA asks the verifier, then calls the implementation with the same objects: a call the verifier accepted by
+    its plan runs that plan (h0, A_log, dt_bias, the narrowed cu_seqlens in their places), deriving cuLA's call
+    once; another call, or the implementation called alone, derives it again."""
+    from cula import call_plans
+    from cula.integrations import fla as cula_fla
+
+    fla_kwargs = _clone(SERVED[name][0])
+    derived, ran = [], []
+    real_call = cula_fla._prefill_call
+    monkeypatch.setattr(cula_fla, "_prefill_call", lambda *a: derived.append(1) or real_call(*a))
+    call = real_call(*(fla_kwargs.get(n) for n in (
+        "q", "k", "v", "g", "beta", "scale", "initial_state")), fla_kwargs.get("output_final_state", False),
+        *(fla_kwargs.get(n, False) for n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate")),
+        fla_kwargs.get("lower_bound"), False, False, fla_kwargs.get("cu_seqlens"), fla_kwargs.get("cu_seqlens_cpu"),
+        None, False, {n: fla_kwargs[n] for n in ("A_log", "dt_bias") if n in fla_kwargs})
+    marker = (torch.zeros(1), None)
+
+    def plan(q, k, v, g, beta, h0, A_log, dt_bias, cu, cu_host):
+        ran.append((q, h0, A_log, dt_bias, cu, cu_host))
+        return marker
+
+    call_plans.clear_call_plans()
+    try:
+        call_plans.remember(call_plans.call_signature(*call), plan)
+        with torch.no_grad():
+            assert chunk_kda(**fla_kwargs) is marker
+        assert len(derived) == 1 and spies["kda_prefill"] == 0 and not fla_chunk_path
+        [(q, h0, A_log, dt_bias, cu, cu_host)] = ran
+        assert q is fla_kwargs["q"] and h0 is fla_kwargs.get("initial_state")
+        assert A_log is call[14] and dt_bias is call[15] and cu is call[16]
+        assert (cu_host is None) == (cu is None)
+        with torch.no_grad():
+            assert chunk_kda(**fla_kwargs) is marker
+        assert len(derived) == 2 and len(ran) == 2, "each call verified once, its call derived once"
+        backend = cula_fla.CulaBackend()
+        backend.chunk_kda(**fla_kwargs)  # (the implementation alone: nothing verified just before)
+        assert len(derived) == 3 and spies["kda_prefill"] == 1
+    finally:
+        call_plans.clear_call_plans()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cula_runtime.index import prepare_chunk_indices, prepare_chunk_offsets, prepare_lens
@@ -106,12 +108,8 @@ def kda_prefill(
     )  # (None for a call never planned: e.g. a pool with CPU indices)
     plan = lookup(signature)
     if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
-        # cu_seqlens' values are checked on every call, as the validator does (ValueError before any launch)
-        cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
-        if state is None:
-            return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
-        return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, state=state,
-                    state_indices=state_indices, has_initial_state=has_initial_state)
+        return run_prefill_plan(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu,
+                                state, state_indices, has_initial_state)
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
@@ -123,6 +121,18 @@ def kda_prefill(
                                            has_initial_state=has_initial_state)
     return first_call(signature, args, select_backend(args), as_is,
                       (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, args.cu_seqlens_host), pool)
+
+
+def run_prefill_plan(plan: Callable, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu,
+                     state=None, state_indices=None, has_initial_state=None) -> tuple:
+    """A ``kda_prefill`` call by the plan its signature has (:func:`cula.call_plans.lookup`): ``cu_seqlens``' values
+    checked as the validator does (``ValueError`` before any launch), then the plan. For entry points that found
+    the plan themselves (FLA's door, whose verifier looked it up for the same call)."""
+    cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
+    if state is None:
+        return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
+    return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, state=state,
+                state_indices=state_indices, has_initial_state=has_initial_state)
 
 
 def kda_decode(

@@ -39,6 +39,8 @@ What cuLA serves, and declines with a reason:
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 try:
@@ -54,7 +56,7 @@ from cula_runtime.kda_decode_args import validate_kda_decode
 
 from ..call_plans import call_signature, decode_call_signature, lookup, lookup_guarded
 from ..dispatch import explain, explain_decode
-from ..kda import kda_decode, kda_prefill
+from ..kda import kda_decode, kda_prefill, run_prefill_plan
 
 __all__ = ["CulaBackend", "ENV_SWITCH", "PRIORITY", "register"]
 
@@ -137,11 +139,30 @@ def _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, us
             state_v_first, cu_seqlens_cpu)
 
 
-def _prefill_verdict(call: tuple) -> tuple[bool, str | None]:
+# The last chunk_kda call the verifier accepted by its plan, per thread: (FLA's arguments as the verifier got them,
+# cuLA's call, the plan). FLA calls the implementation right after the verifier with the same objects: the
+# implementation then runs that plan without deriving the call and its signature again.
+_verified = threading.local()
+
+
+def _same_objects(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _fla_arguments(args: tuple, kwargs: dict) -> tuple:
+    """FLA's arguments of one call as a tuple to compare by identity (keyword names and values included)."""
+    return (*args, *kwargs.keys(), *kwargs.values())
+
+
+def _prefill_verdict(call: tuple, fla_arguments: tuple | None = None) -> tuple[bool, str | None]:
     """Whether cuLA serves the ``kda_prefill`` call ``call`` on its tensors' device: a call whose signature already
-    has a call plan (a GPU backend served it), else cuLA's validator and dispatch asked."""
+    has a call plan (a GPU backend served it; kept with ``fla_arguments`` for the implementation), else cuLA's
+    validator and dispatch asked."""
     signature = call_signature(*call)
-    if signature is not None and lookup(signature) is not None:
+    plan = None if signature is None else lookup(signature)
+    if plan is not None:
+        if fla_arguments is not None:
+            _verified.last = (fla_arguments, call, plan)
         return True, None
     try:
         args = validate_kda_prefill(*call)
@@ -269,13 +290,18 @@ class CulaBackend(BaseBackend):
                            cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None,
                            **kwargs) -> tuple[bool, str | None]:
         """Whether cuLA serves this ``chunk_kda`` call; ``(False, reason)`` when it does not."""
+        _verified.last = None
         call = _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                              use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                              lower_bound, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
                              cp_context, use_graph, kwargs)
         if call.__class__ is str:
             return False, call
-        return _prefill_verdict(call)
+        return _prefill_verdict(call, _fla_arguments(
+            (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+             use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
+             return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph,
+             max_num_seqs), kwargs))
 
     def chunk_kda(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -285,6 +311,16 @@ class CulaBackend(BaseBackend):
                   **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FLA's ``chunk_kda`` on cuLA: ``(o, final_state)``, ``o`` ``[B, T, HV, V]`` in q's dtype, ``final_state``
         fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None."""
+        last = getattr(_verified, "last", None)
+        _verified.last = None  # (the arguments' tensors are not kept past this call)
+        if last is not None and _same_objects(last[0], _fla_arguments(
+                (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                 disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context,
+                 use_graph, max_num_seqs), kwargs)):
+            # (the call the verifier just accepted by its plan: (q, k, v, g, beta), then h0, A_log, dt_bias, cu, cpu)
+            c = last[1]
+            return run_prefill_plan(last[2], *c[:5], c[6], c[14], c[15], c[16], c[18])
         call = _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                              use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                              lower_bound, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
