@@ -538,20 +538,31 @@ def test_on_the_gpu_a_planned_call_through_tvm_ffi_gives_the_unplanned_bits(op: 
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_a_misaligned_pool_runs_the_reference_planned_or_not(monkeypatch) -> None:
+@pytest.mark.parametrize("op", list(OPS))
+def test_on_the_gpu_a_misaligned_pool_runs_the_reference_planned_or_not(op: str, monkeypatch) -> None:
     """The real dispatch: a pool whose data is not 16-byte aligned (the same shape and strides as the planned
     call's) is declined by the CuTeDSL backend, so the planned call runs the reference with the fallback warning
-    and its reason, as an unplanned one does; the aligned pool runs the plan again."""
+    and its reason, as an unplanned one does, with the same result; the aligned pool runs the plan again."""
     from cula.dispatch import CulaFallbackWarning
 
+    fn, make = OPS[op]
     monkeypatch.delenv("CULA_CALL_PLANS", raising=False)
     call_plans.clear_call_plans()
-    call = _on_gpu(_kda(0))
-    cula.kda.kda_decode(**call)
-    cula.kda.kda_decode(**call)
+    call = _on_gpu(make(0))
+    fn(**call)
+    fn(**call)
     assert len(_kept_plans()) == 1
-    odd = _misaligned(call["state"])
-    with pytest.warns(CulaFallbackWarning, match="16-byte aligned"):
-        cula.kda.kda_decode(**{**call, "state": odd})
-    assert len(_kept_plans()) == 1
+    results = []
+    for planned in (True, False):
+        if not planned:
+            call_plans.clear_call_plans()
+        odd = _misaligned(call["state"])
+        out = torch.empty_like(call["out"])
+        with pytest.warns(CulaFallbackWarning, match="16-byte aligned"):
+            fn(**{**call, "state": odd, "out": out})
+        results.append((out, odd))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True)), "planned or not: the same answer"
+    fn(**call)
+    fn(**call)
+    assert len(_kept_plans()) == 1, "the aligned pool: planned again"
     call_plans.clear_call_plans()
