@@ -47,6 +47,18 @@ constexpr int kThreads = 256;
 constexpr int kD = 128;  // K = V
 constexpr float kRcpLn2 = 1.4426950216293335f;  // fp32(1 / ln 2), FLA's RCP_LN2
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// softplus(x) = max(x, 0) + ln 2 * log2(1 + e), e = e^-|x| in [0, 1]: one MUFU.EX2 and one MUFU.LG2, finite for
+// every x (the library's log1pf(expf(x)) is a long instruction sequence per element). Where e < 2^-5, log2(1 + e)
+// is its series to e^4 (relative error < 2^-22), which keeps tiny gates (x << 0) accurate where 1 + e rounds; the
+// CuTeDSL intra kernel's softplus is the same arithmetic (cute/kda/gate.py, activate_gate with mufu_softplus).
+__device__ __forceinline__ float softplus_mufu(float x) {
+  const float e = ex2_ftz(-fabsf(x) * kLog2e);
+  const float series = e * (kLog2e + e * (-kLog2e / 2.f + e * (kLog2e / 3.f - e * (kLog2e / 4.f))));
+  const float log_term = e < 0.03125f ? series : lg2_approx(1.f + e);
+  return fmaxf(x, 0.f) + log_term * kLn2;
+}
 
 // ---- shared memory map (bytes) ----
 // Phase 0-3 tiles (bf16 [64][128], 256-byte rows, swz256):
@@ -671,15 +683,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
       const float m2 = -mult * kLog2e;
       const float lb = p.lower_bound;
       if (unbounded_form<kTuned>() && p.gate_softplus) {
-        // g = -exp(A_log) * softplus(g + dt_bias), softplus(x) = x for x > 20 (torch's threshold)
+        // g = -exp(A_log) * softplus(g + dt_bias) (softplus_mufu: two MUFU operations per element)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (rbase + j < L) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float x = gv[j][i] + bias[i];
-              gv[j][i] = -mult * (x > 20.f ? x : log1pf(__expf(x)));
-            }
+            for (int i = 0; i < 4; ++i) gv[j][i] = -mult * softplus_mufu(gv[j][i] + bias[i]);
           }
         }
       } else {
