@@ -16,9 +16,9 @@ around each of ``--calls`` calls, the least of three such medians, the timer's o
 - ``signature``: ``cula.call_plans``' signature of the call, and in it ``knobs`` (the ``CULA_CALL_PLANS`` read and
   the knob snapshot, ``cula_runtime.env``; a KDA decode signature that holds no tensor metadata takes the snapshot
   alone);
-- ``lookup``: the plan table's lookup of an equal (not identical) signature, and where the revision keeps a KDA
-  decode's plans with guards of its tensors (``call_plans.lookup_guarded``), the guards' check of the call's
-  tensors;
+- ``lookup``: the plan table's lookup of an equal (not identical) signature, and where the revision keeps a decode's
+  plans with guards of its tensors (``call_plans.lookup_guarded``, ``lookup_guarded_lightning``), the guards' check
+  of the call's tensors;
 - ``plan``: the plan run on the call's tensors (what the call passes it, recorded once), and in it ``o allocation``
   (``torch.empty`` of o, when no ``out`` is given) and ``compiled stand-in`` (the no-op on the recorded launch
   arguments); ``rest`` is ``call`` less the three above (the public function's own frame);
@@ -222,6 +222,15 @@ def _lookup_fn(case: Case, kwargs: dict, signature: tuple | None) -> Callable[[]
     guarded = getattr(call_plans, "lookup_guarded", None)
     if case.op == "kda" and guarded is not None:
         tensors = tuple(kwargs.get(name) for name in _PLAN_TENSORS)
+        return lambda: guarded(signature, *tensors)
+    guarded = getattr(call_plans, "lookup_guarded_lightning", None)
+    if case.op == "lightning" and guarded is not None:  # (the decay tensor the plan gets: g_gamma, or its layer's)
+        import cula.lightning
+
+        decay = cula.lightning._decay(kwargs.get("g_gamma"), kwargs.get("layer_idx"), kwargs.get("num_layers"),
+                                      kwargs["q"])
+        tensors = (*(kwargs.get(n) for n in ("q", "k", "v")), decay,
+                   *(kwargs.get(n) for n in ("state", "state_indices", "cu_seqlens", "out")))
         return lambda: guarded(signature, *tensors)
     return lambda: call_plans.lookup(signature)
 

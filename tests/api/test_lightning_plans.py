@@ -103,9 +103,11 @@ def test_a_cpu_g_gamma_and_cpu_indices_are_never_planned(monkeypatch: pytest.Mon
     assert sig(q, k, v, None, 0, 2, None, None, False, None, False) is not None
     pool, idx = torch.zeros(3, H, K, V), torch.tensor([0], dtype=torch.int32)
     assert sig(q, k, v, None, 0, 2, None, None, False, None, False, pool, idx) is None
+    # (the decode's signature holds no tensor metadata: a plan's guards hold the device of the GPU indices it was
+    # made with, and a call with CPU indices makes no plan: test_decode_plans_without_the_stand_in_never_serve_...)
     dsig = call_plans.lightning_decode_call_signature
-    assert dsig(q, k, v, None, 0, 2, None, pool, idx, False, None, None) is None
     assert dsig(q, k, v, gamma, None, None, None, pool, idx, False, None, None) is None
+    assert dsig(q, k, v, None, 0, 2, None, pool, idx, False, None, None) is not None
 
 
 class _MarkedParameter(torch.nn.Parameter):
@@ -129,9 +131,12 @@ def test_signatures_refuse_what_the_validator_must_see(monkeypatch: pytest.Monke
     pool, idx = torch.zeros(3, H, K, V), torch.tensor([0], dtype=torch.int32)
     dsig = call_plans.lightning_decode_call_signature(q, k, v, None, 0, 2, None, pool, idx, False, None, None)
     assert dsig is not None and dsig[0] == "lightning_decode" and sig(*base)[0] == "lightning_prefill"
+    assert call_plans.lightning_decode_call_signature(q, k, v, None, 0, None, None, pool, idx, False, None,
+                                                      None) is None  # (the validator's error)
+    assert call_plans.lightning_decode_call_signature(q, k, v, torch.zeros(H), 0, 2, None, pool, idx, False, None,
+                                                      None) is None  # (both decay forms: the validator's error)
     monkeypatch.setenv("CULA_CALL_PLANS", "0")
-    assert sig(*base) is None
-    assert call_plans.lightning_decode_call_signature(q, k, v, None, 0, 2, None, pool, idx, False, None, None) is None
+    assert sig(*base) is None  # (the decode reads it where a plan is made: test_decode_plans_off_with_the_knob)
 
 
 def test_a_copied_input_is_not_planned(recorded) -> None:
@@ -205,3 +210,31 @@ def test_a_plan_that_declines_sends_the_call_to_validation_and_dispatch(recorded
     assert call() == f"{op} unplanned" and len(validations) == 2 and len(made) == 2
     declines[0] = False
     assert call() == "planned" and len(validations) == 2 and len(calls) == 3
+
+
+def test_decode_plans_off_with_the_knob(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CULA_CALL_PLANS=0``: every decode call validated, none planned (the knob is read where a plan is made)."""
+    calls, validations, made = recorded
+    monkeypatch.setenv("CULA_CALL_PLANS", "0")
+    pool, idx = torch.zeros(4, H, K, V), torch.tensor([3, 0], dtype=torch.int32)
+    q, k, v = _inputs(B=2, T=1)
+    for _ in range(2):
+        assert cula.lightning.lightning_decode(q, k, v, layer_idx=0, num_layers=2, state=pool,
+                                               state_indices=idx) == "decode unplanned"
+    assert len(validations) == 2 and made == [] and calls == []
+
+
+def test_a_planned_decode_with_another_tensor_layout_is_validated(recorded) -> None:
+    """The decode's plans are kept with guards of their tensors: a pool of another slot count or dtype, or a
+    g_gamma tensor instead of the layer form, misses the plan."""
+    calls, validations, made = recorded
+    idx = torch.tensor([3, 0], dtype=torch.int32)
+    q, k, v = _inputs(B=2, T=1)
+    cula.lightning.lightning_decode(q, k, v, layer_idx=0, num_layers=2, state=torch.zeros(4, H, K, V),
+                                    state_indices=idx)
+    cula.lightning.lightning_decode(q, k, v, layer_idx=0, num_layers=2, state=torch.zeros(4, H, K, V),
+                                    state_indices=idx)
+    assert len(validations) == 1 and len(calls) == 2
+    for pool in (torch.zeros(5, H, K, V), torch.zeros(4, H, K, V, dtype=torch.bfloat16)):
+        cula.lightning.lightning_decode(q, k, v, layer_idx=0, num_layers=2, state=pool, state_indices=idx)
+    assert len(validations) == 3

@@ -34,10 +34,11 @@ comparison in Python. Reading a tensor's shape, strides, dtype and device in Pyt
 the validator) or a tensor subclass, or one tensor at two places, is never planned; the guards hold the indices'
 device, so a later CPU-index call never passes a plan's guards.
 
-``cula.lightning``'s calls are planned by the same rules (:func:`lightning_prefill_call_signature`,
-:func:`lightning_decode_call_signature`): the decay is part of the signature as ``g_gamma``'s tensor key, or as the
-``layer_idx`` / ``num_layers`` ints; a call with a CPU ``g_gamma`` (the validator checks its values) or CPU index
-tensors is never planned. A planned prefill still checks ``cu_seqlens``' values on every call, as ``kda_prefill``.
+``cula.lightning``'s calls are planned by the same rules (:func:`lightning_prefill_call_signature`; the decode's,
+:func:`lightning_decode_call_signature`, with guards as ``kda_decode``'s): the decay is part of the prefill's
+signature as ``g_gamma``'s tensor key, or as the ``layer_idx`` / ``num_layers`` ints; a call with a CPU ``g_gamma``
+(the validator checks its values) or CPU index tensors is never planned. A planned prefill still checks
+``cu_seqlens``' values on every call, as ``kda_prefill``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ from .dispatch import planner_for
 
 __all__ = ["ENV_CALL_PLANS", "LaunchDeclined", "call_signature", "clear_call_plans", "decode_call_signature",
            "first_call", "lookup", "lookup_guarded", "remember", "tensor_guards", "with_current_knobs",
-           "lightning_prefill_call_signature", "lightning_decode_call_signature"]
+           "lightning_prefill_call_signature", "lightning_decode_call_signature", "lookup_guarded_lightning",
+           "has_guarded_plans"]
 
 #: "0" turns call plans off: every call is validated and dispatched (for debugging; read on every call).
 ENV_CALL_PLANS = "CULA_CALL_PLANS"
@@ -265,24 +267,44 @@ def lightning_prefill_call_signature(q, k, v, g_gamma, layer_idx, num_layers, sc
 
 def lightning_decode_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, state, state_indices,
                                     state_v_first, cu_seqlens, out) -> tuple | None:
-    """The signature of a ``lightning_decode`` call (its arguments in ``lightning_decode``'s order), or None for
-    one that is never planned (as :func:`lightning_prefill_call_signature`; CPU ``state_indices`` never are). One
-    flat tuple, as :func:`decode_call_signature`'s."""
-    if not (q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
-            and state.__class__ is _Tensor and state_indices.__class__ is _Tensor
-            and state_v_first.__class__ is bool and (scale is None or scale.__class__ in _NUMBERS)):
+    """The signature of a ``lightning_decode`` call (its arguments in ``lightning_decode``'s order) without its
+    tensors' metadata, as :func:`decode_call_signature`'s: ``("lightning_decode", q.shape, which optional tensors
+    are None, the decay's form, state_v_first, scale, the knob snapshot)``; the tensors are checked by the plan's
+    guards (:func:`lookup_guarded_lightning`), ``CULA_CALL_PLANS`` and the indices' device when a plan is made. None
+    for a call that is never planned: ``q`` not exactly a ``torch.Tensor``, a flag that is not ``bool``, a ``scale``
+    that is not a number, ``layer_idx`` / ``num_layers`` not both ints (or given with ``g_gamma``: the validator's
+    error), a CPU ``g_gamma`` (whose values the validator checks on every call)."""
+    if not (q.__class__ is _Tensor and state_v_first.__class__ is bool
+            and (scale is None or scale.__class__ in _NUMBERS)):
         return None
-    if env_value(ENV_CALL_PLANS, "1") == "0" or indices_checked_on_host(state_indices):
+    if g_gamma is None:
+        if layer_idx.__class__ is not int or num_layers.__class__ is not int:
+            return None
+    elif layer_idx is not None or num_layers is not None or g_gamma.__class__ not in _PLAIN \
+            or g_gamma.device.type == "cpu":  # (a CPU g_gamma's values are checked by the validator on every call)
         return None
-    try:
-        return ("lightning_decode",
-                q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-                v.shape, v.stride(), v.dtype, v.device, state.shape, state.stride(), state.dtype, state.device,
-                state_indices.shape, state_indices.stride(), state_indices.dtype, state_indices.device,
-                None if cu_seqlens is None else _tensor_key(cu_seqlens), None if out is None else _tensor_key(out),
-                _decay_key(g_gamma, layer_idx, num_layers), state_v_first, scale, env_snapshot())
-    except (_Unplannable, RuntimeError):
-        return None
+    return ("lightning_decode", q.shape, g_gamma is None, layer_idx, num_layers, cu_seqlens is None, out is None,
+            state_v_first, scale, env_snapshot())
+
+
+def has_guarded_plans(signature: tuple) -> bool:
+    """Whether plans with guards are kept for this signature (before the guards' tensors are worked out)."""
+    return signature in _guarded_plans
+
+
+def lookup_guarded_lightning(signature: tuple | None, q, k, v, g_gamma, state, state_indices, cu_seqlens,
+                             out) -> Plan | None:
+    """The plan kept for this ``lightning_decode`` signature (:func:`lightning_decode_call_signature`) whose guards
+    accept these tensors (the plan's argument order; ``g_gamma`` the decay tensor the plan gets: the call's, or its
+    layer's kept one), or None."""
+    entries = _guarded_plans.get(signature)
+    if entries is not None:
+        absent = _ABSENT
+        for guards, plan in entries:
+            if guards.check(q, k, v, g_gamma, state, state_indices, absent[6] if cu_seqlens is None else cu_seqlens,
+                            absent[7] if out is None else out):
+                return plan
+    return None
 
 
 def indices_checked_on_host(state_indices: torch.Tensor) -> bool:

@@ -21,12 +21,15 @@ from cula_runtime.lightning_args import (
     validate_lightning_prefill,
 )
 
+from . import call_plans
 from .call_plans import (
     LaunchDeclined,
     first_call,
+    has_guarded_plans,
     lightning_decode_call_signature,
     lightning_prefill_call_signature,
     lookup,
+    lookup_guarded_lightning,
 )
 from .dispatch import select_lightning_decode_backend, select_lightning_prefill_backend
 
@@ -162,18 +165,23 @@ def lightning_decode(
     """
     signature = lightning_decode_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, state, state_indices,
                                                 state_v_first, cu_seqlens, out)
-    plan = lookup(signature)
-    if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
-        try:
-            return plan(q, k, v, _decay(g_gamma, layer_idx, num_layers, q), state, state_indices, cu_seqlens, out)
-        except LaunchDeclined:  # (refused before launching: decided below, as if there were no plan)
-            pass
+    # (the decay only where a plan exists: its layer_idx / num_layers passed the validator then)
+    if signature is not None and has_guarded_plans(signature):
+        decay = _decay(g_gamma, layer_idx, num_layers, q)
+        plan = lookup_guarded_lightning(signature, q, k, v, decay, state, state_indices, cu_seqlens, out)
+        if plan is not None:  # (nothing of a GPU call's values is checked on the host: the plan is the whole call)
+            try:
+                return plan(q, k, v, decay, state, state_indices, cu_seqlens, out)
+            except LaunchDeclined:  # (refused before launching: decided below, as if there were no plan)
+                pass
     args = validate_lightning_decode(q, k, v, g_gamma, layer_idx, num_layers, scale, state=state,
                                      state_indices=state_indices, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                                      out=out)
-    as_is = signature is not None and _decode_passed_as_is(args, q, k, v, g_gamma, state_indices, cu_seqlens)
+    # (CPU indices: the validator checks their values on every call, so such a call is never planned)
+    as_is = (signature is not None and not call_plans.indices_checked_on_host(state_indices)
+             and _decode_passed_as_is(args, q, k, v, g_gamma, state_indices, cu_seqlens))
     return first_call(signature, args, select_lightning_decode_backend(args), as_is,
-                      (q, k, v, args.g_gamma, state, state_indices, cu_seqlens, out))
+                      (q, k, v, args.g_gamma, state, state_indices, cu_seqlens, out), guarded=True)
 
 
 def _prefill_passed_as_is(args: LightningPrefillArgs, q, k, v, g_gamma, initial_state, cu_seqlens, state_indices,
