@@ -132,3 +132,32 @@ def test_every_kept_tensor_of_the_backends_is_built_outside_a_routed_pool() -> N
         else:
             kept += _fixed_indices(3, 129, device)
     assert not [t.shape for t in kept if _in_pool(pool, t)]
+
+
+def test_a_forked_child_starts_its_own_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a fork the parent's worker thread is gone: the child's first build starts a new one (no hang)."""
+    import os
+
+    _Streams().install(monkeypatch)
+    assert built_outside_graph_pools(torch.device("cuda", 0), lambda: 1) == 1  # (the parent's worker runs)
+    pid = os.fork()
+    if pid == 0:  # the child: a build must finish
+        try:
+            code = 0 if built_outside_graph_pools(torch.device("cuda", 0), lambda: 2) == 2 else 1
+        except BaseException:
+            code = 1
+        os._exit(code)
+    import signal
+    import time
+
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's build hung (it waited for the parent's worker thread)")
+        time.sleep(0.01)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -15,6 +15,7 @@ inline on the worker. A cache miss pays one thread hand-off (tens of microsecond
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -40,6 +41,15 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         except BaseException as exc:  # (handed back to the caller, raised there)
             box.append((False, exc))
         done.set()
+
+
+def _forget_worker() -> None:
+    """In a forked child: the parent's worker thread is not there (a new one starts on the first build)."""
+    global _jobs
+    _jobs = None
+
+
+os.register_at_fork(after_in_child=_forget_worker)
 
 
 def _worker_jobs() -> queue.SimpleQueue:
