@@ -396,7 +396,7 @@ def test_bound_launch_declines_a_misaligned_pointer(monkeypatch) -> None:
     """bound_launch (the Lightning prefill's kernels A and B) on the same rule: TVM-FFI's refusal is the plan's
     LaunchDeclined, nothing launched, for the unplanned path to decide the call."""
     from cula_runtime.cute import compile_cache
-    from cula_runtime.cute.lightning.decode import _OUTPUTS, LightningDecode, LightningDecodeConfig
+    from cula_runtime.cute.lightning.decode import LightningDecode, LightningDecodeConfig
 
     stand_in = Kernels()
     monkeypatch.setattr(compile_cache, "_launchable", {})
@@ -404,7 +404,7 @@ def test_bound_launch_declines_a_misaligned_pointer(monkeypatch) -> None:
     monkeypatch.setattr(compile_cache, "compile_kernel", stand_in.compile)
     config = LightningDecodeConfig(num_heads=2)
     specs = LightningDecode(config).argument_specs()
-    run = compile_cache.bound_launch(LightningDecode, config, specs, _OUTPUTS, torch.device("cpu"))
+    run = compile_cache.bound_launch(LightningDecode, config, specs, torch.device("cpu"))
     q = torch.randn(3, 1, 2, K).bfloat16()
     tensors = [q, q, q, torch.zeros(2), torch.zeros(4, 2, K, K), torch.zeros(3, dtype=torch.int32),
                torch.zeros(4, dtype=torch.int32), torch.empty_like(q)]

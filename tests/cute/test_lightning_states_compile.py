@@ -203,7 +203,11 @@ class _Recorder:
     def launch(self, kernel_cls, config, specs, tensors, outputs, device, *scalars) -> None:
         self.launches.append((kernel_cls, config, specs, tensors, outputs, scalars))
 
-    def bound_launch(self, kernel_cls, config, specs, outputs, device):
+    def bound_launch(self, kernel_cls, config, specs, device):
+        from cula_runtime.cute.lightning import chunk_states as cs
+
+        # (a bound launch takes no outputs: a plan's refusal goes to the unplanned path, whose launch has them)
+        outputs = {cs.LightningSegmentStates: cs._STATES_OUTPUTS, cs.LightningSegmentScan: cs._SCAN_OUTPUTS}[kernel_cls]
         return lambda tensors, scalars: self.launch(kernel_cls, config, specs, tensors, outputs, device, *scalars)
 
 

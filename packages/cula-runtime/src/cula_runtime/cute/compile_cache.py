@@ -334,29 +334,26 @@ def _launchable_for(kernel_cls: type[CuteKernelFamily], config: Hashable, index:
     return compiled
 
 
-def planned_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
-                   device: Any) -> Any:
+def planned_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, device: Any) -> Any:
     """The compiled ``kernel_cls(config)`` on ``device`` for call plans (looked up, or compiled, here, once):
-    ``kernel(*tensors, *scalars)`` (:func:`direct_callable`), every tensor of ``specs`` in order (None where a spec
-    is None), then the scalars. ``outputs`` is unused here (the plan's caller passes the kernel's, as to
-    :func:`launch`). The caller promises that every call passes tensors of the shapes, strides and dtypes of the call
-    the plan was made from (a call plan's signature), so of the layout promises only the data pointers' alignment
-    can differ; TVM-FFI checks it (with each tensor's dtype, rank, device and strides) and raises ``ValueError``
-    before anything is launched. On that ``ValueError`` the plan raises :class:`LaunchDeclined`, and the call takes
-    the unplanned path, which decides it as if there were no plan (a misaligned input copied, a misaligned output
-    refused, a pool the backend does not serve sent to the reference). A plan thus checks nothing in Python on the
-    common path and answers every other call as the unplanned path does."""
-    del outputs
+    ``kernel(*tensors, *scalars)`` (:func:`direct_callable`), every tensor of the configuration's argument specs in
+    order (None where a spec is None), then the scalars. The caller promises that every call passes tensors of the
+    shapes, strides and dtypes of the call the plan was made from (a call plan's signature), so of the layout
+    promises only the data pointers' alignment can differ; TVM-FFI checks it (with each tensor's dtype, rank, device
+    and strides) and raises ``ValueError`` before anything is launched. On that ``ValueError`` the plan raises
+    :class:`LaunchDeclined`, and the call takes the unplanned path, which decides it as if there were no plan (a
+    misaligned input copied, a misaligned output refused, a pool the backend does not serve sent to the reference).
+    A plan thus checks nothing in Python on the common path and answers every other call as the unplanned path
+    does."""
     return _launchable_for(kernel_cls, config, device.index)
 
 
-def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, outputs: frozenset[int],
-                 device: Any) -> Any:
+def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tuple, device: Any) -> Any:
     """:func:`planned_launch` bound to one call signature: ``run(tensors, scalars)`` calls the compiled kernel on
     ``tensors`` and ``scalars``, and raises :class:`LaunchDeclined` where TVM-FFI refuses a pointer (nothing
-    launched). A tensor at a position whose spec is None is not passed (the kernel's configuration has no such
-    argument)."""
-    kernel = planned_launch(kernel_cls, config, specs, outputs, device)
+    launched). A tensor at a position whose spec (of ``specs``, the configuration's) is None is not passed (the
+    kernel's configuration has no such argument)."""
+    kernel = planned_launch(kernel_cls, config, device)
     present = tuple(spec is not None for spec in specs)
     every = all(present)
 

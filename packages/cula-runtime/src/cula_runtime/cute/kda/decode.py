@@ -794,7 +794,7 @@ def plan_kda_decode_launch(q, v, g, beta, *, state, state_indices, scale: float 
         H, HV, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound, use_qk_l2norm_in_kernel,
         use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens,
         num_accepted_tokens)
-    kernel = planned_launch(KdaDecode, config, specs, _OUTPUTS, device)
+    kernel = planned_launch(KdaDecode, config, device)
     with_A_log, with_dt_bias = A_log_used is not None, dt_used is not None
     scale_value, lower_value = scalars
 

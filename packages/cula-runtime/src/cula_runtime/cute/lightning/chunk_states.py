@@ -565,7 +565,7 @@ def plan_segment_states(H: int, dtype, block_v: int, device):
     """Kernel A bound to one call signature (``compile_cache.bound_launch``): ``run(k, v, g_gamma, segments,
     seg_state)`` launches with nothing checked (no launch without segments)."""
     config, specs = _states_plan(H, block_v, _TORCH_NAMES[str(dtype)])
-    run = bound_launch(LightningSegmentStates, config, specs, _STATES_OUTPUTS, device)
+    run = bound_launch(LightningSegmentStates, config, specs, device)
 
     def run_states(k, v, g_gamma, segments, seg_state) -> None:
         if segments.shape[0]:
@@ -665,7 +665,7 @@ def plan_segment_scan(H: int, N: int, flags: tuple, device):
     if N == 0:
         return lambda *tensors: None
     config, specs = _scan_plan(H, flags)
-    run = bound_launch(LightningSegmentScan, config, specs, _SCAN_OUTPUTS, device)
+    run = bound_launch(LightningSegmentScan, config, specs, device)
     uint8 = torch.uint8
 
     def run_scan(seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices,

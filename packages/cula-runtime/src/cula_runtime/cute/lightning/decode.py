@@ -548,7 +548,7 @@ def plan_lightning_decode_launch(q, k, v, g_gamma, *, state, state_indices, scal
 
         return launch_nothing
     config, specs = _launch_config(q, state, state_v_first, cu_seqlens)
-    kernel = planned_launch(LightningDecode, config, specs, _OUTPUTS, device)
+    kernel = planned_launch(LightningDecode, config, device)
     scale_value = float(q.shape[-1] ** -0.5 if scale is None else scale)
 
     def launch_planned(q, k, v, g_gamma, state, idx, cu, out):
