@@ -543,3 +543,69 @@ def test_a_planned_chunk_kda_call_runs_the_plan_its_verifier_found(name: str, mo
         assert len(derived) == 3 and spies["kda_prefill"] == 1
     finally:
         call_plans.clear_call_plans()
+
+
+def test_a_planned_fla_decode_runs_the_plan_its_verifier_found(monkeypatch: pytest.MonkeyPatch, spies: dict,
+                                                               fla_decode_kernel: _FlaDecodeKernel) -> None:
+    """FLA's decode entry on a pool: a call the verifier accepted by its plan runs that plan on the call's own pool
+    and indices, deriving cuLA's call once; FLA's pool comes back as the final state."""
+    from cula import call_plans
+    from cula.integrations import fla as cula_fla
+
+    fla_kwargs = _clone(DECODE_SERVED["pool-T1-B3"][0])
+    derived, ran = [], []
+    real_call = cula_fla._decode_call
+    monkeypatch.setattr(cula_fla, "_decode_call", lambda *a, **kw: derived.append(1) or real_call(*a, **kw))
+    call, _ = real_call(*(fla_kwargs.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
+                                                      "initial_state", "scale")), False, True, False, None,
+                        fla_kwargs["ssm_state_indices"], None, False, False, False, False, None, None, {},
+                        verifying=True)
+    c = call
+    signature = call_plans.decode_call_signature(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
+        c["dt_bias"], c["lower_bound"], False, False, False, False, False, None, None, None)
+    guards = call_plans.tensor_guards((c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"],
+                                       None, None, None, None, None))
+    marker = torch.zeros(1)
+
+    def plan(*tensors):
+        ran.append(tensors)
+        return marker
+
+    call_plans.clear_call_plans()
+    try:
+        call_plans.remember(signature, plan, guards)
+        with torch.no_grad():
+            o, final_state = fused_recurrent_kda_fwd(**fla_kwargs)
+        assert o is marker and final_state is fla_kwargs["initial_state"]
+        assert len(derived) == 1 and spies["kda_decode"] == 0 and not fla_decode_kernel.launches
+        [tensors] = ran
+        assert tensors[0] is fla_kwargs["q"] and tensors[5] is fla_kwargs["initial_state"]
+        assert torch.equal(tensors[6], fla_kwargs["ssm_state_indices"])
+    finally:
+        call_plans.clear_call_plans()
+
+
+def test_a_decode_onto_a_new_state_keeps_no_plan_for_the_implementation() -> None:
+    """``inplace_final_state=False``: the verifier judges the call on a stand-in state (nothing copied), so even when
+    a plan accepts it, the implementation must derive the call with its real new state: nothing is kept."""
+    from cula import call_plans
+    from cula.integrations import fla as cula_fla
+
+    kwargs = dict(_decode_inputs(3, 1), initial_state=states(3), inplace_final_state=False, output_final_state=True)
+    call, _ = cula_fla._decode_call(*(kwargs.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
+                                                              "initial_state", "scale")), True, False, False, None,
+                                    None, None, False, False, False, False, None, None, {}, verifying=True)
+    c = call
+    signature = call_plans.decode_call_signature(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
+        c["dt_bias"], c["lower_bound"], False, False, False, False, False, None, None, None)
+    guards = call_plans.tensor_guards((c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"],
+                                       None, None, None, None, None))
+    call_plans.clear_call_plans()
+    try:
+        call_plans.remember(signature, lambda *a: None, guards)
+        assert cula_fla.CulaBackend().fused_recurrent_kda_fwd_verifier(**kwargs) == (True, None)
+        assert getattr(cula_fla._verified, "last", None) is None
+    finally:
+        call_plans.clear_call_plans()

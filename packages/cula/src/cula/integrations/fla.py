@@ -54,7 +54,7 @@ from cula_runtime.index import cached_on_version
 from cula_runtime.kda_args import validate_kda_prefill
 from cula_runtime.kda_decode_args import validate_kda_decode
 
-from ..call_plans import call_signature, decode_call_signature, lookup, lookup_guarded
+from ..call_plans import LaunchDeclined, call_signature, decode_call_signature, lookup, lookup_guarded
 from ..dispatch import explain, explain_decode
 from ..kda import kda_decode, kda_prefill, run_prefill_plan
 
@@ -249,18 +249,23 @@ def _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_
     return call, final_state
 
 
-def _decode_verdict(call: dict) -> tuple[bool, str | None]:
+def _decode_verdict(call: dict, final_state: object = None,
+                    fla_arguments: tuple | None = None) -> tuple[bool, str | None]:
     """Whether cuLA serves the ``kda_decode`` call ``call`` on its tensors' device: a call whose signature and
-    tensors already have a call plan (a GPU backend served it), else cuLA's validator and dispatch asked."""
+    tensors already have a call plan (a GPU backend served it; kept with ``fla_arguments``, where given, and
+    ``final_state`` for the implementation), else cuLA's validator and dispatch asked."""
     c = call
     signature = decode_call_signature(
         c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
         c["dt_bias"], c["lower_bound"], c["use_qk_l2norm_in_kernel"], c["use_gate_in_kernel"],
         c["use_beta_sigmoid_in_kernel"], c["allow_neg_eigval"], c["state_v_first"], c["cu_seqlens"],
         c["num_accepted_tokens"], c["out"])
-    if signature is not None and lookup_guarded(
-            signature, c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["A_log"],
-            c["dt_bias"], c["cu_seqlens"], c["num_accepted_tokens"], c["out"]) is not None:
+    plan = None if signature is None else lookup_guarded(
+        signature, c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["A_log"],
+        c["dt_bias"], c["cu_seqlens"], c["num_accepted_tokens"], c["out"])
+    if plan is not None:
+        if fla_arguments is not None:
+            _verified.last = (fla_arguments, (call, final_state), plan)
         return True, None
     try:
         args = validate_kda_decode(**call)
@@ -337,13 +342,21 @@ class CulaBackend(BaseBackend):
                                          allow_neg_eigval=False, lower_bound=None, out=None,
                                          **kwargs) -> tuple[bool, str | None]:
         """Whether cuLA serves this ``fused_recurrent_kda_fwd`` call; ``(False, reason)`` when it does not."""
+        _verified.last = None
         call = _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                             inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                             lower_bound, out, kwargs, verifying=True)
         if call.__class__ is str:
             return False, call
-        return _decode_verdict(call[0])
+        # (a call that writes the pool it was given keeps its plan for the implementation; one with a new state
+        # tensor gets a stand-in here, which the implementation's call must not run on)
+        keep = inplace_final_state and initial_state is not None
+        return _decode_verdict(*call, _fla_arguments(
+            (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+             state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)
+            if keep else None)
 
     def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
                                 output_final_state=False, inplace_final_state=True, state_v_first=False,
@@ -354,6 +367,22 @@ class CulaBackend(BaseBackend):
         """FLA's KDA decode on cuLA: ``(o, final_state)``, ``o`` ``[B, T, HV, V]`` in q's dtype (``out`` when
         given), ``final_state`` the pool ``initial_state`` updated in place, or a new fp32 one
         (``inplace_final_state=False``, with ``output_final_state``), or None."""
+        last = getattr(_verified, "last", None)
+        _verified.last = None  # (the arguments' tensors are not kept past this call)
+        if last is not None and _same_objects(last[0], _fla_arguments(
+                (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+                 state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)):
+            (c, final_state), plan = last[1], last[2]  # (the call the verifier just accepted by its plan)
+            tensors = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["A_log"],
+                       c["dt_bias"], c["cu_seqlens"], c["num_accepted_tokens"], c["out"])
+            try:
+                if torch.is_grad_enabled():  # (as below: FLA's decode records no graph)
+                    with torch.no_grad():
+                        return plan(*tensors), final_state
+                return plan(*tensors), final_state
+            except LaunchDeclined:  # (refused before launching: the call as if there were no plan)
+                pass
         call = _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                             inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
