@@ -465,6 +465,23 @@ def test_fla_cula_0_leaves_fla_s_decode_kernel(monkeypatch: pytest.MonkeyPatch, 
     assert spies["kda_decode"] == 1 and len(fla_decode_kernel.launches) == 1
 
 
+def _keep_decode_plan(fla_kwargs: dict, plan) -> None:
+    """Keep ``plan`` as a GPU backend would for the decode call FLA's ``fla_kwargs`` make (its signature and the
+    guards of its tensors), as the verifier derives that call."""
+    from cula import call_plans
+    from cula.integrations import fla as cula_fla
+
+    c, _, _ = cula_fla._decode_call(True, **fla_kwargs)
+    signature = call_plans.decode_call_signature(
+        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
+        c["dt_bias"], c["lower_bound"], c["use_qk_l2norm_in_kernel"], c["use_gate_in_kernel"],
+        c["use_beta_sigmoid_in_kernel"], c["allow_neg_eigval"], c["state_v_first"], c["cu_seqlens"],
+        c["num_accepted_tokens"], c["out"])
+    guards = call_plans.tensor_guards((c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"],
+                                       c["A_log"], c["dt_bias"], c["cu_seqlens"], c["num_accepted_tokens"], c["out"]))
+    call_plans.remember(signature, plan, guards)
+
+
 def test_the_decode_verifier_answers_a_planned_call_from_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode call whose signature and tensors have a kept plan (a GPU backend served it) is accepted without
     cuLA's validator (FLA asks the verifier on every call: the validation would be paid twice per step); another
@@ -473,23 +490,11 @@ def test_the_decode_verifier_answers_a_planned_call_from_its_plan(monkeypatch: p
     from cula.integrations import fla as cula_fla
 
     fla_kwargs = _clone(DECODE_SERVED["pool-T1-B3"][0])
-    call, _ = cula_fla._decode_call(**{n: fla_kwargs.get(n) for n in (
-        "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale")}, output_final_state=False,
-        inplace_final_state=True, state_v_first=False, cu_seqlens=None,
-        ssm_state_indices=fla_kwargs["ssm_state_indices"], num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
-        use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
-        out=None, kwargs={}, verifying=True)
-    c = call
-    signature = call_plans.decode_call_signature(
-        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
-        c["dt_bias"], c["lower_bound"], False, False, False, False, False, None, None, None)
-    guards = call_plans.tensor_guards((c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"],
-                                       None, None, None, None, None))
     validations = []
     monkeypatch.setattr(cula_fla, "validate_kda_decode", lambda **kw: validations.append(1) or pytest.fail("asked"))
     call_plans.clear_call_plans()
     try:
-        call_plans.remember(signature, lambda *a: None, guards)
+        _keep_decode_plan(fla_kwargs, lambda *a: None)
         assert cula_fla.CulaBackend().fused_recurrent_kda_fwd_verifier(**fla_kwargs) == (True, None)
         assert validations == []
         other = dict(fla_kwargs, initial_state=states(7))  # (a pool of another shape: the guards refuse it)
@@ -512,13 +517,8 @@ def test_a_planned_chunk_kda_call_runs_the_plan_its_verifier_found(name: str, mo
     fla_kwargs = _clone(SERVED[name][0])
     derived, ran = [], []
     real_call = cula_fla._prefill_call
-    monkeypatch.setattr(cula_fla, "_prefill_call", lambda *a: derived.append(1) or real_call(*a))
-    call = real_call(*(fla_kwargs.get(n) for n in (
-        "q", "k", "v", "g", "beta", "scale", "initial_state")), fla_kwargs.get("output_final_state", False),
-        *(fla_kwargs.get(n, False) for n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                                             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate")),
-        fla_kwargs.get("lower_bound"), False, False, fla_kwargs.get("cu_seqlens"), fla_kwargs.get("cu_seqlens_cpu"),
-        None, False, {n: fla_kwargs[n] for n in ("A_log", "dt_bias") if n in fla_kwargs})
+    monkeypatch.setattr(cula_fla, "_prefill_call", lambda *a, **kw: derived.append(1) or real_call(*a, **kw))
+    call = real_call(**fla_kwargs)
     marker = (torch.zeros(1), None)
 
     def plan(q, k, v, g, beta, h0, A_log, dt_bias, cu, cu_host):
@@ -556,16 +556,6 @@ def test_a_planned_fla_decode_runs_the_plan_its_verifier_found(monkeypatch: pyte
     derived, ran = [], []
     real_call = cula_fla._decode_call
     monkeypatch.setattr(cula_fla, "_decode_call", lambda *a, **kw: derived.append(1) or real_call(*a, **kw))
-    call, _ = real_call(*(fla_kwargs.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
-                                                      "initial_state", "scale")), False, True, False, None,
-                        fla_kwargs["ssm_state_indices"], None, False, False, False, False, None, None, {},
-                        verifying=True)
-    c = call
-    signature = call_plans.decode_call_signature(
-        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
-        c["dt_bias"], c["lower_bound"], False, False, False, False, False, None, None, None)
-    guards = call_plans.tensor_guards((c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"],
-                                       None, None, None, None, None))
     marker = torch.zeros(1)
 
     def plan(*tensors):
@@ -574,7 +564,8 @@ def test_a_planned_fla_decode_runs_the_plan_its_verifier_found(monkeypatch: pyte
 
     call_plans.clear_call_plans()
     try:
-        call_plans.remember(signature, plan, guards)
+        _keep_decode_plan(fla_kwargs, plan)
+        derived.clear()
         with torch.no_grad():
             o, final_state = fused_recurrent_kda_fwd(**fla_kwargs)
         assert o is marker and final_state is fla_kwargs["initial_state"]
@@ -593,18 +584,9 @@ def test_a_decode_onto_a_new_state_keeps_no_plan_for_the_implementation() -> Non
     from cula.integrations import fla as cula_fla
 
     kwargs = dict(_decode_inputs(3, 1), initial_state=states(3), inplace_final_state=False, output_final_state=True)
-    call, _ = cula_fla._decode_call(*(kwargs.get(n) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
-                                                              "initial_state", "scale")), True, False, False, None,
-                                    None, None, False, False, False, False, None, None, {}, verifying=True)
-    c = call
-    signature = call_plans.decode_call_signature(
-        c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["scale"], c["A_log"],
-        c["dt_bias"], c["lower_bound"], False, False, False, False, False, None, None, None)
-    guards = call_plans.tensor_guards((c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"],
-                                       None, None, None, None, None))
     call_plans.clear_call_plans()
     try:
-        call_plans.remember(signature, lambda *a: None, guards)
+        _keep_decode_plan(kwargs, lambda *a: None)
         assert cula_fla.CulaBackend().fused_recurrent_kda_fwd_verifier(**kwargs) == (True, None)
         assert getattr(cula_fla._verified, "last", None) is None
     finally:

@@ -103,11 +103,13 @@ def _needs_grad(*tensors: object) -> bool:
     return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in tensors)
 
 
-def _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                  use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                  return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph,
-                  kwargs: dict) -> tuple | str:
-    """FLA's ``chunk_kda`` arguments as :func:`cula.kda.kda_prefill`'s positional ones, or why cuLA declines."""
+def _prefill_call(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                  allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                  return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                  cp_context=None, use_graph=False, max_num_seqs=None, **kwargs) -> tuple | str:
+    """FLA's ``chunk_kda`` arguments (its signature; ``disable_recompute`` and ``max_num_seqs`` concern its backward
+    and tiling only) as :func:`cula.kda.kda_prefill`'s positional ones, or why cuLA declines."""
     if return_intermediate_states:
         return "return_intermediate_states=True: cuLA returns no per-chunk states h"
     if cp_context is not None:
@@ -139,22 +141,28 @@ def _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, us
             state_v_first, cu_seqlens_cpu)
 
 
-# The last chunk_kda call the verifier accepted by its plan, per thread: (FLA's arguments as the verifier got them,
-# cuLA's call, the plan). FLA calls the implementation right after the verifier with the same objects: the
-# implementation then runs that plan without deriving the call and its signature again.
+# The last call an entry's verifier accepted by its plan, per thread: ((FLA's positional arguments, its keyword
+# arguments), cuLA's call, the plan). FLA calls the implementation right after the verifier with the same objects:
+# the implementation then runs that plan without deriving the call and its signature again.
 _verified = threading.local()
 
 
-def _same_objects(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+def _same_call(a: tuple[tuple, dict], b: tuple[tuple, dict]) -> bool:
+    """Whether two calls got the same objects (by identity) at the same places and keywords."""
+    (args_a, kw_a), (args_b, kw_b) = a, b
+    return (len(args_a) == len(args_b) and all(x is y for x, y in zip(args_a, args_b, strict=True))
+            and kw_a.keys() == kw_b.keys() and all(kw_a[name] is kw_b[name] for name in kw_a))
 
 
-def _fla_arguments(args: tuple, kwargs: dict) -> tuple:
-    """FLA's arguments of one call as a tuple to compare by identity (keyword names and values included)."""
-    return (*args, *kwargs.keys(), *kwargs.values())
+def _verified_plan(args: tuple, kwargs: dict) -> tuple | None:
+    """``(cuLA's call, the plan)`` the verifier kept for exactly this call, else None; forgets it either way (the
+    arguments' tensors are not kept past the call)."""
+    last = getattr(_verified, "last", None)
+    _verified.last = None
+    return last[1:] if last is not None and _same_call(last[0], (args, kwargs)) else None
 
 
-def _prefill_verdict(call: tuple, fla_arguments: tuple | None = None) -> tuple[bool, str | None]:
+def _prefill_verdict(call: tuple, fla_arguments: tuple[tuple, dict] | None = None) -> tuple[bool, str | None]:
     """Whether cuLA serves the ``kda_prefill`` call ``call`` on its tensors' device: a call whose signature already
     has a call plan (a GPU backend served it; kept with ``fla_arguments`` for the implementation), else cuLA's
     validator and dispatch asked."""
@@ -192,13 +200,15 @@ def _identity_indices(N: int, device: torch.device) -> torch.Tensor:
     return indices
 
 
-def _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
-                 state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, kwargs: dict,
-                 verifying: bool) -> tuple | str:
-    """FLA's ``fused_recurrent_kda_fwd`` arguments as ``(kda_decode's keyword arguments, the final state FLA returns)``
-    (q, k, v, g, beta among the keywords), or why cuLA declines. ``verifying``: a stand-in pool where the call needs
-    a new one (nothing is copied)."""
+def _decode_call(verifying: bool, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                 output_final_state=False, inplace_final_state=True, state_v_first=False, cu_seqlens=None,
+                 ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                 use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                 out=None, **kwargs) -> tuple | str:
+    """FLA's ``fused_recurrent_kda_fwd`` arguments (after ``verifying``: its signature) as ``(kda_decode's keyword
+    arguments, the final state FLA returns, whether the state is the caller's pool)`` (q, k, v, g, beta among the
+    keywords), or why cuLA declines. ``verifying``: a stand-in state where the call needs a new one (nothing is
+    copied; the third element is then False)."""
     if kwargs:
         return f"argument(s) cuLA has no equivalent of: {', '.join(sorted(kwargs))}"
     if not isinstance(q, _Tensor) or not isinstance(v, _Tensor):
@@ -246,11 +256,11 @@ def _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_
                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                 allow_neg_eigval=allow_neg_eigval and use_beta_sigmoid_in_kernel, state_v_first=state_v_first,
                 cu_seqlens=cu_seqlens, num_accepted_tokens=accepted, out=out)
-    return call, final_state
+    return call, final_state, state is initial_state
 
 
 def _decode_verdict(call: dict, final_state: object = None,
-                    fla_arguments: tuple | None = None) -> tuple[bool, str | None]:
+                    fla_arguments: tuple[tuple, dict] | None = None) -> tuple[bool, str | None]:
     """Whether cuLA serves the ``kda_decode`` call ``call`` on its tensors' device: a call whose signature and
     tensors already have a call plan (a GPU backend served it; kept with ``fla_arguments``, where given, and
     ``final_state`` for the implementation), else cuLA's validator and dispatch asked."""
@@ -288,92 +298,46 @@ class CulaBackend(BaseBackend):
     default_enable = True
     priority = PRIORITY
 
-    def chunk_kda_verifier(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                           allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
-                           return_intermediate_states=False, state_v_first=False, cu_seqlens=None,
-                           cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None,
-                           **kwargs) -> tuple[bool, str | None]:
-        """Whether cuLA serves this ``chunk_kda`` call; ``(False, reason)`` when it does not."""
+    def chunk_kda_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
+        """Whether cuLA serves this ``chunk_kda`` call (FLA's arguments: :func:`_prefill_call`'s signature);
+        ``(False, reason)`` when it does not."""
         _verified.last = None
-        call = _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                             lower_bound, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                             cp_context, use_graph, kwargs)
+        call = _prefill_call(*args, **kwargs)
         if call.__class__ is str:
             return False, call
-        return _prefill_verdict(call, _fla_arguments(
-            (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-             use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, disable_recompute,
-             return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context, use_graph,
-             max_num_seqs), kwargs))
+        return _prefill_verdict(call, (args, kwargs))
 
-    def chunk_kda(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                  allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
-                  return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                  cp_context=None, use_graph=False, max_num_seqs=None,
-                  **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def chunk_kda(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FLA's ``chunk_kda`` on cuLA: ``(o, final_state)``, ``o`` ``[B, T, HV, V]`` in q's dtype, ``final_state``
         fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None."""
-        last = getattr(_verified, "last", None)
-        _verified.last = None  # (the arguments' tensors are not kept past this call)
-        if last is not None and _same_objects(last[0], _fla_arguments(
-                (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                 disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu, cp_context,
-                 use_graph, max_num_seqs), kwargs)):
-            # (the call the verifier just accepted by its plan: (q, k, v, g, beta), then h0, A_log, dt_bias, cu, cpu)
-            c = last[1]
-            return run_prefill_plan(last[2], *c[:5], c[6], c[14], c[15], c[16], c[18])
-        call = _prefill_call(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
-                             lower_bound, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
-                             cp_context, use_graph, kwargs)
+        verified = _verified_plan(args, kwargs)
+        if verified is not None:  # (the call its verifier just accepted by its plan)
+            c, plan = verified  # (q, k, v, g, beta), then h0, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu
+            return run_prefill_plan(plan, *c[:5], c[6], c[14], c[15], c[16], c[18])
+        call = _prefill_call(*args, **kwargs)
         if call.__class__ is str:  # (FLA asks the verifier first: only a direct call gets here)
             raise NotImplementedError(f"cula does not serve this chunk_kda call: {call}")
         return kda_prefill(*call)
 
-    def fused_recurrent_kda_fwd_verifier(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
-                                         scale=None, output_final_state=False, inplace_final_state=True,
-                                         state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
-                                         num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
-                                         use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                                         allow_neg_eigval=False, lower_bound=None, out=None,
-                                         **kwargs) -> tuple[bool, str | None]:
-        """Whether cuLA serves this ``fused_recurrent_kda_fwd`` call; ``(False, reason)`` when it does not."""
+    def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
+        """Whether cuLA serves this ``fused_recurrent_kda_fwd`` call (FLA's arguments: :func:`_decode_call`'s
+        signature after ``verifying``); ``(False, reason)`` when it does not."""
         _verified.last = None
-        call = _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-                            inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                            lower_bound, out, kwargs, verifying=True)
+        call = _decode_call(True, *args, **kwargs)
         if call.__class__ is str:
             return False, call
+        arguments, final_state, own_state = call
         # (a call that writes the pool it was given keeps its plan for the implementation; one with a new state
-        # tensor gets a stand-in here, which the implementation's call must not run on)
-        keep = inplace_final_state and initial_state is not None
-        return _decode_verdict(*call, _fla_arguments(
-            (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
-             state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)
-            if keep else None)
+        # tensor was judged on a stand-in here, which the implementation's call must not run on)
+        return _decode_verdict(arguments, final_state, (args, kwargs) if own_state else None)
 
-    def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
-                                output_final_state=False, inplace_final_state=True, state_v_first=False,
-                                cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
-                                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, out=None,
-                                **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def fused_recurrent_kda_fwd(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """FLA's KDA decode on cuLA: ``(o, final_state)``, ``o`` ``[B, T, HV, V]`` in q's dtype (``out`` when
         given), ``final_state`` the pool ``initial_state`` updated in place, or a new fp32 one
         (``inplace_final_state=False``, with ``output_final_state``), or None."""
-        last = getattr(_verified, "last", None)
-        _verified.last = None  # (the arguments' tensors are not kept past this call)
-        if last is not None and _same_objects(last[0], _fla_arguments(
-                (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
-                 state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)):
-            (c, final_state), plan = last[1], last[2]  # (the call the verifier just accepted by its plan)
+        verified = _verified_plan(args, kwargs)
+        if verified is not None:  # (the call its verifier just accepted by its plan)
+            (c, final_state), plan = verified
             tensors = (c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["state_indices"], c["A_log"],
                        c["dt_bias"], c["cu_seqlens"], c["num_accepted_tokens"], c["out"])
             try:
@@ -383,13 +347,10 @@ class CulaBackend(BaseBackend):
                 return plan(*tensors), final_state
             except LaunchDeclined:  # (refused before launching: the call as if there were no plan)
                 pass
-        call = _decode_call(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-                            inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                            lower_bound, out, kwargs, verifying=False)
+        call = _decode_call(False, *args, **kwargs)
         if call.__class__ is str:  # (FLA asks the verifier first: only a direct call gets here)
             raise NotImplementedError(f"cula does not serve this fused_recurrent_kda_fwd call: {call}")
-        arguments, final_state = call
+        arguments, final_state, _ = call
         if torch.is_grad_enabled():  # FLA's decode records no graph: neither does cuLA's (it writes in place)
             with torch.no_grad():
                 return kda_decode(**arguments), final_state
