@@ -72,17 +72,22 @@ def main() -> None:
     sleep = GpuSleep()
     rows: list[dict] = []
     env = environment()
+    report = _report(rows, env, opts)
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def add(measured: list[dict]) -> None:  # (the report written after each call: a time-capped run keeps it)
+        nonlocal report
+        rows.extend(measured)
+        report = _report(rows, env, opts)
+        Path(opts.out).write_text(report)
+
     for backend in BACKENDS if opts.backend == "all" else (opts.backend,):
         os.environ["CULA_BACKEND"] = backend
         for cfg in _configs(opts.configs):
-            rows += measure(_prefill_doors(cfg), f"prefill {cfg.name}", backend, opts, sleep)
-            Path(opts.out).write_text(_report(rows, env, opts))  # (after each call: a time-capped run keeps it)
+            add(measure(_prefill_doors(cfg), f"prefill {cfg.name}", backend, opts, sleep))
         if opts.decode_batch and backend in DECODE_BACKENDS:
-            rows += measure(_decode_doors(opts.decode_batch), f"decode B{opts.decode_batch} T1 H32", backend, opts,
-                            sleep)
-            Path(opts.out).write_text(_report(rows, env, opts))
-    print(_report(rows, env, opts))
+            add(measure(_decode_doors(opts.decode_batch), f"decode B{opts.decode_batch} T1 H32", backend, opts, sleep))
+    print(report)
 
 
 def _configs(names: str):

@@ -225,8 +225,8 @@ def test_decode_plans_off_with_the_knob(recorded, monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_planned_decode_with_another_tensor_layout_is_validated(recorded) -> None:
-    """The decode's plans are kept with guards of their tensors: a pool of another slot count or dtype, or a
-    g_gamma tensor instead of the layer form, misses the plan."""
+    """The decode's plans are kept with guards of their tensors: a pool of another slot count or dtype misses the
+    plan."""
     calls, validations, made = recorded
     idx = torch.tensor([3, 0], dtype=torch.int32)
     q, k, v = _inputs(B=2, T=1)

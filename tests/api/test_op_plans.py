@@ -10,6 +10,7 @@ import cula.kda
 import cula.ops  # noqa: F401  (defines torch.ops.cula.*)
 from cula import call_plans, dispatch
 from cula_runtime.kda_args import validate_kda_prefill
+from tests.api.op_helpers import counted
 
 
 def _kwargs(seed: int) -> dict:
@@ -27,12 +28,7 @@ def test_the_custom_op_runs_the_plain_calls_plan(fake_sm90, monkeypatch) -> None
     kda, fake = fake_sm90
     fake.o_bytes = fake.state_bytes = 0  # (the fake recurrence writes nothing)
     validations = []
-
-    def counted(*a, **kw):
-        validations.append(1)
-        return validate_kda_prefill(*a, **kw)
-
-    monkeypatch.setattr(cula.kda, "validate_kda_prefill", counted)
+    monkeypatch.setattr(cula.kda, "validate_kda_prefill", counted(validate_kda_prefill, validations))
     monkeypatch.setattr(cula.kda, "select_backend", lambda args: kda.kda_prefill)
     monkeypatch.setattr(dispatch, "_planners", {kda.kda_prefill: kda.plan_kda_prefill})
     monkeypatch.delenv("CULA_CALL_PLANS", raising=False)
