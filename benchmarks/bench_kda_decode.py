@@ -33,6 +33,9 @@ calls enqueued behind a GPU sleep, CUDA events around them) and the host time pe
 place by every timed call; its states stay bounded (decays < 1, unit-norm keys, beta in (0, 1)) and are checked
 finite after the timings.
 
+Each decode row also times a yardstick among the contenders' graphs: one in-place pass over a buffer of the states'
+bytes (torch's ``mul_``; ``state_pass``), what moving those bytes alone costs at the row's size.
+
 The HBM floor of a row: the state read and written (N HV K V, twice, in the pool's dtype) plus q, k, v, o (bf16), g
 (fp32, or the bf16 raw gate), beta (fp32) and the indices, at 4.3 TB/s (the measured ceiling bench_kda_prefill.py
 uses; the datasheet's 4.8 TB/s in KDA_SPEC §8). Goals (issue 26): graph replay <= 1.15x the floor at N >= 128,
@@ -85,6 +88,8 @@ NS = (1, 8, 32, 128, 512)
 HEADS = ((32, 32), (8, 8), (16, 64))
 POOL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONTENDERS = ("cula", "cutedsl-direct", "fla")
+#: the yardstick timed beside the contenders in each decode row (:func:`state_pass`)
+STATE_PASS = "state pass"
 PREFILL_BACKENDS = ("sm90", "cutedsl")
 PREFILL_FORMS = ("pool", "gather")
 # goals of issue 26 item 6
@@ -360,13 +365,26 @@ def timed_fns(ready: dict[str, Callable[[], object]], graph_calls: int, notes: d
     return fns
 
 
+def state_pass(case: DecodeCase) -> Callable[[], object]:
+    """One in-place pass over as many bytes as a step's states (a contiguous buffer of N HV K V elements in the
+    pool's dtype, read and written by torch's ``mul_``): what moving the states alone costs at this size, the yard
+    stick beside the floor's 4.3 TB/s (a large copy's rate, which smaller transfers do not reach)."""
+    buffer = torch.rand(case.N * case.HV * K * V, device="cuda").to(POOL_DTYPES[case.pool_dtype])
+    return lambda: buffer.mul_(1.0)
+
+
 def time_decode(ready: dict[str, Callable[[], object]], opts: argparse.Namespace, sleep: GpuSleep,
-                notes: dict[str, str]) -> dict[str, dict]:
-    """Every timing of the row per contender, in microseconds (see the module docstring)."""
+                notes: dict[str, str], yardstick: Callable[[], object] | None = None) -> dict[str, dict]:
+    """Every timing of the row per contender, in microseconds (see the module docstring); with ``yardstick``, its
+    graph replays too, timed among the contenders' (key :data:`STATE_PASS`)."""
     fns = timed_fns(ready, opts.graph_calls, notes)
+    if yardstick is not None:
+        fns[f"{STATE_PASS}|graph"] = capture_graph(yardstick, opts.graph_calls).replay
     ms = interleaved_ms(fns, opts.reps, opts.rounds) if fns else {}  # (it needs one contender at least)
     per_call = {"graph": 1e3 / opts.graph_calls, "replay": 1e3, "eager": 1e3}
     out: dict[str, dict] = {name: {} for name in ready}
+    if yardstick is not None:
+        out[STATE_PASS] = {}
     for key, value in ms.items():
         name, kind = key.split("|")
         out[name][f"{kind}_us"] = value * per_call[kind]
@@ -417,8 +435,10 @@ def measure_decode(case: DecodeCase, runs: dict, opts: argparse.Namespace, sleep
     inp = make_decode_inputs(case, seed=opts.seed)
     ready = first_calls(runs, inp, reference_step(inp, opts.gate), row)
     warm()
-    for name, timings in time_decode(ready, opts, sleep, row["notes"]).items():
-        row["results"][name].update(timings)
+    timings = time_decode(ready, opts, sleep, row["notes"], state_pass(case))
+    row["pass_us"] = timings.pop(STATE_PASS).get("graph_us")
+    for name, measured in timings.items():
+        row["results"][name].update(measured)
     if not bool(torch.isfinite(inp.pool.index_select(0, inp.idx.long())).all()):
         row["notes"]["pool"] = "states not finite after the timings"
     return row
@@ -590,11 +610,12 @@ def present(rows: list[dict]) -> list[str]:
 def graph_table(rows: list[dict]) -> list[str]:
     """CUDA-graph replay time per call against the floor, with the goals."""
     names = present(rows)
-    head = "| row | floor us | " + " | ".join(f"{n} us/call | {n} x floor | {n} 1-call replay us" for n in names)
-    lines = [head + " |", "|---" * (2 + 3 * len(names)) + "|"]
+    head = "| row | floor us | state pass us (x floor) | " + " | ".join(
+        f"{n} us/call | {n} x floor | {n} 1-call replay us" for n in names)
+    lines = [head + " |", "|---" * (3 + 3 * len(names)) + "|"]
     for r in rows:
-        N, floor = r["case"]["N"], r["floor_us"]
-        cells = [r["name"], f"{floor:.2f}"]
+        N, floor, passed = r["case"]["N"], r["floor_us"], r.get("pass_us")
+        cells = [r["name"], f"{floor:.2f}", "-" if passed is None else f"{passed:.2f} ({passed / floor:.2f}x)"]
         for n in names:
             cells += [_cell(r, n, "graph_us", functools.partial(step_us, N=N)),
                       _cell(r, n, "graph_us", functools.partial(over_floor, floor=floor, N=N)),
@@ -713,7 +734,9 @@ def prefill_table(rows: list[dict]) -> list[str]:
 
 DECODE_METHOD = (
     "One decode step per row (bench_kda_decode.py's docstring: inputs, contenders, how each time is taken). "
-    "floor = the bytes of the state read and written plus the inputs and o, at 4.3 TB/s. Graph: us per call in a "
+    "floor = the bytes of the state read and written plus the inputs and o, at 4.3 TB/s; state pass = one in-place "
+    "pass (torch's mul_) over a buffer of the states' bytes, timed in the same graphs: what moving those bytes alone "
+    "costs at this size. Graph: us per call in a "
     "graph of several calls (its replay's launch latency shared out; the goals are judged on it), and a one-call "
     "graph's replay. Eager: a lone call with the GPU idle before it (host time to the launch included), the GPU time "
     "per call with the host ahead, and the host time per call (median, GPU asleep). Goals (issue 26): graph <= "

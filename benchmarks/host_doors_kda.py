@@ -16,7 +16,9 @@ turn: the median host wall time of one call over ``--calls`` calls issued while 
 the GPU; "GPU busy" = yes says the sleep outlasted every loop), the median over rounds; and the eager time (CUDA
 events around one call, synchronised, median of ``--calls``). "over plain" is the door's host time minus the plain
 call's in the same mode. Goals (issue 27): <= 10 us over plain for the custom op, <= 25 us for the FLA door. FLA's
-own Triton path (``FLA_CULA=0``) is timed too, for scale.
+own Triton path (``FLA_CULA=0``) is timed too, for scale, and so is the custom op's schema with a body that does
+nothing ("op dispatch only": torch's own round trip for the op's arguments, the part of the custom op's cost that
+no implementation can remove).
 
 Writes a markdown report (environment, command, date) to ``--out`` and prints the table. Imports torch and FLA only
 at start (``--help`` works without them).
@@ -39,6 +41,9 @@ DEFAULT_CONFIGS = "fixed B1 T512"
 BACKENDS = ("sm90", "cutedsl")
 DECODE_BACKENDS = ("cutedsl",)  # cula-sm90 has no decode kernel: the CuTeDSL one serves SM90 (sm90 refuses)
 GOALS_US = {"custom op": 10.0, "FLA": 25.0}
+#: the door that times torch's custom-op round trip alone (``_dispatch_only``): no goal, not compared with the plain
+#: call (its body returns the plain call's outputs)
+DISPATCH_ONLY = "op dispatch only"
 MODES = ("no_grad", "inference_mode")
 
 
@@ -125,6 +130,8 @@ def _prefill_doors(cfg) -> tuple:
         Door("custom op", lambda: torch.ops.cula.kda_prefill(**kwargs), lambda r: r),
         Door("FLA", lambda: chunk_kda(**fla_kwargs), lambda r: r),
     ]
+    floor = _dispatch_only("kda_prefill", lambda: kda_prefill(**kwargs))
+    doors.append(Door(DISPATCH_ONLY, lambda: floor(**kwargs), lambda r: r))
     return doors, *_fla_probe("chunk_kda", lambda: chunk_kda(**fla_kwargs)), lambda: None
 
 
@@ -163,12 +170,39 @@ def _decode_doors(batch: int) -> tuple:
              lambda r: (outs["custom op"],)),
         Door("FLA", fla_call, lambda r: (outs["FLA"],)),
     ]
+    floor = _dispatch_only("kda_decode_out", lambda: None)
+    doors.append(Door(DISPATCH_ONLY, lambda: floor(q, k, v, g, beta, pools["custom op"], slots, outs["custom op"],
+                                                   **flags), lambda r: (outs["custom op"],)))
 
     def reset() -> None:
         for pool in pools.values():
             pool.copy_(start)
 
     return doors, *_fla_probe("fused_recurrent_kda_fwd", fla_call), reset
+
+
+_bench_library = None
+_dispatch_results: dict[str, object] = {}  # op name -> what its dispatch-only body returns
+
+
+def _dispatch_only(name: str, first_result: Callable[[], object]):
+    """``torch.ops.cula_bench.<name>``: ``cula.ops``' schema of the op ``name`` with a body that returns what
+    ``first_result()`` returned once (the plain call's outputs), so that timing it with the custom op's arguments
+    gives torch's own round trip for them (argument parsing against the schema, the dispatcher, the call into the
+    Python body and back), which no body can go under: the custom op's time over the plain call, less this floor,
+    is what cuLA's op adds itself."""
+    import torch
+
+    from cula.ops import SCHEMAS
+
+    global _bench_library
+    if _bench_library is None:
+        _bench_library = torch.library.Library("cula_bench", "DEF")
+    if name not in _dispatch_results:  # (defined once; each call of this function only sets what it returns)
+        _bench_library.define(name + SCHEMAS[name])
+        _bench_library.impl(name, lambda *args, **kwargs: _dispatch_results[name], "CompositeExplicitAutograd")
+    _dispatch_results[name] = first_result()
+    return getattr(torch.ops.cula_bench, name)
 
 
 def _fla_probe(entry: str, call: Callable[[], object]) -> tuple[Callable[[], bool], Callable[[], str]]:
@@ -223,7 +257,8 @@ def measure(spec, label: str, backend: str, opts: argparse.Namespace, sleep) -> 
             door.call()
         reset()  # (the decode pools back to one start: the bit-for-bit check against the plain call)
         plain = doors[0].results(doors[0].call())
-        checks = {door.name: _same(door.results(door.call()), plain) for door in doors[1:]}
+        checks = {door.name: _same(door.results(door.call()), plain) for door in doors[1:]
+                  if door.name != DISPATCH_ONLY}
     if not fla_served:
         checks["FLA"] = None
     own = Door("FLA's own (FLA_CULA=0)", doors[2].call, doors[2].results)

@@ -78,6 +78,10 @@ for step in "$@"; do
     # the recurrence at each V block (64, 128: warpgroup MMAs) against fp64 on the 32 cases
     tests:recurrence) GPU_LOG_TAG=_recurrence timeout 580 bash tools/h200_tests.sh -q -k "recurrence_matches_oracle" \
                         tests/sm90 ;;
+    # every sm90 test of the unbounded gate's form (oracle bounds, extreme gates, replays), after a change to it
+    tests:sm90-unbounded) GPU_LOG_TAG=_sm90_unbounded timeout 300 bash tools/h200_tests.sh -q \
+                            -k "sm90 and (kimi or extreme or slow or wide or unbounded or softplus or replays)" \
+                            tests/gpu tests/sm90 ;;
     tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
     fla) timeout ${FLA_TIMEOUT:-200} python3 benchmarks/fla_error_bounds.py "$OUT/kda_fla_errors.py" missing ;;
     fla:lightning) timeout 300 python3 benchmarks/fla_lightning_error_bounds.py "$OUT/lightning_fla_errors.py" \
@@ -151,7 +155,7 @@ for step in "$@"; do
     stress:lightning) timeout 400 python3 benchmarks/stress_lightning_determinism.py --backend cutedsl \
                         --replays 100000 --out "$OUT/stress_lightning.md" ;;
     *) echo "unknown step: $step" \
-          "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned]" \
+          "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors bench:doors sanitizer:unbounded sanitizer:decode" \

@@ -183,6 +183,10 @@ def test_timings_come_out_in_microseconds_per_call(monkeypatch: pytest.MonkeyPat
                            "eager_us": pytest.approx(30.0), "host_us": 12.5, "host_gpu_busy": True, "gpu_us": 4.25,
                            "host_ahead": False}
     assert bench.time_decode({}, opts, sleep=None, notes={}) == {}  # no contender ran: nothing timed, no error
+    seen.clear()
+    out = bench.time_decode(calls, opts, sleep=None, notes={}, yardstick=lambda: None)
+    assert seen[f"{bench.STATE_PASS}|graph"] == ("graph", 10)  # timed among the contenders' graphs, graph only
+    assert out[bench.STATE_PASS] == {"graph_us": pytest.approx(5.0)}
 
 
 def _row(case: bench.DecodeCase, results: dict, notes: dict | None = None) -> dict:
@@ -201,8 +205,8 @@ def _fake_rows() -> list[dict]:
                      "fla": {"graph_us": 5.0, "replay_us": 9.0, "eager_us": 90.0, "gpu_us": 5.0, "host_us": 80.0,
                              "host_gpu_busy": True, "host_ahead": False, **errs, "err_o": 2e-3}},
              {"cutedsl-direct": "not importable (no cutlass)"}),
-        _row(big, {"cula": {"graph_us": 140.0, "host_us": 10.0, "host_gpu_busy": False, **errs},
-                   "fla": {"graph_us": 200.0, "host_us": 90.0, **errs}}),
+        {**_row(big, {"cula": {"graph_us": 140.0, "host_us": 10.0, "host_gpu_busy": False, **errs},
+                      "fla": {"graph_us": 200.0, "host_us": 90.0, **errs}}), "pass_us": 131.37},
         _row(big16, {"cula": {"graph_us": 70.0, **errs}, "fla": {"graph_us": 150.0, **errs}}),
     ]
 
@@ -214,6 +218,8 @@ def test_tables_mark_each_missed_goal() -> None:
     assert "| n/a |" in graph  # cutedsl-direct, with its note below
     big = [line for line in text.splitlines() if line.startswith("| fp32 kfirst H32 HV32 N128 | 126.32 |")][0]
     assert "| 1.11 |" in big and "| 1.58 (short) |" in big  # <= 1.15x the floor at N >= 128
+    assert big.startswith("| fp32 kfirst H32 HV32 N128 | 126.32 | 131.37 (1.04x) |")  # the state pass yardstick
+    assert graph.startswith("| fp32 kfirst H32 HV32 N8 | 7.90 | - |")  # (a row without it: merged from before)
     eager = [line for line in text.splitlines() if line.startswith("| fp32 kfirst H32 HV32 N8 | 30.0 |")][0]
     assert "| 25.0 (short) |" in eager and "| 80.0 (short) |" in eager and "| 5.00 (host-bound) |" in eager
     assert "| 10.0 (waited) |" in text  # host timing where a call waited for the GPU
