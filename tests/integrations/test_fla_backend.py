@@ -591,3 +591,20 @@ def test_a_decode_onto_a_new_state_keeps_no_plan_for_the_implementation() -> Non
         assert getattr(cula_fla._verified, "last", None) is None
     finally:
         call_plans.clear_call_plans()
+
+
+def test_the_verified_call_is_matched_by_identity_place_and_keyword_order() -> None:
+    """The implementation runs its verifier's plan only for exactly the call verified: the same objects at the same
+    places and keywords; another object, another place, a missing keyword or the keywords in another order derive
+    the call again (the last costs time only: FLA passes a call's keywords on in the order they came)."""
+    from cula.integrations import fla as cula_fla
+
+    a, b = torch.zeros(1), torch.zeros(1)
+    call = ((a, b), {"initial_state": a, "scale": None})
+    assert cula_fla._same_call(call, ((a, b), {"initial_state": a, "scale": None}))
+    assert not cula_fla._same_call(call, ((a, torch.zeros(1)), {"initial_state": a, "scale": None}))
+    assert not cula_fla._same_call(call, ((b, a), {"initial_state": a, "scale": None}))
+    assert not cula_fla._same_call(call, ((a,), {"initial_state": a, "scale": None}))
+    assert not cula_fla._same_call(call, ((a, b), {"initial_state": b, "scale": None}))
+    assert not cula_fla._same_call(call, ((a, b), {"initial_state": a}))
+    assert not cula_fla._same_call(call, ((a, b), {"scale": None, "initial_state": a}))

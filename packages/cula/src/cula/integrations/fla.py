@@ -39,6 +39,7 @@ What cuLA serves, and declines with a reason:
 
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -67,6 +68,7 @@ PRIORITY = 2
 
 _CHUNK_KWARGS = frozenset({"A_log", "dt_bias", "chunk_size"})  # chunk_kda's **kwargs cuLA maps
 _Tensor = torch.Tensor
+_is = operator.is_
 
 
 def register() -> None:
@@ -148,10 +150,11 @@ _verified = threading.local()
 
 
 def _same_call(a: tuple[tuple, dict], b: tuple[tuple, dict]) -> bool:
-    """Whether two calls got the same objects (by identity) at the same places and keywords."""
+    """Whether two calls got the same objects (by identity) at the same places and keywords, the keywords in the same
+    order (FLA passes one call's keywords on as they came; other orders answer False: the call is derived again)."""
     (args_a, kw_a), (args_b, kw_b) = a, b
-    return (len(args_a) == len(args_b) and all(x is y for x, y in zip(args_a, args_b, strict=True))
-            and kw_a.keys() == kw_b.keys() and all(kw_a[name] is kw_b[name] for name in kw_a))
+    return (len(args_a) == len(args_b) and all(map(_is, args_a, args_b)) and kw_a.keys() == kw_b.keys()
+            and all(map(_is, kw_a.values(), kw_b.values())))
 
 
 def _verified_plan(args: tuple, kwargs: dict) -> tuple | None:
