@@ -566,3 +566,29 @@ def test_on_the_gpu_a_misaligned_pool_runs_the_reference_planned_or_not(op: str,
     fn(**call)
     assert len(_kept_plans()) == 1, "the aligned pool: planned again"
     call_plans.clear_call_plans()
+
+
+@pytest.mark.parametrize("op", ["kda_decode", "kda_decode_out"])
+def test_the_decode_custom_ops_run_a_plan_from_their_second_call(op: str, kernels) -> None:
+    """``torch.ops.cula.kda_decode`` / ``kda_decode_out`` pass their arguments on in order (no keywords bound,
+    cula.kda.kda_decode_ordered): the first call is validated and planned, later ones run the plan (planned inside
+    the op: the guards compare the dispatch state, which the op's autograd fallback changes)."""
+    import cula.ops  # noqa: F401  (defines torch.ops.cula.*)
+
+    stand_in, validations = kernels
+
+    def call(seed: int) -> torch.Tensor:
+        kw = _kda(seed)
+        inputs = [kw.pop(name) for name in ("q", "k", "v", "g", "beta", "state", "state_indices")]
+        out = kw.pop("out")
+        if op == "kda_decode":
+            return torch.ops.cula.kda_decode(*inputs, **kw)
+        torch.ops.cula.kda_decode_out(*inputs, out, **kw)
+        return out
+
+    first = call(0)
+    assert len(validations) == 1 and len(stand_in.launches) == 1
+    for seed in (1, 2):
+        o = call(seed)
+        assert o.shape == first.shape and stand_in.launches[-1][-3] is o
+    assert len(validations) == 1 and len(stand_in.launches) == 3

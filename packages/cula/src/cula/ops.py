@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import torch
 
-from .kda import kda_decode, kda_prefill
+from .kda import kda_decode_ordered, kda_prefill
 from .lightning import lightning_decode, lightning_prefill
 
 __all__ = ["NAMESPACE", "OPS", "KDA_OPS", "LIGHTNING_OPS"]
@@ -132,22 +132,18 @@ def _kda_prefill_pool(q, k, v, g, beta, state, state_indices, has_initial_state=
 def _kda_decode(q, k, v, g, beta, state, state_indices, scale=None, A_log=None, dt_bias=None, lower_bound=None,
                 use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                 allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, num_accepted_tokens=None):
-    return kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log,
-                      dt_bias=dt_bias, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                      use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                      allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                      num_accepted_tokens=num_accepted_tokens)
+    return kda_decode_ordered(q, k, v, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound,
+                              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                              state_v_first, cu_seqlens, num_accepted_tokens, None)
 
 
 def _kda_decode_out(q, k, v, g, beta, state, state_indices, out, scale=None, A_log=None, dt_bias=None,
                     lower_bound=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
                     num_accepted_tokens=None):
-    kda_decode(q, k, v, g, beta, state=state, state_indices=state_indices, scale=scale, A_log=A_log, dt_bias=dt_bias,
-               lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-               use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-               allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-               num_accepted_tokens=num_accepted_tokens, out=out)
+    kda_decode_ordered(q, k, v, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound,
+                       use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                       state_v_first, cu_seqlens, num_accepted_tokens, out)
 
 
 def _lightning_prefill(q, k, v, g_gamma=None, layer_idx=None, num_layers=None, scale=None, initial_state=None,
