@@ -8,8 +8,8 @@
 # 4. for each REV: .devcarry/chunk_output-REV.py, that revision's Lightning kernel C source (CULA_KERNEL_C_BEFORE_CUT
 #    for the bit test, 30 KB); for each src:REV: .devcarry/src-REV/, its pure packages (`git archive` of packages/cula
 #    and packages/cula-runtime, ~0.7 MB), for the A/B scripts' --before-src.
-# Prints the carry's size and the tree's, and fails when they pass 64,000,000 bytes together (a call with 66.9 MB was
-# refused, 63.9 MB went; drop FLA's wheel or a REV where it fails and the call needs neither).
+# Prints the carry's size and the tree's, and fails when they pass 64,500,000 bytes together (a call with 66.9 MB was
+# refused, 64.0 MB went; drop FLA's wheel or a REV where it fails and the call needs neither).
 set -euo pipefail
 CUTE_DSL_VERSION=${CUTE_DSL_VERSION:-4.8.1} bash ../shared/device/prepare.sh cute native peers
 PIP=${PIP:-python3 -m pip}
@@ -40,5 +40,5 @@ for arg in "$@"; do
 done
 carry=$(du -sb .devcarry | cut -f1)
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
-echo "carry: $carry bytes; tree: $tree bytes; together $((carry + tree)) of 64000000"
-[ $((carry + tree)) -le 64000000 ]
+echo "carry: $carry bytes; tree: $tree bytes; together $((carry + tree)) of 64500000"
+[ $((carry + tree)) -le 64500000 ]
