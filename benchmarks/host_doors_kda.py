@@ -16,9 +16,10 @@ turn: the median host wall time of one call over ``--calls`` calls issued while 
 the GPU; "GPU busy" = yes says the sleep outlasted every loop), the median over rounds; and the eager time (CUDA
 events around one call, synchronised, median of ``--calls``). "over plain" is the door's host time minus the plain
 call's in the same mode. Goals (issue 27): <= 10 us over plain for the custom op, <= 25 us for the FLA door. FLA's
-own Triton path (``FLA_CULA=0``) is timed too, for scale, and so is the custom op's schema with a body that does
-nothing ("op dispatch only": torch's own round trip for the op's arguments, the part of the custom op's cost that
-no implementation can remove).
+own Triton path (``FLA_CULA=0``) is timed too, for scale; so are the custom op with every argument positional (as
+an engine's generated call passes them: keywords are parsed against the schema on every call) and the custom op's
+schema with a body that does nothing ("op dispatch only": torch's own round trip for the op's arguments, the part
+of the custom op's cost that no implementation can remove).
 
 Writes a markdown report (environment, command, date) to ``--out`` and prints the table. Imports torch and FLA only
 at start (``--help`` works without them).
@@ -40,10 +41,13 @@ DEFAULT_OUT = "benchmarks/results/kda_host_doors_h200.md"
 DEFAULT_CONFIGS = "fixed B1 T512"
 BACKENDS = ("sm90", "cutedsl")
 DECODE_BACKENDS = ("cutedsl",)  # cula-sm90 has no decode kernel: the CuTeDSL one serves SM90 (sm90 refuses)
-GOALS_US = {"custom op": 10.0, "FLA": 25.0}
+GOALS_US = {"custom op": 10.0, "custom op, positional": 10.0, "FLA": 25.0}
 #: the door that times torch's custom-op round trip alone (``_dispatch_only``): no goal, not compared with the plain
 #: call (its body returns the plain call's outputs)
 DISPATCH_ONLY = "op dispatch only"
+#: the custom op called with every argument in its schema's order (what an engine's generated call does): the
+#: keywords the "custom op" door passes are parsed against the schema on every call
+POSITIONAL = "custom op, positional"
 MODES = ("no_grad", "inference_mode")
 
 
@@ -130,6 +134,8 @@ def _prefill_doors(cfg) -> tuple:
         Door("custom op", lambda: torch.ops.cula.kda_prefill(**kwargs), lambda r: r),
         Door("FLA", lambda: chunk_kda(**fla_kwargs), lambda r: r),
     ]
+    positional = _positional(torch.ops.cula.kda_prefill.default, kwargs)
+    doors.append(Door(POSITIONAL, lambda: torch.ops.cula.kda_prefill(*positional), lambda r: r))
     floor = _dispatch_only("kda_prefill", lambda: kda_prefill(**kwargs))
     doors.append(Door(DISPATCH_ONLY, lambda: floor(**kwargs), lambda r: r))
     return doors, *_fla_probe("chunk_kda", lambda: chunk_kda(**fla_kwargs)), lambda: None
@@ -152,7 +158,7 @@ def _decode_doors(batch: int) -> tuple:
     beta = randn(batch, 1, HV, dtype=torch.float32)
     A_log, dt_bias = randn(HV, dtype=torch.float32), randn(HV * K, dtype=torch.float32)
     start = randn(4 * batch, HV, K, V, dtype=torch.float32)
-    pools = {door: start.clone() for door in ("plain", "custom op", "FLA")}
+    pools = {door: start.clone() for door in ("plain", "custom op", "FLA", POSITIONAL)}
     slots = torch.randperm(4 * batch, device="cuda")[:batch].to(torch.int32)
     outs = {door: torch.empty_like(v) for door in pools}
     flags = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
@@ -170,6 +176,9 @@ def _decode_doors(batch: int) -> tuple:
              lambda r: (outs["custom op"],)),
         Door("FLA", fla_call, lambda r: (outs["FLA"],)),
     ]
+    positional = _positional(torch.ops.cula.kda_decode_out.default, dict(
+        q=q, k=k, v=v, g=g, beta=beta, state=pools[POSITIONAL], state_indices=slots, out=outs[POSITIONAL], **flags))
+    doors.append(Door(POSITIONAL, lambda: torch.ops.cula.kda_decode_out(*positional), lambda r: (outs[POSITIONAL],)))
     floor = _dispatch_only("kda_decode_out", lambda: None)
     doors.append(Door(DISPATCH_ONLY, lambda: floor(q, k, v, g, beta, pools["custom op"], slots, outs["custom op"],
                                                    **flags), lambda r: (outs["custom op"],)))
@@ -179,6 +188,20 @@ def _decode_doors(batch: int) -> tuple:
             pool.copy_(start)
 
     return doors, *_fla_probe("fused_recurrent_kda_fwd", fla_call), reset
+
+
+def _positional(op, given: dict) -> tuple:
+    """``given`` (argument name -> value) as the positional arguments of the custom op overload ``op``, in its
+    schema's order, its defaults where ``given`` lacks a name."""
+    values = []
+    for argument in op._schema.arguments:
+        if argument.name in given:
+            values.append(given[argument.name])
+        elif argument.has_default_value():
+            values.append(argument.default_value)
+        else:
+            raise KeyError(f"{op}: no value for {argument.name}")
+    return tuple(values)
 
 
 _bench_library = None
