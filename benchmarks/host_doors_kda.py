@@ -19,7 +19,8 @@ call's in the same mode. Goals (issue 27): <= 10 us over plain for the custom op
 own Triton path (``FLA_CULA=0``) is timed too, for scale; so are the custom op with every argument positional (as
 an engine's generated call passes them: keywords are parsed against the schema on every call) and the custom op's
 schema with a body that does nothing ("op dispatch only": torch's own round trip for the op's arguments, the part
-of the custom op's cost that no implementation can remove).
+of the custom op's cost that no implementation can remove) and, for prefill, the op's body called directly ("op body
+alone": what the body costs without the dispatcher).
 
 Writes a markdown report (environment, command, date) to ``--out`` and prints the table. Imports torch and FLA only
 at start (``--help`` works without them).
@@ -47,6 +48,9 @@ DISPATCH_ONLY = "op dispatch only"
 #: the custom op called with every argument in its schema's order (what an engine's generated call does): the
 #: keywords the "custom op" door passes are parsed against the schema on every call
 POSITIONAL = "custom op, positional"
+#: the custom op's Python body called directly (no dispatcher): with "op dispatch only" it splits the custom op's time
+#: over the plain call into torch's round trip and the body's own work
+BODY_ONLY = "op body alone"
 GOALS_US = {"custom op": 10.0, POSITIONAL: 10.0, "FLA": 25.0}
 MODES = ("no_grad", "inference_mode")
 
@@ -125,6 +129,7 @@ def _prefill_doors(cfg) -> tuple:
     from bench_kda_prefill import fla_inputs, make_inputs
     from fla.ops.kda import chunk_kda
 
+    import cula.ops
     from cula.kda import kda_prefill
 
     kwargs = make_inputs(cfg)
@@ -138,6 +143,8 @@ def _prefill_doors(cfg) -> tuple:
     doors.append(Door(POSITIONAL, lambda: torch.ops.cula.kda_prefill(*positional), lambda r: r))
     floor = _dispatch_only("kda_prefill", lambda: kda_prefill(**kwargs))
     doors.append(Door(DISPATCH_ONLY, lambda: floor(**kwargs), lambda r: r))
+    body = cula.ops._IMPLEMENTATIONS["kda_prefill"][0]  # (the body as registered)
+    doors.append(Door(BODY_ONLY, lambda: body(**kwargs), lambda r: r))
     return doors, *_fla_probe("chunk_kda", lambda: chunk_kda(**fla_kwargs)), lambda: None
 
 
