@@ -33,6 +33,7 @@ import datetime
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,8 +118,9 @@ def write_errors(out_path: str, rows: list[tuple[str, float, float]], *, device:
     nans = [name for name, eo, eh in rows if math.isnan(eo) or math.isnan(eh)]
     fallback = ""
     if nans:
-        fallback = ("\nNaN: FLA's values were not finite on that output (not measured); its bound is the provisional "
-                    f"one (tests/lightning_cases.py PROVISIONAL_BOUND): {', '.join(nans)}.")
+        fallback = "\n" + textwrap.fill(
+            "NaN: FLA's values were not finite on that output (not measured); its bound follows "
+            f"tests/lightning_cases.py's rule for NaN entries: {', '.join(nans)}.", width=116, break_on_hyphens=False)
     header = (
         '"""FLA 0.6.0\'s rel. L2 error (o, the states) against the fp64 oracle on '
         "tests/lightning_cases.py (seed 0).\n\n"

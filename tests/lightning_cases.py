@@ -10,8 +10,13 @@ or the pool) when the case has one. The frozen FLA errors (``tests/lightning_fla
 values: add cases (at the end of a list, under a new name), never reorder or change the draws or a case's fields.
 
 The bound of output ``which`` (0: o, 1: the final state / the pool's written slots) of a case is
-``min(1.25 x FLA's error, PROVISIONAL_BOUND)``, never below :data:`ROUNDING_FLOOR`, where FLA's error is recorded and
-finite; else (nothing measured yet, or FLA returned non-finite values: recorded as NaN) :data:`PROVISIONAL_BOUND`.
+``min(1.25 x FLA's error, PROVISIONAL_BOUND)``, never below its floor (:data:`ROUNDING_FLOOR`; the states of a bf16
+pool :data:`BF16_POOL_FLOOR`), where FLA's error is recorded. Where FLA's value is NaN (its output was not finite:
+FLA 0.6.0's prefill gave non-finite final states on every case with a partial last chunk, on the H100 that measured
+the table; not investigated), FLA's error is taken as the largest finite one it had on that output over the cases of
+the same op (prefill or decode), plus, for the states of a bf16 pool, two roundings of every element to bf16
+(:data:`BF16_ROUNDING`: those cases' siblings hold fp32 states, and ``|r(a) - r(b)| <= |a - b| + |r(a) - a| + |b -
+r(b)|``); with no such error, and for a case not measured yet, the bound is :data:`PROVISIONAL_BOUND`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ POOL_SLOTS = 8
 FLA_FACTOR = 1.25
 PROVISIONAL_BOUND = 2e-2  # where FLA's error is not measured (or not finite): the bound these tests had before
 ROUNDING_FLOOR = 1e-6  # a bound never below this: a 1.25x ratio of two fp32 roundings (1-token states) is no measure
+# One rounding to bf16 of every element: the rel. L2 of N(0, 1) values rounded to bf16 is 1.66e-3.
+BF16_ROUNDING = 1.7e-3
+# The states of a bf16 pool: both sides round states that agree to ~4e-8 (fp32) to bf16, and the two roundings differ
+# by one bf16 ulp (up to 2^-8 of the element) wherever the exact value lies that close to a rounding boundary (cuLA's
+# decode: 0 to 1.2e-5 where FLA's table holds 0). The floor admits such differences on a few tenths of a percent of
+# the elements, no more.
+BF16_POOL_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -214,14 +226,39 @@ def _fla_errors() -> dict:
     return LIGHTNING_FLA_ERRORS
 
 
+def _bf16_pool_states(name: str, which: int) -> bool:
+    case = BY_NAME.get(name)
+    return which == 1 and case is not None and case.pool and case.pool_dtype == torch.bfloat16
+
+
+def _largest_finite_of_the_op(name: str, which: int, table: dict) -> float | None:
+    """FLA's largest finite error on output ``which`` over the table's cases of case ``name``'s op (None: none)."""
+    case = BY_NAME.get(name)
+    if case is None:
+        return None
+    finite = [errors[which] for other, errors in table.items()
+              if other in BY_NAME and BY_NAME[other].op == case.op and math.isfinite(errors[which])]
+    return max(finite, default=None)
+
+
 def bound(name: str, which: int, errors: dict | None = None) -> float:
     """The accepted rel. L2 error of output ``which`` (0: o, 1: the states) of case ``name``: 1.25 x FLA's frozen
-    error (never above :data:`PROVISIONAL_BOUND`, never below :data:`ROUNDING_FLOOR`) where it is recorded and
-    finite, else :data:`PROVISIONAL_BOUND`. ``errors``: the frozen table (default: tests/lightning_fla_errors.py)."""
+    error, never above :data:`PROVISIONAL_BOUND`, never below the output's floor (:data:`ROUNDING_FLOOR`,
+    :data:`BF16_POOL_FLOOR`); where FLA's error is NaN, its largest finite one on that output over the same op's
+    cases (plus 2 x :data:`BF16_ROUNDING` for a bf16 pool's states); :data:`PROVISIONAL_BOUND` for a case not
+    measured or with no such error. ``errors``: the frozen table (default: tests/lightning_fla_errors.py)."""
     if which not in (0, 1):
         raise ValueError(f"which must be 0 (o) or 1 (the states), got {which!r}")
     table = _fla_errors() if errors is None else errors
     measured = table.get(name)
-    if measured is None or not math.isfinite(measured[which]):
+    if measured is None:
         return PROVISIONAL_BOUND
-    return max(min(FLA_FACTOR * measured[which], PROVISIONAL_BOUND), ROUNDING_FLOOR)
+    bf16_pool = _bf16_pool_states(name, which)
+    if math.isfinite(measured[which]):
+        accepted = FLA_FACTOR * measured[which]
+    else:
+        sibling = _largest_finite_of_the_op(name, which, table)
+        if sibling is None:
+            return PROVISIONAL_BOUND
+        accepted = FLA_FACTOR * sibling + (2 * BF16_ROUNDING if bf16_pool else 0.0)
+    return max(min(accepted, PROVISIONAL_BOUND), BF16_POOL_FLOOR if bf16_pool else ROUNDING_FLOOR)

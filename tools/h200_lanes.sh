@@ -2,7 +2,7 @@
 # Runs correctness-only steps of tools/h200_session.sh side by side on the lent H200: each argument is one lane, a
 # space-separated list of steps run in turn, optionally after VAR=value settings for that lane alone; the lanes run at once (the GPU and the host's 16 cores are shared, so
 # never put a timed step in a lane). Each lane's output goes to $OUT/lane<i>.log; one line per lane at the end.
-#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_lanes.sh "tests:doors" \
+#   source .devcarry/bootstrap.sh && source tools/h200_setup.sh && bash tools/h200_lanes.sh "tests:doors-ops" \
 #     "fla fla:lightning" "SANITIZER_BACKENDS=cutedsl sanitizer:unbounded"
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}

@@ -19,7 +19,7 @@ def test_every_case_has_fla_errors_and_nothing_else_does() -> None:
 def test_bounds_are_fla_times_factor_below_the_ceiling(case) -> None:
     err_o, err_ht = FLA_ERRORS[case.name]
     # a bf16 pipeline: an FLA error outside this range is a broken measurement (the near-zero decay over 4096
-    # tokens, slow-B1-T4096-H2, is FLA's largest: 5.8e-3)
+    # tokens, slow-B1-T4096-H2, 5.8e-3, and over 32768, slow-B1-T32768-H1, 6.0e-3, are FLA's largest)
     assert 1e-4 < err_o < (5e-3 if case.gate == "safe" else 7e-3)
     assert bound(case.name, 0) == min(FLA_FACTOR * err_o, CEILING)
     assert bound(case.name, 1) == min(FLA_FACTOR * err_ht, CEILING)

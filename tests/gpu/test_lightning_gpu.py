@@ -73,7 +73,7 @@ def _skip_if_rejected(backend: str, choice: dispatch.Choice) -> None:
 
 
 def _check_pool(pool: torch.Tensor, expected: torch.Tensor, written: list[int], before: torch.Tensor,
-                bound: float = BOUND) -> None:
+                bound: float = BOUND, label: str = "") -> None:
     P = pool.shape[0]
     pool, before = pool.cpu(), before.cpu()
     others = [s for s in range(P) if s not in written]
@@ -81,12 +81,14 @@ def _check_pool(pool: torch.Tensor, expected: torch.Tensor, written: list[int], 
     if written:
         assert torch.isfinite(pool[written]).all()
         err = rel_l2(pool[written], expected[written])
+        print(f"rel-L2 {label} pool {err:.4e} bound {bound:.4e}")  # (-s shows each case's error beside its bound)
         assert err <= bound, f"pool state error {err:.3e} > bound {bound:.3e}"
 
 
 def _check_o(case: lc.LightningCase, o: torch.Tensor, o_ref: torch.Tensor) -> None:
     assert o.dtype == torch.bfloat16 and torch.isfinite(o).all(), "o has unwritten or non-finite entries"
     err, limit = rel_l2(o.cpu(), o_ref), lc.bound(case.name, 0)
+    print(f"rel-L2 {case.name} o {err:.4e} bound {limit:.4e}")
     assert err <= limit, f"o error {err:.3e} > bound {limit:.3e}"
 
 
@@ -107,6 +109,7 @@ def test_prefill_matches_fp64(backend: str, case: lc.LightningCase, monkeypatch:
     _check_o(case, o, o_ref)
     assert ht.dtype == torch.float32 and torch.isfinite(ht).all()
     err, limit = rel_l2(ht.cpu(), ht_ref), lc.bound(case.name, 1)
+    print(f"rel-L2 {case.name} final state {err:.4e} bound {limit:.4e}")
     assert err <= limit, f"final state error {err:.3e} > bound {limit:.3e}"
 
 
@@ -138,7 +141,7 @@ def test_pool_prefill_matches_the_per_sequence_oracle(backend: str, case: lc.Lig
     torch.cuda.synchronize()
     assert none is None
     _check_o(case, o, o_ref)
-    _check_pool(pool, expected, case.written(), before, lc.bound(case.name, 1))
+    _check_pool(pool, expected, case.written(), before, lc.bound(case.name, 1), case.name)
 
 
 @pytest.mark.parametrize("case", lc.DECODE_CASES, ids=_ids(lc.DECODE_CASES))
@@ -160,7 +163,7 @@ def test_decode_matches_the_per_sequence_oracle(backend: str, case: lc.Lightning
     for n, slot in enumerate(case.indices):
         if not 0 <= slot < lc.POOL_SLOTS:
             assert (flat[starts[n]:starts[n + 1]] == 0).all(), f"padding row {n} has non-zero outputs"
-    _check_pool(pool, expected, case.written(), before, lc.bound(case.name, 1))
+    _check_pool(pool, expected, case.written(), before, lc.bound(case.name, 1), case.name)
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32-pool", "bf16-pool"])

@@ -33,6 +33,24 @@ def test_the_bound_is_fla_times_1_25_between_the_floor_and_the_provisional_bound
         lc.bound("a", 2, table)
 
 
+def test_a_nan_entry_takes_fla_s_largest_finite_error_of_the_same_op_and_bf16_pools_their_floor() -> None:
+    prefill, other_prefill, pool_prefill = lc.PREFILL_CASES[0].name, lc.PREFILL_CASES[1].name, lc.POOL_PREFILL_CASES
+    decode = lc.DECODE_CASES[0].name
+    bf16_pool = next(c.name for c in pool_prefill if c.pool_dtype == torch.bfloat16)
+    fp32_pool = next(c.name for c in pool_prefill if c.pool_dtype == torch.float32)
+    table = {prefill: (2e-3, float("nan")), other_prefill: (2e-3, 4e-4), fp32_pool: (2e-3, float("nan")),
+             bf16_pool: (2e-3, 2e-4), decode: (1e-3, 9e-3)}
+    # (the decode case's larger state error is another op's: not taken)
+    assert lc.bound(prefill, 1, table) == pytest.approx(5e-4) == lc.bound(fp32_pool, 1, table)
+    assert lc.bound(bf16_pool, 1, table) == pytest.approx(2.5e-4)  # (its own finite error: no rounding added)
+    table[bf16_pool] = (2e-3, float("nan"))  # (a NaN bf16 pool: the fp32 sibling's error and two bf16 roundings)
+    assert lc.bound(bf16_pool, 1, table) == pytest.approx(5e-4 + 2 * lc.BF16_ROUNDING)
+    assert lc.bound(decode, 1, {decode: (1e-3, float("nan"))}) == lc.PROVISIONAL_BOUND  # (no finite sibling)
+    assert lc.bound(bf16_pool, 1, {bf16_pool: (2e-3, 0.0)}) == lc.BF16_POOL_FLOOR
+    assert lc.bound(bf16_pool, 0, {bf16_pool: (0.0, 0.0)}) == lc.ROUNDING_FLOOR  # (o is bf16 output, not the pool)
+    assert lc.bound(fp32_pool, 1, {fp32_pool: (2e-3, 0.0)}) == lc.ROUNDING_FLOOR
+
+
 def test_the_frozen_table_is_well_formed_and_the_default_lookup_reads_it() -> None:
     from tests.lightning_fla_errors import LIGHTNING_FLA_ERRORS
 
