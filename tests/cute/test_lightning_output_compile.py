@@ -28,16 +28,15 @@ pytestmark = [
 SM = {"sm_90a": "SM90", "sm_100a": "SM100", "sm_103a": "SM103"}
 C, K = 64, 128
 
-# LightningChunkOutputConfig fields of the compiled configurations: both V blocks
+# LightningChunkOutputConfig fields of the compiled configuration (its one V block, 128; 64 was retired in issue 28)
 CONFIGS = {
-    "bv64-H16": dict(num_heads=16, block_v=64),
     "bv128-H64": dict(num_heads=64, block_v=128),
 }
 # compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
-DSL_FLOOR = ("bv64-H16",)
+DSL_FLOOR = ("bv128-H64",)
 # Local-memory spill instructions (LDL + STL) per CuTeDSL minor version, configuration and target, as measured: none
-# (4.8.1 after issue 28's instruction cut: 222-224 registers on sm_90a, 216-218 on sm_100a/sm_103a; before it 255 /
-# 254-255 with 4.6.2, 4.7.1 and 4.8.1 alike, no spills: 4.6 and 4.7 are not re-measured since).
+# (4.8.1 after issue 28's instruction cut: 222 registers on sm_90a, 216 on sm_100a/sm_103a; before it 254-255 with
+# 4.6.2, 4.7.1 and 4.8.1 alike, no spills: 4.6 and 4.7 are not re-measured since).
 SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in CONFIGS} for version in ("4.6", "4.7", "4.8")}
 
 # Per chunk and warp (16 value rows): q·S 8 k-blocks x 8 token tiles, vᵀ·Pᵀ 2 x (4 + 3 + 2 + 1) tiles, the state
@@ -47,17 +46,15 @@ SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in CONFIGS} fo
 SCORE_BLOCKS = 10
 HMMA_PER_CHUNK = 64 + 20 + 64 + 16
 # ldmatrix x4 in the chunk loop: q 8 k-blocks x 4, P 4 + 3 + 2 + 1 (upper blocks are never loaded), a score block's
-# k rows 8 and its run's q rows 8 (read once per query block of a warp: 4 warps 5 query blocks over the 10 blocks,
-# 8 warps 8); transposed: kᵀ 4 token blocks x 8, vᵀ 4. stmatrix.trans x4: oᵀ 4.
-SCORE_Q_ROWS = {64: 5, 128: 8}
+# k rows 8 and its run's q rows 8 (read once per query block of a warp: 8 warps, 8 runs); transposed: kᵀ 4 token
+# blocks x 8, vᵀ 4. stmatrix.trans x4: oᵀ 4.
 LDSM_PER_CHUNK = 32 + 10 + 8 + 8
 LDSM_T_PER_CHUNK = 32 + 4
 STSM_T_PER_CHUNK = 4
 # Instructions (NOP excluded) of the chunk loop, as measured with CuTeDSL 4.8.1 after issue 28's instruction cut
-# (before it: sm_90a 1410 / 1347 at block_v 64 / 128, sm_100a and sm_103a 1357 / 1279), with a little headroom for
-# other CuTeDSL / ptxas versions: a bound, so that a change that grows the loop is seen.
-CHUNK_LOOP_MAX = {"bv64-H16": {"sm_90a": 800, "sm_100a": 740, "sm_103a": 740},
-                  "bv128-H64": {"sm_90a": 720, "sm_100a": 660, "sm_103a": 660}}
+# (before it: sm_90a 1347, sm_100a and sm_103a 1279), with a little headroom for other CuTeDSL / ptxas versions: a
+# bound, so that a change that grows the loop is seen.
+CHUNK_LOOP_MAX = {"bv128-H64": {"sm_90a": 720, "sm_100a": 660, "sm_103a": 660}}
 
 
 def _config(config_id: str):
@@ -134,7 +131,7 @@ def test_one_binary_serves_every_length() -> None:
     from cula_runtime.cute import compile_cache
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput
 
-    config = _config("bv64-H16")
+    config = _config("bv128-H64")
     for spec in LightningChunkOutput(config).argument_specs():
         fake = spec.fake()
         assert all(fake.dynamic_shapes_mask) and fake.dynamic_strides_mask[:-1] == (1,) * (spec.ndim - 1)
@@ -147,37 +144,34 @@ def test_one_binary_serves_every_length() -> None:
     [
         ({"head_dim": 64}, "only K = V = 128"),
         ({"chunk_size": 32}, "only 64"),
-        ({"block_v": 32}, "block_v=32: expected one of (64, 128)"),
+        ({"block_v": 64}, "block_v=64: only 128 (V block 64 was retired"),
         ({"num_heads": 0}, "num_heads"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput
 
-    config = dataclasses.replace(_config("bv64-H16"), **changes)
+    config = dataclasses.replace(_config("bv128-H64"), **changes)
     ok, why = LightningChunkOutput.can_implement(config)
     assert not ok and reason in why
     with pytest.raises(ValueError, match="cannot implement"):
         LightningChunkOutput(config)
 
 
-@pytest.mark.parametrize("block_v", [64, 128])
-def test_score_blocks_cover_the_lower_triangle_once(block_v: int) -> None:
-    """Every lower 16 x 16 block (J <= I) of the 64 x 64 score tile is made by exactly one warp, and the word the
-    kernel decodes for each warp (runs of adjacent key blocks) names exactly that warp's blocks."""
+def test_score_blocks_cover_the_lower_triangle_once() -> None:
+    """Every lower 16 x 16 block (J <= I) of the 64 x 64 score tile is made by exactly one of the 8 warps, each
+    warp's blocks are one run (the kernel reads the word's first run only), and the word the kernel decodes for each
+    warp names exactly that warp's blocks."""
     from cula_runtime.cute.lightning.chunk_output import _SCORE_BLOCKS, _rows_of, _score_word
 
-    blocks = [block for per_warp in _SCORE_BLOCKS[block_v // 16] for block in per_warp]
-    assert len(_SCORE_BLOCKS[block_v // 16]) == block_v // 16
-    assert sum(len(_rows_of(per_warp)) for per_warp in _SCORE_BLOCKS[block_v // 16]) == SCORE_Q_ROWS[block_v]
+    blocks = [block for per_warp in _SCORE_BLOCKS for block in per_warp]
+    assert len(_SCORE_BLOCKS) == 8 and all(len(_rows_of(per_warp)) == 1 for per_warp in _SCORE_BLOCKS)
     assert sorted(blocks) == [(i, j) for i in range(4) for j in range(i + 1)]
-    for per_warp in _SCORE_BLOCKS[block_v // 16]:
+    for per_warp in _SCORE_BLOCKS:
         word = _score_word(per_warp)
-        decoded = []
-        for r in range(word & 15):  # as the kernel reads it
-            run = word >> (4 + 8 * r) & 255
-            decoded += [(run & 3, (run >> 2 & 3) + t) for t in range(run >> 4)]
-        assert decoded == list(per_warp)
+        assert word & 15 == 1
+        run = word >> 4 & 255  # as the kernel reads it
+        assert [(run & 3, (run >> 2 & 3) + t) for t in range(run >> 4)] == list(per_warp)
     with pytest.raises(ValueError, match="not adjacent"):
         _score_word(((3, 0), (3, 2)))
 
@@ -287,8 +281,7 @@ def test_diagonal_mask_words() -> None:
             assert kept == (int(j) <= int(i)), (lane, e)
 
 
-@pytest.mark.parametrize("block_v", [64, 128])
-def test_token_fragments_chain_as_operand_a(block_v: int) -> None:
+def test_token_fragments_chain_as_operand_a() -> None:
     """Traced on the host with static thread indices: a (block_v x 64 tokens) accumulator-layout fragment (vᵀ, read
     with ldmatrix.trans in that layout) viewed as the A operand holds exactly the A operand's coordinates, and warp
     w owns value rows 16w..16w+15 (the o staging over its own v columns relies on it)."""
@@ -296,6 +289,7 @@ def test_token_fragments_chain_as_operand_a(block_v: int) -> None:
 
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
 
+    block_v = 128
     kernel = LightningChunkOutput(LightningChunkOutputConfig(num_heads=1, block_v=block_v))
     threads = list(range(0, kernel.num_threads, 11))
 

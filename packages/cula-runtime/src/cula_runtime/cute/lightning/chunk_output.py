@@ -1,9 +1,9 @@
 """Lightning prefill, kernel C: every segment's outputs from its start state, in one CuTeDSL launch (KDA_SPEC §5;
 issue 28; the segment design in ``prefill_backend.py``).
 
-Per (segment s, head h, block of ``block_v`` value columns), one CTA starts from the segment's start state
-``S = seg_state[s, h]`` (fp32 ``[K, V]``, the CTA's value columns; what the scan of ``chunk_states.py`` left there)
-and walks the segment's chunks of <= 64 tokens in order. With λ = exp(g_gamma[h]) and local token indices i, j:
+Per (segment s, head h), one CTA of 8 warps (all 128 value columns: ``block_v`` = 128) starts from the segment's
+start state ``S = seg_state[s, h]`` (fp32 ``[K, V]``; what the scan of ``chunk_states.py`` left there) and walks
+the segment's chunks of <= 64 tokens in order. With λ = exp(g_gamma[h]) and local token indices i, j:
 
 * ``P[i, j] = bf16(scale · λ^(i-j) · (q_i · k_j))`` for ``j <= i``, else 0 (the masked, decayed score tile, computed
   here from q and k: fp32 accumulators, rounded once);
@@ -19,8 +19,8 @@ registers; B = q from shared memory), ``oᵀ += vᵀ · Pᵀ`` and ``Sᵀ = λ^6
 chunk with ``ldmatrix.trans`` in accumulator layout, two n8 tiles = one k16 A fragment; B = the score tile and kᵀ
 from shared memory). Warp w owns value rows ``16 w .. 16 w + 15`` of Sᵀ (64 fp32 registers per thread): the
 state needs no exchange between warps. The score tile is the only thing the warps share: its 10 lower 16 x 16
-blocks are split over the warps (4 warps: 3, 3, 2, 2 blocks; 8 warps: 2, 2, 1, ..., 1; each warp's blocks are runs
-of adjacent key blocks of one query block, two runs for one of the 4 warps), written to shared memory in bf16
+blocks are split over the warps (2, 2, 1, ..., 1; each warp's blocks are one run of adjacent key blocks of one
+query block), written to shared memory in bf16
 (rows padded to 72 elements: no swizzle, no bank conflict) and read back by every warp as the B operand of
 ``vᵀ · Pᵀ`` after a CTA barrier. One code path serves every warp: a loop over the warp's blocks, their offsets
 runtime values from a word per warp (:func:`_score_word`), the diagonal blocks' masked elements cleared in the
@@ -40,43 +40,37 @@ complete), ``vᵀ · Pᵀ``, the state update, and oᵀ staged with ``stmatrix.t
 v columns, then 16-byte row stores of the valid rows. Only warp-level MMA (``mma.sync`` m16n8k16 bf16, fp32
 accumulate): one source for SM90, SM100 and SM103.
 
-Grid: one linear index, V block fastest, then head, then segment (the CTAs of one segment and head, which read the
-same q and k, run side by side: the second read is an L2 hit).
+Grid: one linear index, head fastest, then segment (the index arithmetic keeps a V-block coordinate, always 0 at the
+one V block).
 
-The V block (the choice, per chunk of 64 tokens and head, K = V = 128):
+The V block, 128 (per chunk of 64 tokens and head, K = V = 128); the V block of 64 (two CTAs of 4 warps per segment
+and head, the same bits) was retired after it lost on every shape timed (module history; commit 7e2efb5's tree has
+it):
 
-* Bytes: q, k, v 16 KB each in, o 16 KB out: 64 KB, whatever the block (the second V block's CTA, launched next
-  to the first, re-reads q and k from L2, not HBM).
+* Bytes: q, k, v 16 KB each in, o 16 KB out: 64 KB.
 * MMA (m16n8k16, 4096 flops each): per warp ``Sᵀ_bf · qᵀ`` 64, ``vᵀ · Pᵀ`` 20, the state 64 (148), plus its
-  score blocks at 16 each. block_v = 128 (one CTA of 8 warps): 8 x 148 + 10 x 16 = 1344 MMAs = 5.5 MFLOP;
-  block_v = 64 (two CTAs of 4 warps): 2 x (4 x 148 + 160) = 1504 = 6.2 MFLOP (the score tile is made twice).
-* H200 budget per SM and chunk-head (both V halves; 4.8 TB/s over 132 SMs = 36 B/ns; 1.83 GHz; 2 warps per SM
-  sub-partition): the 64 KB take 1.8 us; the MMAs 2 x ~190 per sub-partition at ~6 cycles each (mma.sync at ~2/3
-  of the wgmma peak) ~1.2 us; instruction issue: see the next item. So the kernel can be bound by memory if the
-  loads keep flowing; what decides is bytes in flight and the barrier bubbles, more than the score tile's extra 12%.
-* Instructions (SASS, CuTeDSL 4.8.1; NOP excluded): the chunk loop is 767 / 691 instructions at block_v = 64 / 128
-  on sm_90a (706 / 632 on sm_100a and sm_103a), and a warp issues all of it but the score blocks it does not own:
-  sm_90a, per warp and (not last) chunk, block_v = 128: 691 (one score block) or 760 (two), 708 on average;
-  block_v = 64: 836-905, 880 on average. Before issue 28's instruction cut (commit 93a50a9, the same arithmetic)
-  the loop was 1410 / 1347 and a warp issued 1038-1153 (mean 1095) / 822-937 (mean 855): every warp's score blocks
+  score blocks at 16 each: 8 x 148 + 10 x 16 = 1344 MMAs = 5.5 MFLOP (at V block 64: 1504, the score tile made
+  twice).
+* H200 budget per SM and chunk-head (4.8 TB/s over 132 SMs = 36 B/ns; 1.83 GHz; 2 warps per SM sub-partition):
+  the 64 KB take 1.8 us; the MMAs ~336 per sub-partition at ~6 cycles each (mma.sync at ~2/3 of the wgmma peak)
+  ~1.1 us; instruction issue: see the next item. So the kernel can be bound by memory if the loads keep flowing;
+  what decides is bytes in flight and the barrier bubbles.
+* Instructions (SASS, CuTeDSL 4.8.1; NOP excluded): the chunk loop is 691 instructions on sm_90a (632 on sm_100a
+  and sm_103a), and a warp issues all of it but the score blocks it does not own: on sm_90a, per warp and (not
+  last) chunk, 691 (one score block) or 760 (two), 708 on average. Before issue 28's instruction cut (commit
+  93a50a9, the same arithmetic) the loop was 1347 and a warp issued 822-937 (mean 855): every warp's score blocks
   had their own code, a warp issued its neighbour's too (predicated off), and the loads spent 3 filler
-  instructions per copy next to the zero-fill stores. Whole kernel: 1288 / 1224 / 1224 SASS instructions at
-  block_v = 64 on sm_90a / sm_100a / sm_103a, 1176 / 1120 / 1120 at 128 (with NOPs; 2032 / 1976 / 1976 and
-  1864 / 1792 / 1792 before).
-* Shared memory: block_v = 64: 2 stages x (16 + 16 + 8) KB + 9,200 B score tile (64 rows of 72) + 832 B tables =
-  91,952 B, two CTAs per SM (with the 1 KB per CTA the hardware reserves: 182 of 228 KB); block_v = 128: 2 x 48 KB
-  + 9,200 B + 832 B = 108,336 B, one CTA per SM (two would fit the shared memory, 214 KB with the reserve, but not
-  the registers).
+  instructions per copy next to the zero-fill stores. Whole kernel: 1176 / 1120 / 1120 SASS instructions on
+  sm_90a / sm_100a / sm_103a (with NOPs; 1864 / 1792 / 1792 before).
+* Shared memory: 2 stages x 48 KB + 9,200 B score tile (64 rows of 72) + 832 B tables = 108,336 B, one CTA per
+  SM (two would fit the shared memory, 214 KB with the reserve, but not the registers).
 * Registers (compiled on the CPU with CuTeDSL 4.8.1; 4.6.2 and 4.7.1 gave 255 before the cut, not measured since):
-  224 / 222 per thread on sm_90a at block_v = 64 / 128, 218 / 216 on sm_100a / sm_103a, no spills. 128 threads x
-  224 = 28K registers: two 4-warp CTAs per SM, as many warps (8) as one 8-warp CTA.
-* block_v = 128 is the default (:data:`DEFAULT_BLOCK_V`), measured: on the H200 kernel C at block_v = 128 took
-  0.86-0.91x the time of block_v = 64 on four shapes (B1 T32768 H64, B2 T16384 H16, varlen 10 seqs T16384 H64, B1
-  T4096 H64; ``benchmarks/results/lightning_kernel_c_ab_h200.md``): 11% fewer MMAs (the score tile made once per
-  chunk-head, not twice) outweigh the second CTA per SM that block_v = 64 overlaps (its barrier waits, 80 KB of
-  loads in flight per SM instead of 48 KB, twice the CTAs). block_v = 64 stays selectable until the end-to-end
-  benchmark has covered the short rows (T = 1024, where the grid is smallest). Both give the same bits: every
-  element's arithmetic (its MMAs, their order, the roundings) is the same in either.
+  222 per thread on sm_90a, 216 on sm_100a / sm_103a, no spills.
+* Measured: kernel C at V block 128 took 0.86-0.91x the time of V block 64 on four shapes on the H200
+  (``benchmarks/results/lightning_kernel_c_ab_h200.md``) and 0.91-0.99x on those and four T = 1024 shapes on an
+  H100 (``lightning_block_v_ab_h100.md``): 11% fewer MMAs (the score tile made once per chunk-head, not twice)
+  outweigh the second CTA per SM that V block 64 overlaps (its barrier waits, 80 KB of loads in flight per SM
+  instead of 48 KB, twice the CTAs), on the smallest grids too.
 
 :func:`lightning_chunk_output` is the host wrapper.
 """
@@ -96,24 +90,21 @@ try:
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, const_expr
+    from cutlass import BFloat16, Float32, Int32
     from cutlass._mlir.dialects import nvvm
     from cutlass.cute.nvgpu import warp
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["DEFAULT_BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output"]
+__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output"]
 
-DEFAULT_BLOCK_V = 128  # value columns per CTA (module docstring: one 8-warp CTA per SM, measured faster)
+BLOCK_V = 128  # value columns per CTA: all of them, one 8-warp CTA per segment and head (module docstring)
 _LOG2E = 1.4426950408889634
 _MAX_GRID_X = 2**31 - 1
 
-# The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp: each warp's blocks are
-# runs of adjacent key blocks of one or two query blocks (the q rows are read once per run).
-_SCORE_BLOCKS = {
-    4: (((3, 0), (3, 1), (3, 2)), ((2, 0), (2, 1), (2, 2)), ((1, 0), (1, 1)), ((3, 3), (0, 0))),
-    8: (((3, 0), (3, 1)), ((3, 2), (3, 3)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),)),
-}
+# The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp (8): each warp's blocks
+# are one run of adjacent key blocks of one query block (its q rows read once).
+_SCORE_BLOCKS = (((3, 0), (3, 1)), ((3, 2), (3, 3)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),))
 _SCORE_PAD = 8  # bf16 padding per score-tile row: 144-byte rows, conflict-free ldmatrix rows and 4-byte stores
 _ROW_BLOCK = 16 * 64  # elements between 16-row blocks of a swizzled (64, 128) tile: above the swizzle's bits
 
@@ -146,13 +137,14 @@ class LightningChunkOutputConfig:
     Attributes:
         num_heads: H.
         head_dim: K = V (only 128).
-        block_v: value columns per CTA, 64 or 128 (4 or 8 warps).
+        block_v: value columns per CTA: only :data:`BLOCK_V` (8 warps; the field is the tiles' contract,
+            :class:`~cula_runtime.cute.kda.tiles.ChunkTiles`).
         chunk_size: C; only 64.
     """
 
     num_heads: int
     head_dim: int = 128
-    block_v: int = DEFAULT_BLOCK_V
+    block_v: int = BLOCK_V
     chunk_size: int = 64
 
 
@@ -169,8 +161,8 @@ class LightningChunkOutput(ChunkTiles):
             return False, f"chunk_size={c.chunk_size}: only 64 is supported"
         if c.head_dim != 128:
             return False, f"head_dim={c.head_dim}: only K = V = 128 is supported"
-        if c.block_v not in (64, 128):
-            return False, f"block_v={c.block_v}: expected one of (64, 128)"
+        if c.block_v != BLOCK_V:
+            return False, f"block_v={c.block_v}: only {BLOCK_V} (V block 64 was retired: slower on every shape timed)"
         if c.num_heads < 1:
             return False, f"num_heads={c.num_heads}: must be >= 1"
         return True, ""
@@ -340,7 +332,7 @@ class LightningChunkOutput(ChunkTiles):
         # ---- this warp's score blocks (a register for the whole segment)
         score_word = Int32(0)
         for w in cutlass.range_constexpr(self.num_warps):
-            score_word = cutlass.select_(warp_idx == w, Int32(_score_word(_SCORE_BLOCKS[self.num_warps][w])),
+            score_word = cutlass.select_(warp_idx == w, Int32(_score_word(_SCORE_BLOCKS[w])),
                                          score_word)
 
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
@@ -447,15 +439,7 @@ class LightningChunkOutput(ChunkTiles):
         (i0, j0), (i1, j1) = tCcC[0], tCcC[1]
         keep = cutlass.select_(j0 <= i0, Int32(0xFFFF), Int32(0)) | cutlass.select_(j1 <= i1, Int32(-65536), Int32(0))
         ops = (score_mma, thr_mma, copy_A, copy_B, tCcC, tCsP, tXsQ0, tYsK0, tCrX, tCrY, sPdec, keep)
-        if const_expr(self._one_run_per_warp()):  # a static run: its offsets are the same every chunk
-            self._score_run(ops, (word >> 4) & 255)
-        else:
-            for r in cutlass.range(word & 15, unroll=1):  # the warp's runs (query blocks)
-                self._score_run(ops, (word >> (4 + 8 * r)) & 255)
-
-    def _one_run_per_warp(self) -> bool:
-        """Whether every warp's score blocks are one run (one query block)."""
-        return all(len(_rows_of(blocks)) == 1 for blocks in _SCORE_BLOCKS[self.num_warps])
+        self._score_run(ops, (word >> 4) & 255)  # the warp's one run: its offsets are the same every chunk
 
     @cute.jit
     def _score_run(self, ops: tuple, run: Int32):
@@ -533,9 +517,9 @@ class LightningChunkOutput(ChunkTiles):
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(H: int, block_v: int) -> tuple:
+def _plan(H: int) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
-    config = LightningChunkOutputConfig(num_heads=H, block_v=block_v)
+    config = LightningChunkOutputConfig(num_heads=H)
     ok, reason = LightningChunkOutput.can_implement(config)
     if not ok:
         raise ValueError(f"LightningChunkOutput: {reason}")
@@ -545,8 +529,7 @@ def _plan(H: int, block_v: int) -> tuple:
 _OUTPUTS = frozenset({6})  # o among the tensor arguments
 
 
-def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int, *,
-                           block_v: int | None = None) -> None:
+def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int) -> None:
     """Kernel C of the Lightning prefill: every segment's outputs from its start state, written into ``o``.
 
     Args:
@@ -560,7 +543,6 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
         o: bf16 ``[B·T, H, 128]``, preallocated: every row of every segment is written, no other row.
         scale: the output's factor.
         seg_len: the segment length the table was built with (a positive multiple of 64).
-        block_v: value columns per CTA, 64 or 128 (None: :data:`DEFAULT_BLOCK_V`); the same bits either way.
 
     Launched on the current stream; the first call per configuration compiles
     (:func:`cula_runtime.cute.compile_cache.compile_records`).
@@ -603,15 +585,12 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
         raise TypeError(f"scale must be a finite real number, got {scale!r}")
     if isinstance(seg_len, bool) or not isinstance(seg_len, numbers.Integral) or seg_len < 64 or seg_len % 64:
         raise ValueError(f"seg_len must be a positive multiple of 64, got {seg_len!r}")
-    block_v = DEFAULT_BLOCK_V if block_v is None else block_v
-    if block_v not in (64, 128):
-        raise ValueError(f"block_v must be 64 or 128, got {block_v!r}")
-    if nseg * H * (K // block_v) > _MAX_GRID_X:
-        raise ValueError(f"{nseg} segments x {H} heads x {K // block_v} V blocks exceed the grid ({_MAX_GRID_X} CTAs)")
+    if nseg * H > _MAX_GRID_X:
+        raise ValueError(f"{nseg} segments x {H} heads exceed the grid ({_MAX_GRID_X} CTAs)")
     if device.type != "cuda":
         raise ValueError(f"q, k, v, g_gamma, seg_state, segments and o must be on one CUDA device, got {device}")
     if nseg == 0 or rows == 0:
         return
-    config, specs = _plan(H, block_v)
+    config, specs = _plan(H)
     tensors = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0))
     launch(LightningChunkOutput, config, specs, tensors, _OUTPUTS, device, float(scale))
