@@ -10,14 +10,16 @@ is missing). Reported per config, after warm-up:
 - us/call: the whole backend call (min over 5 loops of ``--calls / 5`` calls);
 - launches: kernel launches per call; launch us: those launches alone (``compile_cache.launch`` with the recorded
   arguments), the rest being the backend's own work (plans, workspace, checks);
-- allocations per call (torch dispatch: empty, empty_like, zeros, copies) and ``os.environ`` reads per call.
+- allocations per call (torch dispatch: empty, empty_like, zeros, copies) and ``os.environ`` reads per call;
+- planned us/call: the call plan of that signature (``plan_kda_prefill``: what a repeated ``cula.kda_prefill`` call
+  runs after its signature lookup) on the same tensors, its launches bound once; its allocations.
 
 CPU numbers are not GPU numbers: a CUDA ``torch.empty`` costs several times a CPU one (about 6 us on the H200 host,
 ``kda_host_overhead_h200.md``), while a view costs about the same on both. glibc maps every CPU allocation above
 32 MiB afresh (about 12 us for the map and unmap), which the CUDA caching allocator does not, so on glibc the
 script first raises the mmap and trim thresholds to 1 GiB (``mallopt``): large buffers are then reused, as on the
-GPU. ``--profile CONFIG`` adds a cProfile of that config (cProfile roughly doubles small functions). Measure on
-the GPU with ``host_overhead_kda.py``.
+GPU. ``--profile CONFIG`` adds a cProfile of that config's planned call (cProfile roughly doubles small
+functions). Measure on the GPU with ``host_overhead_kda.py``.
 """
 
 from __future__ import annotations
@@ -153,12 +155,13 @@ def main() -> None:
     reused = reuse_large_cpu_allocations()
     recorder = stub_kernels()
     from cula_runtime.cute.compile_cache import launch
-    from cula_runtime.cute.kda.backend import kda_prefill_cutedsl
+    from cula_runtime.cute.kda.backend import kda_prefill_cutedsl, plan_kda_prefill
 
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, CPU host path of kda_prefill_cutedsl "
           f"(kernels stubbed; large CPU allocations reused: {'yes' if reused else 'no'})\n")
-    print("| config | us/call | launches | launch us | rest us | allocations | environ reads |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | us/call | launches | launch us | rest us | allocations | environ reads | planned us/call "
+          "| planned allocations |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, shape in CONFIGS.items():
         args = make_args(*shape)
 
@@ -177,15 +180,27 @@ def main() -> None:
 
         with AllocationCounter() as allocations:
             call()
+        plan = plan_kda_prefill(args)
+        tensors = (args.q, args.k, args.v, args.g, args.beta, args.initial_state, args.A_log, args.dt_bias,
+                   args.cu_seqlens, args.cu_seqlens_host)
+
+        def planned(plan=plan, tensors=tensors) -> None:
+            plan(*tensors)
+
+        for _ in range(20):
+            planned()
+        with AllocationCounter() as planned_allocations:
+            planned()
         total, launch_us = per_call_us(call, opts.calls), per_call_us(launch_only, opts.calls)
+        planned_us = per_call_us(planned, opts.calls)
         print(f"| {name} | {total:.1f} | {len(launches)} | {launch_us:.1f} | {total - launch_us:.1f} "
-              f"| {allocations.count} | {environ_reads(call)} |")
+              f"| {allocations.count} | {environ_reads(call)} | {planned_us:.1f} | {planned_allocations.count} |")
         if opts.profile and opts.profile == name:
             profile = cProfile.Profile()
-            profile.runcall(lambda: [call() for _ in range(1000)])
+            profile.runcall(lambda: [planned() for _ in range(1000)])
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
-            print(f"\ncProfile, {name}, 1000 calls:\n```\n{out.getvalue().strip()}\n```\n")
+            print(f"\ncProfile, {name}, 1000 planned calls:\n```\n{out.getvalue().strip()}\n```\n")
 
 
 if __name__ == "__main__":

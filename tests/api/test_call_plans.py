@@ -15,6 +15,7 @@ import torch
 
 import cula.kda
 from cula import call_plans, dispatch
+from cula_runtime import cute as cula_cute
 from cula_runtime.env import env_snapshot, env_value
 from cula_runtime.kda_args import checked_boundaries, validate_kda_prefill
 from tests.kda_cases import CASES, UNBOUNDED_CASES, make_inputs
@@ -258,64 +259,130 @@ def test_env_snapshot_sees_new_knobs_and_changed_values(monkeypatch) -> None:
     assert env_snapshot() != after and env_snapshot() == env_snapshot()
 
 
-# ---- the cutedsl backend's plans: its runner on the new call's tensors, the rest of the validated arguments kept
+# ---- the cutedsl backend's plans: the unplanned path's launches on the new call's tensors
+
+needs_cutedsl = pytest.mark.skipif(not cula_cute.is_available(), reason="CuTeDSL or TVM-FFI is not installed")
 
 
-def _same_args(got, want) -> None:
-    """Two KdaPrefillArgs hold the same tensors (same memory, shape and dtype) and the same values elsewhere."""
-    import dataclasses
+def _launch_records(launches: list, inputs: dict) -> list:
+    """Each launch as (kernel class, config, scalars, one label per tensor argument): ``("arg", name)`` for a
+    tensor on the memory of the call's input ``name`` (itself or a view: same shape and strides recorded), else its
+    shape, dtype, strides and contiguity (an allocation of the call)."""
+    records = []
+    for kernel_cls, config, call_args in launches:
+        n = len(kernel_cls(config).argument_specs())
+        labels = []
+        for t in call_args[:n]:
+            name = None if t is None or not t.numel() else next(
+                (name for name, x in inputs.items() if isinstance(x, torch.Tensor) and x.numel()
+                 and x.data_ptr() == t.data_ptr() and x.dtype == t.dtype), None)
+            labels.append(None if t is None else ("arg", name, tuple(t.shape), t.stride()) if name else
+                          (tuple(t.shape), t.dtype, t.stride(), t.is_contiguous()))
+        records.append((kernel_cls, config, call_args[n:], labels))
+    return records
 
-    for field in dataclasses.fields(want):
-        a, b = getattr(got, field.name), getattr(want, field.name)
-        if isinstance(b, torch.Tensor):
-            assert isinstance(a, torch.Tensor) and (a.data_ptr(), a.shape, a.dtype, a.device) == \
-                (b.data_ptr(), b.shape, b.dtype, b.device), field.name
-            if field.name == "cu_seqlens_host":
-                assert torch.equal(a, b)
-        else:
-            assert a == b and type(a) is type(b), field.name
 
+@needs_cutedsl
+@pytest.mark.parametrize("name", [FIXED, VARLEN, "B1-T300-H2-gate-precomputed", "varlen-3seqs-h0bf16-GVA4",
+                                  "kimi-B1-T1000-H4", "kimi-precomputed-fp32-varlen-serving", "B2-T129-H4-HV8-vk",
+                                  "B3-T130-H2-noh0"])
+def test_cutedsl_plan_launches_what_the_unplanned_call_launches_on_new_tensors(name: str, monkeypatch) -> None:
+    """A plan made from one call, run on a second call's tensors, launches both kernels with the configurations,
+    scalars and tensors (the second call's own, or allocations of the same layout) that ``kda_prefill_cutedsl``
+    gives the second call: the same bits. ``dt_bias`` in its [HV, K] form (the validator flattens it)."""
+    from cula_runtime.cute.kda import backend, intra, recurrence
+    from tests.cute.compile_helpers import record_launches
 
-@pytest.mark.parametrize("name", [FIXED, VARLEN, "B1-T300-H2-gate-precomputed", "varlen-3seqs-h0bf16-GVA4"])
-def test_cutedsl_plan_runs_its_runner_on_the_new_tensors(name: str, monkeypatch) -> None:
-    from cula_runtime.cute.kda import backend
-
-    runs = []
-    monkeypatch.setattr(backend, "kda_prefill_cutedsl", lambda args: runs.append(args) or ("o", "ht"))
-    case = next(c for c in CASES if c.name == name)
+    launches = record_launches(monkeypatch)
+    for module in (intra, recurrence):  # (the unplanned wrappers' CUDA-device check)
+        monkeypatch.setattr(module, "check_token_tensors", lambda named, B, T: None)
+    monkeypatch.setattr(backend, "sm_count", lambda device: 132)  # (the V block's choice asks the GPU)
+    case = next(c for c in [*CASES, *UNBOUNDED_CASES] if c.name == name)
     first = make_inputs(case, "cpu", seed=1)
-    if "dt_bias" in first:  # the [HV, K] form, which the validator flattens
+    if "dt_bias" in first:
         first["dt_bias"] = first["dt_bias"].view(case.HV, -1)
     plan = backend.plan_kda_prefill(validate_kda_prefill(**first))
     second = make_inputs(case, "cpu", seed=2)
     if "dt_bias" in second:
         second["dt_bias"] = second["dt_bias"].view(case.HV, -1)
-    tensors = [second.get(name) for name in ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias",
-                                              "cu_seqlens")]
+    order = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
     host = None if case.cu is None else checked_boundaries(second["cu_seqlens"], None, case.T)
-    assert plan(*tensors, host) == ("o", "ht")
-    _same_args(runs[-1], validate_kda_prefill(**second))
+    launches.clear()
+    o, ht = plan(*(second.get(name) for name in order), host)
+    planned = _launch_records(launches, second)
+    launches.clear()
+    o_ref, ht_ref = backend.kda_prefill_cutedsl(validate_kda_prefill(**second))
+    assert [record[0].__name__ for record in planned] == ["KdaIntra", "KdaRecurrence"]
+    assert planned == _launch_records(launches, second)
+    assert (o.shape, o.dtype) == (o_ref.shape, o_ref.dtype) and (ht is None) == (ht_ref is None)
 
 
+@needs_cutedsl
 def test_cutedsl_calls_are_planned_through_dispatch(monkeypatch) -> None:
-    from cula_runtime.cute.kda import backend
+    """The first call is validated, and the plan made from it runs it and every later call (no validation, no
+    unplanned launch, the same two launches each); a planned call still has its boundaries checked before anything
+    launches."""
+    from cula_runtime.cute.kda import backend, intra, recurrence
+    from tests.cute.compile_helpers import record_launches
 
-    runs, validations = [], []
-    monkeypatch.setattr(backend, "kda_prefill_cutedsl", lambda args: runs.append(args) or ("o", "ht"))
+    launches = record_launches(monkeypatch)
+    for module in (intra, recurrence):
+        monkeypatch.setattr(module, "check_token_tensors", lambda named, B, T: None)
+    monkeypatch.setattr(backend, "sm_count", lambda device: 132)
+    unplanned, validations = [], []  # (the unplanned path's intra launch goes through intra._intra_from_raw)
+    original = intra._intra_from_raw
+    monkeypatch.setattr(intra, "_intra_from_raw", lambda *a, **kw: unplanned.append(1) or original(*a, **kw))
     monkeypatch.setattr(backend, "verify", lambda args: (True, "ok"))
     monkeypatch.setattr(dispatch, "_planners", {})
     monkeypatch.setenv("CULA_BACKEND", "cutedsl")
     monkeypatch.setattr(cula.kda, "validate_kda_prefill", lambda *a: validations.append(1) or validate_kda_prefill(*a))
     kwargs = make_inputs(next(c for c in CASES if c.name == VARLEN), "cpu", seed=1)
     for _ in range(3):
-        assert cula.kda.kda_prefill(**kwargs) == ("o", "ht")
-    assert validations == [1] and len(runs) == 3 and dispatch.planner_for(backend.kda_prefill_cutedsl) is not None
-    _same_args(runs[-1], validate_kda_prefill(**kwargs))
+        o, _ = cula.kda.kda_prefill(**kwargs)
+        assert o.shape == kwargs["v"].shape
+    assert validations == [1] and unplanned == [] and len(launches) == 6
+    assert dispatch.planner_for(backend.kda_prefill_cutedsl) is not None
     bad = kwargs["cu_seqlens"].clone()  # boundaries are checked per planned call, before the plan runs
     bad[1] = bad[2] + 1
     with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
         cula.kda.kda_prefill(**{**kwargs, "cu_seqlens": bad})
-    assert validations == [1] and len(runs) == 3
+    assert validations == [1] and len(launches) == 6
+
+
+@needs_cutedsl
+def test_a_cutedsl_plan_call_tvm_ffi_refuses_runs_the_unplanned_path(monkeypatch) -> None:
+    """Where TVM-FFI refuses a planned launch (a misaligned pointer: ``LaunchDeclined``, nothing launched), the call
+    runs ``kda_prefill_cutedsl``, whose launches copy such an input, and returns its result."""
+    from cula_runtime.cute import compile_cache
+    from cula_runtime.cute.kda import backend, intra, recurrence
+
+    launches: list = []
+    refuse = [True]
+
+    def compiled(kernel_cls, config, *, target=None):
+        def kernel(*args):
+            if refuse[0]:
+                refuse[0] = False
+                raise ValueError("misaligned")  # (TVM-FFI's refusal)
+            launches.append((kernel_cls, config, args))
+        return kernel
+
+    monkeypatch.setattr(compile_cache, "compile_kernel", compiled)
+    monkeypatch.setattr(compile_cache, "launch_target", lambda index: "sm_90a")
+    monkeypatch.setattr(compile_cache, "_launchable", {})
+    for module in (intra, recurrence):
+        monkeypatch.setattr(module, "check_token_tensors", lambda named, B, T: None)
+    monkeypatch.setattr(backend, "sm_count", lambda device: 132)
+    unplanned = []
+    original = intra._intra_from_raw
+    monkeypatch.setattr(intra, "_intra_from_raw", lambda *a, **kw: unplanned.append(1) or original(*a, **kw))
+    inputs = make_inputs(next(c for c in CASES if c.name == VARLEN), "cpu", seed=1)
+    args = validate_kda_prefill(**inputs)
+    plan = backend.plan_kda_prefill(args)
+    o, ht = plan(args.q, args.k, args.v, args.g, args.beta, args.initial_state, args.A_log, args.dt_bias,
+                 args.cu_seqlens, args.cu_seqlens_host)
+    assert unplanned == [1] and [cls.__name__ for cls, _, _ in launches] == ["KdaIntra", "KdaRecurrence"]
+    assert o.shape == args.v.shape and (ht is None) == (not args.output_final_state)
 
 
 def test_planned_varlen_calls_under_inference_mode(planned) -> None:

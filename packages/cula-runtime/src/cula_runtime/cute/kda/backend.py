@@ -31,6 +31,7 @@ from ...index import prepare_varlen_launch
 from ...kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from ...kda_tuning import BLOCK_V_CHOICES, recurrence_block_v, sm_count
 from .. import device_rejection
+from ..compile_cache import LaunchDeclined
 
 __all__ = ["verify", "kda_prefill_cutedsl"]
 
@@ -193,15 +194,89 @@ def plan_kda_prefill(args: Any) -> Callable[..., tuple[Any, Any]] | None:
     initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_host)``, the last the checked host copy of ``cu_seqlens``
     (:func:`cula_runtime.kda_args.checked_boundaries`, which its caller runs), and for a pool-form signature the
     keywords ``state``, ``state_indices`` and ``has_initial_state`` (GPU index tensors: ``cula.call_plans`` plans
-    no call whose slots the validator reads on the host), and runs :func:`kda_prefill_cutedsl` on them, skipping
-    validation and dispatch. Holds no tensor of the call it was made from."""
+    no call whose slots the validator reads on the host), skipping validation and dispatch. Holds no tensor of the
+    call it was made from.
+
+    What :func:`kda_prefill_cutedsl` derives per call from the signature alone (the gate form, the V block, both
+    kernels' configurations, the workspace's layout, the compiled kernels) is derived here once: a call runs the
+    varlen index build (cached per ``cu_seqlens``), the allocations (workspace, ``o``, the final state) and the
+    two kernels through launches bound once (no per-tensor check: the signature fixes every layout but the data
+    pointers' alignment, which TVM-FFI checks). A call TVM-FFI refuses (``LaunchDeclined``: a misaligned pointer;
+    the intra kernel may have run into this call's own workspace) runs :func:`kda_prefill_cutedsl` instead, which
+    copies such a tensor. The same kernels, configurations and arguments: the same bits
+    (``tests/cute/test_kda_wrapper_marshalling.py``). A signature with no sequence or no token runs
+    :func:`kda_prefill_cutedsl` on every call."""
     template = args.with_tensors(*(None,) * 10)
 
-    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, *, state=None,
-             state_indices=None, has_initial_state=None):
+    def unplanned(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, *, state=None,
+                  state_indices=None, has_initial_state=None):
         return kda_prefill_cutedsl(template.with_tensors(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                                          cu_host, state=state, state_indices=state_indices,
                                                          has_initial_state=has_initial_state))
 
-    return plan
+    if args.N == 0 or args.B * args.T == 0:
+        return unplanned
+    return _planned(args, unplanned)
 
+
+def _planned(args: Any, unplanned: Callable) -> Callable:
+    """:func:`plan_kda_prefill`'s plan for a signature with sequences and tokens."""
+    import torch
+
+    gate, intra, recurrence = _kernel_modules()
+    B, T, HV, K, N = args.B, args.T, args.HV, args.K, args.N
+    device = args.device
+    varlen = args.cu_seqlens is not None
+    pool_form = args.state is not None
+    h0_float = args.initial_state is not None and args.initial_state.dtype != torch.float32
+    lower_bound = args.lower_bound if args.use_gate_in_kernel else None
+    form, A_log, dt_bias = gate.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
+                                               args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)
+    # the gate tensors as the kernel takes them, from the call's: as passed, or converted as gate_arguments does
+    a_log_as_is = A_log is None or A_log is args.A_log
+    dt_bias_view = (dt_bias is not None and args.dt_bias.dtype == torch.float32 and args.dt_bias.device == device
+                    and args.dt_bias.is_contiguous())
+    run_intra = intra.plan_intra_from_raw(args.q, args.k, args.v, args.g, args.beta, args.scale, form, A_log, dt_bias,
+                                          lower_bound, args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel,
+                                          args.allow_neg_eigval, varlen, unbounded=not gate_is_bounded(args))
+    bf16, fp32 = torch.bfloat16, torch.float32
+    fixed_rows = -(-T // CHUNK)
+    fixed_groups = ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, fixed_rows, HV, K), fp32))
+    run_recurrence = recurrence.plan_run(
+        (B, T, HV, K), N, recurrence_block_v(N * HV, sm_count(device)), args.scale, device, cu_seqlens=args.cu_seqlens,
+        initial_state=None if pool_form else args.initial_state, output_final_state=args.output_final_state and
+        not pool_form, state_v_first=args.state_v_first, pool=args.state,
+        has_initial_state=args.has_initial_state if pool_form else None)
+
+    def gate_tensors(A_log, dt_bias) -> tuple:
+        if form == "none":
+            return None, None
+        if A_log is not None and not a_log_as_is:
+            A_log = A_log.to(device=device, dtype=fp32).reshape(HV)
+        if dt_bias is not None:
+            dt_bias = dt_bias.view(HV, K) if dt_bias_view else dt_bias.to(device=device, dtype=fp32).reshape(HV, K)
+        return A_log, dt_bias
+
+    def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, *, state=None,
+             state_indices=None, has_initial_state=None):
+        if varlen:
+            chunk_indices, chunk_offsets, seq_order = prepare_varlen_launch(cu_seqlens, CHUNK, host=cu_host)
+            num_chunks = chunk_indices.shape[0]
+            groups = ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, num_chunks, HV, K), fp32))
+        else:
+            chunk_indices = chunk_offsets = seq_order = None
+            groups = fixed_groups
+        out = carve_workspace(device, groups)
+        a_log, dt = gate_tensors(A_log, dt_bias)
+        h0 = None if pool_form else initial_state.float() if h0_float else initial_state
+        try:
+            run_intra(q, k, v, g, beta, out, cu_seqlens, chunk_indices, a_log, dt)
+            w, u, qg, kg, Aqk, g_last = out
+            o, ht = run_recurrence(qg, kg, w, u, Aqk, g_last, h0, cu_seqlens, chunk_offsets, seq_order, state,
+                                   state_indices, has_initial_state)
+        except LaunchDeclined:  # (refused before launching: the unplanned path copies what breaks a promise)
+            return unplanned(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, state=state,
+                             state_indices=state_indices, has_initial_state=has_initial_state)
+        return o, None if pool_form else ht
+
+    return plan

@@ -67,7 +67,7 @@ history.)
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..smem import REGION_ALIGN, align_up, carve
 from ..varlen import check_token_tensors, chunk_rows
@@ -1174,11 +1174,8 @@ def _intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, l
     HV = v.shape[2]
     device = q.device
     varlen = cu_seqlens is not None
-    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-    gate = InKernelGate(form=form, g_dtype=names[g.dtype], beta_dtype=names[beta.dtype],
-                        has_A_log=A_log is not None, has_dt_bias=dt_bias is not None, beta_sigmoid=beta_sigmoid,
-                        allow_neg_eigval=allow_neg_eigval)
-    config, specs = _plan(H, HV, varlen, l2norm, gate, bool(unbounded))
+    config, specs = _plan(H, HV, varlen, l2norm, _gate_config(form, g, beta, A_log, dt_bias, beta_sigmoid,
+                                                                allow_neg_eigval), bool(unbounded))
     if out is not None:
         w, u, qg, kg, Aqk, g_last = out
     else:
@@ -1187,7 +1184,45 @@ def _intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, l
         Aqk = torch.empty(B, T, HV, 64, dtype=bf16, device=device)
         g_last = torch.empty(B, num_chunks if varlen else -(-T // 64), HV, K, dtype=torch.float32, device=device)
     if num_chunks:
-        tensors = (q, k, v, g, beta, w, u, qg, kg, Aqk, cu_seqlens, chunk_indices, A_log, dt_bias, g_last)
-        launch(KdaIntra, config, specs, tensors, _OUTPUTS, device, float(scale),
-               float(lower_bound) if form == "safe" else 0.0)
+        launch(KdaIntra, config, specs, _intra_tensors(q, k, v, g, beta, (w, u, qg, kg, Aqk, g_last), cu_seqlens,
+                                                      chunk_indices, A_log, dt_bias),
+               _OUTPUTS, device, *_intra_scalars(scale, form, lower_bound))
     return w, u, qg, kg, Aqk, g_last
+
+
+def _gate_config(form: str, g, beta, A_log, dt_bias, beta_sigmoid: bool, allow_neg_eigval: bool) -> InKernelGate:
+    import torch
+
+    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    return InKernelGate(form=form, g_dtype=names[g.dtype], beta_dtype=names[beta.dtype], has_A_log=A_log is not None,
+                        has_dt_bias=dt_bias is not None, beta_sigmoid=beta_sigmoid, allow_neg_eigval=allow_neg_eigval)
+
+
+def _intra_tensors(q, k, v, g, beta, out, cu_seqlens, chunk_indices, A_log, dt_bias) -> tuple:
+    """The kernel's tensor arguments in their order (:meth:`KdaIntra.argument_specs`)."""
+    w, u, qg, kg, Aqk, g_last = out
+    return q, k, v, g, beta, w, u, qg, kg, Aqk, cu_seqlens, chunk_indices, A_log, dt_bias, g_last
+
+
+def _intra_scalars(scale: float, form: str, lower_bound: float | None) -> tuple:
+    return float(scale), float(lower_bound) if form == "safe" else 0.0
+
+
+def plan_intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, lower_bound: float | None,
+                        l2norm: bool, beta_sigmoid: bool, allow_neg_eigval: bool, varlen: bool,
+                        unbounded: bool = False):
+    """:func:`_intra_from_raw` for every call with the signature of these arguments (the tensors are read for their
+    shapes and dtypes only; none is kept): ``run(q, k, v, g, beta, out, cu_seqlens, chunk_indices, A_log,
+    dt_bias)`` launches into ``out`` (``w, u, qg, kg, Aqk, g_last``) through a launch bound once
+    (:func:`~cula_runtime.cute.compile_cache.bound_launch`: no per-tensor check; ``LaunchDeclined``, nothing
+    launched, where TVM-FFI refuses a pointer). The same configuration, tensors and scalars as
+    :func:`_intra_from_raw`: the same bits. The caller launches only calls with chunks."""
+    config, specs = _plan(q.shape[2], v.shape[2], varlen, l2norm,
+                          _gate_config(form, g, beta, A_log, dt_bias, beta_sigmoid, allow_neg_eigval), bool(unbounded))
+    run = bound_launch(KdaIntra, config, specs, q.device)
+    scalars = _intra_scalars(scale, form, lower_bound)
+
+    def run_intra(q, k, v, g, beta, out, cu_seqlens, chunk_indices, A_log, dt_bias) -> None:
+        run(_intra_tensors(q, k, v, g, beta, out, cu_seqlens, chunk_indices, A_log, dt_bias), scalars)
+
+    return run_intra

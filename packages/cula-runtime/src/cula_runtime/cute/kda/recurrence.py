@@ -50,7 +50,7 @@ chunk's last row, and varlen sequences launched in batch order.)
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..varlen import check_cu_seqlens, check_token_tensors
 from .tiles import ChunkTiles
@@ -651,16 +651,60 @@ def _run(qg, kg, w, u, Aqk, g_last, scale: float, initial_state, output_final_st
 
     B, T, HV, K = w.shape
     device = w.device
-    varlen = cu_seqlens is not None
-    pool_dtype = None if pool is None else _POOL_DTYPES[str(pool.dtype)]
-    config, specs = _plan(HV, K, block_v, (varlen, initial_state is not None, output_final_state, state_v_first,
-                                           pool_dtype, has_initial_state is not None))
+    config, specs = _plan(HV, K, block_v, _flags(cu_seqlens, initial_state, output_final_state, state_v_first, pool,
+                                                 has_initial_state))
     o = torch.empty(B, T, HV, K, dtype=torch.bfloat16, device=device)
     ht = torch.empty((N, HV, K, K), dtype=torch.float32, device=device) if output_final_state else None
     if N == 0:
         return o, ht
-    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)  # (a view: no copy)
-    tensors = (qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_offsets, seq_order, pool,
-               state_indices, flag_bytes)
-    launch(KdaRecurrence, config, specs, tensors, _OUTPUTS, device, float(scale))
+    launch(KdaRecurrence, config, specs, _tensors(qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens,
+                                                  chunk_offsets, seq_order, pool, state_indices, has_initial_state),
+           _OUTPUTS, device, float(scale))
     return o, ht
+
+
+def _flags(cu_seqlens, initial_state, output_final_state: bool, state_v_first: bool, pool, has_initial_state) -> tuple:
+    """The configuration's flags of a call (:func:`_plan`)."""
+    pool_dtype = None if pool is None else _POOL_DTYPES[str(pool.dtype)]
+    return (cu_seqlens is not None, initial_state is not None, output_final_state, state_v_first, pool_dtype,
+            has_initial_state is not None)
+
+
+def _tensors(qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_offsets, seq_order, pool,
+             state_indices, has_initial_state) -> tuple:
+    """The kernel's tensor arguments in their order (:meth:`KdaRecurrence.argument_specs`); the flags as bytes (a
+    view: no copy)."""
+    import torch
+
+    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)
+    return (qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_offsets, seq_order, pool,
+            state_indices, flag_bytes)
+
+
+def plan_run(shape: tuple, N: int, block_v: int, scale: float, device, *, cu_seqlens=None, initial_state=None,
+             output_final_state: bool = False, state_v_first: bool = False, pool=None, has_initial_state=None):
+    """:func:`_run` for every call with the signature of these arguments (``shape``: ``(B, T, HV, K)`` of the intra
+    outputs; the tensors read for their presence and the pool's dtype; none kept; ``N > 0``): ``run(qg, kg, w, u,
+    Aqk, g_last, initial_state, cu_seqlens, chunk_offsets, seq_order, pool, state_indices, has_initial_state) ->
+    (o, ht or None)`` allocates ``o`` and the final state and launches through a launch bound once
+    (:func:`~cula_runtime.cute.compile_cache.bound_launch`: no per-tensor check; ``LaunchDeclined``, nothing
+    launched, where TVM-FFI refuses a pointer). The same configuration, tensors and scalar as :func:`_run`: the
+    same bits."""
+    import torch
+
+    B, T, HV, K = shape
+    config, specs = _plan(HV, K, block_v, _flags(cu_seqlens, initial_state, output_final_state, state_v_first, pool,
+                                                 has_initial_state))
+    run = bound_launch(KdaRecurrence, config, specs, device)
+    scalars = (float(scale),)
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def run_recurrence(qg, kg, w, u, Aqk, g_last, initial_state, cu_seqlens, chunk_offsets, seq_order, pool,
+                       state_indices, has_initial_state) -> tuple:
+        o = torch.empty(B, T, HV, K, dtype=bf16, device=device)
+        ht = torch.empty((N, HV, K, K), dtype=fp32, device=device) if output_final_state else None
+        run(_tensors(qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_offsets, seq_order, pool,
+                     state_indices, has_initial_state), scalars)
+        return o, ht
+
+    return run_recurrence
