@@ -46,17 +46,22 @@ def test_1000_replays_are_bit_identical(backend: str, name: str, monkeypatch: py
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.name for c in ALL_CASES])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_planned_calls_give_the_bits_of_the_first(backend: str, case, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A call's first run is validated and dispatched and leaves a call plan (cula.call_plans); the next calls of
-    its signature run the plan, on new tensors of the same values, into poisoned memory: the same bits, and the plan
-    was used (the validator did not run again)."""
+    """A call's first run is validated and dispatched and leaves a call plan (cula.call_plans), which runs it; it
+    and the next calls of its signature, on new tensors of the same values, into poisoned memory, give the bits of
+    the call made without plans (``CULA_CALL_PLANS=0``), and the plan was used (the validator did not run again)."""
     import cula.kda
     from cula import call_plans
     from cula_runtime.kda_args import validate_kda_prefill
 
     use_backend(backend, monkeypatch)
     kwargs = make_inputs(case, "cuda", seed=11)
+    monkeypatch.setenv(call_plans.ENV_CALL_PLANS, "0")
+    o_unplanned, ht_unplanned = cula.kda.kda_prefill(**kwargs)
+    monkeypatch.delenv(call_plans.ENV_CALL_PLANS)
+    assert not call_plans._plans
     o_ref, ht_ref = cula.kda.kda_prefill(**kwargs)
     assert len(call_plans._plans) == 1, f"the {backend} backend made no plan"
+    assert torch.equal(o_ref, o_unplanned) and (ht_ref is None or torch.equal(ht_ref, ht_unplanned))
     validations = []
     monkeypatch.setattr(cula.kda, "validate_kda_prefill",
                         lambda *a: validations.append(1) or validate_kda_prefill(*a))

@@ -203,9 +203,9 @@ def plan_kda_prefill(args: Any) -> Callable[..., tuple[Any, Any]] | None:
     two kernels through launches bound once (no per-tensor check: the signature fixes every layout but the data
     pointers' alignment, which TVM-FFI checks). A call TVM-FFI refuses (``LaunchDeclined``: a misaligned pointer;
     the intra kernel may have run into this call's own workspace) runs :func:`kda_prefill_cutedsl` instead, which
-    copies such a tensor. The same kernels, configurations and arguments: the same bits
-    (``tests/cute/test_kda_wrapper_marshalling.py``). A signature with no sequence or no token runs
-    :func:`kda_prefill_cutedsl` on every call."""
+    copies such a tensor. The same kernels, configurations and arguments: the same bits (``tests/api/
+    test_call_plans.py`` compares the launches; ``tests/gpu`` the planned calls' bits). A signature with no sequence
+    or no token runs :func:`kda_prefill_cutedsl` on every call."""
     template = args.with_tensors(*(None,) * 10)
 
     def unplanned(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, *, state=None,
