@@ -142,12 +142,20 @@ class FakeKernels:
         self.calls.append(("C", segments.shape[0], seg_len))
         emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, seg_len)
 
+    def plan_chunk_output(self, H, device):  # (the bound kernel C of plans: no seg_len, the table's lengths)
+        def run(q, k, v, g_gamma, seg_state, segments, o, scale) -> None:
+            assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0] and q.shape[1] == H
+            self.calls.append(("C", segments.shape[0], None))
+            emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, q.shape[0])
+        return run
+
 
 @pytest.fixture
 def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
     fake = FakeKernels()
     monkeypatch.setattr(pb, "_states", lambda: fake)
     monkeypatch.setattr(pb, "_output", lambda: fake.chunk_output)
+    monkeypatch.setattr(pb, "_planned_output", fake.plan_chunk_output)
     monkeypatch.setattr(pb, "sm_count", lambda device: 132)
     pb.clear_segment_cache()
     return fake
@@ -363,6 +371,54 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-4)
     assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"]
+
+
+def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKernels) -> None:
+    """Kernel C, bound in a plan, would refuse a q off its 16-byte rows only after kernel B had written the final
+    states or the pool; the plan checks q first: ``LaunchDeclined`` with nothing launched (the caller then runs the
+    call unplanned, which copies q)."""
+    from cula_runtime.cute.compile_cache import LaunchDeclined
+    from cula_runtime.lightning_args import validate_lightning_prefill
+
+    q, k, v, g_gamma, _ = _inputs(1, 128, 2, 1, None)
+    args = validate_lightning_prefill(q, k, v, g_gamma, output_final_state=True)
+    plan = pb.plan_lightning_prefill(args)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # (2 bytes off its allocation)
+    shifted.copy_(q)
+    with pytest.raises(LaunchDeclined):
+        plan(shifted, args.k, args.v, args.g_gamma, None, None, None, None, None)
+    assert fake_kernels.calls == []
+    o, _ = plan(q, args.k, args.v, args.g_gamma, None, None, None, None, None)
+    assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"] and fake_kernels.calls[-1][2] is None
+
+
+def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's kernel C launch (``plan_chunk_output``) gets what ``lightning_chunk_output`` passes: q, k, v and
+    o as ``[1, B·T, H, 128]`` views of the call's own tensors, the decays, the scan's start states, the segment
+    table and the scale; kernels A and B before it, nothing compiled here."""
+    from cula_runtime import cute as cula_cute
+
+    if not cula_cute.is_available():
+        pytest.skip("CuTeDSL or TVM-FFI is not installed")
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput
+    from cula_runtime.lightning_args import validate_lightning_prefill
+    from tests.cute.compile_helpers import record_launches
+
+    launches = record_launches(monkeypatch)
+    monkeypatch.setattr(pb, "sm_count", lambda device: 132)
+    pb.clear_segment_cache()
+    q, k, v, g_gamma, cu = _inputs(1, 300, 2, 1, (0, 0, 70, 70, 199, 300))
+    args = validate_lightning_prefill(q, k, v, g_gamma, output_final_state=True, cu_seqlens=cu)
+    plan = pb.plan_lightning_prefill(args)
+    o, ht = plan(args.q, args.k, args.v, args.g_gamma, None, args.cu_seqlens, None, None, None)
+    assert len(launches) == 3
+    (a_cls, _, a_args), (_, _, b_args), (c_cls, c_config, c_args) = launches
+    assert c_cls is LightningChunkOutput and c_config.num_heads == 2
+    assert len(c_args) == len(LightningChunkOutput(c_config).argument_specs()) + 1
+    for got, want in zip(c_args[:3] + c_args[6:7], (args.q, args.k, args.v, o), strict=True):
+        assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
+    assert c_args[3] is args.g_gamma and c_args[4] is b_args[0] and c_args[5] is b_args[1]  # start states, table
+    assert c_args[7] == args.scale
 
 
 def test_backend_pool(fake_kernels: FakeKernels) -> None:

@@ -81,8 +81,9 @@ import dataclasses
 import functools
 import math
 import numbers
+from collections.abc import Callable
 
-from ..compile_cache import TensorSpec, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
 
@@ -96,7 +97,8 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output"]
+__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output",
+           "plan_chunk_output"]
 
 BLOCK_V = 128  # value columns per CTA: all of them, one 8-warp CTA per segment and head (module docstring)
 _LOG2E = 1.4426950408889634
@@ -594,3 +596,19 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
     config, specs = _plan(H)
     tensors = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0))
     launch(LightningChunkOutput, config, specs, tensors, _OUTPUTS, device, float(scale))
+
+
+def plan_chunk_output(H: int, device) -> Callable:
+    """Kernel C bound to one call signature (:func:`~cula_runtime.cute.compile_cache.bound_launch`, for the prefill's
+    call plans): ``run(q, k, v, g_gamma, seg_state, segments, o, scale)`` with :func:`lightning_chunk_output`'s
+    tensors and nothing checked; ``LaunchDeclined`` where TVM-FFI refuses a pointer (nothing launched). The caller
+    launches only with segments and rows."""
+    config, specs = _plan(H)
+    run = bound_launch(LightningChunkOutput, config, specs, device)
+
+    def run_output(q, k, v, g_gamma, seg_state, segments, o, scale: float) -> None:
+        run((q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0)),
+            (float(scale),))
+
+    return run_output
+

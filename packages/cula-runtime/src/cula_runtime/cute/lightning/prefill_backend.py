@@ -37,6 +37,7 @@ from ...graph_pools import built_outside_graph_pools
 from ...index import _host_tensor, cached_on_version, checked_cu_seqlens_host
 from ...kda_tuning import recurrence_block_v, sm_count
 from .. import device_rejection
+from ..compile_cache import LaunchDeclined
 
 if TYPE_CHECKING:
     from ...lightning_args import LightningPrefillArgs
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 CHUNK = 64
+_ROW_ALIGN = 16  # bytes: the token tensors' promise to kernels A and C (16-byte row segments)
 HEAD_DIM = 128
 # seg_len candidates, longest first: the longest whose grid has WAVES waves of CTAs on the GPU's SMs (fewest state
 # passes: each costs NSEG · H · 64 KB against the inputs' T · H · 1 KB), else the shortest
@@ -277,6 +279,13 @@ def _output() -> Callable:
     return lightning_chunk_output
 
 
+def _planned_output(H: int, device: torch.device) -> Callable:
+    """Kernel C bound to a plan's signature (``chunk_output.plan_chunk_output``)."""
+    from .chunk_output import plan_chunk_output
+
+    return plan_chunk_output(H, device)
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``[B, T, H, D]`` -> the flattened token axis ``[B·T, H, D]`` (a view of a contiguous tensor)."""
     return x.view(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
@@ -328,11 +337,15 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
 def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
-    state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched:
-    kernels A and B through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
+    state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched,
+    through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
     (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked host
     copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
-    plan. Holds no tensor of the call it was made from."""
+    plan. Holds no tensor of the call it was made from.
+
+    A launch TVM-FFI refuses raises ``LaunchDeclined`` before it launches (the caller then runs the call unplanned);
+    kernel B writes the final states or the pool, so nothing after it may be refused: q, which only kernel C reads,
+    has its alignment checked before kernel A (k and v are kernel A's too, refused there; o is the plan's own)."""
     states = _states()
     device = args.device
     B, T, H, K, V, N = args.B, args.T, args.H, args.K, args.V, args.N
@@ -344,13 +357,16 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> C
     scan = states.plan_segment_scan(H, N, states.scan_flags(args.initial_state, want_ht, v_first, args.state,
                                                             args.has_initial_state), device)
     runs_a: dict[int, Callable] = {}
+    run_c: list[Callable] = []  # kernel C, bound on the first call with tokens
 
     def plan(q, k, v, g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state):
+        if q.data_ptr() % _ROW_ALIGN:  # (kernel C's promise on q, checked before kernel B can write anything)
+            raise LaunchDeclined
         o = torch.empty(B, T, H, V, dtype=dtype, device=device)
         ht = torch.empty(state_shape, dtype=torch.float32, device=device) if want_ht else None
         if N == 0:
             return o, ht
-        chosen, segments, seq_segments = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len)
+        _, segments, seq_segments = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len)
         nseg = segments.shape[0]
         seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
         kf, o_flat = _flat(k), _flat(o)
@@ -362,7 +378,9 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> C
             run_a(kf, _flat(v), g_gamma, segments, seg_state)
         scan(seg_state, segments, seq_segments, g_gamma, initial_state, ht, state, state_indices, has_initial_state)
         if nseg:
-            _output()(_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale, chosen)
+            if not run_c:
+                run_c.append(_planned_output(H, device))
+            run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale)
         return o, ht
 
     return plan
