@@ -113,6 +113,19 @@ def per_call_us(fn, calls: int) -> float:
     return best
 
 
+def planned_call_cost(plan, tensors: tuple, calls: int) -> tuple[float, int]:
+    """``plan(*tensors)``'s us per call (:func:`per_call_us`, after 20 warm-up calls) and allocations per call."""
+
+    def planned() -> None:
+        plan(*tensors)
+
+    for _ in range(20):
+        planned()
+    with AllocationCounter() as allocations:
+        planned()
+    return per_call_us(planned, calls), allocations.count
+
+
 def environ_reads(fn) -> int:
     """How many ``os.environ.get`` calls one ``fn()`` makes."""
     reads = [0]
@@ -184,20 +197,13 @@ def main() -> None:
         tensors = (args.q, args.k, args.v, args.g, args.beta, args.initial_state, args.A_log, args.dt_bias,
                    args.cu_seqlens, args.cu_seqlens_host)
 
-        def planned(plan=plan, tensors=tensors) -> None:
-            plan(*tensors)
-
-        for _ in range(20):
-            planned()
-        with AllocationCounter() as planned_allocations:
-            planned()
         total, launch_us = per_call_us(call, opts.calls), per_call_us(launch_only, opts.calls)
-        planned_us = per_call_us(planned, opts.calls)
+        planned_us, planned_allocations = planned_call_cost(plan, tensors, opts.calls)
         print(f"| {name} | {total:.1f} | {len(launches)} | {launch_us:.1f} | {total - launch_us:.1f} "
-              f"| {allocations.count} | {environ_reads(call)} | {planned_us:.1f} | {planned_allocations.count} |")
+              f"| {allocations.count} | {environ_reads(call)} | {planned_us:.1f} | {planned_allocations} |")
         if opts.profile and opts.profile == name:
             profile = cProfile.Profile()
-            profile.runcall(lambda: [planned() for _ in range(1000)])
+            profile.runcall(lambda plan=plan, tensors=tensors: [plan(*tensors) for _ in range(1000)])
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
             print(f"\ncProfile, {name}, 1000 planned calls:\n```\n{out.getvalue().strip()}\n```\n")

@@ -21,9 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_cpu_kda import per_call_us, reuse_large_cpu_allocations  # noqa: E402
-
-from tests.helpers import AllocationCounter  # noqa: E402
+from host_cpu_kda import planned_call_cost, reuse_large_cpu_allocations  # noqa: E402
 
 K = 128
 CONFIGS = {  # name: (B, T, H, varlen lengths)
@@ -72,17 +70,9 @@ def main() -> None:
     print("|---|---|---|")
     for name, shape in CONFIGS.items():
         args = make_args(*shape)
-        plan = plan_lightning_prefill(args)
         tensors = (args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, None, None, None)
-
-        def planned(plan=plan, tensors=tensors) -> None:
-            plan(*tensors)
-
-        for _ in range(20):
-            planned()
-        with AllocationCounter() as allocations:
-            planned()
-        print(f"| {name} | {per_call_us(planned, opts.calls):.1f} | {allocations.count} |")
+        us, allocations = planned_call_cost(plan_lightning_prefill(args), tensors, opts.calls)
+        print(f"| {name} | {us:.1f} | {allocations} |")
 
 
 if __name__ == "__main__":
