@@ -1191,6 +1191,7 @@ def _intra_from_raw(q, k, v, g, beta, scale: float, form: str, A_log, dt_bias, l
 
 
 def _gate_config(form: str, g, beta, A_log, dt_bias, beta_sigmoid: bool, allow_neg_eigval: bool) -> InKernelGate:
+    """The gate part of the kernel's configuration for these arguments (their dtypes and presence)."""
     import torch
 
     names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -1205,6 +1206,7 @@ def _intra_tensors(q, k, v, g, beta, out, cu_seqlens, chunk_indices, A_log, dt_b
 
 
 def _intra_scalars(scale: float, form: str, lower_bound: float | None) -> tuple:
+    """The kernel's scalar arguments: the scale, and the lower bound of the "safe" gate form (else 0)."""
     return float(scale), float(lower_bound) if form == "safe" else 0.0
 
 
