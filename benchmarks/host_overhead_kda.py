@@ -18,7 +18,9 @@ and flags: bf16, gate / L2 norm / beta sigmoid in kernel, safe gate, fp32 h0, fi
 - GPU us: torch.profiler, the sum of the device activity (kernels, memsets, copies) per call, and the events.
 - host us of each stage: the median over ``--calls`` calls, each timed with ``time.perf_counter_ns``, while the GPU
   sleeps (``torch.cuda._sleep`` enqueued first), so no launch waits for the GPU: the whole ``kda_prefill``; the
-  unplanned call; ``validate_kda_prefill``; ``select_backend``; the backend's runner. "GPU busy" says the sleep
+  unplanned call; ``validate_kda_prefill``; ``select_backend``; the backend's runner; on the cutedsl backend, its
+  kernel launches alone (``compile_cache.launch`` on the arguments one runner call gave it: the layout checks and
+  the compiled function's call, TVM-FFI and the driver's launch included). "GPU busy" says the sleep
   outlasted every loop; "no" means a stage waited for the GPU (a synchronisation) or the sleep was too short.
 - cProfile of ``--calls`` calls (GPU asleep as above): the top entries by own time and by cumulative time, in us
   per call (cProfile's own cost inflates small functions; the header gives the profiled and unprofiled totals).
@@ -302,9 +304,42 @@ def measure(backend: str, cfg: Config, opts: argparse.Namespace, sleep: GpuSleep
     stages = {"kda_prefill": call, "unplanned": unplanned,
               "validate_kda_prefill": lambda: validate_kda_prefill(**kwargs),
               "select_backend": lambda: dispatch.select_backend(args), "backend runner": lambda: runner(args)}
+    launches = cutedsl_launches(runner, args) if backend == "cutedsl" else None
+    if launches:
+        stages["launches only"] = lambda: replay_launches(launches)
     row["host"] = {name: host_us(fn, opts.calls, sleep, sleep_ms) for name, fn in stages.items()}
+    row["host"].setdefault("launches only", (None, None, True))
     row["cprofile"] = cprofile_text(call, opts.calls, sleep, sleep_ms, opts.top)
     return row
+
+
+def cutedsl_launches(runner: Callable, args: object) -> list[tuple]:
+    """The ``compile_cache.launch`` arguments of one call of the cutedsl runner (its kernels run as usual)."""
+    from cula_runtime.cute import compile_cache
+    from cula_runtime.cute.kda import intra, recurrence
+
+    recorded: list[tuple] = []
+
+    def record(*launch_args) -> None:
+        recorded.append(launch_args)
+        compile_cache.launch(*launch_args)
+
+    saved = intra.launch, recurrence.launch
+    intra.launch = recurrence.launch = record
+    try:
+        runner(args)
+    finally:
+        intra.launch, recurrence.launch = saved
+    torch.cuda.synchronize()
+    return recorded
+
+
+def replay_launches(launches: list[tuple]) -> None:
+    """Launch each recorded kernel call again (the same tensors: the outputs are overwritten, nothing read back)."""
+    from cula_runtime.cute import compile_cache
+
+    for launch_args in launches:
+        compile_cache.launch(*launch_args)
 
 
 def environment() -> list[str]:
@@ -351,11 +386,12 @@ def report(results: list[tuple[str, Config, dict]], costs: list[tuple[str, float
              "waits).", "",
              "| backend | config | eager ms | eager unplanned ms | graph ms | eager - graph us | "
              "back-to-back us/call | GPU us (events) | eager, new cu_seqlens ms | same, with cu_seqlens_cpu ms | "
-             "host us: kda_prefill | unplanned | validate | select_backend | backend runner | GPU busy |",
-             "|---" * 16 + "|"]
+             "host us: kda_prefill | unplanned | validate | select_backend | backend runner | launches only | "
+             "GPU busy |",
+             "|---" * 17 + "|"]
     for backend, cfg, row in results:
         if "error" in row:
-            lines.append(f"| {backend} | {cfg.name} | {row['error']} |" + " |" * 13)
+            lines.append(f"| {backend} | {cfg.name} | {row['error']} |" + " |" * 14)
             continue
         graph = row["graph_ms"]
         gap = (row["eager_ms"] - graph) * 1e3 if isinstance(graph, float) else None
@@ -367,7 +403,7 @@ def report(results: list[tuple[str, Config, dict]], costs: list[tuple[str, float
             f"{_fmt(gap, 1)} | "
             f"{_fmt(row['back_to_back_us'], 1)} | {_fmt(row['gpu_us'], 1)} ({row['gpu_events']:.0f}) | "
             f"{_fmt(row.get('eager_fresh_cu_ms'))} | {_fmt(row.get('eager_fresh_cu_cpu_ms'))} | "
-            + " | ".join(_fmt(host[name][0], 1) for name in host) + f" | {busy} |")
+            + " | ".join("-" if host[name][0] is None else _fmt(host[name][0], 1) for name in host) + f" | {busy} |")
     lines += ["", "Kernels per call (torch.profiler, mean us):", ""]
     for backend, cfg, row in results:
         if "kernels" in row:

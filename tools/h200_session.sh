@@ -121,6 +121,10 @@ for step in "$@"; do
                         "$OUT/profile_kda_ablation.txt" ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
     ncu) timeout 580 bash tools/h200_ncu.sh ;;
+    # the cutedsl prefill's host time by stage, its kernel launches alone included (the planned call's bound launches
+    # against the unplanned call's)
+    host:cutedsl) timeout 400 python3 benchmarks/host_overhead_kda.py --backend cutedsl --calls 50 --reps 30 \
+                    --out "$OUT/kda_host_overhead_cutedsl_h200.md" ;;
     # end-to-end time minus kernel time: varlen T16384 10xuniform spent ~0.2 ms outside its kernels, fixed ~0.06
     host:gap) timeout 400 python3 benchmarks/host_overhead_kda.py --backend sm90 --calls 50 --reps 30 \
                 --configs "${HOST_CONFIGS:-fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform}" \
@@ -165,7 +169,7 @@ for step in "$@"; do
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
-          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap tests:pool tests:decode bench:decode" \
+          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning)" ;;
   esac
