@@ -125,6 +125,9 @@ for step in "$@"; do
     # against the unplanned call's)
     host:cutedsl) timeout 400 python3 benchmarks/host_overhead_kda.py --backend cutedsl --calls 50 --reps 30 \
                     --out "$OUT/kda_host_overhead_cutedsl_h200.md" ;;
+    # the planned cutedsl lightning_prefill call's host time (its T <= 4096 rows are mostly host time)
+    host:lightning) timeout 300 python3 benchmarks/host_path_lightning_prefill.py --gpu \
+                      | tee "$OUT/lightning_prefill_host_h200.md" ;;
     # end-to-end time minus kernel time: varlen T16384 10xuniform spent ~0.2 ms outside its kernels, fixed ~0.06
     host:gap) timeout 400 python3 benchmarks/host_overhead_kda.py --backend sm90 --calls 50 --reps 30 \
                 --configs "${HOST_CONFIGS:-fixed B1 T16384,fixed B2 T16384,varlen T16384 10xuniform}" \
@@ -169,7 +172,7 @@ for step in "$@"; do
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
-          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl tests:pool tests:decode bench:decode" \
+          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning)" ;;
   esac

@@ -1,13 +1,19 @@
-"""Host (Python) cost of one planned ``lightning_prefill`` call on the cutedsl backend, on a CPU: no GPU, nothing
-compiled.
+"""Host cost of one planned ``lightning_prefill`` call on the cutedsl backend: on a CPU with the kernels stubbed,
+or (``--gpu``) the real call on a CUDA GPU.
 
-    python benchmarks/host_cpu_lightning.py [--calls 3000]
+    python benchmarks/host_path_lightning_prefill.py [--calls 3000]
+    python benchmarks/host_path_lightning_prefill.py --gpu [--calls 200]
 
 The call plan of ``plan_lightning_prefill`` (what a repeated ``cula.lightning.lightning_prefill`` call runs after
 its signature lookup) on CPU tensors, with the kernels' compilation replaced by no-op callables and the device
 reported as sm_90a (``host_cpu_kda.py``'s stubs): the segment table lookup, the allocations and the three launches'
 Python, without the TVM-FFI calls and the CUDA allocations a GPU host adds. Reported per config: us per call (min
 over 5 loops of ``--calls / 5`` calls, after warm-up) and allocations per call.
+
+``--gpu``: ``cula.lightning.lightning_prefill`` itself (``CULA_BACKEND=cutedsl``: the signature lookup, then the
+plan, its kernels launched) on the same configs on the current CUDA device, the host wall time of one call with the
+GPU asleep (``host_overhead_kda.GpuSleep``: no call waits for the GPU): median and mean over ``--calls`` calls, and
+whether the sleep outlasted them ("GPU busy").
 """
 
 from __future__ import annotations
@@ -45,20 +51,59 @@ def stub_kernels() -> None:
     prefill_backend.sm_count = lambda device: 132
 
 
+def make_inputs(B: int, T: int, H: int, lens: tuple | None, device: str = "cpu") -> tuple:
+    """bf16 q/k/v and the keywords: FLA's decays for layer 0 of 2, fp32 final state out, ``cu_seqlens``."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, K, generator=gen).bfloat16().to(device) for _ in range(3))
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, dict(layer_idx=0, num_layers=2, output_final_state=True,
+                         cu_seqlens=None if cu is None else cu.to(device))
+
+
 def make_args(B: int, T: int, H: int, lens: tuple | None):
-    """bf16 q/k/v, FLA's decays for layer 0 of 2, fp32 final state out, on the CPU, validated."""
+    """:func:`make_inputs` on the CPU, validated."""
     from cula_runtime.lightning_args import validate_lightning_prefill
 
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, T, H, K, generator=gen).bfloat16() for _ in range(3))
-    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    return validate_lightning_prefill(q, k, v, layer_idx=0, num_layers=2, output_final_state=True, cu_seqlens=cu)
+    q, k, v, kwargs = make_inputs(B, T, H, lens)
+    return validate_lightning_prefill(q, k, v, **kwargs)
+
+
+def gpu_main(calls: int) -> None:
+    """The ``--gpu`` table."""
+    import os
+
+    from host_overhead_kda import GpuSleep, host_us
+
+    from cula.lightning import lightning_prefill
+
+    os.environ["CULA_BACKEND"] = "cutedsl"
+    sleep = GpuSleep()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, host time of one planned cutedsl "
+          "lightning_prefill call, GPU asleep\n")
+    print("| config | host us (median) | host us (mean) | GPU busy |")
+    print("|---|---|---|---|")
+    for name, shape in CONFIGS.items():
+        q, k, v, kwargs = make_inputs(*shape, device="cuda")
+
+        def call(q=q, k=k, v=v, kwargs=kwargs) -> object:
+            return lightning_prefill(q, k, v, **kwargs)
+
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+        median, mean, busy = host_us(call, calls, sleep, max(50.0, calls * 2.0))
+        print(f"| {name} | {median:.1f} | {mean:.1f} | {'yes' if busy else 'no'} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--calls", type=int, default=None, help="calls per measurement (3000; --gpu: 200)")
+    parser.add_argument("--gpu", action="store_true", help="the real call on the current CUDA GPU")
     opts = parser.parse_args()
+    if opts.gpu:
+        gpu_main(opts.calls or 200)
+        return
+    opts.calls = opts.calls or 3000
     torch.set_num_threads(1)
     reused = reuse_large_cpu_allocations()
     stub_kernels()
