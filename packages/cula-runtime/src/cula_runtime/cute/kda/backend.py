@@ -93,6 +93,15 @@ def _workspace_plan(groups: tuple) -> tuple:
     return sum(spans), tuple(spans), tuple(steps)
 
 
+def _workspace_groups(B: int, T: int, HV: int, K: int, rows: int) -> tuple:
+    """:func:`carve_workspace`'s groups for one call: w, u, qg, kg (bf16 ``[B, T, HV, K]``), Aqk (bf16 ``[B, T, HV,
+    64]``) and g_last (fp32, ``rows`` chunk rows)."""
+    import torch
+
+    bf16 = torch.bfloat16
+    return ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, rows, HV, K), torch.float32))
+
+
 def carve_workspace(device: Any, groups: tuple) -> list:
     """One call's intermediates as views of one allocation: one ``torch.empty`` (and one free) instead of one per
     tensor.
@@ -169,10 +178,8 @@ def kda_prefill_cutedsl(args: Any, *, block_v: int = 0) -> tuple[Any, Any]:
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
     form, A_log, dt_bias = gate.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
                                                args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)
-    bf16, fp32 = torch.bfloat16, torch.float32
     rows = num_chunks if cu is not None else -(-T // CHUNK)  # g_last: one row per chunk
-    w, u, qg, kg, Aqk, g_last = carve_workspace(
-        device, ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, rows, HV, K), fp32)))
+    w, u, qg, kg, Aqk, g_last = carve_workspace(device, _workspace_groups(B, T, HV, K, rows))
     if num_chunks:  # (a pool-form call without tokens runs the recurrence alone: its states pass through the pool)
         intra._intra_from_raw(
             args.q, args.k, args.v, args.g, args.beta, args.scale, form, A_log, dt_bias, lower_bound,
@@ -232,42 +239,26 @@ def _planned(args: Any, unplanned: Callable) -> Callable:
     lower_bound = args.lower_bound if args.use_gate_in_kernel else None
     form, A_log, dt_bias = gate.gate_arguments(args.use_gate_in_kernel, lower_bound, args.A_log, args.dt_bias,
                                                args.allow_neg_eigval, args.use_beta_sigmoid_in_kernel, HV, K, device)
-    # the gate tensors as the kernel takes them, from the call's: as passed, or converted as gate_arguments does
-    a_log_as_is = A_log is None or A_log is args.A_log
-    dt_bias_view = (dt_bias is not None and args.dt_bias.dtype == torch.float32 and args.dt_bias.device == device
-                    and args.dt_bias.is_contiguous())
     run_intra = intra.plan_intra_from_raw(args.q, args.k, args.v, args.g, args.beta, args.scale, form, A_log, dt_bias,
                                           lower_bound, args.use_qk_l2norm_in_kernel, args.use_beta_sigmoid_in_kernel,
                                           args.allow_neg_eigval, varlen, unbounded=not gate_is_bounded(args))
-    bf16, fp32 = torch.bfloat16, torch.float32
-    fixed_rows = -(-T // CHUNK)
-    fixed_groups = ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, fixed_rows, HV, K), fp32))
+    fixed_groups = _workspace_groups(B, T, HV, K, -(-T // CHUNK))
     run_recurrence = recurrence.plan_run(
         (B, T, HV, K), N, recurrence_block_v(N * HV, sm_count(device)), args.scale, device, cu_seqlens=args.cu_seqlens,
         initial_state=None if pool_form else args.initial_state, output_final_state=args.output_final_state and
         not pool_form, state_v_first=args.state_v_first, pool=args.state,
         has_initial_state=args.has_initial_state if pool_form else None)
 
-    def gate_tensors(A_log, dt_bias) -> tuple:
-        if form == "none":
-            return None, None
-        if A_log is not None and not a_log_as_is:
-            A_log = A_log.to(device=device, dtype=fp32).reshape(HV)
-        if dt_bias is not None:
-            dt_bias = dt_bias.view(HV, K) if dt_bias_view else dt_bias.to(device=device, dtype=fp32).reshape(HV, K)
-        return A_log, dt_bias
-
     def plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, *, state=None,
              state_indices=None, has_initial_state=None):
         if varlen:
             chunk_indices, chunk_offsets, seq_order = prepare_varlen_launch(cu_seqlens, CHUNK, host=cu_host)
-            num_chunks = chunk_indices.shape[0]
-            groups = ((4, (B, T, HV, K), bf16), (1, (B, T, HV, CHUNK), bf16), (1, (B, num_chunks, HV, K), fp32))
+            groups = _workspace_groups(B, T, HV, K, chunk_indices.shape[0])
         else:
             chunk_indices = chunk_offsets = seq_order = None
             groups = fixed_groups
         out = carve_workspace(device, groups)
-        a_log, dt = gate_tensors(A_log, dt_bias)
+        a_log, dt = (None, None) if form == "none" else gate.gate_tensors(A_log, dt_bias, HV, K, device)
         h0 = None if pool_form else initial_state.float() if h0_float else initial_state
         try:
             run_intra(q, k, v, g, beta, out, cu_seqlens, chunk_indices, a_log, dt)

@@ -77,8 +77,6 @@ def gate_arguments(use_gate_in_kernel: bool, lower_bound: float | None, A_log, d
                    use_beta_sigmoid_in_kernel: bool, HV: int, K: int, device) -> tuple:
     """The gate form (:data:`GATE_FORMS`) and the checked fp32 ``A_log [HV]`` and ``dt_bias [HV, K]`` (None when
     absent or unused) of a call that prepares the gate in a kernel; ``ValueError`` for inconsistent flags or sizes."""
-    import torch
-
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval requires use_beta_sigmoid_in_kernel=True")
     if use_gate_in_kernel:
@@ -87,15 +85,22 @@ def gate_arguments(use_gate_in_kernel: bool, lower_bound: float | None, A_log, d
             raise ValueError("the softplus gate (lower_bound=None) needs A_log")
     else:
         gate, A_log, dt_bias = "none", None, None
-    if A_log is not None:
-        if A_log.numel() != HV:
-            raise ValueError(f"A_log must have HV = {HV} elements, got {A_log.numel()}")
-        if A_log.dim() != 1 or A_log.dtype != torch.float32 or A_log.device != device:
-            A_log = A_log.to(device=device, dtype=torch.float32).reshape(HV)
+    if A_log is not None and A_log.numel() != HV:
+        raise ValueError(f"A_log must have HV = {HV} elements, got {A_log.numel()}")
+    if dt_bias is not None and dt_bias.numel() != HV * K:
+        raise ValueError(f"dt_bias must have HV*K = {HV * K} elements, got {dt_bias.numel()}")
+    return (gate, *gate_tensors(A_log, dt_bias, HV, K, device))
+
+
+def gate_tensors(A_log, dt_bias, HV: int, K: int, device) -> tuple:
+    """``A_log`` and ``dt_bias`` (each None or of the right size) as the kernels take them: fp32 ``[HV]`` and
+    ``[HV, K]`` on ``device``, the tensors themselves (or views) where they already are."""
+    import torch
+
+    if A_log is not None and (A_log.dim() != 1 or A_log.dtype != torch.float32 or A_log.device != device):
+        A_log = A_log.to(device=device, dtype=torch.float32).reshape(HV)
     if dt_bias is not None:
-        if dt_bias.numel() != HV * K:
-            raise ValueError(f"dt_bias must have HV*K = {HV * K} elements, got {dt_bias.numel()}")
         if dt_bias.dtype != torch.float32 or dt_bias.device != device:
             dt_bias = dt_bias.to(device=device, dtype=torch.float32)
         dt_bias = dt_bias.view(HV, K) if dt_bias.is_contiguous() else dt_bias.reshape(HV, K)
-    return gate, A_log, dt_bias
+    return A_log, dt_bias

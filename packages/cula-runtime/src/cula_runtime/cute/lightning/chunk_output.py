@@ -594,8 +594,14 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
     if nseg == 0 or rows == 0:
         return
     config, specs = _plan(H)
-    tensors = (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0))
-    launch(LightningChunkOutput, config, specs, tensors, _OUTPUTS, device, float(scale))
+    launch(LightningChunkOutput, config, specs, _tensors(q, k, v, g_gamma, seg_state, segments, o), _OUTPUTS, device,
+           float(scale))
+
+
+def _tensors(q, k, v, g_gamma, seg_state, segments, o) -> tuple:
+    """The kernel's tensor arguments in their order (:meth:`LightningChunkOutput.argument_specs`): the token tensors
+    with the leading batch axis of 1 the kernel indexes."""
+    return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0)
 
 
 def plan_chunk_output(H: int, device) -> Callable:
@@ -607,8 +613,7 @@ def plan_chunk_output(H: int, device) -> Callable:
     run = bound_launch(LightningChunkOutput, config, specs, device)
 
     def run_output(q, k, v, g_gamma, seg_state, segments, o, scale: float) -> None:
-        run((q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0)),
-            (float(scale),))
+        run(_tensors(q, k, v, g_gamma, seg_state, segments, o), (float(scale),))
 
     return run_output
 
