@@ -264,24 +264,6 @@ def test_env_snapshot_sees_new_knobs_and_changed_values(monkeypatch) -> None:
 needs_cutedsl = pytest.mark.skipif(not cula_cute.is_available(), reason="CuTeDSL or TVM-FFI is not installed")
 
 
-def _launch_records(launches: list, inputs: dict) -> list:
-    """Each launch as (kernel class, config, scalars, one label per tensor argument): ``("arg", name)`` for a
-    tensor on the memory of the call's input ``name`` (itself or a view: same shape and strides recorded), else its
-    shape, dtype, strides and contiguity (an allocation of the call)."""
-    records = []
-    for kernel_cls, config, call_args in launches:
-        n = len(kernel_cls(config).argument_specs())
-        labels = []
-        for t in call_args[:n]:
-            name = None if t is None or not t.numel() else next(
-                (name for name, x in inputs.items() if isinstance(x, torch.Tensor) and x.numel()
-                 and x.data_ptr() == t.data_ptr() and x.dtype == t.dtype), None)
-            labels.append(None if t is None else ("arg", name, tuple(t.shape), t.stride()) if name else
-                          (tuple(t.shape), t.dtype, t.stride(), t.is_contiguous()))
-        records.append((kernel_cls, config, call_args[n:], labels))
-    return records
-
-
 @needs_cutedsl
 @pytest.mark.parametrize("name", [FIXED, VARLEN, "B1-T300-H2-gate-precomputed", "varlen-3seqs-h0bf16-GVA4",
                                   "kimi-B1-T1000-H4", "kimi-precomputed-fp32-varlen-serving", "B2-T129-H4-HV8-vk",
@@ -291,7 +273,7 @@ def test_cutedsl_plan_launches_what_the_unplanned_call_launches_on_new_tensors(n
     scalars and tensors (the second call's own, or allocations of the same layout) that ``kda_prefill_cutedsl``
     gives the second call: the same bits. ``dt_bias`` in its [HV, K] form (the validator flattens it)."""
     from cula_runtime.cute.kda import backend, intra, recurrence
-    from tests.cute.compile_helpers import record_launches
+    from tests.cute.compile_helpers import launch_flow, record_launches
 
     launches = record_launches(monkeypatch)
     for module in (intra, recurrence):  # (the unplanned wrappers' CUDA-device check)
@@ -309,11 +291,12 @@ def test_cutedsl_plan_launches_what_the_unplanned_call_launches_on_new_tensors(n
     host = None if case.cu is None else checked_boundaries(second["cu_seqlens"], None, case.T)
     launches.clear()
     o, ht = plan(*(second.get(name) for name in order), host)
-    planned = _launch_records(launches, second)
+    validated = validate_kda_prefill(**second)
+    planned = launch_flow(list(launches), validated)
     launches.clear()
-    o_ref, ht_ref = backend.kda_prefill_cutedsl(validate_kda_prefill(**second))
+    o_ref, ht_ref = backend.kda_prefill_cutedsl(validated)
     assert [record[0].__name__ for record in planned] == ["KdaIntra", "KdaRecurrence"]
-    assert planned == _launch_records(launches, second)
+    assert planned == launch_flow(list(launches), validated)
     assert (o.shape, o.dtype) == (o_ref.shape, o_ref.dtype) and (ht is None) == (ht_ref is None)
 
 

@@ -77,3 +77,37 @@ def record_launches(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(compile_cache, "launch_target", lambda index: "sm_90a")
     monkeypatch.setattr(compile_cache, "_launchable", {})
     return calls
+
+
+def launch_flow(launches: list, args) -> list:
+    """The launches as comparable records: (kernel class, config, scalars, one label per tensor argument). A label
+    says where the tensor comes from: ``("arg", name)`` a user tensor itself, ``("view", name, shape, strides)`` a
+    view of one, ``("launch", i, j)`` the tensor launch ``i`` had as argument ``j`` (an output it wrote), or
+    ``("new", shape, dtype, strides, contiguous, 16-byte aligned)``."""
+    inputs = {name: getattr(args, name) for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
+                                                       "cu_seqlens")}
+    seen: dict[int, tuple] = {}
+    records = []
+    for i, (kernel_cls, config, call_args) in enumerate(launches):
+        n = len(kernel_cls(config).argument_specs())
+        labels = []
+        for j, t in enumerate(call_args[:n]):
+            if t is None:
+                labels.append(None)
+                continue
+            name = next((name for name, x in inputs.items() if x is t), None)
+            if name is not None:
+                labels.append(("arg", name))
+            elif id(t) in seen:
+                labels.append(seen[id(t)])
+            else:
+                base = next((name for name, x in inputs.items() if x is not None and x.numel() and t.numel()
+                             and x.data_ptr() == t.data_ptr()), None)
+                if base is not None:
+                    labels.append(("view", base, tuple(t.shape), t.stride()))
+                else:
+                    labels.append(("new", tuple(t.shape), t.dtype, t.stride(), t.is_contiguous(),
+                                   t.data_ptr() % 16 == 0))
+                seen[id(t)] = ("launch", i, j)
+        records.append((kernel_cls, config, call_args[n:], labels))
+    return records

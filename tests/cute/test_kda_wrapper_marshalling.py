@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cula_runtime import cute as cula_cute
+from tests.cute.compile_helpers import launch_flow
 from tests.helpers import AllocationCounter
 
 pytestmark = pytest.mark.skipif(
@@ -202,40 +203,6 @@ def _wrappers_chain(args, block_v: int):
     )
 
 
-def _flow(launches: list, args) -> list:
-    """The launches as comparable records: (kernel class, config, scalars, one label per tensor argument). A label
-    says where the tensor comes from: ``("arg", name)`` a user tensor itself, ``("view", name, shape, strides)`` a
-    view of one, ``("launch", i, j)`` the tensor launch ``i`` had as argument ``j`` (an output it wrote), or
-    ``("new", shape, dtype, strides, contiguous, 16-byte aligned)``."""
-    inputs = {name: getattr(args, name) for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state",
-                                                       "cu_seqlens")}
-    seen: dict[int, tuple] = {}
-    records = []
-    for i, (kernel_cls, config, call_args) in enumerate(launches):
-        n = len(kernel_cls(config).argument_specs())
-        labels = []
-        for j, t in enumerate(call_args[:n]):
-            if t is None:
-                labels.append(None)
-                continue
-            name = next((name for name, x in inputs.items() if x is t), None)
-            if name is not None:
-                labels.append(("arg", name))
-            elif id(t) in seen:
-                labels.append(seen[id(t)])
-            else:
-                base = next((name for name, x in inputs.items() if x is not None and x.numel() and t.numel()
-                             and x.data_ptr() == t.data_ptr()), None)
-                if base is not None:
-                    labels.append(("view", base, tuple(t.shape), t.stride()))
-                else:
-                    labels.append(("new", tuple(t.shape), t.dtype, t.stride(), t.is_contiguous(),
-                                   t.data_ptr() % 16 == 0))
-                seen[id(t)] = ("launch", i, j)
-        records.append((kernel_cls, config, call_args[n:], labels))
-    return records
-
-
 def _prefill_args(cu, *, l2norm=True, gate_in_kernel=True, h0_dtype=torch.float32, final_state=True,
                   v_first=False, g_dtype=torch.float32, beta_dtype=torch.bfloat16, HV=4, allow_neg_eigval=False,
                   lower_bound=-5.0, safe_gate=True):
@@ -282,10 +249,10 @@ def test_cutedsl_backend_launches_what_the_wrappers_launch(cu, case: str, launch
 
     args = _prefill_args(cu, **CASES[case])
     o, ht = kda_prefill_cutedsl(args, block_v=64)
-    new = _flow(list(launches), args)
+    new = launch_flow(list(launches), args)
     launches.clear()
     o_ref, ht_ref = _wrappers_chain(args, 64)
-    old = _flow(list(launches), args)
+    old = launch_flow(list(launches), args)
     assert len(new) == len(old) == 2
     assert [launch[0].__name__ for launch in new] == ["KdaIntra", "KdaRecurrence"]
     assert new[0][1].unbounded == case.startswith("unbounded")  # the intra form follows gate_is_bounded
