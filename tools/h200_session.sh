@@ -18,11 +18,16 @@
 #   ... && LIGHTNING_ONLY=decode LIGHTNING_MERGE=benchmarks/results/lightning_h200.json \
 #          bash tools/h200_session.sh bench:lightning
 #   ... && bash tools/h200_session.sh sanitizer:lightning
+#   ... && bash tools/h200_session.sh tests:lightning-fused profile:lightning   (the one-launch prefill form)
+#   ... && LIGHTNING_SANITIZER_SHAPES="prefill-fused prefill-pool-fused prefill-large-fused" \
+#          bash tools/h200_session.sh sanitizer:lightning
 #   ... && bash tools/h200_session.sh stress:lightning
 # FLA's errors on the Lightning GPU tests' cases (the frozen bounds; capped at FLA_LIGHTNING_TIMEOUT, 300 s, where
 # all the cases take ~500 s alone; writes $OUT/lightning_fla_errors.py, to be copied to tests/lightning_fla_errors.py;
 # only the cases not recorded there yet):
 #   ... && FLA_LIGHTNING_TIMEOUT=500 bash tools/h200_session.sh fla:lightning
+# TESTS_TIMEOUT raises the caps of tests:sm90-unbounded (300 s) and tests:lightning (400 s), which side-by-side lanes
+# (tools/h200_lanes.sh) can outrun on a lent H100.
 set -uo pipefail
 OUT=${OUT:-/tmp/cula-out}
 # The knob variants timed beside the defaults (bench_kda_prefill.py --extra), none of them the default: BENCH_EXTRA
@@ -64,7 +69,7 @@ lightning_gpu_tests() {
   for f in tests/cute/test_lightning_*_gpu.py tests/gpu/test_lightning_*gpu.py; do [ -e "$f" ] && files+=("$f"); done
   if [ ${#files[@]} = 0 ]; then echo "no Lightning GPU test files"; return 1; fi
   echo "Lightning GPU tests: ${files[*]}"
-  GPU_LOG_TAG=_lightning timeout 400 bash tools/h200_tests.sh -q "${files[@]}"
+  GPU_LOG_TAG=_lightning timeout "${TESTS_TIMEOUT:-400}" bash tools/h200_tests.sh -q "${files[@]}"
 }
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -80,7 +85,7 @@ for step in "$@"; do
     tests:recurrence) GPU_LOG_TAG=_recurrence timeout 580 bash tools/h200_tests.sh -q -k "recurrence_matches_oracle" \
                         tests/sm90 ;;
     # every sm90 test of the unbounded gate's form (oracle bounds, extreme gates, replays), after a change to it
-    tests:sm90-unbounded) GPU_LOG_TAG=_sm90_unbounded timeout 300 bash tools/h200_tests.sh -q \
+    tests:sm90-unbounded) GPU_LOG_TAG=_sm90_unbounded timeout "${TESTS_TIMEOUT:-300}" bash tools/h200_tests.sh -q \
                             -k "sm90 and (kimi or extreme or slow or wide or unbounded or softplus or replays)" \
                             tests/gpu tests/sm90 ;;
     tests:tuned) GPU_LOG_TAG=_tuned timeout 580 bash tools/h200_tests.sh -q -k "intra_tuned_matches" tests/sm90 ;;
@@ -167,6 +172,12 @@ for step in "$@"; do
     bench:lightning) timeout 560 python3 benchmarks/bench_lightning.py ${LIGHTNING_ONLY:+--only "$LIGHTNING_ONLY"} \
                        ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
     sanitizer:lightning) sanitize_lightning ;;
+    # the prefill's fused form (one launch) beside the three launches: its tests, then both forms timed
+    tests:lightning-fused) GPU_LOG_TAG=_lightning_fused timeout "${TESTS_TIMEOUT:-400}" bash tools/h200_tests.sh \
+                             tests/cute/test_lightning_fused_gpu.py tests/gpu/test_lightning_gpu.py -k fused ;;
+    profile:lightning) timeout 300 python3 benchmarks/profile_lightning.py --seg-lens "${LIGHTNING_SEG_LENS:-0,256,512,1024}" \
+                         --forms three,fused --reps 20 --shapes 1,32768,64 1,32768,16 1,16384,64 1,4096,64 2,4096,16 \
+                         1,1024,64 | tee "$OUT/profile_lightning.txt" ;;
     stress:lightning) timeout 400 python3 benchmarks/stress_lightning_determinism.py --backend cutedsl \
                         --replays 100000 --out "$OUT/stress_lightning.md" ;;
     *) echo "unknown step: $step" \
@@ -174,7 +185,8 @@ for step in "$@"; do
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors sanitizer:unbounded sanitizer:decode" \
-          "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning)" ;;
+          "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
+          "tests:lightning-fused profile:lightning)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -84,16 +84,54 @@ def emulate_scan(seg_state: torch.Tensor, segments: torch.Tensor, seq_segments: 
     return starts, S, slots
 
 
-def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int) -> None:
-    """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``."""
+def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int,
+                         fused: bool = False) -> None:
+    """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``
+    (``fused``: a fused table, whose empty sequences have a segment of length 0)."""
     H = q.shape[1]
     g = torch.exp(g_gamma.double().cpu()).view(H, 1, 1)
     for s, (_, start, length, _) in enumerate(segments.tolist()):
-        assert 1 <= length <= seg_len
+        assert int(not fused) <= length <= seg_len
         S = seg_state[s].double().cpu().clone()
         for t in range(start, start + length):
             S = g * S + k[t].double().cpu().unsqueeze(-1) * v[t].double().cpu().unsqueeze(-2)
             o[t] = (scale * torch.einsum("hk,hkv->hv", q[t].double().cpu(), S)).to(o.dtype)
+
+
+def fused_seq_segments(segments: torch.Tensor) -> torch.Tensor:
+    """A fused table's sequence offsets, from its rows, checking its marks: each sequence's rows are adjacent, in
+    order, column 3 their rank times 4, plus 1 on the first and 2 on the last, every sequence present."""
+    rows = segments.tolist()
+    offsets = [0]
+    for s, (n, _, _, info) in enumerate(rows):
+        first = s == 0 or rows[s - 1][0] != n
+        last = s == len(rows) - 1 or rows[s + 1][0] != n
+        assert info == 4 * (s - offsets[-1]) + int(first) + 2 * int(last), (s, rows[s])
+        if first:
+            assert n == len(offsets) - 1
+        if last:
+            offsets.append(s + 1)
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+def emulate_fused(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, state_indices, has_initial_state,
+                  scale: float, state_v_first: bool) -> None:
+    """The fused kernel in float64: kernels A, B and C's emulations over a fused table, with ``own`` and ``incl``
+    as the segments' own and end states, ``ht`` and the pool written as kernel B would."""
+    seq_segments = fused_seq_segments(segments)
+    own.copy_(emulate_segment_states(k, v, g_gamma, segments).float())
+    starts, final, slots = emulate_scan(own, segments, seq_segments, g_gamma, h0, state_v_first, pool, state_indices,
+                                        has_initial_state)
+    lengths = segments[:, 2].double().view(-1, 1, 1, 1)
+    incl.copy_((torch.exp(g_gamma.double().view(1, -1, 1, 1) * lengths) * starts + own.double()).float())
+    emulate_chunk_output(q, k, v, g_gamma, starts, segments, o, scale, q.shape[0], fused=True)
+    final_laid = final.transpose(-1, -2) if state_v_first else final
+    if ht is not None:
+        ht.copy_(final_laid.float())
+    if pool is not None:
+        for n, slot in enumerate(slots):
+            if slot >= 0:
+                pool[slot] = final_laid[n].to(pool.dtype)
 
 
 class FakeKernels:
@@ -142,6 +180,17 @@ class FakeKernels:
         self.calls.append(("C", segments.shape[0], seg_len))
         emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, seg_len)
 
+    def plan_fused_output(self, H, flags, device):
+        def run(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, idx, has_init, scale) -> None:
+            nseg = segments.shape[0]
+            assert q.dim() == 3 and o.dim() == 3 and q.shape[1] == H and nseg >= 1
+            assert own.shape == incl.shape == (nseg, H, 128, 128) and own.dtype == incl.dtype == torch.float32
+            assert sync.dtype == torch.int32 and sync.shape == (1 + nseg * H,) and not sync.any()
+            self.calls.append(("F", nseg))
+            emulate_fused(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, idx, has_init, scale,
+                          flags[2])
+        return run
+
     def plan_chunk_output(self, H, device):  # (the bound kernel C of plans: no seg_len, the table's lengths)
         def run(q, k, v, g_gamma, seg_state, segments, o, scale) -> None:
             assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0] and q.shape[1] == H
@@ -156,6 +205,7 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
     monkeypatch.setattr(pb, "_states", lambda: fake)
     monkeypatch.setattr(pb, "_output", lambda: fake.chunk_output)
     monkeypatch.setattr(pb, "_planned_output", fake.plan_chunk_output)
+    monkeypatch.setattr(pb, "_planned_fused", fake.plan_fused_output)
     monkeypatch.setattr(pb, "sm_count", lambda device: 132)
     pb.clear_segment_cache()
     return fake
@@ -206,6 +256,27 @@ def test_segment_table_docstring_example() -> None:
     table = segment_table([130, 0, 64], 64)
     assert table.rows() == [(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 0), (2, 130, 64, 0)]
     assert table.seq_segments == [0, 3, 3, 4]
+
+
+def test_fused_segment_table_docstring_example() -> None:
+    table = segment_table([130, 0, 64], 64, fused=True)
+    assert table.rows() == [(0, 0, 64, 1), (0, 64, 64, 4), (0, 128, 2, 10), (1, 130, 0, 3), (2, 130, 64, 3)]
+    assert table.seq_segments == [0, 3, 4, 5]
+    assert num_segments([130, 0, 64], 64, fused=True) == 5
+
+
+@pytest.mark.parametrize(("lens", "seg_len"), [([4096], 512), ([0, 100, 0, 128, 1, 4097, 0], 128), ([0], 64),
+                                               ([1000, 1000, 1000], 256)])
+def test_fused_segment_table_is_the_table_plus_its_marks(lens: list[int], seg_len: int) -> None:
+    """The fused table: the plain table's rows, a row of length 0 for each empty sequence, the first / last marks."""
+    fused = segment_table(lens, seg_len, fused=True)
+    plain = [r for r in fused.rows() if r[2] > 0]
+    assert [(n, start, length, 0) for n, start, length, _ in plain] == segment_table(lens, seg_len).rows()
+    assert fused.num_segments == num_segments(lens, seg_len, fused=True)
+    assert fused_seq_segments(torch.tensor(fused.rows(), dtype=torch.int32)).tolist() == fused.seq_segments
+    assert [r for r in fused.rows() if r[2] == 0] == [
+        (n, sum(lens[:n]), 0, 3) for n, length in enumerate(lens) if length == 0]
+    assert max(r[3] >> 2 for r in fused.rows()) == max(max(-(-length // seg_len), 1) for length in lens) - 1
 
 
 @pytest.mark.parametrize(("lens", "seg_len", "error", "match"), [
@@ -351,8 +422,9 @@ def _oracle(q, k, v, g_gamma, scale, h0, cu, v_first):
     pytest.param(1, 130, 2, (0, 1, 130), False, False, 0, id="varlen-chosen-seg_len"),
 ])
 @pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
+@pytest.mark.parametrize("fused", [False, True], ids=["three-launches", "fused"])
 def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, cu, h0, v_first, seg_len,
-                                           planned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                           planned: bool, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     q, k, v, g_gamma, cu_t = _inputs(B, T, H, 1, cu)
@@ -361,16 +433,16 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=initial, output_final_state=True,
                                       cu_seqlens=cu_t, state_v_first=v_first)
     if planned:
-        plan = pb.plan_lightning_prefill(args, seg_len=seg_len)
+        plan = pb.plan_lightning_prefill(args, seg_len=seg_len, fused=fused)
         o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, None, None, None)
     else:
-        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len)
+        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len, fused=fused)
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, initial, cu_t, v_first)
     assert o.dtype == torch.bfloat16 and o.shape == (B, T, H, 128)
     assert ht.dtype == torch.float32 and ht.shape == args.state_shape
     torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-4)
-    assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"]
+    assert [c[0] for c in fake_kernels.calls] == (["F"] if fused else ["A", "B", "C"])
 
 
 def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKernels) -> None:
@@ -418,10 +490,66 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pyt
     for got, want in zip(c_args[:3] + c_args[6:7], (args.q, args.k, args.v, o), strict=True):
         assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
     assert c_args[3] is args.g_gamma and c_args[4] is b_args[0] and c_args[5] is b_args[1]  # start states, table
-    assert c_args[7] == args.scale
+    assert c_args[7:14] == (None,) * 7 and c_args[14] == args.scale  # (the fused form's arguments: absent)
 
 
-def test_backend_pool(fake_kernels: FakeKernels) -> None:
+@pytest.mark.parametrize("pool_dtype", [None, torch.float32, torch.bfloat16])
+def test_a_fused_plan_launches_once_on_the_calls_tensors(monkeypatch: pytest.MonkeyPatch, pool_dtype) -> None:
+    """The fused plan's one launch gets q, k, v and o as ``[1, B·T, H, 128]`` views of the call's tensors, the fused
+    table (every sequence a row, the empty one of length 0, first / last marks), its own and end states
+    ``[NSEG, H, 128, 128]`` fp32, a zeroed sync word per segment-head plus the ticket, the state arguments of its
+    configuration (h0 and ht, or the pool, its indices and flags as bytes) and the scale; nothing compiled here."""
+    from cula_runtime import cute as cula_cute
+
+    if not cula_cute.is_available():
+        pytest.skip("CuTeDSL or TVM-FFI is not installed")
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput
+    from cula_runtime.lightning_args import validate_lightning_prefill
+    from tests.cute.compile_helpers import record_launches
+
+    launches = record_launches(monkeypatch)
+    monkeypatch.setattr(pb, "sm_count", lambda device: 132)
+    pb.clear_segment_cache()
+    cu = (0, 0, 70, 70, 199, 300)
+    q, k, v, g_gamma, cu_t = _inputs(1, 300, 2, 1, cu)
+    if pool_dtype is None:
+        h0 = torch.randn(5, 2, 128, 128)
+        args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu_t, state_v_first=True)
+    else:
+        pool = torch.zeros(7, 2, 128, 128, dtype=pool_dtype)
+        args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool,
+                                          state_indices=torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32),
+                                          has_initial_state=torch.tensor([True, False, True, True, False]))
+    plan = pb.plan_lightning_prefill(args, seg_len=64, fused=True)
+    o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, args.state,
+                 args.state_indices, args.has_initial_state)
+    assert len(launches) == 1
+    cls, config, call = launches[0]
+    assert cls is LightningChunkOutput and config.fused and config.num_heads == 2
+    assert (config.state_pool, config.initial_state_flags) == (pool_dtype is not None,) * 2
+    assert config.state_dtype == ("float32" if pool_dtype is None else str(pool_dtype).removeprefix("torch."))
+    assert (config.has_initial_state, config.output_final_state, config.state_v_first) == (pool_dtype is None,) * 3
+    assert len(call) == len(LightningChunkOutput(config).argument_specs()) + 1
+    for got, want in zip(call[:3] + call[6:7], (args.q, args.k, args.v, o), strict=True):
+        assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
+    assert call[3] is args.g_gamma
+    rows = [tuple(r) for r in call[5].tolist()]
+    assert rows == segment_table([0, 70, 0, 129, 101], 64, fused=True).rows()
+    nseg = len(rows)
+    for state in (call[4], call[7]):
+        assert state.shape == (nseg, 2, 128, 128) and state.dtype == torch.float32 and state.is_contiguous()
+    assert call[8].dtype == torch.int32 and call[8].tolist() == [0] * (1 + nseg * 2)
+    if pool_dtype is None:
+        assert call[9] is h0 and call[10] is ht and call[11:14] == (None,) * 3
+    else:
+        assert ht is None and call[9:11] == (None, None) and call[11] is args.state and call[12] is args.state_indices
+        assert call[13].dtype == torch.uint8 and call[13].data_ptr() == args.has_initial_state.data_ptr()
+    assert call[14] == args.scale
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["three-launches", "fused"])
+def test_backend_pool(fake_kernels: FakeKernels, fused: bool) -> None:
     """The pool form: slots read and written in place (fp32), a padding row (-1) and an out-of-pool slot start from
     zeros and write nothing, a False flag starts from zeros but writes its slot, unnamed slots keep their bits."""
     from cula_runtime.lightning_args import validate_lightning_prefill
@@ -434,7 +562,7 @@ def test_backend_pool(fake_kernels: FakeKernels) -> None:
     flags = torch.tensor([True, True, True, False, True])
     args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool, state_indices=idx,
                                       has_initial_state=flags)
-    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64, fused=fused)
     assert ht is None
     h0 = torch.stack([before[4], before[1], torch.zeros(2, 128, 128), torch.zeros(2, 128, 128), before[2]])
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, h0, cu_t, False)

@@ -63,6 +63,7 @@ SEG_LEN_CHOICES = (4096, 2048, 1024, 512, 256, 128, 64)
 WAVES = 2
 MIN_PREFERRED_SEG_LEN = 256  # shorter segments only when this length cannot fill one wave
 MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
+_LAST = 2  # a fused table's column 3: rank in the sequence << 2 | last (2) | first (1) (chunk_output's values)
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -109,7 +110,7 @@ def _check_lens(lens: Sequence[int]) -> list[int]:
     return out
 
 
-def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
+def segment_table(lens: Sequence[int], seg_len: int, *, fused: bool = False) -> SegmentTable:
     """The segments of sequences of ``lens`` tokens laid end to end in one token axis (fixed length: ``[T] * B``,
     sequence b starting at row ``b·T``; varlen: the lengths of ``cu_seqlens``, sequence n at ``cu_seqlens[n]``).
 
@@ -117,6 +118,12 @@ def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
     one ``1 .. seg_len`` tokens; a sequence of no tokens has no segment. Example: ``lens = [130, 0, 64]``,
     ``seg_len = 64`` gives rows ``(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 0), (2, 130, 64, 0)`` and
     ``seq_segments = [0, 3, 3, 4]``.
+
+    ``fused``: the table of the one-pass kernel (``chunk_output``'s fused form), where each segment's CTA also
+    starts or ends its sequence: a sequence of no tokens has one segment of length 0, and column 3 holds the
+    segment's rank in its sequence times 4, plus 1 on the sequence's first segment and 2 on its last. The example
+    gives ``(0, 0, 64, 1), (0, 64, 64, 4), (0, 128, 2, 10), (1, 130, 0, 3), (2, 130, 64, 3)`` and ``seq_segments =
+    [0, 3, 4, 5]``.
 
     Raises:
         TypeError, ValueError: ``seg_len`` not a positive multiple of 64, or a length not a non-negative int.
@@ -126,16 +133,23 @@ def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
     offsets = [0]
     start = 0
     for n, length in enumerate(_check_lens(lens)):
+        first = len(rows)
         for offset in range(0, length, seg_len):
             rows += (n, start + offset, min(seg_len, length - offset), 0)
+        if fused:
+            if length == 0:
+                rows += (n, start, 0, 0)
+            for rank, i in enumerate(range(first + 3, len(rows), 4)):
+                rows[i] = rank << 2 | int(rank == 0)
+            rows[-1] |= _LAST
         offsets.append(len(rows) // 4)
         start += length
     return SegmentTable(rows, offsets)
 
 
-def num_segments(lens: Sequence[int], seg_len: int) -> int:
+def num_segments(lens: Sequence[int], seg_len: int, *, fused: bool = False) -> int:
     """How many segments :func:`segment_table` makes (without building it)."""
-    return sum(-(-length // seg_len) for length in lens)
+    return sum(max(-(-length // seg_len), int(fused)) for length in lens)
 
 
 def choose_seg_len(lens: Sequence[int], num_heads: int, num_sms: int, *, waves: int = WAVES) -> int:
@@ -187,13 +201,14 @@ def _requested_seg_len(seg_len: int) -> int:
 
 
 def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, device: torch.device, num_sms: int,
-                    seg_len: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
+                    seg_len: int = 0, fused: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
     """``(seg_len, segments, seq_segments)`` of one call on ``device``: ``seg_len`` as asked (0: chosen by
     :func:`choose_seg_len`), the table built on the host and copied once. Cached: per ``(cu_seqlens, its version,
     H, SMs, seg_len)`` in :func:`cula_runtime.index.cached_on_version` (the boundaries from the validator's checked
-    host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len, device)`` without ``cu_seqlens``."""
+    host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len, device)`` without ``cu_seqlens``.
+    ``fused``: :func:`segment_table`'s table for the fused kernel (another cache entry)."""
     if cu_seqlens is None:
-        key = (B, T, H, num_sms, seg_len, device)
+        key = (B, T, H, num_sms, seg_len, device, fused)
         hit = _fixed_tables.get(key)
         if hit is not None:
             _fixed_tables.move_to_end(key)
@@ -201,7 +216,8 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
         lens = [T] * B
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
         # (kept between calls: never in a CUDA graph's pool)
-        value = (chosen, *built_outside_graph_pools(device, lambda: _to_device(segment_table(lens, chosen), device)))
+        value = (chosen, *built_outside_graph_pools(
+            device, lambda: _to_device(segment_table(lens, chosen, fused=fused), device)))
         _fixed_tables[key] = value
         while len(_fixed_tables) > _FIXED_CAPACITY:
             _fixed_tables.popitem(last=False)
@@ -211,9 +227,9 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
         values = checked_cu_seqlens_host(cu_seqlens, T).tolist()
         lens = [b - a for a, b in zip(values, values[1:], strict=False)]
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        return (chosen, *_to_device(segment_table(lens, chosen), device))
+        return (chosen, *_to_device(segment_table(lens, chosen, fused=fused), device))
 
-    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len), build)
+    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len, fused), build)
 
 
 def clear_segment_cache() -> None:
@@ -286,13 +302,26 @@ def _planned_output(H: int, device: torch.device) -> Callable:
     return plan_chunk_output(H, device)
 
 
+def _planned_fused(H: int, flags: tuple, device: torch.device) -> Callable:
+    """The fused form bound to a signature (``chunk_output.plan_fused_output``)."""
+    from .chunk_output import plan_fused_output
+
+    return plan_fused_output(H, flags, device)
+
+
+def _fused_workspace(nseg: int, H: int, device: torch.device) -> tuple:
+    from .chunk_output import fused_workspace
+
+    return fused_workspace(nseg, H, device)
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``[B, T, H, D]`` -> the flattened token axis ``[B·T, H, D]`` (a view of a contiguous tensor)."""
     return x.view(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
 
 
-def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0,
-                                      block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0, block_v: int = 0,
+                                      fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run validated ``lightning_prefill`` arguments (accepted by :func:`verify_lightning_prefill`) on the CuTeDSL
     kernels: ``(o, final_state)``.
 
@@ -300,6 +329,9 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         args: validated arguments.
         seg_len: the segment length (a positive multiple of 64); 0: :func:`choose_seg_len` per call.
         block_v: kernel A's value columns per CTA, 64 or 128 (the same bits); 0: chosen from NSEG · H and the SMs.
+        fused: one launch instead of three (``chunk_output``'s fused form: each segment's CTA makes its own state,
+            takes its start state from the earlier segments' by a look-back, then its outputs); a candidate, timed
+            against the three launches by ``benchmarks/profile_lightning.py``.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
@@ -321,10 +353,18 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         return o, ht
     num_sms = sm_count(device)
     chosen, segments, seq_segments = device_segments(B, T, H, args.cu_seqlens, device, num_sms,
-                                                     _requested_seg_len(seg_len))
+                                                     _requested_seg_len(seg_len), fused)
     nseg = segments.shape[0]
-    seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
     q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
+    if fused:  # (every sequence has a segment in a fused table: nseg >= N >= 1)
+        flags = _states().scan_flags(args.initial_state, ht is not None, args.state_v_first, pool,
+                                     args.has_initial_state)
+        own, incl, sync = _fused_workspace(nseg, H, device)
+        _planned_fused(H, flags, device)(q, k, v, args.g_gamma, own, segments, o_flat, incl, sync,
+                                         args.initial_state, ht, pool, args.state_indices, args.has_initial_state,
+                                         args.scale)
+        return o, ht
+    seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
     if nseg:
         states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms))
     states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
@@ -334,14 +374,15 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     return o, ht
 
 
-def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> Callable | None:
+def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0, fused: bool = False) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
     state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched,
     through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
     (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked host
     copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
-    plan. Holds no tensor of the call it was made from.
+    plan. Holds no tensor of the call it was made from. ``fused``: as the backend's (one launch; nothing to
+    check before it, since TVM-FFI refuses before anything is written).
 
     A launch TVM-FFI refuses raises ``LaunchDeclined`` before it launches (the caller then runs the call unplanned);
     kernel B writes the final states or the pool, so nothing after it may be refused: q, which only kernel C reads,
@@ -354,8 +395,10 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> C
     want_ht = args.output_final_state and args.state is None
     num_sms = sm_count(device)
     fixed_seg_len = _requested_seg_len(seg_len)
-    scan = states.plan_segment_scan(H, N, states.scan_flags(args.initial_state, want_ht, v_first, args.state,
-                                                            args.has_initial_state), device)
+    flags = states.scan_flags(args.initial_state, want_ht, v_first, args.state, args.has_initial_state)
+    if fused:
+        return _plan_fused(args, flags, fixed_seg_len, num_sms)
+    scan = states.plan_segment_scan(H, N, flags, device)
     runs_a: dict[int, Callable] = {}
     run_c: list[Callable] = []  # kernel C, bound on the first call with tokens
 
@@ -381,6 +424,29 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> C
             if not run_c:
                 run_c.append(_planned_output(H, device))
             run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale)
+        return o, ht
+
+    return plan
+
+
+def _plan_fused(args: LightningPrefillArgs, flags: tuple, fixed_seg_len: int, num_sms: int) -> Callable:
+    """:func:`plan_lightning_prefill`'s plan for the fused form."""
+    device = args.device
+    B, T, H, V, N = args.B, args.T, args.H, args.V, args.N
+    dtype, scale, state_shape = args.q.dtype, args.scale, args.state_shape
+    want_ht = args.output_final_state and args.state is None
+    run = _planned_fused(H, flags, device) if N else None
+
+    def plan(q, k, v, g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state):
+        o = torch.empty(B, T, H, V, dtype=dtype, device=device)
+        ht = torch.empty(state_shape, dtype=torch.float32, device=device) if want_ht else None
+        if N == 0:
+            return o, ht
+        _, segments, _ = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len, True)
+        nseg = segments.shape[0]
+        own, incl, sync = _fused_workspace(nseg, H, device)
+        run(_flat(q), _flat(k), _flat(v), g_gamma, own, segments, _flat(o), incl, sync, initial_state, ht, state,
+            state_indices, has_initial_state, scale)
         return o, ht
 
     return plan
