@@ -114,7 +114,7 @@ FUSED_CONFIGS = {
                                       initial_state_flags=True),
 }
 FUSED_DSL_FLOOR = ("fused-pool-bf16-flags-H64",)
-FUSED_SPILLS = {"4.8": {config_id: dict.fromkeys(SM, 0) for config_id in FUSED_CONFIGS}}
+FUSED_SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in FUSED_CONFIGS} for version in ("4.6", "4.8")}
 # per chunk and warp of the own state's pass: the state update alone (4 token blocks x 16 K tiles)
 HMMA_OWN_STATE = 64
 
