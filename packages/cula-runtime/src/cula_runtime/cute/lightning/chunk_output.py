@@ -431,6 +431,7 @@ class LightningChunkOutput(ChunkTiles):
                                          score_word)
 
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
+        first_stage = Int32(0)  # the stage of the outputs' first chunk
         if const_expr(c.fused):
             # ---- one pass: the segment's own state from k and v (the same chunk steps as below, from zero) ...
             tSrS.fill(0.0)
@@ -455,20 +456,22 @@ class LightningChunkOutput(ChunkTiles):
                 for kb in cutlass.range_constexpr(C // self.mma_k):
                     cute.copy(s2r_Bt, tCsK[None, None, kb, stage], tCrK_v[None, None, kb])
                     cute.gemm(tiled_mma, tSrS, tCrVdec_A[None, None, kb], tCrK[None, None, kb], tSrS)
-            cute.arch.sync_threads()  # every warp done with the stages: the outputs' loads reuse them
+            # the outputs' first chunk into the stage the own state's last chunk did not use (every warp was done
+            # with it at that chunk's barrier): its loads overlap the look-back
+            first_stage = num_chunks % 2
+            if num_chunks > 0:
+                self.load_chunk(loader, (sQ, sK, sV), Int32(0), cutlass.min(length, C), first_stage)
+                cute.arch.cp_async_commit_group()
             # ---- ... then its start state (look-back), its end state published, its sequence's final state
             self.segment_start(tSrS, thr_mma, seg, h, vb, length, lg, tidx, mS0, mSeg, mIncl, mSync, mH0, mHt,
                                mPool, mStateIdx, mHasInit)
-            if num_chunks > 0:
-                self.load_chunk(loader, (sQ, sK, sV), Int32(0), cutlass.min(length, C), Int32(0))
-                cute.arch.cp_async_commit_group()
         else:
             tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
             if num_chunks > 0:
                 tSrS.store(tSgS0.load())
 
         for chunk in cutlass.range(num_chunks, unroll=1):
-            stage = chunk % 2
+            stage = (chunk + first_stage) % 2
             chunk_len = cutlass.min(length - chunk * C, C)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # chunk's tiles visible; everyone is done with the other stage and with sP
