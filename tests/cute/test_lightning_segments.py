@@ -125,6 +125,12 @@ def emulate_fused(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, 
     lengths = segments[:, 2].double().view(-1, 1, 1, 1)
     incl.copy_((torch.exp(g_gamma.double().view(1, -1, 1, 1) * lengths) * starts + own.double()).float())
     emulate_chunk_output(q, k, v, g_gamma, starts, segments, o, scale, q.shape[0], fused=True)
+    write_final_states(final, slots, ht, pool, state_v_first)
+
+
+def write_final_states(final: torch.Tensor, slots: list[int], ht, pool, state_v_first: bool) -> None:
+    """The final states (K-first float64, as :func:`emulate_scan` returns them) into ``ht`` and / or the pool slots
+    in the call's layout (kernel B's and the fused form's last step)."""
     final_laid = final.transpose(-1, -2) if state_v_first else final
     if ht is not None:
         ht.copy_(final_laid.float())
@@ -154,13 +160,7 @@ class FakeKernels:
         starts, final, slots = emulate_scan(seg_state, segments, seq_segments, g_gamma, initial_state, state_v_first,
                                             pool, state_indices, has_initial_state)
         seg_state.copy_(starts.float())
-        final_laid = final.transpose(-1, -2) if state_v_first else final
-        if ht is not None:
-            ht.copy_(final_laid.float())
-        if pool is not None:
-            for n, slot in enumerate(slots):
-                if slot >= 0:
-                    pool[slot] = final_laid[n].to(pool.dtype)
+        write_final_states(final, slots, ht, pool, state_v_first)
 
     def scan_flags(self, initial_state, output_final_state, state_v_first, pool, has_initial_state) -> tuple:
         return (initial_state is not None, bool(output_final_state), bool(state_v_first),
