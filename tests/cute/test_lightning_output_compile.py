@@ -127,7 +127,8 @@ HMMA_OWN_STATE = 64
 def test_fused_machine_code(config_id: str, target: str) -> None:
     """The fused form: the output loop's MMAs and the own state's update once each (two chunk loops), one atomic
     (the ticket), the look-back's acquire loads with L1 invalidated after them, two release stores (the own state's
-    flag, then the end state's), GPU-scope fences, a poll pause in each of its two waits; no spill."""
+    flag, then the end state's), GPU-scope fences, a poll pause and a trap past the poll bound in each of its two
+    waits; no spill."""
     from cula_runtime.cute.compile_cache import compile_kernel
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
     from cula_runtime.cute.machine_code import disassemble
@@ -141,6 +142,7 @@ def test_fused_machine_code(config_id: str, target: str) -> None:
     assert code.opcodes["STG.E.STRONG.GPU"] == 2
     assert code.opcodes["LDG.E.STRONG.GPU"] >= 1 and code.count("CCTL") >= code.opcodes["LDG.E.STRONG.GPU"]
     assert code.count("MEMBAR") >= 2 and code.count("NANOSLEEP") == 2  # the two waits: the base, each own state
+    assert code.opcodes["BPT.TRAP"] == 2  # each wait's bound on its polls: a launch error, never a hang
     spills = code.count("LDL") + code.count("STL")
     assert spills <= measured(FUSED_SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
 

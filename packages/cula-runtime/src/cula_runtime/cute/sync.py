@@ -13,7 +13,8 @@ flag; one consumer thread spins on :func:`load_acquire` until the flag is set, t
 consumer thread runs its own :func:`load_acquire` of the flag (its loads after it then see the producer's data,
 whatever its L1 holds) and reads the data. A consumer may wait only for a producer that has started and never
 waits itself before publishing: the producer's work is taken in ticket order (:func:`atomic_add`), so the launch
-cannot deadlock whatever the order the hardware schedules the CTAs in.
+cannot deadlock whatever the order the hardware schedules the CTAs in. A spin loop still bounds its polls and
+:func:`trap` past them (a launch error, not a hang, should a flag never come).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["atomic_add", "fence_gpu", "load_acquire", "nanosleep", "store_release", "word_address"]
+__all__ = ["atomic_add", "fence_gpu", "load_acquire", "nanosleep", "store_release", "trap", "word_address"]
 
 
 def word_address(base: Int64, index: Int32) -> Int64:
@@ -75,4 +76,12 @@ def fence_gpu(*, loc=None, ip=None) -> None:
 def nanosleep(nanoseconds: int, *, loc=None, ip=None) -> None:
     """``nanosleep.u32``: a pause of up to ``nanoseconds`` (a constant) between polls of a flag."""
     llvm.inline_asm(None, [], f"nanosleep.u32 {int(nanoseconds)};", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """``trap``: ends the launch with an error (the host sees ``cudaErrorLaunchFailure``): what a spin loop does when
+    a flag it waits for is never set, rather than hang."""
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

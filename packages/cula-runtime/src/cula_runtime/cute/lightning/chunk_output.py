@@ -107,7 +107,7 @@ from collections.abc import Callable
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
-from ..sync import atomic_add, fence_gpu, load_acquire, nanosleep, store_release, word_address
+from ..sync import atomic_add, fence_gpu, load_acquire, nanosleep, store_release, trap, word_address
 
 try:
     import cuda.bindings.driver as cuda
@@ -127,6 +127,7 @@ _LOG2E = 1.4426950408889634
 _STATE_DTYPES = {"float32": Float32, "bfloat16": BFloat16}
 _LAST = 2  # column 3 of a fused table's row: rank in the sequence << 2 | last (2) | first (1)
 _POLL_NS = 64  # the look-back's pause between two polls of a flag that is not set yet
+_MAX_POLLS = 1 << 27  # seconds of polling (a legitimate wait is one segment's pass: microseconds), then a trap
 _LOOK_BACK = 4  # a segment's scan starts from the end state of the segment this many places back (or the sequence's)
 _MAX_GRID_X = 2**31 - 1
 
@@ -557,13 +558,18 @@ class LightningChunkOutput(ChunkTiles):
 
     @cute.jit
     def _wait_flag(self, address, at_least: Int32, tidx: Int32):
-        """Until the flag at ``address`` is ``>= at_least`` (thread 0 polls, pausing between polls), then every
-        thread's own acquire of it: the thread's later loads see what its publisher wrote before raising it."""
+        """Until the flag at ``address`` is ``>= at_least`` (thread 0 polls, pausing between polls; past
+        :data:`_MAX_POLLS` polls it traps), then every thread's own acquire of it: the thread's later loads see what
+        its publisher wrote before raising it."""
         if tidx == 0:
             f = load_acquire(address)
+            polls = Int32(0)
             while f < at_least:
                 nanosleep(_POLL_NS)
                 f = load_acquire(address)
+                polls = polls + 1
+                if polls > _MAX_POLLS:
+                    trap()  # a flag that never comes: a launch error rather than a hang
         cute.arch.sync_threads()
         load_acquire(address)
 
