@@ -4,9 +4,10 @@
 The two forms round differently in one place only: the fused form makes each segment's own state with the output
 pass's chunk step (``S = λ^64 S + bf16(λ^(63-j) v_j)ᵀ k_j`` per chunk, the last chunk with its own length), kernel
 A with decays measured from the segment's end. So the check is against the float64 recurrence
-(``lightning_naive``): the fused form's rel-L2 error on o and on the final states or pool slots at most 1.1x the
-three-launch form's on the same inputs, plus 1e-7 (the three-launch form is within 1.25x FLA's own error,
-``tests/gpu/test_lightning_gpu.py``; the public API's cases run on the fused form there too). Segments are forced
+(``lightning_naive``): the fused form's rel-L2 error on o and on the final states or pool slots at most 1.25x the
+three-launch form's on the same inputs, plus 1e-7 (the project's bar, taken against a form that is itself within
+1.25x FLA's own error; the public API's cases also run on the fused form against FLA's frozen errors in
+``tests/gpu/test_lightning_gpu.py``). A wrong start state or a missed segment shows as errors orders larger. Segments are forced
 short (``seg_len`` 64 or 128) so that sequences have more segments than the look-back window (4): the start states
 then come from an earlier segment's end state, not the sequence's. Outputs are NaN-poisoned first.
 
@@ -123,7 +124,7 @@ def test_fused_matches_fp64_as_the_three_launches_do(lens: list[int], H: int, se
         errors[fused] = (err_o, err_s)
     print(f"rel-L2 (o, states): three launches {errors[False]}, fused {errors[True]}")
     for fused_err, three_err in zip(errors[True], errors[False], strict=True):
-        assert fused_err <= 1.1 * three_err + 1e-7, errors
+        assert fused_err <= 1.25 * three_err + 1e-7, errors
 
 
 def test_fused_replays_are_bit_identical() -> None:

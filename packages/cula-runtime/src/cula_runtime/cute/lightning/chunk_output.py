@@ -610,9 +610,8 @@ class LightningChunkOutput(ChunkTiles):
             self._sequence_start(rX, thr_mma, n, h, vb, mH0, mPool, mStateIdx, mHasInit)
         self._publish(thr_mma.partition_C(self._state_tile(mAgg[seg, h, None, None], vb)), tSrS, own_flag, Int32(1),
                       tidx)
-        j0 = seg - rank
+        j0 = seg - cutlass.min(rank, Int32(_LOOK_BACK - 1))  # the first own state the scan adds
         if rank >= _LOOK_BACK:
-            j0 = seg - (_LOOK_BACK - 1)
             self._wait_flag(word_address(sync0, 1 + (seg - _LOOK_BACK) * H + h), Int32(2), tidx)
             self._load_state(rX, thr_mma, mIncl, seg - _LOOK_BACK, h, vb)
         for j in cutlass.range(j0, seg, unroll=1):
