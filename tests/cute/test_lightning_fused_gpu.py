@@ -7,9 +7,10 @@ A with decays measured from the segment's end. So the check is against the float
 (``lightning_naive``): the fused form's rel-L2 error on o and on the final states or pool slots at most 1.25x the
 three-launch form's on the same inputs, plus 1e-7 (the project's bar, taken against a form that is itself within
 1.25x FLA's own error; the public API's cases also run on the fused form against FLA's frozen errors in
-``tests/gpu/test_lightning_gpu.py``). A wrong start state or a missed segment shows as errors orders larger. Segments are forced
-short (``seg_len`` 64 or 128) so that sequences have more segments than the look-back window (4): the start states
-then come from an earlier segment's end state, not the sequence's. Outputs are NaN-poisoned first.
+``tests/gpu/test_lightning_gpu.py``). A wrong start state or a missed segment shows as errors orders larger.
+Segments are forced short (``seg_len`` 64 or 128) so that sequences have more segments than the look-back window
+(4): the start states then come from an earlier segment's end state, not the sequence's. Outputs are NaN-poisoned
+first.
 
 ``test_fused_replays_are_bit_identical``: the look-back's result does not depend on the order the CTAs run in
 (``segment_start``): 200 replays of a call whose sequences have up to 64 segments, the same bits every time.

@@ -11,7 +11,9 @@
   the fp64 token recurrence: the segment table, the flattened views, the allocations and the kernels' order
   reproduce Lightning Attention (fixed and varlen, h0 and ht, both layouts, the pool with padding and untouched
   slots). The emulations are also the GPU tests' references for kernels A and B
-  (``tests/cute/test_lightning_states_gpu.py``).
+  (``tests/cute/test_lightning_states_gpu.py``). The fused form (one launch) likewise, its table's marks checked.
+* The fused form's look-back protocol simulated step by step under random and starving interleavings: no deadlock,
+  the bits of one sequential scan whatever the schedule, every start-state read before the final-state write.
 """
 
 from __future__ import annotations
@@ -584,3 +586,105 @@ def test_backend_without_tokens(fake_kernels: FakeKernels) -> None:
     o, ht = pb.lightning_prefill_cutedsl_backend(args)
     assert o.shape == (2, 0, 2, 128) and torch.equal(ht, h0)
     assert [c[0] for c in fake_kernels.calls] == ["B"]
+
+
+# ---- the fused form's look-back protocol, simulated (the kernel's steps, CTAs interleaved at random) --------------
+
+
+def _simulate_fused_scan(table, own: torch.Tensor, lam: float, start: torch.Tensor, resident: int, seed: int,
+                         look_back: int) -> tuple[torch.Tensor, list[tuple[int, str, int]]]:
+    """``segment_start``'s protocol for one head, in fp32, its CTAs taken in ticket (row) order by at most
+    ``resident`` CTAs at once and advanced one step at a time in a random order (odd seeds: the newest CTA able to
+    move, so that the oldest starve): each CTA reads its sequence's
+    start state if its rank is below ``look_back``, publishes its own state (flag 1), waits for the end state
+    ``look_back`` rows back (flag 2) if its rank allows, waits for and adds the own states after its base, publishes
+    its end state (flag 2), and the last segment writes the final state. Returns the end states and the log of
+    start-state reads and final-state writes ``(time, kind, sequence)``; fails on a deadlock."""
+    import random
+
+    rows = table.rows()
+    flags = [0] * len(rows)
+    incl = torch.zeros_like(own)
+    log: list[tuple[int, str, int]] = []
+
+    def cta(s: int):
+        n, _, length, info = rows[s]
+        rank = info >> 2
+        x = torch.zeros_like(own[s])
+        if rank < look_back:
+            x = start[n].clone()
+            log.append((len(log), "read", n))
+        yield
+        flags[s] = 1
+        yield
+        j0 = s - min(rank, look_back - 1)
+        if rank >= look_back:
+            while flags[s - look_back] < 2:
+                yield "wait"
+            x = incl[s - look_back].clone()
+        for j in range(j0, s):
+            while flags[j] < 1:
+                yield "wait"
+            x = x * torch.tensor(lam ** rows[j][2], dtype=torch.float32) + own[j]
+            yield
+        incl[s] = x * torch.tensor(lam ** length, dtype=torch.float32) + own[s]
+        flags[s] = 2
+        if info & 2:
+            log.append((len(log), "write", n))
+
+    rng = random.Random(seed)
+    pending = list(range(len(rows)))  # tickets not taken yet, in order
+    running: dict[int, object] = {}
+    while pending or running:
+        while pending and len(running) < resident:
+            s = pending.pop(0)
+            running[s] = cta(s)
+        progressed = False
+        # odd seeds: the newest CTA that can move moves (the oldest starve: a late write races an early read)
+        order = sorted(running, reverse=True) if seed % 2 else rng.sample(sorted(running), len(running))
+        for s in order:
+            try:
+                if next(running[s]) != "wait":
+                    progressed = True
+                    break
+            except StopIteration:
+                del running[s]
+                progressed = True
+                break
+        assert progressed, f"deadlock: CTAs {sorted(running)} all wait"
+    return incl, log
+
+
+@pytest.mark.parametrize("resident", [1, 2, 5, 64])
+def test_fused_look_back_is_deadlock_free_deterministic_and_the_scan(resident: int) -> None:
+    """Whatever the interleaving (up to ``resident`` CTAs at once, tickets in order), the fused form's protocol
+    finishes, every end state has the bits of one sequential fp32 scan from the sequence's start state (what makes
+    the kernel's output independent of its schedule), and every read of a sequence's start state (a pool slot)
+    comes before the write of its final state."""
+    from cula_runtime import cute as cula_cute
+
+    if not cula_cute.is_available():
+        pytest.skip("CuTeDSL or TVM-FFI is not installed")
+    from cula_runtime.cute.lightning.chunk_output import _LOOK_BACK
+
+    lens = [1000, 0, 64, 700, 1]
+    table = segment_table(lens, 64, fused=True)
+    gen = torch.Generator().manual_seed(resident)
+    own = torch.randn(table.num_segments, 4, 4, generator=gen)
+    start = torch.randn(len(lens), 4, 4, generator=gen)
+    lam = 0.97
+    expected = torch.empty_like(own)
+    rows = table.rows()
+    for n in range(len(lens)):
+        x = start[n].clone()
+        for s in range(table.seq_segments[n], table.seq_segments[n + 1]):
+            x = x * torch.tensor(lam ** rows[s][2], dtype=torch.float32) + own[s]
+            expected[s] = x
+    assert max(r[3] >> 2 for r in rows) >= 2 * _LOOK_BACK  # bases from earlier end states, chained
+    for seed in range(40):
+        incl, log = _simulate_fused_scan(table, own, lam, start, resident, seed, _LOOK_BACK)
+        assert torch.equal(incl, expected)
+        for n in range(len(lens)):
+            reads = [t for t, kind, m in log if m == n and kind == "read"]
+            writes = [t for t, kind, m in log if m == n and kind == "write"]
+            assert len(writes) == 1 and reads and max(reads) < writes[0]
