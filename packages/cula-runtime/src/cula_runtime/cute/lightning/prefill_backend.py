@@ -310,6 +310,7 @@ def _planned_fused(H: int, flags: tuple, device: torch.device) -> Callable:
 
 
 def _fused_workspace(nseg: int, H: int, device: torch.device) -> tuple:
+    """The fused launch's own states, end states and zeroed sync words (``chunk_output.fused_workspace``)."""
     from .chunk_output import fused_workspace
 
     return fused_workspace(nseg, H, device)
