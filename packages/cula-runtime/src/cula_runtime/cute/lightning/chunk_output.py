@@ -222,6 +222,12 @@ class LightningChunkOutput(ChunkTiles):
             return False, "has_initial_state and state_pool are exclusive (the pool holds the initial states)"
         return True, ""
 
+    @property
+    def vdec_len(self) -> int:
+        """Entries of the state update's decay table ``sVdec``: λ^(63-j), and in the fused form the last chunk's
+        λ^(tail-1-j) after them."""
+        return self.config.chunk_size * (1 + int(self.config.fused))
+
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
         """Layout promises of the fourteen tensor arguments of ``__call__``, in order (None: absent in this
         configuration; the last seven are the fused form's)."""
@@ -277,7 +283,6 @@ class LightningChunkOutput(ChunkTiles):
     ):
         c = self.config
         C, K, BV = c.chunk_size, c.head_dim, c.block_v
-        vdec_len = C * (1 + int(c.fused))  # fused: the last chunk's decays λ^(L-1-j) follow
         sK_layout = self._smem_layout(C, K, 2)
         sV_layout = self._smem_layout(C, BV, 2)
         sP_layout = cute.make_layout((C, C, 1), stride=(C + _SCORE_PAD, 1, C * (C + _SCORE_PAD)))  # padded rows
@@ -290,7 +295,7 @@ class LightningChunkOutput(ChunkTiles):
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
             sPdec: cute.struct.Align[cute.struct.MemRange[Float32, C + 16], 16]  # scale · λ^d at 16 + d, d >= -15
             sOdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # scale · λ^(i+1)
-            sVdec: cute.struct.Align[cute.struct.MemRange[Float32, vdec_len], 16]  # λ^(63-j)
+            sVdec: cute.struct.Align[cute.struct.MemRange[Float32, self.vdec_len], 16]  # λ^(63-j)
             sSync: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # fused: the ticket's broadcast
 
         tiled_mma = self.make_tiled_mma()
@@ -358,7 +363,7 @@ class LightningChunkOutput(ChunkTiles):
         sP = storage.sP.get_tensor(sP_layout)  # (C query, C key, 1)
         sPdec = storage.sPdec.get_tensor(cute.make_layout(C + 16))
         sOdec = storage.sOdec.get_tensor(cute.make_layout(C))
-        sVdec = storage.sVdec.get_tensor(cute.make_layout(C * (1 + int(c.fused))))
+        sVdec = storage.sVdec.get_tensor(cute.make_layout(self.vdec_len))
         # Transposed views (the composition maps (col, row, stage) onto the token-major tiles).
         sKT = cute.composition(sK, cute.make_layout((K, C, 2), stride=(C, 1, C * K)))  # (K, C tokens, stage)
         sVT = cute.composition(sV, cute.make_layout((BV, C, 2), stride=(C, 1, C * BV)))  # (BV, C tokens, stage)
@@ -384,8 +389,8 @@ class LightningChunkOutput(ChunkTiles):
             sVdec[tidx] = cute.math.exp2(Float32(C - 1 - tidx) * lg, fastmath=True)
         if tidx < 16:
             sPdec[tidx] = Float32(0.0)  # d < 0: read for the diagonal blocks' masked elements, never used
-        tail = length - (num_chunks - 1) * C  # the last chunk's rows (1 .. 64 where the segment has tokens)
         if const_expr(c.fused):
+            tail = length - (num_chunks - 1) * C  # the last chunk's rows (1 .. 64 where the segment has tokens)
             if tidx < C:  # λ^(tail-1-j) for the last chunk's rows j < tail, 0 for the rows past it
                 sVdec[C + tidx] = cutlass.select_(
                     tidx < tail, cute.math.exp2(Float32(cutlass.max(tail - 1 - tidx, 0)) * lg, fastmath=True),

@@ -344,6 +344,12 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     states = _states()
     if block_v not in (0, 64, 128):
         raise ValueError(f"block_v must be 0 (the per-call choice), 64 or 128, got {block_v!r}")
+    if fused:  # the fused plan, made and run once (it allocates o and the final states itself)
+        plan = _plan_fused(args, states.scan_flags(args.initial_state, args.output_final_state and args.state is None,
+                                                   args.state_v_first, args.state, args.has_initial_state),
+                           _requested_seg_len(seg_len), sm_count(args.device))
+        return plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, args.state,
+                    args.state_indices, args.has_initial_state)
     device = args.device
     B, T, H, K, V = args.B, args.T, args.H, args.K, args.V
     o = torch.empty(B, T, H, V, dtype=args.q.dtype, device=device)
@@ -354,18 +360,10 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         return o, ht
     num_sms = sm_count(device)
     chosen, segments, seq_segments = device_segments(B, T, H, args.cu_seqlens, device, num_sms,
-                                                     _requested_seg_len(seg_len), fused)
+                                                     _requested_seg_len(seg_len))
     nseg = segments.shape[0]
-    q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
-    if fused:  # (every sequence has a segment in a fused table: nseg >= N >= 1)
-        flags = _states().scan_flags(args.initial_state, ht is not None, args.state_v_first, pool,
-                                     args.has_initial_state)
-        own, incl, sync = _fused_workspace(nseg, H, device)
-        _planned_fused(H, flags, device)(q, k, v, args.g_gamma, own, segments, o_flat, incl, sync,
-                                         args.initial_state, ht, pool, args.state_indices, args.has_initial_state,
-                                         args.scale)
-        return o, ht
     seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
+    q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
     if nseg:
         states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms))
     states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
