@@ -170,7 +170,7 @@ for step in "$@"; do
     # --only; LIGHTNING_MERGE: an earlier run's JSON to merge into), the sanitizer, 10^5 graph replays per problem
     tests:lightning) lightning_gpu_tests ;;
     bench:lightning) timeout 560 python3 benchmarks/bench_lightning.py ${LIGHTNING_ONLY:+--only "$LIGHTNING_ONLY"} \
-                       ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
+                       ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} ${LIGHTNING_FUSED:+--fused} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
     sanitizer:lightning) sanitize_lightning ;;
     # the prefill's fused form (one launch) beside the three launches: its tests, then both forms timed
     tests:lightning-fused) GPU_LOG_TAG=_lightning_fused timeout "${TESTS_TIMEOUT:-400}" bash tools/h200_tests.sh \
