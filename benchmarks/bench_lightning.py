@@ -79,7 +79,6 @@ DECODE_POOLS = (("fp32", False), ("fp32", True), ("bf16", False))  # fp32 K-firs
 POOL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LAYER_IDX, NUM_LAYERS = 0, 2  # FLA's decay formula at layer 0 of 2
 CONTENDERS = ("cula", "fla")
-FUSED = "cula-fused"  # --fused: the prefill's one-launch form beside the default (until one of them is retired)
 # goals of issue 28 item 4
 SPEEDUP_GOAL, SPEEDUP_MIN_T = 2.0, 4096
 PREFILL_FLOOR_GOAL, PREFILL_FLOOR_MIN_T = 2.0, 16384
@@ -306,25 +305,10 @@ def _importable(skip: tuple[str, ...], sources: dict[str, tuple[str, str]]) -> d
     return fns
 
 
-def prefill_fns(skip: tuple[str, ...], fused: bool = False) -> dict[str, Callable | str]:
-    """The prefill functions by name; a string in place of one says why it is absent. ``fused``: also
-    :data:`FUSED` (the cutedsl backend's one-launch plan, a candidate form timed beside the default)."""
-    sources = {"cula": ("cula.lightning", "lightning_prefill"),
-               "fla": ("fla.ops.lightning_attn", "chunk_lightning_attn")}
-    if fused:
-        sources[FUSED] = ("cula_runtime.cute.lightning.prefill_backend", "plan_lightning_prefill")
-    return _importable(skip, sources)
-
-
-def fused_contender(plan_prefill: Callable, inp: PrefillInputs) -> Contender:
-    """The fused form as cuLA's call plans run it: validated once, planned once (``plan_prefill(args, fused=True)``),
-    then the plan called with the row's tensors (no dispatch: a few us less host time than the public call)."""
-    from cula_runtime.lightning_args import validate_lightning_prefill
-
-    args = validate_lightning_prefill(**cula_prefill_kwargs(inp))
-    plan = plan_prefill(args, fused=True)
-    return Contender(functools.partial(plan, args.q, args.k, args.v, args.g_gamma, args.initial_state,
-                                       args.cu_seqlens, None, None, None), tuple)
+def prefill_fns(skip: tuple[str, ...]) -> dict[str, Callable | str]:
+    """The prefill functions by name; a string in place of one says why it is absent."""
+    return _importable(skip, {"cula": ("cula.lightning", "lightning_prefill"),
+                              "fla": ("fla.ops.lightning_attn", "chunk_lightning_attn")})
 
 
 def decode_fns(skip: tuple[str, ...]) -> dict[str, Callable | str]:
@@ -336,8 +320,8 @@ def decode_fns(skip: tuple[str, ...]) -> dict[str, Callable | str]:
 def prefill_contenders(fns: dict[str, Callable | str], inp: PrefillInputs) -> dict[str, Contender | str]:
     """Each prefill function bound to its arguments; both return (o, final state)."""
     kwargs = {"cula": cula_prefill_kwargs, "fla": fla_prefill_kwargs}
-    return {name: fn if isinstance(fn, str) else fused_contender(fn, inp) if name == FUSED
-            else Contender(functools.partial(fn, **kwargs[name](inp)), tuple) for name, fn in fns.items()}
+    return {name: fn if isinstance(fn, str) else Contender(functools.partial(fn, **kwargs[name](inp)), tuple)
+            for name, fn in fns.items()}
 
 
 def decode_contenders(fns: dict[str, Callable | str], inp: DecodeInputs) -> dict[str, Contender | str]:
@@ -512,9 +496,9 @@ def _cell(row: dict, name: str, key: str, fmt: Callable[[float], str]) -> str:
     return "n/a" if name in row["notes"] and name not in row["results"] else "-"
 
 
-def speedup_cell(row: dict, name: str = "cula") -> str:
-    """FLA / cuLA (``name``'s time), short of the goal (>= 2) at T >= 4096."""
-    cula, fla = _value(row, name, "us"), _value(row, "fla", "us")
+def speedup_cell(row: dict) -> str:
+    """FLA / cuLA, short of the goal (>= 2) at T >= 4096."""
+    cula, fla = _value(row, "cula", "us"), _value(row, "fla", "us")
     if cula is None or fla is None:
         return "-"
     return f"{fla / cula:.2f}" + _short(row["case"]["T"] >= SPEEDUP_MIN_T and fla / cula < SPEEDUP_GOAL)
@@ -539,11 +523,11 @@ def decode_floor_cell(us: float, floor: float, N: int) -> str:
     return f"{us / floor:.2f}" + _short(N >= DECODE_FLOOR_MIN_N and us / floor > DECODE_FLOOR_GOAL)
 
 
-def error_ratio_cell(row: dict, name: str = "cula") -> str:
-    """cuLA's errors (o, state; ``name``'s) over FLA's, "(worse)" past :data:`ACCURACY_FACTOR`."""
+def error_ratio_cell(row: dict) -> str:
+    """cuLA's errors (o, state) over FLA's, "(worse)" past :data:`ACCURACY_FACTOR`."""
     ratios = []
     for key in ("err_o", "err_state"):
-        ours, fla = _value(row, name, key), _value(row, "fla", key)
+        ours, fla = _value(row, "cula", key), _value(row, "fla", key)
         if ours is None or fla is None or fla <= 0:
             return "-"
         ratios.append(ours / fla)
@@ -551,11 +535,9 @@ def error_ratio_cell(row: dict, name: str = "cula") -> str:
 
 
 def prefill_table(rows: list[dict]) -> list[str]:
-    fused = any(FUSED in r["results"] for r in rows)
-    extra = " fused us | FLA / fused | fused / floor | fused / FLA err (o, state) |" if fused else ""
     lines = ["| row | floor us | cuLA us | FLA us | FLA / cuLA | cuLA / floor | FLA / floor | cuLA o err | "
-             "FLA o err | cuLA state err | FLA state err | cuLA / FLA err (o, state) | oracle heads |" + extra,
-             "|---" * (17 if fused else 13) + "|"]
+             "FLA o err | cuLA state err | FLA state err | cuLA / FLA err (o, state) | oracle heads |",
+             "|---" * 13 + "|"]
     for r in rows:
         sci = "{:.3e}".format
         cells = [r["name"], f"{r['floor_us']:.1f}", _cell(r, "cula", "us", "{:.1f}".format),
@@ -563,9 +545,6 @@ def prefill_table(rows: list[dict]) -> list[str]:
                  prefill_floor_cell(r, "fla"), _cell(r, "cula", "err_o", sci), _cell(r, "fla", "err_o", sci),
                  _cell(r, "cula", "err_state", sci), _cell(r, "fla", "err_state", sci), error_ratio_cell(r),
                  f"{r['oracle_heads']} of {r['case']['H']}"]
-        if fused:
-            cells += [_cell(r, FUSED, "us", "{:.1f}".format), speedup_cell(r, FUSED), prefill_floor_cell(r, FUSED),
-                      error_ratio_cell(r, FUSED)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -676,7 +655,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-up-s", type=float, default=3.0, help="seconds of GPU load before the first timings")
     parser.add_argument("--deadline-s", type=float, default=0.0, help="start no row past this many seconds (0: none)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fused", action="store_true", help=f"prefill rows: also time {FUSED}, the one-launch form")
     return parser.parse_args(argv)
 
 
@@ -710,7 +688,7 @@ def main() -> None:
     cases = selected(opts.only)
     log(f"{len(cases)} rows: {', '.join(c.name for c in cases)}")
     fns: dict[str, dict] = {}
-    makers = {"prefill": functools.partial(prefill_fns, fused=opts.fused), "decode": decode_fns}
+    makers = {"prefill": prefill_fns, "decode": decode_fns}
     sleep = None
     for i, case in enumerate(cases):
         if opts.deadline_s and time.perf_counter() - began > opts.deadline_s:

@@ -2,21 +2,16 @@
 lengths, from torch.profiler's CUDA activity (every kernel launch, TVM-FFI's included).
 
     python benchmarks/profile_lightning.py [--shapes B,T,H ...] [--seg-lens 0,512,1024,...] [--reps 5]
-        [--forms three,fused]
 
 ``--seg-lens 0`` is the backend's own choice; any other value is passed to the cutedsl backend as its fixed
 ``seg_len`` (the calls run the backend on validated arguments, as ``cula.lightning`` does after dispatch). Prints
-one line per (shape, segment length, form): each kernel's median time per call in us, their sum, and the bytes
-floor of the call (q, k, v read and o written once, bf16, at 4.3 TB/s), then "b2b": the median over 5 rounds of
-CUDA-event time per call of ``--reps`` calls back to back (the host ahead: GPU time and launch gaps). ``--forms``:
-``three`` (kernels A, B, C) and / or ``fused`` (the one-launch form: ``fused=True``; its kernel is named
-``LightningChunkOutput`` too, and the zeroing of its flags is a fill kernel), timed in turn for each shape.
+one line per (shape, segment length): each kernel's median time per call in us, their sum, and the bytes floor of
+the call (q, k, v read and o written once, bf16, at 4.3 TB/s).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 
 PEAK_BYTES_PER_S = 4.3e12  # the decode and prefill benchmarks' HBM figure for the H200
@@ -41,7 +36,6 @@ def main() -> None:
                         default=[(1, 32768, 64), (1, 32768, 16), (1, 4096, 64), (2, 4096, 16)])
     parser.add_argument("--seg-lens", default="0,512,1024,2048")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--forms", default="three")
     args = parser.parse_args()
 
     import torch
@@ -56,24 +50,13 @@ def main() -> None:
         q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
         floor_us = 4 * q.numel() * 2 / PEAK_BYTES_PER_S * 1e6
         call = validate_lightning_prefill(q, k, v, layer_idx=0, num_layers=2)
-        for seg_len, form in ((int(x), f) for x in args.seg_lens.split(",") for f in args.forms.split(",")):
-            run = functools.partial(lightning_prefill_cutedsl_backend, call, seg_len=seg_len, fused=form == "fused")
-
+        for seg_len in (int(x) for x in args.seg_lens.split(",")):
             for _ in range(3):
-                run()
+                lightning_prefill_cutedsl_backend(call, seg_len=seg_len)
             torch.cuda.synchronize()
-            rounds = []
-            for _ in range(5):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(args.reps):
-                    run()
-                end.record()
-                end.synchronize()
-                rounds.append(start.elapsed_time(end) * 1e3 / args.reps)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.reps):
-                    run()
+                    lightning_prefill_cutedsl_backend(call, seg_len=seg_len)
                 torch.cuda.synchronize()
             times: dict[str, list[float]] = {}
             for event in prof.events():
@@ -82,8 +65,8 @@ def main() -> None:
             parts = {name: statistics.median(ts) for name, ts in times.items()}
             total = sum(statistics.median(ts) * len(ts) / args.reps for ts in times.values())
             line = "; ".join(f"{_short(name)} {us:.1f} x{len(times[name]) // args.reps}" for name, us in parts.items())
-            print(f"B{B} T{T} H{H} seg_len={seg_len or 'auto'} {form}: total {total:.1f} us (floor {floor_us:.1f}, "
-                  f"{total / floor_us:.2f}x), b2b {statistics.median(rounds):.1f} us: {line}", flush=True)
+            print(f"B{B} T{T} H{H} seg_len={seg_len or 'auto'}: total {total:.1f} us (floor {floor_us:.1f}, "
+                  f"{total / floor_us:.2f}x): {line}", flush=True)
 
 
 if __name__ == "__main__":

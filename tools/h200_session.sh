@@ -18,9 +18,7 @@
 #   ... && LIGHTNING_ONLY=decode LIGHTNING_MERGE=benchmarks/results/lightning_h200.json \
 #          bash tools/h200_session.sh bench:lightning
 #   ... && bash tools/h200_session.sh sanitizer:lightning
-#   ... && bash tools/h200_session.sh tests:lightning-fused profile:lightning   (the one-launch prefill form)
-#   ... && LIGHTNING_SANITIZER_SHAPES="prefill-fused prefill-pool-fused prefill-large-fused" \
-#          bash tools/h200_session.sh sanitizer:lightning
+#   ... && bash tools/h200_session.sh profile:lightning   (the three kernels' times at a few seg_lens)
 #   ... && bash tools/h200_session.sh stress:lightning
 # FLA's errors on the Lightning GPU tests' cases (the frozen bounds; capped at FLA_LIGHTNING_TIMEOUT, 300 s, where
 # all the cases take ~500 s alone; writes $OUT/lightning_fla_errors.py, to be copied to tests/lightning_fla_errors.py;
@@ -170,13 +168,11 @@ for step in "$@"; do
     # --only; LIGHTNING_MERGE: an earlier run's JSON to merge into), the sanitizer, 10^5 graph replays per problem
     tests:lightning) lightning_gpu_tests ;;
     bench:lightning) timeout 560 python3 benchmarks/bench_lightning.py ${LIGHTNING_ONLY:+--only "$LIGHTNING_ONLY"} \
-                       ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} ${LIGHTNING_FUSED:+--fused} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
+                       ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
     sanitizer:lightning) sanitize_lightning ;;
-    # the prefill's fused form (one launch) beside the three launches: its tests, then both forms timed
-    tests:lightning-fused) GPU_LOG_TAG=_lightning_fused timeout "${TESTS_TIMEOUT:-400}" bash tools/h200_tests.sh \
-                             tests/cute/test_lightning_fused_gpu.py tests/gpu/test_lightning_gpu.py -k fused ;;
+    # the prefill's kernels timed per seg_len (LIGHTNING_SEG_LENS; 0: the per-call choice)
     profile:lightning) timeout 300 python3 benchmarks/profile_lightning.py --seg-lens "${LIGHTNING_SEG_LENS:-0,256,512,1024}" \
-                         --forms three,fused --reps 20 --shapes 1,32768,64 1,32768,16 1,16384,64 1,4096,64 2,4096,16 \
+                         --reps 20 --shapes 1,32768,64 1,32768,16 1,16384,64 1,4096,64 2,4096,16 \
                          1,1024,64 | tee "$OUT/profile_lightning.txt" ;;
     stress:lightning) timeout 400 python3 benchmarks/stress_lightning_determinism.py --backend cutedsl \
                         --replays 100000 --out "$OUT/stress_lightning.md" ;;
@@ -186,7 +182,7 @@ for step in "$@"; do
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
-          "tests:lightning-fused profile:lightning)" ;;
+          "profile:lightning)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -14,9 +14,6 @@ Shapes (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2, so head 0 has no
   a given buffer;
 * ``decode-bf16``: the same on a bf16 V-first pool.
 
-A prefill shape with ``-fused`` appended (``prefill-pool-fused``...) runs the prefill's fused form (one launch:
-``prefill_backend``'s ``fused=True``, call plans off).
-
 Each call's outputs are checked finite and the padding rows' outputs zero (decode) after a synchronisation, so a
 kernel fault surfaces in this process and the sanitizer's report names the launch.
 """
@@ -29,7 +26,6 @@ import torch
 
 K = V = 128
 SHAPES = ("prefill", "prefill-pool", "prefill-large", "decode", "decode-bf16")
-FUSED = "-fused"
 
 
 def _g_gamma(H: int) -> torch.Tensor:
@@ -97,19 +93,12 @@ def run_decode(shape: str, gen: torch.Generator) -> str:
 
 
 def main(argv: list[str]) -> None:
-    shape = argv[0].removesuffix(FUSED) if len(argv) == 1 else ""
-    if shape not in SHAPES or (argv[0].endswith(FUSED) and not shape.startswith("prefill")):
-        raise SystemExit(f"usage: sanitize_lightning.py {'|'.join(SHAPES)} (a prefill shape also with {FUSED})")
-    if argv[0].endswith(FUSED):
-        import os
-
-        from cula_runtime.cute.lightning import prefill_backend
-
-        prefill_backend.lightning_prefill_cutedsl_backend.__kwdefaults__["fused"] = True
-        os.environ["CULA_CALL_PLANS"] = "0"
+    if len(argv) != 1 or argv[0] not in SHAPES:
+        raise SystemExit(f"usage: sanitize_lightning.py {'|'.join(SHAPES)}")
     gen = torch.Generator(device="cuda").manual_seed(3)
+    shape = argv[0]
     done = run_prefill(shape, gen) if shape.startswith("prefill") else run_decode(shape, gen)
-    print(f"{argv[0]}: ok, {done}")
+    print(f"{shape}: ok, {done}")
 
 
 if __name__ == "__main__":

@@ -332,18 +332,6 @@ def test_tables_mark_each_missed_goal() -> None:
     assert "- GPU / driver: fake" in text and "dense form" in text
 
 
-def test_the_fused_candidate_gets_its_own_columns_only_when_timed() -> None:
-    rows = _fake_rows()[:3]
-    assert "fused us" not in "\n".join(bench.prefill_table(rows))
-    rows[2] = {**rows[2], "results": {**rows[2]["results"], bench.FUSED: {"us": 400.0, "err_o": 2e-3,
-                                                                           "err_state": 1e-6}}}
-    lines = bench.prefill_table(rows)
-    assert lines[0].endswith("| fused us | FLA / fused | fused / floor | fused / FLA err (o, state) |")
-    assert {line.count("|") for line in lines} == {18}
-    assert lines[4].endswith("| 400.0 | 5.00 | 1.59 | 1.000, 1.000 |")  # 2000 / 400; 400 / 251.66: under 2x
-    assert lines[2].endswith("| - | - | - | - |")  # a row without it
-
-
 def test_results_are_written_beside_their_json_and_merge_by_row(tmp_path: Path) -> None:
     out = tmp_path / "results" / "lightning.md"
     rows = _fake_rows()

@@ -105,48 +105,6 @@ def test_lightning_output_machine_code(config_id: str, target: str) -> None:
     assert sum(op.startswith("HMMA") for op in loop) == HMMA_PER_CHUNK  # every MMA in it
 
 
-# The fused form (one launch: own state, look-back, outputs, final state), two configurations that cover its state
-# arguments: h0 and ht (V-first), and a bf16 pool with has_initial_state flags (K-first).
-FUSED_CONFIGS = {
-    "fused-h0-ht-vk-H64": dict(num_heads=64, fused=True, has_initial_state=True, output_final_state=True,
-                               state_v_first=True),
-    "fused-pool-bf16-flags-H64": dict(num_heads=64, fused=True, state_pool=True, state_dtype="bfloat16",
-                                      initial_state_flags=True),
-}
-FUSED_DSL_FLOOR = ("fused-pool-bf16-flags-H64",)
-FUSED_SPILLS = {version: {config_id: dict.fromkeys(SM, 0) for config_id in FUSED_CONFIGS} for version in ("4.6", "4.8")}
-# per chunk and warp of the own state's pass: the state update alone (4 token blocks x 16 K tiles)
-HMMA_OWN_STATE = 64
-
-
-@pytest.mark.parametrize(("config_id", "target"), [
-    pytest.param(config_id, target, id=f"{config_id}-{target}",
-                 marks=[pytest.mark.dsl_floor] if config_id in FUSED_DSL_FLOOR else [])
-    for config_id in FUSED_CONFIGS for target in SM
-])
-def test_fused_machine_code(config_id: str, target: str) -> None:
-    """The fused form: the output loop's MMAs and the own state's update once each (two chunk loops), one atomic
-    (the ticket), the look-back's acquire loads with L1 invalidated after them, two release stores (the own state's
-    flag, then the end state's), GPU-scope fences, a poll pause and a trap past the poll bound in each of its two
-    waits; no spill."""
-    from cula_runtime.cute.compile_cache import compile_kernel
-    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
-    from cula_runtime.cute.machine_code import disassemble
-
-    config = LightningChunkOutputConfig(**FUSED_CONFIGS[config_id])
-    code = disassemble(compile_kernel(LightningChunkOutput, config, target=target))
-    assert (code.sm, code.target) == (SM[target], target)
-    assert code.opcodes["HMMA.16816.F32.BF16"] == HMMA_PER_CHUNK + HMMA_OWN_STATE
-    assert code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0
-    assert code.opcodes["ATOMG.E.ADD.S32.STRONG.GPU"] == 1 and code.count("ATOMG") == 1 and code.count("RED") == 0
-    assert code.opcodes["STG.E.STRONG.GPU"] == 2
-    assert code.opcodes["LDG.E.STRONG.GPU"] >= 1 and code.count("CCTL") >= code.opcodes["LDG.E.STRONG.GPU"]
-    assert code.count("MEMBAR") >= 2 and code.count("NANOSLEEP") == 2  # the two waits: the base, each own state
-    assert code.opcodes["BPT.TRAP"] == 2  # each wait's bound on its polls: a launch error, never a hang
-    spills = code.count("LDL") + code.count("STL")
-    assert spills <= measured(FUSED_SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
-
-
 def chunk_loop(sass: str) -> list[str]:
     """Opcodes (NOP excluded) of the longest backward branch's range in ``sass``: the chunk loop."""
     import re
@@ -171,12 +129,10 @@ def chunk_loop(sass: str) -> list[str]:
 def test_one_binary_serves_every_length() -> None:
     """Every extent of every tensor argument is symbolic: one compilation for any token or segment count."""
     from cula_runtime.cute import compile_cache
-    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput
 
     config = _config("bv128-H64")
-    fused = LightningChunkOutputConfig(**FUSED_CONFIGS["fused-pool-bf16-flags-H64"])
-    specs = LightningChunkOutput(config).argument_specs() + LightningChunkOutput(fused).argument_specs()
-    for spec in (spec for spec in specs if spec is not None):
+    for spec in LightningChunkOutput(config).argument_specs():
         fake = spec.fake()
         assert all(fake.dynamic_shapes_mask) and fake.dynamic_strides_mask[:-1] == (1,) * (spec.ndim - 1)
     compiled = compile_cache.compile_kernel(LightningChunkOutput, config, target="sm_90a")
@@ -190,11 +146,6 @@ def test_one_binary_serves_every_length() -> None:
         ({"chunk_size": 32}, "only 64"),
         ({"block_v": 64}, "block_v=64: only 128 (V block 64 was retired"),
         ({"num_heads": 0}, "num_heads"),
-        ({"output_final_state": True}, "fused=True needs them"),
-        ({"state_pool": True, "state_dtype": "bfloat16"}, "fused=True needs them"),
-        ({"fused": True, "initial_state_flags": True}, "needs state_pool=True"),
-        ({"fused": True, "state_pool": True, "has_initial_state": True}, "exclusive"),
-        ({"fused": True, "state_pool": True, "state_dtype": "float16"}, "state_dtype='float16'"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:

@@ -11,9 +11,7 @@
   the fp64 token recurrence: the segment table, the flattened views, the allocations and the kernels' order
   reproduce Lightning Attention (fixed and varlen, h0 and ht, both layouts, the pool with padding and untouched
   slots). The emulations are also the GPU tests' references for kernels A and B
-  (``tests/cute/test_lightning_states_gpu.py``). The fused form (one launch) likewise, its table's marks checked.
-* The fused form's look-back protocol simulated step by step under random and starving interleavings: no deadlock,
-  the bits of one sequential scan whatever the schedule, every start-state read before the final-state write.
+  (``tests/cute/test_lightning_states_gpu.py``).
 """
 
 from __future__ import annotations
@@ -86,60 +84,16 @@ def emulate_scan(seg_state: torch.Tensor, segments: torch.Tensor, seq_segments: 
     return starts, S, slots
 
 
-def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int,
-                         fused: bool = False) -> None:
-    """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``
-    (``fused``: a fused table, whose empty sequences have a segment of length 0)."""
+def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int) -> None:
+    """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``."""
     H = q.shape[1]
     g = torch.exp(g_gamma.double().cpu()).view(H, 1, 1)
     for s, (_, start, length, _) in enumerate(segments.tolist()):
-        assert int(not fused) <= length <= seg_len
+        assert 1 <= length <= seg_len
         S = seg_state[s].double().cpu().clone()
         for t in range(start, start + length):
             S = g * S + k[t].double().cpu().unsqueeze(-1) * v[t].double().cpu().unsqueeze(-2)
             o[t] = (scale * torch.einsum("hk,hkv->hv", q[t].double().cpu(), S)).to(o.dtype)
-
-
-def fused_seq_segments(segments: torch.Tensor) -> torch.Tensor:
-    """A fused table's sequence offsets, from its rows, checking its marks: each sequence's rows are adjacent, in
-    order, column 3 their rank times 4, plus 1 on the first and 2 on the last, every sequence present."""
-    rows = segments.tolist()
-    offsets = [0]
-    for s, (n, _, _, info) in enumerate(rows):
-        first = s == 0 or rows[s - 1][0] != n
-        last = s == len(rows) - 1 or rows[s + 1][0] != n
-        assert info == 4 * (s - offsets[-1]) + int(first) + 2 * int(last), (s, rows[s])
-        if first:
-            assert n == len(offsets) - 1
-        if last:
-            offsets.append(s + 1)
-    return torch.tensor(offsets, dtype=torch.int32)
-
-
-def emulate_fused(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, state_indices, has_initial_state,
-                  scale: float, state_v_first: bool) -> None:
-    """The fused kernel in float64: kernels A, B and C's emulations over a fused table, with ``own`` and ``incl``
-    as the segments' own and end states, ``ht`` and the pool written as kernel B would."""
-    seq_segments = fused_seq_segments(segments)
-    own.copy_(emulate_segment_states(k, v, g_gamma, segments).float())
-    starts, final, slots = emulate_scan(own, segments, seq_segments, g_gamma, h0, state_v_first, pool, state_indices,
-                                        has_initial_state)
-    lengths = segments[:, 2].double().view(-1, 1, 1, 1)
-    incl.copy_((torch.exp(g_gamma.double().view(1, -1, 1, 1) * lengths) * starts + own.double()).float())
-    emulate_chunk_output(q, k, v, g_gamma, starts, segments, o, scale, q.shape[0], fused=True)
-    write_final_states(final, slots, ht, pool, state_v_first)
-
-
-def write_final_states(final: torch.Tensor, slots: list[int], ht, pool, state_v_first: bool) -> None:
-    """The final states (K-first float64, as :func:`emulate_scan` returns them) into ``ht`` and / or the pool slots
-    in the call's layout (kernel B's and the fused form's last step)."""
-    final_laid = final.transpose(-1, -2) if state_v_first else final
-    if ht is not None:
-        ht.copy_(final_laid.float())
-    if pool is not None:
-        for n, slot in enumerate(slots):
-            if slot >= 0:
-                pool[slot] = final_laid[n].to(pool.dtype)
 
 
 class FakeKernels:
@@ -162,7 +116,13 @@ class FakeKernels:
         starts, final, slots = emulate_scan(seg_state, segments, seq_segments, g_gamma, initial_state, state_v_first,
                                             pool, state_indices, has_initial_state)
         seg_state.copy_(starts.float())
-        write_final_states(final, slots, ht, pool, state_v_first)
+        final_laid = final.transpose(-1, -2) if state_v_first else final
+        if ht is not None:
+            ht.copy_(final_laid.float())
+        if pool is not None:
+            for n, slot in enumerate(slots):
+                if slot >= 0:
+                    pool[slot] = final_laid[n].to(pool.dtype)
 
     def scan_flags(self, initial_state, output_final_state, state_v_first, pool, has_initial_state) -> tuple:
         return (initial_state is not None, bool(output_final_state), bool(state_v_first),
@@ -182,17 +142,6 @@ class FakeKernels:
         self.calls.append(("C", segments.shape[0], seg_len))
         emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, seg_len)
 
-    def plan_fused_output(self, H, flags, device):
-        def run(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, idx, has_init, scale) -> None:
-            nseg = segments.shape[0]
-            assert q.dim() == 3 and o.dim() == 3 and q.shape[1] == H and nseg >= 1
-            assert own.shape == incl.shape == (nseg, H, 128, 128) and own.dtype == incl.dtype == torch.float32
-            assert sync.dtype == torch.int32 and sync.shape == (1 + nseg * H,) and not sync.any()
-            self.calls.append(("F", nseg))
-            emulate_fused(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, idx, has_init, scale,
-                          flags[2])
-        return run
-
     def plan_chunk_output(self, H, device):  # (the bound kernel C of plans: no seg_len, the table's lengths)
         def run(q, k, v, g_gamma, seg_state, segments, o, scale) -> None:
             assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0] and q.shape[1] == H
@@ -207,7 +156,6 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
     monkeypatch.setattr(pb, "_states", lambda: fake)
     monkeypatch.setattr(pb, "_output", lambda: fake.chunk_output)
     monkeypatch.setattr(pb, "_planned_output", fake.plan_chunk_output)
-    monkeypatch.setattr(pb, "_planned_fused", fake.plan_fused_output)
     monkeypatch.setattr(pb, "sm_count", lambda device: 132)
     pb.clear_segment_cache()
     return fake
@@ -260,27 +208,6 @@ def test_segment_table_docstring_example() -> None:
     assert table.seq_segments == [0, 3, 3, 4]
 
 
-def test_fused_segment_table_docstring_example() -> None:
-    table = segment_table([130, 0, 64], 64, fused=True)
-    assert table.rows() == [(0, 0, 64, 1), (0, 64, 64, 4), (0, 128, 2, 10), (1, 130, 0, 3), (2, 130, 64, 3)]
-    assert table.seq_segments == [0, 3, 4, 5]
-    assert num_segments([130, 0, 64], 64, fused=True) == 5
-
-
-@pytest.mark.parametrize(("lens", "seg_len"), [([4096], 512), ([0, 100, 0, 128, 1, 4097, 0], 128), ([0], 64),
-                                               ([1000, 1000, 1000], 256)])
-def test_fused_segment_table_is_the_table_plus_its_marks(lens: list[int], seg_len: int) -> None:
-    """The fused table: the plain table's rows, a row of length 0 for each empty sequence, the first / last marks."""
-    fused = segment_table(lens, seg_len, fused=True)
-    plain = [r for r in fused.rows() if r[2] > 0]
-    assert [(n, start, length, 0) for n, start, length, _ in plain] == segment_table(lens, seg_len).rows()
-    assert fused.num_segments == num_segments(lens, seg_len, fused=True)
-    assert fused_seq_segments(torch.tensor(fused.rows(), dtype=torch.int32)).tolist() == fused.seq_segments
-    assert [r for r in fused.rows() if r[2] == 0] == [
-        (n, sum(lens[:n]), 0, 3) for n, length in enumerate(lens) if length == 0]
-    assert max(r[3] >> 2 for r in fused.rows()) == max(max(-(-length // seg_len), 1) for length in lens) - 1
-
-
 @pytest.mark.parametrize(("lens", "seg_len", "error", "match"), [
     ([10], 0, ValueError, "seg_len must be a positive multiple of 64"),
     ([10], 100, ValueError, "seg_len must be a positive multiple of 64"),
@@ -296,8 +223,8 @@ def test_segment_table_says_what_is_wrong(lens, seg_len, error, match) -> None:
 
 
 @pytest.mark.parametrize(("B", "H", "T", "expected"), [
-    (1, 16, 32768, 1024), (1, 64, 4096, 512), (2, 64, 32768, 4096), (1, 16, 4096, 256), (2, 16, 32768, 2048),
-    (1, 16, 100, 64), (1, 1, 64, 64),
+    (1, 16, 32768, 4096), (1, 64, 4096, 2048), (2, 64, 32768, 4096), (1, 16, 4096, 512), (2, 16, 32768, 4096),
+    (1, 16, 16384, 2048), (2, 16, 4096, 1024), (1, 16, 100, 64), (1, 1, 64, 64), (1, 64, 1024, 512),
 ])
 def test_choose_seg_len_examples(B: int, H: int, T: int, expected: int) -> None:
     assert choose_seg_len([T] * B, H, 132) == expected
@@ -310,13 +237,9 @@ def test_choose_seg_len_rule(lens: list[int], H: int) -> None:
     seg_len = choose_seg_len(lens, H, sms)
     assert seg_len in SEG_LEN_CHOICES
     ctas = num_segments(lens, seg_len) * H
-    longer = [s for s in SEG_LEN_CHOICES if s > seg_len]
-    if ctas >= 2 * sms:  # no longer segment has two waves too
-        assert all(num_segments(lens, s) * H < 2 * sms for s in longer)
-    if seg_len >= pb.MIN_PREFERRED_SEG_LEN and ctas < 2 * sms:  # the one-wave exception
-        assert ctas >= sms
-    if seg_len < pb.MIN_PREFERRED_SEG_LEN:  # no preferred length fills a wave
-        assert all(num_segments(lens, s) * H < sms for s in SEG_LEN_CHOICES if s >= pb.MIN_PREFERRED_SEG_LEN)
+    wave = pb.WAVE_FILL * sms
+    assert all(num_segments(lens, s) * H < wave for s in SEG_LEN_CHOICES if s > seg_len)  # no longer one fills it
+    assert ctas >= wave or seg_len == SEG_LEN_CHOICES[-1]  # it fills the wave, or nothing does
 
 
 def test_seg_len_fixed_by_the_caller() -> None:
@@ -424,9 +347,8 @@ def _oracle(q, k, v, g_gamma, scale, h0, cu, v_first):
     pytest.param(1, 130, 2, (0, 1, 130), False, False, 0, id="varlen-chosen-seg_len"),
 ])
 @pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
-@pytest.mark.parametrize("fused", [False, True], ids=["three-launches", "fused"])
 def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, cu, h0, v_first, seg_len,
-                                           planned: bool, fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                           planned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     q, k, v, g_gamma, cu_t = _inputs(B, T, H, 1, cu)
@@ -435,16 +357,16 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=initial, output_final_state=True,
                                       cu_seqlens=cu_t, state_v_first=v_first)
     if planned:
-        plan = pb.plan_lightning_prefill(args, seg_len=seg_len, fused=fused)
+        plan = pb.plan_lightning_prefill(args, seg_len=seg_len)
         o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, None, None, None)
     else:
-        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len, fused=fused)
+        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len)
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, initial, cu_t, v_first)
     assert o.dtype == torch.bfloat16 and o.shape == (B, T, H, 128)
     assert ht.dtype == torch.float32 and ht.shape == args.state_shape
     torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-4)
-    assert [c[0] for c in fake_kernels.calls] == (["F"] if fused else ["A", "B", "C"])
+    assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"]
 
 
 def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKernels) -> None:
@@ -492,66 +414,10 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pyt
     for got, want in zip(c_args[:3] + c_args[6:7], (args.q, args.k, args.v, o), strict=True):
         assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
     assert c_args[3] is args.g_gamma and c_args[4] is b_args[0] and c_args[5] is b_args[1]  # start states, table
-    assert c_args[7:14] == (None,) * 7 and c_args[14] == args.scale  # (the fused form's arguments: absent)
+    assert c_args[7] == args.scale
 
 
-@pytest.mark.parametrize("pool_dtype", [None, torch.float32, torch.bfloat16])
-def test_a_fused_plan_launches_once_on_the_calls_tensors(monkeypatch: pytest.MonkeyPatch, pool_dtype) -> None:
-    """The fused plan's one launch gets q, k, v and o as ``[1, B·T, H, 128]`` views of the call's tensors, the fused
-    table (every sequence a row, the empty one of length 0, first / last marks), its own and end states
-    ``[NSEG, H, 128, 128]`` fp32, a zeroed sync word per segment-head plus the ticket, the state arguments of its
-    configuration (h0 and ht, or the pool, its indices and flags as bytes) and the scale; nothing compiled here."""
-    from cula_runtime import cute as cula_cute
-
-    if not cula_cute.is_available():
-        pytest.skip("CuTeDSL or TVM-FFI is not installed")
-    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput
-    from cula_runtime.lightning_args import validate_lightning_prefill
-    from tests.cute.compile_helpers import record_launches
-
-    launches = record_launches(monkeypatch)
-    monkeypatch.setattr(pb, "sm_count", lambda device: 132)
-    pb.clear_segment_cache()
-    cu = (0, 0, 70, 70, 199, 300)
-    q, k, v, g_gamma, cu_t = _inputs(1, 300, 2, 1, cu)
-    if pool_dtype is None:
-        h0 = torch.randn(5, 2, 128, 128)
-        args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=h0, output_final_state=True,
-                                          cu_seqlens=cu_t, state_v_first=True)
-    else:
-        pool = torch.zeros(7, 2, 128, 128, dtype=pool_dtype)
-        args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool,
-                                          state_indices=torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32),
-                                          has_initial_state=torch.tensor([True, False, True, True, False]))
-    plan = pb.plan_lightning_prefill(args, seg_len=64, fused=True)
-    o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, args.state,
-                 args.state_indices, args.has_initial_state)
-    assert len(launches) == 1
-    cls, config, call = launches[0]
-    assert cls is LightningChunkOutput and config.fused and config.num_heads == 2
-    assert (config.state_pool, config.initial_state_flags) == (pool_dtype is not None,) * 2
-    assert config.state_dtype == ("float32" if pool_dtype is None else str(pool_dtype).removeprefix("torch."))
-    assert (config.has_initial_state, config.output_final_state, config.state_v_first) == (pool_dtype is None,) * 3
-    assert len(call) == len(LightningChunkOutput(config).argument_specs()) + 1
-    for got, want in zip(call[:3] + call[6:7], (args.q, args.k, args.v, o), strict=True):
-        assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
-    assert call[3] is args.g_gamma
-    rows = [tuple(r) for r in call[5].tolist()]
-    assert rows == segment_table([0, 70, 0, 129, 101], 64, fused=True).rows()
-    nseg = len(rows)
-    for state in (call[4], call[7]):
-        assert state.shape == (nseg, 2, 128, 128) and state.dtype == torch.float32 and state.is_contiguous()
-    assert call[8].dtype == torch.int32 and call[8].tolist() == [0] * (1 + nseg * 2)
-    if pool_dtype is None:
-        assert call[9] is h0 and call[10] is ht and call[11:14] == (None,) * 3
-    else:
-        assert ht is None and call[9:11] == (None, None) and call[11] is args.state and call[12] is args.state_indices
-        assert call[13].dtype == torch.uint8 and call[13].data_ptr() == args.has_initial_state.data_ptr()
-    assert call[14] == args.scale
-
-
-@pytest.mark.parametrize("fused", [False, True], ids=["three-launches", "fused"])
-def test_backend_pool(fake_kernels: FakeKernels, fused: bool) -> None:
+def test_backend_pool(fake_kernels: FakeKernels) -> None:
     """The pool form: slots read and written in place (fp32), a padding row (-1) and an out-of-pool slot start from
     zeros and write nothing, a False flag starts from zeros but writes its slot, unnamed slots keep their bits."""
     from cula_runtime.lightning_args import validate_lightning_prefill
@@ -564,7 +430,7 @@ def test_backend_pool(fake_kernels: FakeKernels, fused: bool) -> None:
     flags = torch.tensor([True, True, True, False, True])
     args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool, state_indices=idx,
                                       has_initial_state=flags)
-    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64, fused=fused)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64)
     assert ht is None
     h0 = torch.stack([before[4], before[1], torch.zeros(2, 128, 128), torch.zeros(2, 128, 128), before[2]])
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, h0, cu_t, False)
@@ -586,105 +452,3 @@ def test_backend_without_tokens(fake_kernels: FakeKernels) -> None:
     o, ht = pb.lightning_prefill_cutedsl_backend(args)
     assert o.shape == (2, 0, 2, 128) and torch.equal(ht, h0)
     assert [c[0] for c in fake_kernels.calls] == ["B"]
-
-
-# ---- the fused form's look-back protocol, simulated (the kernel's steps, CTAs interleaved at random) --------------
-
-
-def _simulate_fused_scan(table, own: torch.Tensor, lam: float, start: torch.Tensor, resident: int, seed: int,
-                         look_back: int) -> tuple[torch.Tensor, list[tuple[int, str, int]]]:
-    """``segment_start``'s protocol for one head, in fp32, its CTAs taken in ticket (row) order by at most
-    ``resident`` CTAs at once and advanced one step at a time in a random order (odd seeds: the newest CTA able to
-    move, so that the oldest starve): each CTA reads its sequence's
-    start state if its rank is below ``look_back``, publishes its own state (flag 1), waits for the end state
-    ``look_back`` rows back (flag 2) if its rank allows, waits for and adds the own states after its base, publishes
-    its end state (flag 2), and the last segment writes the final state. Returns the end states and the log of
-    start-state reads and final-state writes ``(time, kind, sequence)``; fails on a deadlock."""
-    import random
-
-    rows = table.rows()
-    flags = [0] * len(rows)
-    incl = torch.zeros_like(own)
-    log: list[tuple[int, str, int]] = []
-
-    def cta(s: int):
-        n, _, length, info = rows[s]
-        rank = info >> 2
-        x = torch.zeros_like(own[s])
-        if rank < look_back:
-            x = start[n].clone()
-            log.append((len(log), "read", n))
-        yield
-        flags[s] = 1
-        yield
-        j0 = s - min(rank, look_back - 1)
-        if rank >= look_back:
-            while flags[s - look_back] < 2:
-                yield "wait"
-            x = incl[s - look_back].clone()
-        for j in range(j0, s):
-            while flags[j] < 1:
-                yield "wait"
-            x = x * torch.tensor(lam ** rows[j][2], dtype=torch.float32) + own[j]
-            yield
-        incl[s] = x * torch.tensor(lam ** length, dtype=torch.float32) + own[s]
-        flags[s] = 2
-        if info & 2:
-            log.append((len(log), "write", n))
-
-    rng = random.Random(seed)
-    pending = list(range(len(rows)))  # tickets not taken yet, in order
-    running: dict[int, object] = {}
-    while pending or running:
-        while pending and len(running) < resident:
-            s = pending.pop(0)
-            running[s] = cta(s)
-        progressed = False
-        # odd seeds: the newest CTA that can move moves (the oldest starve: a late write races an early read)
-        order = sorted(running, reverse=True) if seed % 2 else rng.sample(sorted(running), len(running))
-        for s in order:
-            try:
-                if next(running[s]) != "wait":
-                    progressed = True
-                    break
-            except StopIteration:
-                del running[s]
-                progressed = True
-                break
-        assert progressed, f"deadlock: CTAs {sorted(running)} all wait"
-    return incl, log
-
-
-@pytest.mark.parametrize("resident", [1, 2, 5, 64])
-def test_fused_look_back_is_deadlock_free_deterministic_and_the_scan(resident: int) -> None:
-    """Whatever the interleaving (up to ``resident`` CTAs at once, tickets in order), the fused form's protocol
-    finishes, every end state has the bits of one sequential fp32 scan from the sequence's start state (what makes
-    the kernel's output independent of its schedule), and every read of a sequence's start state (a pool slot)
-    comes before the write of its final state."""
-    from cula_runtime import cute as cula_cute
-
-    if not cula_cute.is_available():
-        pytest.skip("CuTeDSL or TVM-FFI is not installed")
-    from cula_runtime.cute.lightning.chunk_output import _LOOK_BACK
-
-    lens = [1000, 0, 64, 700, 1]
-    table = segment_table(lens, 64, fused=True)
-    gen = torch.Generator().manual_seed(resident)
-    own = torch.randn(table.num_segments, 4, 4, generator=gen)
-    start = torch.randn(len(lens), 4, 4, generator=gen)
-    lam = 0.97
-    expected = torch.empty_like(own)
-    rows = table.rows()
-    for n in range(len(lens)):
-        x = start[n].clone()
-        for s in range(table.seq_segments[n], table.seq_segments[n + 1]):
-            x = x * torch.tensor(lam ** rows[s][2], dtype=torch.float32) + own[s]
-            expected[s] = x
-    assert max(r[3] >> 2 for r in rows) >= 2 * _LOOK_BACK  # bases from earlier end states, chained
-    for seed in range(40):
-        incl, log = _simulate_fused_scan(table, own, lam, start, resident, seed, _LOOK_BACK)
-        assert torch.equal(incl, expected)
-        for n in range(len(lens)):
-            reads = [t for t, kind, m in log if m == n and kind == "read"]
-            writes = [t for t, kind, m in log if m == n and kind == "write"]
-            assert len(writes) == 1 and reads and max(reads) < writes[0]

@@ -37,8 +37,6 @@ pytestmark = pytest.mark.gpu
 H, K, V = lc.H, lc.K, lc.V
 BOUND = lc.PROVISIONAL_BOUND
 BACKENDS = ("reference", "cutedsl")
-# the prefill tests also run the fused CuTeDSL form (one launch: ``prefill_backend``'s ``fused=True``), unplanned
-PREFILL_BACKENDS = (*BACKENDS, "cutedsl-fused")
 
 
 def _gamma() -> torch.Tensor:
@@ -57,15 +55,7 @@ def _cu(lens: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
 
 
 def use_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force ``backend`` for this test; skip the CuTeDSL one where it is not installed here. ``"cutedsl-fused"``:
-    the CuTeDSL backend with the prefill's fused form as its default, call plans off (so that no plan made by
-    another test serves the call, and none made here outlives it)."""
-    if backend == "cutedsl-fused":
-        from cula_runtime.cute.lightning import prefill_backend
-
-        monkeypatch.setitem(prefill_backend.lightning_prefill_cutedsl_backend.__kwdefaults__, "fused", True)
-        monkeypatch.setenv("CULA_CALL_PLANS", "0")
-        backend = "cutedsl"
+    """Force ``backend`` for this test; skip the CuTeDSL one where it is not installed here."""
     if backend == "cutedsl":
         from cula_runtime.cute import is_available
 
@@ -78,7 +68,7 @@ def use_backend(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _skip_if_rejected(backend: str, choice: dispatch.Choice) -> None:
-    if backend.startswith("cutedsl") and choice.runner is None:
+    if backend == "cutedsl" and choice.runner is None:
         pytest.skip(f"cutedsl rejects this call: {choice.decisions[0].reason}")
 
 
@@ -107,7 +97,7 @@ def _ids(cases: list[lc.LightningCase]) -> list[str]:
 
 
 @pytest.mark.parametrize("case", lc.PREFILL_CASES, ids=_ids(lc.PREFILL_CASES))
-@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_matches_fp64(backend: str, case: lc.LightningCase, monkeypatch: pytest.MonkeyPatch) -> None:
     use_backend(backend, monkeypatch)
     kwargs = lc.make_inputs(case, "cuda")
@@ -123,7 +113,7 @@ def test_prefill_matches_fp64(backend: str, case: lc.LightningCase, monkeypatch:
     assert err <= limit, f"final state error {err:.3e} > bound {limit:.3e}"
 
 
-@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_with_the_layer_decay_and_no_final_state(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     use_backend(backend, monkeypatch)
     case = lc.LAYER_CASE
@@ -136,7 +126,7 @@ def test_prefill_with_the_layer_decay_and_no_final_state(backend: str, monkeypat
 
 
 @pytest.mark.parametrize("case", lc.POOL_PREFILL_CASES, ids=_ids(lc.POOL_PREFILL_CASES))
-@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_pool_prefill_matches_the_per_sequence_oracle(backend: str, case: lc.LightningCase,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Slots past the pool (99) are padding on a GPU, as negative ones: nothing read or written."""
@@ -178,7 +168,7 @@ def test_decode_matches_the_per_sequence_oracle(backend: str, case: lc.Lightning
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32-pool", "bf16-pool"])
 @pytest.mark.parametrize("v_first", [False, True], ids=["kfirst", "vfirst"])
-@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_into_the_pool_then_decode_steps_equals_one_longer_prefill(backend: str, v_first: bool,
                                                                            pool_dtype: torch.dtype,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -253,7 +243,7 @@ def test_a_graph_of_decode_replays_new_values_without_allocating(monkeypatch: py
         _check_pool(pool, expected, written, before)
 
 
-@pytest.mark.parametrize("backend", PREFILL_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_repeats_are_bit_identical(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     use_backend(backend, monkeypatch)
     lens = [0, 70, 129, 1]

@@ -72,28 +72,7 @@ it):
   outweigh the second CTA per SM that V block 64 overlaps (its barrier waits, 80 KB of loads in flight per SM
   instead of 48 KB, twice the CTAs), on the smallest grids too.
 
-One pass (``fused=True``, a candidate against the three launches; ``benchmarks/profile_lightning.py --forms
-three,fused`` times both): the whole prefill in this one launch, k and v read twice by the same CTA (the second
-time mostly from L2) instead of once more by kernel A, no kernel B, the states exchanged between the CTAs of a
-sequence in global memory. Each CTA takes its (segment, head) from an atomic ticket (``mSync[0]``), in grid order,
-then
-
-1. makes the segment's own state ``S_loc`` from zero with this kernel's chunk step (the last chunk with its own
-   length: ``λ^(tail-1-j)``, ``λ^tail``), from k and v alone;
-2. :meth:`LightningChunkOutput.segment_start`: publishes ``S_loc``, scans the sequence's earlier segments' states
-   from a base (the sequence's start state, or the end state of the segment :data:`_LOOK_BACK` places back) into its
-   start state, publishes its end state, and the sequence's last segment writes the final state (``ht`` or the
-   pool slot, as kernel B does);
-3. runs the output loop above from that start state.
-
-Its table (``prefill_backend.segment_table(..., fused=True)``) gives every sequence a segment, an empty one of
-length 0, and column 3 the segment's rank in its sequence (times 4), its first (1) and last (2) marks. Its
-workspace: the own and end states ``[NSEG, H, 128, 128]`` fp32 and the zeroed int32 ``sync [1 + NSEG·H]`` (the
-ticket counter, one flag per segment-head: 1 own state published, 2 end state published); the flags are published
-with release and read with acquire semantics (:mod:`cula_runtime.cute.sync`). Not yet run on a GPU.
-
-:func:`lightning_chunk_output` is the host wrapper of the three-launch form's kernel C; :func:`plan_fused_output`
-binds the fused form.
+:func:`lightning_chunk_output` is the host wrapper.
 """
 
 from __future__ import annotations
@@ -107,28 +86,22 @@ from collections.abc import Callable
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
-from ..sync import atomic_add, fence_gpu, load_acquire, nanosleep, store_release, trap, word_address
 
 try:
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8, const_expr
+    from cutlass import BFloat16, Float32, Int32
     from cutlass._mlir.dialects import nvvm
     from cutlass.cute.nvgpu import warp
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "fused_workspace", "lightning_chunk_output",
-           "plan_chunk_output", "plan_fused_output"]
+__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output",
+           "plan_chunk_output"]
 
 BLOCK_V = 128  # value columns per CTA: all of them, one 8-warp CTA per segment and head (module docstring)
 _LOG2E = 1.4426950408889634
-_STATE_DTYPES = {"float32": Float32, "bfloat16": BFloat16}
-_LAST = 2  # column 3 of a fused table's row: rank in the sequence << 2 | last (2) | first (1)
-_POLL_NS = 64  # the look-back's pause between two polls of a flag that is not set yet
-_MAX_POLLS = 1 << 27  # seconds of polling (a legitimate wait is one segment's pass: microseconds), then a trap
-_LOOK_BACK = 4  # a segment's scan starts from the end state of the segment this many places back (or the sequence's)
 _MAX_GRID_X = 2**31 - 1
 
 # The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp (8): each warp's blocks
@@ -169,29 +142,12 @@ class LightningChunkOutputConfig:
         block_v: value columns per CTA: only :data:`BLOCK_V` (8 warps; the field is the tiles' contract,
             :class:`~cula_runtime.cute.kda.tiles.ChunkTiles`).
         chunk_size: C; only 64.
-        fused: the one-pass form (module docstring, "One pass"): each CTA also makes its segment's own state,
-            takes its start state by a look-back over the earlier segments' and writes its sequence's final state;
-            the fields below describe those states and are False / ``"float32"`` without it.
-        has_initial_state: an fp32 ``initial_state [N, H, 128, 128]`` (layout of ``state_v_first``).
-        output_final_state: an fp32 ``final_state [N, H, 128, 128]`` is written (layout of ``state_v_first``).
-        state_pool: a pool ``[P, H, 128, 128]`` of ``state_dtype`` with ``state_indices [N]``, read and written in
-            place (a slot outside ``[0, P)`` is padding: not read, not written).
-        initial_state_flags: ``has_initial_state [N]`` (uint8): a pool slot is read only where it is nonzero.
-        state_v_first: the states are ``[.., V, K]`` instead of ``[.., K, V]``.
-        state_dtype: the pool's dtype, ``"float32"`` or ``"bfloat16"`` (rounded to nearest even when written).
     """
 
     num_heads: int
     head_dim: int = 128
     block_v: int = BLOCK_V
     chunk_size: int = 64
-    fused: bool = False
-    has_initial_state: bool = False
-    output_final_state: bool = False
-    state_pool: bool = False
-    initial_state_flags: bool = False
-    state_v_first: bool = False
-    state_dtype: str = "float32"
 
 
 class LightningChunkOutput(ChunkTiles):
@@ -211,47 +167,19 @@ class LightningChunkOutput(ChunkTiles):
             return False, f"block_v={c.block_v}: only {BLOCK_V} (V block 64 was retired: slower on every shape timed)"
         if c.num_heads < 1:
             return False, f"num_heads={c.num_heads}: must be >= 1"
-        if c.state_dtype not in _STATE_DTYPES:
-            return False, f"state_dtype={c.state_dtype!r}: expected one of {tuple(_STATE_DTYPES)}"
-        states = (c.has_initial_state, c.output_final_state, c.state_pool, c.state_v_first, c.state_dtype != "float32")
-        if not c.fused and any(states):
-            return False, "the state fields describe the fused form's states: fused=True needs them, no other form"
-        if c.initial_state_flags and not c.state_pool:
-            return False, "initial_state_flags=True needs state_pool=True (the flags say which slots are read)"
-        if c.has_initial_state and c.state_pool:
-            return False, "has_initial_state and state_pool are exclusive (the pool holds the initial states)"
         return True, ""
 
-    @property
-    def vdec_len(self) -> int:
-        """Entries of the state update's decay table ``sVdec``: λ^(63-j), and in the fused form the last chunk's
-        λ^(tail-1-j) after them."""
-        return self.config.chunk_size * (1 + int(self.config.fused))
-
-    def argument_specs(self) -> tuple[TensorSpec | None, ...]:
-        """Layout promises of the fourteen tensor arguments of ``__call__``, in order (None: absent in this
-        configuration; the last seven are the fused form's)."""
-        c = self.config
+    def argument_specs(self) -> tuple[TensorSpec, ...]:
+        """Layout promises of the seven tensor arguments of ``__call__``, in order."""
         bf16 = TensorSpec(BFloat16, 4, 8)  # 16-byte row segments for cp.async and the o store
-        state = TensorSpec(Float32, 4)
-        fused = (
-            state,  # incl [NSEG, H, K, V]: each segment's end state, published for the later segments
-            TensorSpec(Int32, 1),  # sync [1 + NSEG·H] int32, zeros: the ticket counter, then a flag per segment-head
-            state if c.has_initial_state else None,  # h0 [N, H, K, V] / [N, H, V, K]
-            state if c.output_final_state else None,  # ht
-            TensorSpec(_STATE_DTYPES[c.state_dtype], 4) if c.state_pool else None,  # pool [P, H, ..]
-            TensorSpec(Int32, 1) if c.state_pool else None,  # state_indices [N]
-            TensorSpec(Uint8, 1) if c.initial_state_flags else None,  # has_initial_state [N] (a bool as a byte)
-        ) if c.fused else (None,) * 7
         return (
             bf16,  # q [1, B·T, H, K]
             bf16,  # k [1, B·T, H, K]
             bf16,  # v [1, B·T, H, V]
             TensorSpec(Float32, 1),  # g_gamma [H], natural log
-            state,  # seg_state [NSEG, H, K, V]: each segment's start state (fused: its own state, published)
-            TensorSpec(Int32, 2, 4),  # segments [NSEG, 4]: (sequence, first row, length, 0 / fused: first | last)
+            TensorSpec(Float32, 4),  # seg_state [NSEG, H, K, V]: each segment's start state
+            TensorSpec(Int32, 2, 4),  # segments [NSEG, 4]: (sequence, first row, length, 0)
             bf16,  # o [1, B·T, H, V]
-            *fused,
         )
 
     def compile_arguments(self) -> tuple:
@@ -271,13 +199,6 @@ class LightningChunkOutput(ChunkTiles):
         mS0: cute.Tensor,
         mSeg: cute.Tensor,
         mO: cute.Tensor,
-        mIncl: cute.Tensor | None,
-        mSync: cute.Tensor | None,
-        mH0: cute.Tensor | None,
-        mHt: cute.Tensor | None,
-        mPool: cute.Tensor | None,
-        mStateIdx: cute.Tensor | None,
-        mHasInit: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -295,15 +216,14 @@ class LightningChunkOutput(ChunkTiles):
             sP: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sP_layout)], 1024]
             sPdec: cute.struct.Align[cute.struct.MemRange[Float32, C + 16], 16]  # scale · λ^d at 16 + d, d >= -15
             sOdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # scale · λ^(i+1)
-            sVdec: cute.struct.Align[cute.struct.MemRange[Float32, self.vdec_len], 16]  # λ^(63-j)
-            sSync: cute.struct.Align[cute.struct.MemRange[Int32, 4], 16]  # fused: the ticket's broadcast
+            sVdec: cute.struct.Align[cute.struct.MemRange[Float32, C], 16]  # λ^(63-j)
 
         tiled_mma = self.make_tiled_mma()
         score_mma = self.make_score_mma()
         grid = [mSeg.shape[0] * c.num_heads * (K // BV), 1, 1]
         self.kernel(
-            mQ, mK, mV, mG, mS0, mSeg, mO, mIncl, mSync, mH0, mHt, mPool, mStateIdx, mHasInit, scale, sK_layout,
-            sV_layout, sP_layout, tiled_mma, score_mma, SharedStorage,
+            mQ, mK, mV, mG, mS0, mSeg, mO, scale, sK_layout, sV_layout, sP_layout, tiled_mma, score_mma,
+            SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -319,13 +239,6 @@ class LightningChunkOutput(ChunkTiles):
         mS0: cute.Tensor,
         mSeg: cute.Tensor,
         mO: cute.Tensor,
-        mIncl: cute.Tensor | None,
-        mSync: cute.Tensor | None,
-        mH0: cute.Tensor | None,
-        mHt: cute.Tensor | None,
-        mPool: cute.Tensor | None,
-        mStateIdx: cute.Tensor | None,
-        mHasInit: cute.Tensor | None,
         scale: Float32,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -338,11 +251,6 @@ class LightningChunkOutput(ChunkTiles):
         C, K, BV = c.chunk_size, c.head_dim, c.block_v
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        smem = SmemAllocator()
-        storage = smem.allocate(SharedStorage)
-        sSync = storage.sSync.get_tensor(cute.make_layout(4))
-        if const_expr(c.fused):
-            bidx = self.take_ticket(mSync, sSync, tidx)  # the CTAs take the segments in order (module docstring)
         vb = bidx % (K // BV)  # one linear index: V block fastest, then head, then segment
         seg_head = bidx // (K // BV)
         h = seg_head % c.num_heads
@@ -357,13 +265,15 @@ class LightningChunkOutput(ChunkTiles):
         num_chunks = (length + (C - 1)) // C
 
         # ---- shared memory
+        smem = SmemAllocator()
+        storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sK_layout)  # (C tokens, K, stage)
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)  # (C tokens, BV, stage)
         sP = storage.sP.get_tensor(sP_layout)  # (C query, C key, 1)
         sPdec = storage.sPdec.get_tensor(cute.make_layout(C + 16))
         sOdec = storage.sOdec.get_tensor(cute.make_layout(C))
-        sVdec = storage.sVdec.get_tensor(cute.make_layout(self.vdec_len))
+        sVdec = storage.sVdec.get_tensor(cute.make_layout(C))
         # Transposed views (the composition maps (col, row, stage) onto the token-major tiles).
         sKT = cute.composition(sK, cute.make_layout((K, C, 2), stride=(C, 1, C * K)))  # (K, C tokens, stage)
         sVT = cute.composition(sV, cute.make_layout((BV, C, 2), stride=(C, 1, C * BV)))  # (BV, C tokens, stage)
@@ -374,10 +284,7 @@ class LightningChunkOutput(ChunkTiles):
         # ---- global -> shared copies; chunk 0 first, so that its loads overlap the state's
         loader = self.make_loader(mQ, mK, mV, h, vb, start, tidx)
         if num_chunks > 0:
-            if const_expr(c.fused):  # the own state's pass reads k and v only
-                self.load_chunk(loader[1:], (sK, sV), Int32(0), cutlass.min(length, C), Int32(0))
-            else:
-                self.load_chunk(loader, (sQ, sK, sV), Int32(0), cutlass.min(length, C), Int32(0))
+            self.load_chunk(loader, (sQ, sK, sV), Int32(0), cutlass.min(length, C), Int32(0))
             cute.arch.cp_async_commit_group()
 
         # ---- decay powers, once per CTA: exp2 of d · g · log2(e) with d >= 0 (visible after the loop's barrier)
@@ -389,12 +296,6 @@ class LightningChunkOutput(ChunkTiles):
             sVdec[tidx] = cute.math.exp2(Float32(C - 1 - tidx) * lg, fastmath=True)
         if tidx < 16:
             sPdec[tidx] = Float32(0.0)  # d < 0: read for the diagonal blocks' masked elements, never used
-        if const_expr(c.fused):
-            tail = length - (num_chunks - 1) * C  # the last chunk's rows (1 .. 64 where the segment has tokens)
-            if tidx < C:  # λ^(tail-1-j) for the last chunk's rows j < tail, 0 for the rows past it
-                sVdec[C + tidx] = cutlass.select_(
-                    tidx < tail, cute.math.exp2(Float32(cutlass.max(tail - 1 - tidx, 0)) * lg, fastmath=True),
-                    Float32(0.0))
         lam_chunk = cute.math.exp2(Float32(C) * lg, fastmath=True)  # λ^64
 
         # ---- MMA partitions (M = BV value rows, warp w rows 16 w ..):
@@ -437,47 +338,12 @@ class LightningChunkOutput(ChunkTiles):
                                          score_word)
 
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
-        first_stage = Int32(0)  # the stage of the outputs' first chunk
-        if const_expr(c.fused):
-            # ---- one pass: the segment's own state from k and v (the same chunk steps as below, from zero) ...
-            tSrS.fill(0.0)
-            lam_tail = cute.math.exp2(Float32(tail) * lg, fastmath=True)
-            for chunk in cutlass.range(num_chunks, unroll=1):
-                stage = chunk % 2
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()  # the chunk's tiles and the tables visible; the other stage free
-                if chunk + 1 < num_chunks:
-                    self.load_chunk(loader[1:], (sK, sV), (chunk + 1) * C,
-                                    cutlass.min(length - (chunk + 1) * C, C), 1 - stage)
-                    cute.arch.cp_async_commit_group()
-                last = chunk + 1 == num_chunks
-                cute.copy(s2r_C, tCsV[None, None, None, stage], tCrV_v)
-                table = cute.make_tensor(sVdec.iterator + cute.assume(cutlass.select_(last, Int32(C), Int32(0)),
-                                                                      divby=C),
-                                         cute.make_layout((BV, C), stride=(0, 1)))
-                rVdec = cute.make_rmem_tensor(accO.layout, BFloat16)
-                rVdec.store((self._bf16_pairs_to_f32(rV).load() * thr_mma.partition_C(table).load()).to(BFloat16))
-                tCrVdec_A = self._acc_as_operand_a(rVdec)
-                tSrS.store(tSrS.load() * cutlass.select_(last, lam_tail, lam_chunk))
-                for kb in cutlass.range_constexpr(C // self.mma_k):
-                    cute.copy(s2r_Bt, tCsK[None, None, kb, stage], tCrK_v[None, None, kb])
-                    cute.gemm(tiled_mma, tSrS, tCrVdec_A[None, None, kb], tCrK[None, None, kb], tSrS)
-            # the outputs' first chunk into the stage the own state's last chunk did not use (every warp was done
-            # with it at that chunk's barrier): its loads overlap the look-back
-            first_stage = num_chunks % 2
-            if num_chunks > 0:
-                self.load_chunk(loader, (sQ, sK, sV), Int32(0), cutlass.min(length, C), first_stage)
-                cute.arch.cp_async_commit_group()
-            # ---- ... then its start state (look-back), its end state published, its sequence's final state
-            self.segment_start(tSrS, thr_mma, seg, h, vb, length, lg, tidx, mS0, mSeg, mIncl, mSync, mH0, mHt,
-                               mPool, mStateIdx, mHasInit)
-        else:
-            tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
-            if num_chunks > 0:
-                tSrS.store(tSgS0.load())
+        tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
+        if num_chunks > 0:
+            tSrS.store(tSgS0.load())
 
         for chunk in cutlass.range(num_chunks, unroll=1):
-            stage = (chunk + first_stage) % 2
+            stage = chunk % 2
             chunk_len = cutlass.min(length - chunk * C, C)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()  # chunk's tiles visible; everyone is done with the other stage and with sP
@@ -529,143 +395,6 @@ class LightningChunkOutput(ChunkTiles):
             cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
             cute.arch.sync_warp()
             self.store_rows(mO, sV[None, None, stage], Int32(0), h, vb, start + chunk * C, chunk_len, tidx)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # The fused form's states
-
-    @cute.jit
-    def take_ticket(self, mSync: cute.Tensor, sSync: cute.Tensor, tidx: Int32) -> Int32:
-        """The CTA's linear index, taken from the counter ``mSync[0]`` (one atomic per CTA, broadcast through
-        ``sSync[0]``): a CTA's segment comes after those of every CTA that took a ticket before it, so a segment's
-        predecessors have always started (the look-back cannot wait for a CTA that is not running)."""
-        if tidx == 0:
-            sSync[0] = atomic_add(mSync.iterator.toint(), Int32(1))
-        cute.arch.sync_threads()
-        return sSync[0]
-
-    @cute.jit
-    def _state_view(self, head: cute.Tensor, vb: Int32, v_first: cutlass.Constexpr) -> cute.Tensor:
-        """This CTA's ``(BV, K)`` block of ``Sᵀ`` in one head's state, stored ``[K, V]`` or (``v_first``) ``[V, K]``."""
-        c = self.config
-        if const_expr(v_first):
-            return cute.local_tile(head, (c.block_v, c.head_dim), (vb, 0))
-        return self._state_tile(head, vb)
-
-    @cute.jit
-    def _publish(self, tSgX: cute.Tensor, value: cute.Tensor, flag_address, flag: Int32, tidx: Int32):
-        """``value`` (this thread's part of a state) into ``tSgX``, then ``flag`` at ``flag_address`` once every
-        thread's part is visible at GPU scope (the pattern of :mod:`cula_runtime.cute.sync`)."""
-        tSgX.store(value.load())
-        fence_gpu()
-        cute.arch.sync_threads()
-        if tidx == 0:
-            store_release(flag_address, flag)
-
-    @cute.jit
-    def _wait_flag(self, address, at_least: Int32, tidx: Int32):
-        """Until the flag at ``address`` is ``>= at_least`` (thread 0 polls, pausing between polls; past
-        :data:`_MAX_POLLS` polls it traps), then every thread's own acquire of it: the thread's later loads see what
-        its publisher wrote before raising it."""
-        if tidx == 0:
-            f = load_acquire(address)
-            polls = Int32(0)
-            while f < at_least:
-                nanosleep(_POLL_NS)
-                f = load_acquire(address)
-                polls = polls + 1
-                if polls > _MAX_POLLS:
-                    trap()  # a flag that never comes: a launch error rather than a hang
-        cute.arch.sync_threads()
-        load_acquire(address)
-
-    @cute.jit
-    def _load_state(self, rT: cute.Tensor, thr_mma, mX: cute.Tensor, index: Int32, h: Int32, vb: Int32):
-        """This thread's part of the fp32 state ``mX[index, h]`` (``[K, V]``) into ``rT``, in the layout of Sᵀ."""
-        rT.store(thr_mma.partition_C(self._state_tile(mX[index, h, None, None], vb)).load())
-
-    @cute.jit
-    def segment_start(self, tSrS: cute.Tensor, thr_mma, seg: Int32, h: Int32, vb: Int32, length: Int32, lg: Float32,
-                      tidx: Int32, mAgg: cute.Tensor, mSeg: cute.Tensor, mIncl: cute.Tensor, mSync: cute.Tensor,
-                      mH0, mHt, mPool, mStateIdx, mHasInit):
-        """The fused form between its two passes: ``tSrS`` holds the segment's own state ``S_loc`` (from zero) and
-        leaves holding its start state ``S0``.
-
-        Every segment first publishes ``S_loc`` in ``mAgg`` (flag 1). Its start state is the scan of kernel B,
-        ``X = λ^(L_i) X + S_loc(i)`` over the sequence's segments i before it, from a base: the sequence's start
-        state (``h0``, the pool slot, or zeros) for the first :data:`_LOOK_BACK` segments of a sequence, else the
-        end state ``mIncl`` of the segment ``_LOOK_BACK`` places back (flag 2, waited for); each ``S_loc(i)`` after
-        the base is waited for (flag 1). Every segment then publishes its end state ``λ^L S0 + S_loc`` in ``mIncl``
-        (flag 2), and the sequence's last one writes it as the final state (``ht``, or the pool slot in place).
-        Each end state is then the same chain of fp32 operations as one scan from the sequence's start, whatever
-        the base and the timing: the same bits on every run. Every wait is for a CTA that took its ticket earlier
-        and publishes its own state before waiting for anything: no deadlock. The segments that read the sequence's
-        start state read it before publishing their own: the last segment, which writes the pool slot, has waited
-        (directly or through an end state) for every one of them, so no read sees the write."""
-        c = self.config
-        H = c.num_heads
-        info = mSeg[seg, 3]  # rank in the sequence << 2 | last << 1 | first
-        rank = info >> 2
-        n = mSeg[seg, 0]
-        sync0 = mSync.iterator.toint()
-        own_flag = word_address(sync0, 1 + seg * H + h)
-        rX = cute.make_rmem_tensor(tSrS.layout, Float32)
-        rT = cute.make_rmem_tensor(tSrS.layout, Float32)
-        rX.fill(0.0)
-        if rank < _LOOK_BACK:  # (read before the flag below: the pool slot is written only after every read)
-            self._sequence_start(rX, thr_mma, n, h, vb, mH0, mPool, mStateIdx, mHasInit)
-        self._publish(thr_mma.partition_C(self._state_tile(mAgg[seg, h, None, None], vb)), tSrS, own_flag, Int32(1),
-                      tidx)
-        j0 = seg - cutlass.min(rank, Int32(_LOOK_BACK - 1))  # the first own state the scan adds
-        if rank >= _LOOK_BACK:
-            self._wait_flag(word_address(sync0, 1 + (seg - _LOOK_BACK) * H + h), Int32(2), tidx)
-            self._load_state(rX, thr_mma, mIncl, seg - _LOOK_BACK, h, vb)
-        for j in cutlass.range(j0, seg, unroll=1):
-            self._wait_flag(word_address(sync0, 1 + j * H + h), Int32(1), tidx)
-            self._load_state(rT, thr_mma, mAgg, j, h, vb)
-            rX.store(rX.load() * cute.math.exp2(Float32(mSeg[j, 2]) * lg, fastmath=True) + rT.load())
-        lam_seg = cute.math.exp2(Float32(length) * lg, fastmath=True)
-        tSrS.store(rX.load() * lam_seg + tSrS.load())  # the end state
-        self._publish(thr_mma.partition_C(self._state_tile(mIncl[seg, h, None, None], vb)), tSrS, own_flag,
-                      Int32(2), tidx)
-        if (info & _LAST) != 0:
-            self._sequence_final(tSrS, thr_mma, n, h, vb, mHt, mPool, mStateIdx)
-        tSrS.store(rX.load())
-
-    @cute.jit
-    def _pool_slot(self, mPool: cute.Tensor, mStateIdx: cute.Tensor, n: Int32) -> Int32:
-        """Sequence n's pool slot, or -1 where it is outside ``[0, P)`` (padding)."""
-        slot = mStateIdx[n]
-        return cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
-
-    @cute.jit
-    def _sequence_start(self, rX: cute.Tensor, thr_mma, n: Int32, h: Int32, vb: Int32, mH0, mPool, mStateIdx,
-                        mHasInit):
-        """Sequence n's start state into ``rX`` (zeros on entry): ``h0[n]``, or its pool slot where the slot is in
-        ``[0, P)`` and its ``has_initial_state`` is not 0; else it stays zeros."""
-        c = self.config
-        if const_expr(c.state_pool):
-            slot = self._pool_slot(mPool, mStateIdx, n)
-            read = Int32(1)
-            if const_expr(c.initial_state_flags):
-                read = Int32(mHasInit[n])
-            if slot >= 0:
-                if read != 0:
-                    src = thr_mma.partition_C(self._state_view(mPool[slot, h, None, None], vb, c.state_v_first))
-                    rX.store(src.load().to(Float32))
-        elif const_expr(c.has_initial_state):
-            rX.store(thr_mma.partition_C(self._state_view(mH0[n, h, None, None], vb, c.state_v_first)).load())
-
-    @cute.jit
-    def _sequence_final(self, tSrS: cute.Tensor, thr_mma, n: Int32, h: Int32, vb: Int32, mHt, mPool, mStateIdx):
-        """Sequence n's final state ``tSrS`` into ``ht[n]`` and / or its pool slot (rounded to the pool's dtype)."""
-        c = self.config
-        if const_expr(c.output_final_state):
-            thr_mma.partition_C(self._state_view(mHt[n, h, None, None], vb, c.state_v_first)).store(tSrS.load())
-        if const_expr(c.state_pool):
-            slot = self._pool_slot(mPool, mStateIdx, n)
-            if slot >= 0:
-                dst = thr_mma.partition_C(self._state_view(mPool[slot, h, None, None], vb, c.state_v_first))
-                dst.store(tSrS.load().to(_STATE_DTYPES[c.state_dtype]))
 
     @cute.jit
     def _bf16_pairs_to_f32(self, x: cute.Tensor) -> cute.Tensor:
@@ -872,8 +601,7 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
 def _tensors(q, k, v, g_gamma, seg_state, segments, o) -> tuple:
     """The kernel's tensor arguments in their order (:meth:`LightningChunkOutput.argument_specs`): the token tensors
     with the leading batch axis of 1 the kernel indexes."""
-    return (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0),
-            *(None,) * 7)
+    return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0)
 
 
 def plan_chunk_output(H: int, device) -> Callable:
@@ -889,59 +617,3 @@ def plan_chunk_output(H: int, device) -> Callable:
 
     return run_output
 
-
-
-# ---- the fused form (one launch for the whole prefill)
-
-
-@functools.lru_cache(maxsize=256)
-def _fused_plan(H: int, flags: tuple) -> tuple:
-    """The fused configuration and argument specs for ``flags`` = ``(has_initial_state, output_final_state,
-    state_v_first, pool dtype name or None, has_initial_state flags given)`` (``chunk_states.scan_flags``)."""
-    has_h0, want_ht, v_first, pool_dtype, has_flags = flags
-    config = LightningChunkOutputConfig(
-        num_heads=H, fused=True, has_initial_state=has_h0, output_final_state=want_ht,
-        state_pool=pool_dtype is not None, initial_state_flags=has_flags, state_v_first=v_first,
-        state_dtype=pool_dtype or "float32")
-    ok, reason = LightningChunkOutput.can_implement(config)
-    if not ok:
-        raise ValueError(f"LightningChunkOutput: {reason}")
-    return config, LightningChunkOutput(config).argument_specs()
-
-
-def fused_workspace(nseg: int, H: int, device) -> tuple:
-    """``(own, incl, sync)`` of one fused launch: fp32 ``[NSEG, H, 128, 128]`` twice (one allocation; written
-    before they are read) and the zeroed int32 ``[1 + NSEG·H]`` of the ticket and the flags."""
-    import torch
-
-    states = torch.empty(2, nseg, H, 128, 128, dtype=torch.float32, device=device)
-    return states[0], states[1], torch.zeros(1 + nseg * H, dtype=torch.int32, device=device)
-
-
-def _fused_tensors(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, state_indices,
-                   has_initial_state) -> tuple:
-    """The fused kernel's tensor arguments in their order (the token tensors with their leading axis of 1,
-    ``has_initial_state`` as bytes: a view)."""
-    import torch
-
-    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)
-    return (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, own, segments, o.unsqueeze(0), incl, sync, h0,
-            ht, pool, state_indices, flag_bytes)
-
-
-def plan_fused_output(H: int, flags: tuple, device) -> Callable:
-    """The whole Lightning prefill in one launch, bound to one call signature (the fused configuration of
-    ``flags``, see :func:`_fused_plan`): ``run(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool,
-    state_indices, has_initial_state, scale)`` with nothing checked, ``segments`` a fused table
-    (``prefill_backend.segment_table(..., fused=True)``, at least one row), ``own, incl, sync`` from
-    :func:`fused_workspace`, absent states None; ``LaunchDeclined`` where TVM-FFI refuses a pointer (nothing
-    launched)."""
-    config, specs = _fused_plan(H, flags)
-    run = bound_launch(LightningChunkOutput, config, specs, device)
-
-    def run_fused(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, state_indices, has_initial_state,
-                  scale: float) -> None:
-        run(_fused_tensors(q, k, v, g_gamma, own, segments, o, incl, sync, h0, ht, pool, state_indices,
-                           has_initial_state), (float(scale),))
-
-    return run_fused

@@ -57,13 +57,11 @@ __all__ = [
 CHUNK = 64
 _ROW_ALIGN = 16  # bytes: the token tensors' promise to kernels A and C (16-byte row segments)
 HEAD_DIM = 128
-# seg_len candidates, longest first: the longest whose grid has WAVES waves of CTAs on the GPU's SMs (fewest state
-# passes: each costs NSEG · H · 64 KB against the inputs' T · H · 1 KB), else the shortest
+# seg_len candidates, longest first: the longest whose grid fills one wave of CTAs on the GPU's SMs (fewest state
+# passes: each costs NSEG · H · 64 KB against the inputs' T · H · 1 KB), else the shortest (choose_seg_len)
 SEG_LEN_CHOICES = (4096, 2048, 1024, 512, 256, 128, 64)
-WAVES = 2
-MIN_PREFERRED_SEG_LEN = 256  # shorter segments only when this length cannot fill one wave
+WAVE_FILL = 0.9  # CTAs per SM that count as one wave: 128 CTAs on 132 SMs do
 MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
-_LAST = 2  # a fused table's column 3: rank in the sequence << 2 | last (2) | first (1) (chunk_output's values)
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -110,7 +108,7 @@ def _check_lens(lens: Sequence[int]) -> list[int]:
     return out
 
 
-def segment_table(lens: Sequence[int], seg_len: int, *, fused: bool = False) -> SegmentTable:
+def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
     """The segments of sequences of ``lens`` tokens laid end to end in one token axis (fixed length: ``[T] * B``,
     sequence b starting at row ``b·T``; varlen: the lengths of ``cu_seqlens``, sequence n at ``cu_seqlens[n]``).
 
@@ -118,12 +116,6 @@ def segment_table(lens: Sequence[int], seg_len: int, *, fused: bool = False) -> 
     one ``1 .. seg_len`` tokens; a sequence of no tokens has no segment. Example: ``lens = [130, 0, 64]``,
     ``seg_len = 64`` gives rows ``(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 0), (2, 130, 64, 0)`` and
     ``seq_segments = [0, 3, 3, 4]``.
-
-    ``fused``: the table of the one-pass kernel (``chunk_output``'s fused form), where each segment's CTA also
-    starts or ends its sequence: a sequence of no tokens has one segment of length 0, and column 3 holds the
-    segment's rank in its sequence times 4, plus 1 on the sequence's first segment and 2 on its last. The example
-    gives ``(0, 0, 64, 1), (0, 64, 64, 4), (0, 128, 2, 10), (1, 130, 0, 3), (2, 130, 64, 3)`` and ``seq_segments =
-    [0, 3, 4, 5]``.
 
     Raises:
         TypeError, ValueError: ``seg_len`` not a positive multiple of 64, or a length not a non-negative int.
@@ -133,48 +125,34 @@ def segment_table(lens: Sequence[int], seg_len: int, *, fused: bool = False) -> 
     offsets = [0]
     start = 0
     for n, length in enumerate(_check_lens(lens)):
-        first = len(rows)
         for offset in range(0, length, seg_len):
             rows += (n, start + offset, min(seg_len, length - offset), 0)
-        if fused:
-            if length == 0:
-                rows += (n, start, 0, 0)
-            for rank, i in enumerate(range(first + 3, len(rows), 4)):
-                rows[i] = rank << 2 | int(rank == 0)
-            rows[-1] |= _LAST
         offsets.append(len(rows) // 4)
         start += length
     return SegmentTable(rows, offsets)
 
 
-def num_segments(lens: Sequence[int], seg_len: int, *, fused: bool = False) -> int:
+def num_segments(lens: Sequence[int], seg_len: int) -> int:
     """How many segments :func:`segment_table` makes (without building it)."""
-    return sum(max(-(-length // seg_len), int(fused)) for length in lens)
+    return sum(-(-length // seg_len) for length in lens)
 
 
-def choose_seg_len(lens: Sequence[int], num_heads: int, num_sms: int, *, waves: int = WAVES) -> int:
+def choose_seg_len(lens: Sequence[int], num_heads: int, num_sms: int, *, fill: float = WAVE_FILL) -> int:
     """The segment length for sequences of ``lens`` tokens and ``num_heads`` heads on a GPU of ``num_sms`` SMs.
 
-    The longest of :data:`SEG_LEN_CHOICES` whose ``NSEG · H`` (the segment-parallel grids' CTAs per V block) is at
-    least ``waves · num_sms``; when that is shorter than :data:`MIN_PREFERRED_SEG_LEN`, the longest of at least
-    that length that still fills one wave (``NSEG · H >= num_sms``), if any; else the shortest that fills the waves,
-    else 64 (all the parallelism there is). Longer segments mean fewer state bytes (4 passes of ``NSEG · H · 64
-    KB`` against the inputs' ``T · H · 1 KB``) and shorter scans; shorter ones more CTAs. (A first guess, to be
-    timed on the GPU: the backend and its plan take a fixed ``seg_len`` for that, see
-    ``benchmarks/profile_lightning.py``.)
+    The longest of :data:`SEG_LEN_CHOICES` whose ``NSEG · H`` (the segment-parallel grids' CTAs) is at least
+    ``fill · num_sms`` (one wave, a few SMs aside), else 64 (all the parallelism there is). Longer segments mean
+    fewer state bytes (4 passes of ``NSEG · H · 64 KB`` against the inputs' ``T · H · 1 KB``), shorter scans and
+    fewer CTAs for kernel C's chunk loop to start; a second wave of shorter segments cost more than it gained on
+    every shape timed (``benchmarks/results/lightning_seg_len_ab_h100.md``: this rule 0.77-0.99x the time of the
+    earlier two-wave rule on the 13 bench shapes where they differ).
 
-    Examples, 132 SMs: B1 H16 T32768 -> 1024 (512 CTAs); B1 H64 T4096 -> 512; B2 H64 T32768 -> 4096; B1 H16
-    T4096 -> 256 (256 CTAs, one wave and a bit: 128 would make 512 but quadruple the state bytes).
+    Examples, 132 SMs: B1 H16 T32768 -> 4096 (128 CTAs); B1 H64 T4096 -> 2048 (128); B2 H64 T32768 -> 4096 (1024);
+    B1 H16 T4096 -> 512 (128); B1 H16 T100 -> 64 (32: no length fills a wave).
     """
     lens = _check_lens(lens)
-    target = waves * num_sms
-    chosen = next((s for s in SEG_LEN_CHOICES if num_segments(lens, s) * num_heads >= target), SEG_LEN_CHOICES[-1])
-    if chosen < MIN_PREFERRED_SEG_LEN:
-        filled = [s for s in SEG_LEN_CHOICES if s >= MIN_PREFERRED_SEG_LEN
-                  and num_segments(lens, s) * num_heads >= num_sms]
-        if filled:
-            return filled[0]
-    return chosen
+    target = fill * num_sms
+    return next((s for s in SEG_LEN_CHOICES if num_segments(lens, s) * num_heads >= target), SEG_LEN_CHOICES[-1])
 
 
 # ---- the device table, cached ----------------------------------------------------------------------------------------
@@ -201,14 +179,13 @@ def _requested_seg_len(seg_len: int) -> int:
 
 
 def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, device: torch.device, num_sms: int,
-                    seg_len: int = 0, fused: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
+                    seg_len: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
     """``(seg_len, segments, seq_segments)`` of one call on ``device``: ``seg_len`` as asked (0: chosen by
     :func:`choose_seg_len`), the table built on the host and copied once. Cached: per ``(cu_seqlens, its version,
     H, SMs, seg_len)`` in :func:`cula_runtime.index.cached_on_version` (the boundaries from the validator's checked
-    host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len, device)`` without ``cu_seqlens``.
-    ``fused``: :func:`segment_table`'s table for the fused kernel (another cache entry)."""
+    host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len, device)`` without ``cu_seqlens``."""
     if cu_seqlens is None:
-        key = (B, T, H, num_sms, seg_len, device, fused)
+        key = (B, T, H, num_sms, seg_len, device)
         hit = _fixed_tables.get(key)
         if hit is not None:
             _fixed_tables.move_to_end(key)
@@ -216,8 +193,7 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
         lens = [T] * B
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
         # (kept between calls: never in a CUDA graph's pool)
-        value = (chosen, *built_outside_graph_pools(
-            device, lambda: _to_device(segment_table(lens, chosen, fused=fused), device)))
+        value = (chosen, *built_outside_graph_pools(device, lambda: _to_device(segment_table(lens, chosen), device)))
         _fixed_tables[key] = value
         while len(_fixed_tables) > _FIXED_CAPACITY:
             _fixed_tables.popitem(last=False)
@@ -227,9 +203,9 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
         values = checked_cu_seqlens_host(cu_seqlens, T).tolist()
         lens = [b - a for a, b in zip(values, values[1:], strict=False)]
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        return (chosen, *_to_device(segment_table(lens, chosen, fused=fused), device))
+        return (chosen, *_to_device(segment_table(lens, chosen), device))
 
-    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len, fused), build)
+    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len), build)
 
 
 def clear_segment_cache() -> None:
@@ -302,27 +278,13 @@ def _planned_output(H: int, device: torch.device) -> Callable:
     return plan_chunk_output(H, device)
 
 
-def _planned_fused(H: int, flags: tuple, device: torch.device) -> Callable:
-    """The fused form bound to a signature (``chunk_output.plan_fused_output``)."""
-    from .chunk_output import plan_fused_output
-
-    return plan_fused_output(H, flags, device)
-
-
-def _fused_workspace(nseg: int, H: int, device: torch.device) -> tuple:
-    """The fused launch's own states, end states and zeroed sync words (``chunk_output.fused_workspace``)."""
-    from .chunk_output import fused_workspace
-
-    return fused_workspace(nseg, H, device)
-
-
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``[B, T, H, D]`` -> the flattened token axis ``[B·T, H, D]`` (a view of a contiguous tensor)."""
     return x.view(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
 
 
-def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0, block_v: int = 0,
-                                      fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0,
+                                      block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run validated ``lightning_prefill`` arguments (accepted by :func:`verify_lightning_prefill`) on the CuTeDSL
     kernels: ``(o, final_state)``.
 
@@ -330,9 +292,6 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         args: validated arguments.
         seg_len: the segment length (a positive multiple of 64); 0: :func:`choose_seg_len` per call.
         block_v: kernel A's value columns per CTA, 64 or 128 (the same bits); 0: chosen from NSEG · H and the SMs.
-        fused: one launch instead of three (``chunk_output``'s fused form: each segment's CTA makes its own state,
-            takes its start state from the earlier segments' by a look-back, then its outputs); a candidate, timed
-            against the three launches by ``benchmarks/profile_lightning.py``.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
@@ -344,12 +303,6 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     states = _states()
     if block_v not in (0, 64, 128):
         raise ValueError(f"block_v must be 0 (the per-call choice), 64 or 128, got {block_v!r}")
-    if fused:  # the fused plan, made and run once (it allocates o and the final states itself)
-        plan = _plan_fused(args, states.scan_flags(args.initial_state, args.output_final_state and args.state is None,
-                                                   args.state_v_first, args.state, args.has_initial_state),
-                           _requested_seg_len(seg_len), sm_count(args.device))
-        return plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, args.state,
-                    args.state_indices, args.has_initial_state)
     device = args.device
     B, T, H, K, V = args.B, args.T, args.H, args.K, args.V
     o = torch.empty(B, T, H, V, dtype=args.q.dtype, device=device)
@@ -373,15 +326,14 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     return o, ht
 
 
-def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0, fused: bool = False) -> Callable | None:
+def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
     state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched,
     through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
     (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked host
     copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
-    plan. Holds no tensor of the call it was made from. ``fused``: as the backend's (one launch; nothing to
-    check before it, since TVM-FFI refuses before anything is written).
+    plan. Holds no tensor of the call it was made from.
 
     A launch TVM-FFI refuses raises ``LaunchDeclined`` before it launches (the caller then runs the call unplanned);
     kernel B writes the final states or the pool, so nothing after it may be refused: q, which only kernel C reads,
@@ -394,10 +346,8 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0, fuse
     want_ht = args.output_final_state and args.state is None
     num_sms = sm_count(device)
     fixed_seg_len = _requested_seg_len(seg_len)
-    flags = states.scan_flags(args.initial_state, want_ht, v_first, args.state, args.has_initial_state)
-    if fused:
-        return _plan_fused(args, flags, fixed_seg_len, num_sms)
-    scan = states.plan_segment_scan(H, N, flags, device)
+    scan = states.plan_segment_scan(H, N, states.scan_flags(args.initial_state, want_ht, v_first, args.state,
+                                                            args.has_initial_state), device)
     runs_a: dict[int, Callable] = {}
     run_c: list[Callable] = []  # kernel C, bound on the first call with tokens
 
@@ -423,29 +373,6 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0, fuse
             if not run_c:
                 run_c.append(_planned_output(H, device))
             run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale)
-        return o, ht
-
-    return plan
-
-
-def _plan_fused(args: LightningPrefillArgs, flags: tuple, fixed_seg_len: int, num_sms: int) -> Callable:
-    """:func:`plan_lightning_prefill`'s plan for the fused form."""
-    device = args.device
-    B, T, H, V, N = args.B, args.T, args.H, args.V, args.N
-    dtype, scale, state_shape = args.q.dtype, args.scale, args.state_shape
-    want_ht = args.output_final_state and args.state is None
-    run = _planned_fused(H, flags, device) if N else None
-
-    def plan(q, k, v, g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state):
-        o = torch.empty(B, T, H, V, dtype=dtype, device=device)
-        ht = torch.empty(state_shape, dtype=torch.float32, device=device) if want_ht else None
-        if N == 0:
-            return o, ht
-        _, segments, _ = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len, True)
-        nseg = segments.shape[0]
-        own, incl, sync = _fused_workspace(nseg, H, device)
-        run(_flat(q), _flat(k), _flat(v), g_gamma, own, segments, _flat(o), incl, sync, initial_state, ht, state,
-            state_indices, has_initial_state, scale)
         return o, ht
 
     return plan
