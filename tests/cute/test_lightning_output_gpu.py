@@ -62,10 +62,13 @@ CASES = [
          g_gamma=(-0.02, -8.0, 0.0), seg_len=128),
     Case("scale-0.37", rows=700, segments=_fixed(1, 700, 192), g_gamma=(-0.1, -0.001), seg_len=192, scale=0.37),
 ]
-# GPU only (the float64 closed form is too slow for the CPU emulation test): a benchmark-like shape, 512 CTAs
+# GPU only (the float64 closed form is too slow for the CPU emulation test): a benchmark-like shape, 512 CTAs, and
+# segments of the longest length choose_seg_len takes (4096 tokens, 64 chunks in one CTA; head 0 never decays)
 LARGE = [
     Case("B2-T8192-H16-seg1024", rows=16384, segments=_fixed(2, 8192, 1024),
          g_gamma=tuple(-(8 / 16) * h for h in range(16)), seg_len=1024),
+    Case("B1-T16384-H4-seg4096", rows=16384, segments=_fixed(1, 16384, 4096), g_gamma=(0.0, -0.001, -0.05, -8.0),
+         seg_len=4096),
 ]
 
 
