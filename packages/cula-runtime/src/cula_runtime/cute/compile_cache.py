@@ -355,10 +355,14 @@ def bound_launch(kernel_cls: type[CuteKernelFamily], config: Hashable, specs: tu
     kernel's configuration has no such argument)."""
     kernel = planned_launch(kernel_cls, config, device)
     present = tuple(spec is not None for spec in specs)
-    every = all(present)
+    absent = tuple(i for i, p in enumerate(present) if not p)
 
     def run(tensors: tuple, scalars: tuple) -> None:
-        args = tensors if every else [t if p else None for t, p in zip(tensors, present, strict=True)]
+        args = tensors  # (the common case: the caller passes None where the configuration has no tensor)
+        for i in absent:
+            if tensors[i] is not None:
+                args = [t if p else None for t, p in zip(tensors, present, strict=True)]
+                break
         try:
             kernel(*args, *scalars)
         except ValueError:  # (TVM-FFI's refusal, before any launch: the unplanned path decides the call)
