@@ -293,6 +293,14 @@ def fake_stream() -> Any:
     return require_cutedsl().runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
+def flag_bytes(flags: Any) -> Any:
+    """A bool tensor as the uint8 tensor the kernels read (``cutlass.Uint8``: one byte per flag), a view (no copy);
+    None stays None."""
+    import torch
+
+    return None if flags is None else flags.view(torch.uint8)
+
+
 def fake_call_arguments(specs: tuple, *scalars: Any) -> tuple:
     """``compile_arguments()`` of a kernel family whose ``__call__`` takes the tensors of ``specs`` (a
     :class:`TensorSpec`, or None for an absent optional tensor), then ``scalars``, then the stream."""

@@ -50,7 +50,7 @@ chunk's last row, and varlen sequences launched in batch order.)
 import dataclasses
 import functools
 
-from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, flag_bytes, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..varlen import check_cu_seqlens, check_token_tensors
 from .tiles import ChunkTiles
@@ -674,11 +674,8 @@ def _tensors(qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_
              state_indices, has_initial_state) -> tuple:
     """The kernel's tensor arguments in their order (:meth:`KdaRecurrence.argument_specs`); the flags as bytes (a
     view: no copy)."""
-    import torch
-
-    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)
     return (qg, kg, w, u, Aqk, g_last, initial_state, o, ht, cu_seqlens, chunk_offsets, seq_order, pool,
-            state_indices, flag_bytes)
+            state_indices, flag_bytes(has_initial_state))
 
 
 def plan_run(shape: tuple, N: int, block_v: int, scale: float, device, *, cu_seqlens=None, initial_state=None,

@@ -39,7 +39,7 @@ import dataclasses
 import functools
 
 from ...kda_tuning import BLOCK_V_CHOICES
-from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, flag_bytes, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
 
@@ -645,14 +645,12 @@ def _scan_run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, sta
               state_indices=None, has_initial_state=None) -> None:
     """:func:`lightning_segment_scan` after its checks, ``ht`` allocated by the caller (or None); no launch
     without sequences."""
-    import torch
-
     if seq_segments.shape[0] <= 1:
         return
     config, specs = _scan_plan(seg_state.shape[1], scan_flags(initial_state, ht is not None, state_v_first, pool,
                                                                has_initial_state))
-    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)  # (a view: no copy)
-    tensors = (seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices, flag_bytes)
+    tensors = (seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices,
+               flag_bytes(has_initial_state))
     launch(LightningSegmentScan, config, specs, tensors, _SCAN_OUTPUTS, seg_state.device)
 
 
@@ -660,18 +658,15 @@ def plan_segment_scan(H: int, N: int, flags: tuple, device):
     """Kernel B bound to one call signature: ``run(seg_state, segments, seq_segments, g_gamma, initial_state, ht,
     pool, state_indices, has_initial_state)`` with nothing checked; ``flags``: :func:`scan_flags` (no launch for
     N = 0)."""
-    import torch
-
     if N == 0:
         return lambda *tensors: None
     config, specs = _scan_plan(H, flags)
     run = bound_launch(LightningSegmentScan, config, specs, device)
-    uint8 = torch.uint8
 
     def run_scan(seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices,
                  has_initial_state) -> None:
-        flag_bytes = None if has_initial_state is None else has_initial_state.view(uint8)
-        run((seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices, flag_bytes), ())
+        run((seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices,
+             flag_bytes(has_initial_state)), ())
 
     return run_scan
 
