@@ -105,6 +105,59 @@ def test_lightning_output_machine_code(config_id: str, target: str) -> None:
     assert sum(op.startswith("HMMA") for op in loop) == HMMA_PER_CHUNK  # every MMA in it
 
 
+# The direct form (every sequence one segment, from its initial state to its final state, one launch): no final state,
+# h0/ht in both layouts, the pool in both dtypes and layouts (with the per-sequence flags)
+DIRECT_CONFIGS = {
+    "direct-no-state": dict(direct=True),
+    "direct-ht-kv": dict(direct=True, output_final_state=True),
+    "direct-h0-ht-vk": dict(direct=True, has_initial_state=True, output_final_state=True, state_v_first=True),
+    "direct-pool-fp32-kv": dict(direct=True, state_pool=True),
+    "direct-pool-bf16-vk-flags": dict(direct=True, state_pool=True, state_dtype="bfloat16", state_v_first=True,
+                                      initial_state_flags=True),
+}
+DIRECT_DSL_FLOOR = ("direct-pool-bf16-vk-flags",)
+# measured with CuTeDSL 4.8.1: the chunk loop with the last chunk's state update in it (taken once, skipped by the
+# other chunks) 1136-1176 instructions; without a final state the default's 632-691
+DIRECT_LOOP_MAX = {"sm_90a": 1220, "sm_100a": 1200, "sm_103a": 1200}
+
+
+@pytest.mark.parametrize(("config_id", "target"), [
+    pytest.param(config_id, target, id=f"{config_id}-{target}",
+                 marks=[pytest.mark.dsl_floor] if config_id in DIRECT_DSL_FLOOR else [])
+    for config_id in DIRECT_CONFIGS for target in SM
+])
+def test_direct_form_machine_code(config_id: str, target: str) -> None:
+    """The direct form: the default's chunk loop, plus (with a final state) the last chunk's state update (its 64
+    MMAs and 32 kᵀ ldmatrix.trans, in the loop behind a branch), its key factors and λ^L (17 exp2: 16 distinct
+    tokens per thread and one), the start state's loads and the final state's stores, whole 8-byte pairs where
+    the state is V-first (k contiguous: two accumulator columns), 4-byte elements where it is K-first; no spill."""
+    from cula_runtime.cute.compile_cache import compile_kernel
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
+    from cula_runtime.cute.machine_code import disassemble
+
+    fields = DIRECT_CONFIGS[config_id]
+    config = LightningChunkOutputConfig(num_heads=64, **fields)
+    code = disassemble(compile_kernel(LightningChunkOutput, config, target=target))
+    final = config.writes_final_state
+    v_first = fields.get("state_v_first", False)
+    state_accesses = 32 if v_first else 64  # per thread: 64 fp32 elements of Sᵀ, in pairs where k is contiguous
+    assert code.count("HMMA") == code.opcodes["HMMA.16816.F32.BF16"] == HMMA_PER_CHUNK + 64 * final
+    assert code.count("HGMMA") == 0 and code.count("UTCHMMA") == 0 and code.count("UTCQMMA") == 0
+    assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK
+    assert code.opcodes["LDSM.16.MT88.4"] == LDSM_T_PER_CHUNK + 32 * final
+    assert code.opcodes["STSM.16.MT88.4"] == STSM_T_PER_CHUNK
+    assert code.count("LDL") + code.count("STL") == 0
+    assert code.count("BAR.SYNC") == 2
+    assert code.count("MUFU.EX2") == 4 + 17 * final
+    assert code.count("STG") == C // 16 + state_accesses * final
+    starts = state_accesses * (fields.get("has_initial_state", False) or fields.get("state_pool", False))
+    indices = fields.get("state_pool", False) + fields.get("initial_state_flags", False)
+    assert code.count("LDG") == 3 + final + indices + starts  # the segment row (its sequence when final), slot, flag
+    loop = chunk_loop(code.sass)
+    assert len(loop) <= (DIRECT_LOOP_MAX[target] if final else CHUNK_LOOP_MAX["bv128-H64"][target])
+    assert sum(op.startswith("HMMA") for op in loop) == HMMA_PER_CHUNK + 64 * final
+
+
 def chunk_loop(sass: str) -> list[str]:
     """Opcodes (NOP excluded) of the longest backward branch's range in ``sass``: the chunk loop."""
     import re
@@ -133,6 +186,8 @@ def test_one_binary_serves_every_length() -> None:
 
     config = _config("bv128-H64")
     for spec in LightningChunkOutput(config).argument_specs():
+        if spec is None:  # (the direct form's states: absent here)
+            continue
         fake = spec.fake()
         assert all(fake.dynamic_shapes_mask) and fake.dynamic_strides_mask[:-1] == (1,) * (spec.ndim - 1)
     compiled = compile_cache.compile_kernel(LightningChunkOutput, config, target="sm_90a")
@@ -146,6 +201,10 @@ def test_one_binary_serves_every_length() -> None:
         ({"chunk_size": 32}, "only 64"),
         ({"block_v": 64}, "block_v=64: only 128 (V block 64 was retired"),
         ({"num_heads": 0}, "num_heads"),
+        ({"output_final_state": True}, "belong to the direct form"),
+        ({"direct": True, "state_pool": True, "output_final_state": True}, "state_pool reads and writes the pool"),
+        ({"direct": True, "state_dtype": "bfloat16"}, "a bf16 state needs state_pool"),
+        ({"direct": True, "state_dtype": "float16"}, "expected one of"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:

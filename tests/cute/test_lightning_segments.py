@@ -84,12 +84,14 @@ def emulate_scan(seg_state: torch.Tensor, segments: torch.Tensor, seq_segments: 
     return starts, S, slots
 
 
-def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int) -> None:
-    """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``."""
+def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int,
+                         empty_rows: bool = False) -> None:
+    """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``
+    (``empty_rows``: the direct form's table, whose empty sequences have rows of length 0)."""
     H = q.shape[1]
     g = torch.exp(g_gamma.double().cpu()).view(H, 1, 1)
     for s, (_, start, length, _) in enumerate(segments.tolist()):
-        assert 1 <= length <= seg_len
+        assert (0 if empty_rows else 1) <= length <= seg_len
         S = seg_state[s].double().cpu().clone()
         for t in range(start, start + length):
             S = g * S + k[t].double().cpu().unsqueeze(-1) * v[t].double().cpu().unsqueeze(-2)
@@ -149,6 +151,33 @@ class FakeKernels:
             emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, q.shape[0])
         return run
 
+    # chunk_output's direct form: kernel A's own states, kernel B's scan over one segment per sequence, kernel C
+    def direct_output_run(self, q, k, v, g_gamma, segments, o, scale, initial_state, ht, state_v_first, pool,
+                          state_indices, has_initial_state) -> None:
+        assert q.dim() == 3 and o.dim() == 3 and segments.dtype == torch.int32
+        N = segments.shape[0]
+        assert segments[:, 0].tolist() == list(range(N))  # one row per sequence, in order
+        self.calls.append(("D", N))
+        own = emulate_segment_states(k, v, g_gamma, segments)
+        starts, final, slots = emulate_scan(own, segments, torch.arange(N + 1, dtype=torch.int32), g_gamma,
+                                            initial_state, state_v_first, pool, state_indices, has_initial_state)
+        emulate_chunk_output(q, k, v, g_gamma, starts.float(), segments, o, scale, q.shape[0], empty_rows=True)
+        final_laid = final.transpose(-1, -2) if state_v_first else final
+        if ht is not None:
+            ht.copy_(final_laid.float())
+        if pool is not None:
+            for n, slot in enumerate(slots):
+                if slot >= 0:
+                    pool[slot] = final_laid[n].to(pool.dtype)
+
+    def plan_direct_output(self, H, flags, device):
+        v_first = flags[2]
+
+        def run(q, k, v, g_gamma, segments, o, scale, h0, ht, pool, idx, has_init) -> None:
+            assert q.shape[1] == H
+            self.direct_output_run(q, k, v, g_gamma, segments, o, scale, h0, ht, v_first, pool, idx, has_init)
+        return run
+
 
 @pytest.fixture
 def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
@@ -156,6 +185,7 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
     monkeypatch.setattr(pb, "_states", lambda: fake)
     monkeypatch.setattr(pb, "_output", lambda: fake.chunk_output)
     monkeypatch.setattr(pb, "_planned_output", fake.plan_chunk_output)
+    monkeypatch.setattr(pb, "_direct", lambda: fake)
     monkeypatch.setattr(pb, "sm_count", lambda device: 132)
     pb.clear_segment_cache()
     return fake
@@ -257,7 +287,8 @@ def test_device_table_is_cached() -> None:
     cpu = torch.device("cpu")
     first = pb.device_segments(2, 1000, 16, None, cpu, 132)
     assert pb.device_segments(2, 1000, 16, None, cpu, 132) is first  # fixed length: built once
-    seg_len, segments, seq_segments = first
+    seg_len, segments, seq_segments, direct = first
+    assert not direct  # 1000 tokens > the chosen 256: cut into segments
     assert segments.dtype == seq_segments.dtype == torch.int32 and segments.is_contiguous()
     assert [tuple(r) for r in segments.tolist()] == segment_table([1000, 1000], seg_len).rows()
     assert seq_segments.tolist() == segment_table([1000, 1000], seg_len).seq_segments
@@ -271,6 +302,41 @@ def test_device_table_is_cached() -> None:
     cu[2] = 150  # an in-place change: a new version, a new table
     again = pb.device_segments(1, 1000, 4, cu, cpu, 132, 64)
     assert again is not table and again[2].tolist() == segment_table([0, 150, 78, 772], 64).seq_segments
+
+
+def test_direct_table_has_one_row_per_sequence() -> None:
+    assert pb.direct_table([130, 0, 64]) == [0, 0, 130, 0, 1, 130, 0, 0, 2, 130, 64, 0]
+    assert pb.direct_table([]) == []
+    with pytest.raises(ValueError, match=r"lens\[1\] must be >= 0"):
+        pb.direct_table([3, -1])
+
+
+@pytest.mark.parametrize(("lens", "seg_len", "direct", "expected"), [
+    ([1000, 1000], 1024, None, True),  # every sequence fits one segment
+    ([1000, 1025], 1024, None, False),  # one does not
+    ([0, 64, 0], 64, None, True),  # empty sequences fit anywhere
+    ([1000, 1025], 1024, True, True),  # forced
+    ([10, 10], 4096, False, False),  # forced off
+    ([0, 0], 64, None, False),  # no tokens: never (nothing for kernel C to read)
+    ([0, 0], 64, True, False),
+])
+def test_direct_form_decision(lens: list[int], seg_len: int, direct: bool | None, expected: bool) -> None:
+    assert pb.uses_direct_form(lens, seg_len, direct) is expected
+
+
+def test_device_table_of_the_direct_form() -> None:
+    pb.clear_segment_cache()
+    cpu = torch.device("cpu")
+    # B16 H8 T300 on 132 SMs: 4096-token segments fill the wave (128 CTAs), every sequence fits one: direct
+    seg_len, segments, seq_segments, direct = pb.device_segments(16, 300, 8, None, cpu, 132)
+    assert (seg_len, direct, seq_segments) == (4096, True, None)
+    assert segments.tolist() == [[b, 300 * b, 300, 0] for b in range(16)]
+    assert not pb.device_segments(16, 300, 8, None, cpu, 132, direct=False).direct  # cached apart
+    assert pb.device_segments(16, 300, 8, None, cpu, 132).direct
+    cu = torch.tensor([0, 0, 100, 228, 1000], dtype=torch.int32)
+    table = pb.device_segments(1, 1000, 4, cu, cpu, 132, 64, direct=True)
+    assert table.direct and table.seq_segments is None
+    assert table.segments.tolist() == [[0, 0, 0, 0], [1, 0, 100, 0], [2, 100, 128, 0], [3, 228, 772, 0]]
 
 
 # ---- verify -------------------------------------------------------------------------------------------------------
@@ -345,10 +411,15 @@ def _oracle(q, k, v, g_gamma, scale, h0, cu, v_first):
     pytest.param(1, 300, 3, None, False, True, 128, id="fixed-B1-T300-vk-seg128"),
     pytest.param(1, 300, 2, (0, 0, 70, 70, 199, 300), True, True, 64, id="varlen-empty-tails-h0-vk"),
     pytest.param(1, 130, 2, (0, 1, 130), False, False, 0, id="varlen-chosen-seg_len"),
+    pytest.param(16, 70, 8, None, True, True, 0, id="fixed-B16-T70-H8-h0-vk-fills-the-wave"),
 ])
+@pytest.mark.parametrize("direct", [None, True], ids=["auto", "direct"])
 @pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
 def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, cu, h0, v_first, seg_len,
-                                           planned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                           direct: bool | None, planned: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both forms: the three launches where a sequence is cut into segments, the direct form (one launch) where
+    every sequence fits one (B16 H8: 128 CTAs fill the wave uncut) or where it is forced."""
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     q, k, v, g_gamma, cu_t = _inputs(B, T, H, 1, cu)
@@ -357,16 +428,17 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=initial, output_final_state=True,
                                       cu_seqlens=cu_t, state_v_first=v_first)
     if planned:
-        plan = pb.plan_lightning_prefill(args, seg_len=seg_len)
+        plan = pb.plan_lightning_prefill(args, seg_len=seg_len, direct=direct)
         o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, None, None, None)
     else:
-        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len)
+        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len, direct=direct)
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, initial, cu_t, v_first)
     assert o.dtype == torch.bfloat16 and o.shape == (B, T, H, 128)
     assert ht.dtype == torch.float32 and ht.shape == args.state_shape
     torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-4)
-    assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"]
+    one_launch = direct or B == 16
+    assert [c[0] for c in fake_kernels.calls] == (["D"] if one_launch else ["A", "B", "C"])
 
 
 def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKernels) -> None:
@@ -414,12 +486,15 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pyt
     for got, want in zip(c_args[:3] + c_args[6:7], (args.q, args.k, args.v, o), strict=True):
         assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
     assert c_args[3] is args.g_gamma and c_args[4] is b_args[0] and c_args[5] is b_args[1]  # start states, table
-    assert c_args[7] == args.scale
+    assert c_args[7:12] == (None,) * 5  # the direct form's states: absent
+    assert c_args[12] == args.scale
 
 
-def test_backend_pool(fake_kernels: FakeKernels) -> None:
-    """The pool form: slots read and written in place (fp32), a padding row (-1) and an out-of-pool slot start from
-    zeros and write nothing, a False flag starts from zeros but writes its slot, unnamed slots keep their bits."""
+@pytest.mark.parametrize("direct", [False, True], ids=["segments", "direct"])
+def test_backend_pool(fake_kernels: FakeKernels, direct: bool) -> None:
+    """The pool form, in both forms: slots read and written in place (fp32), a padding row (-1) and an out-of-pool
+    slot start from zeros and write nothing, a False flag starts from zeros but writes its slot, an empty sequence
+    writes its start state back, unnamed slots keep their bits."""
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     cu = (0, 50, 50, 180, 200, 260)
@@ -430,8 +505,9 @@ def test_backend_pool(fake_kernels: FakeKernels) -> None:
     flags = torch.tensor([True, True, True, False, True])
     args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool, state_indices=idx,
                                       has_initial_state=flags)
-    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64, direct=direct)
     assert ht is None
+    assert [c[0] for c in fake_kernels.calls] == (["D"] if direct else ["A", "B", "C"])
     h0 = torch.stack([before[4], before[1], torch.zeros(2, 128, 128), torch.zeros(2, 128, 128), before[2]])
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, h0, cu_t, False)
     torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
@@ -449,6 +525,6 @@ def test_backend_without_tokens(fake_kernels: FakeKernels) -> None:
     q, k, v, g_gamma, _ = _inputs(2, 0, 2, 3)
     h0 = torch.randn(2, 2, 128, 128)
     args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=h0, output_final_state=True)
-    o, ht = pb.lightning_prefill_cutedsl_backend(args)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args, direct=True)  # (never the direct form without tokens)
     assert o.shape == (2, 0, 2, 128) and torch.equal(ht, h0)
     assert [c[0] for c in fake_kernels.calls] == ["B"]

@@ -144,6 +144,92 @@ def test_pool_prefill_matches_the_per_sequence_oracle(backend: str, case: lc.Lig
     _check_pool(pool, expected, case.written(), before, lc.bound(case.name, 1), case.name)
 
 
+FORM_CASES = [*lc.PREFILL_CASES, *lc.POOL_PREFILL_CASES]
+
+
+def _cutedsl_prefill(kwargs: dict, **form):
+    """The CuTeDSL backend on validated ``kwargs`` with its form forced (``direct``, ``seg_len``); skips where
+    CuTeDSL is missing or rejects the call."""
+    from cula_runtime import cute as cula_cute
+
+    if not cula_cute.is_available():
+        pytest.skip("CuTeDSL / TVM-FFI not installed")
+    from cula_runtime.cute.lightning import prefill_backend as pb
+
+    args = validate_lightning_prefill(**kwargs)
+    ok, reason = pb.verify_lightning_prefill(args)
+    if not ok:
+        pytest.skip(f"cutedsl rejects this call: {reason}")
+    return pb.lightning_prefill_cutedsl_backend(args, **form)
+
+
+@pytest.mark.parametrize("case", FORM_CASES, ids=_ids(FORM_CASES))
+@pytest.mark.parametrize("direct", [False, True], ids=["segments", "direct"])
+def test_both_prefill_forms_match_fp64(direct: bool, case: lc.LightningCase) -> None:
+    """The CuTeDSL prefill in each form forced on the same calls: the three launches over 64-token segments (these
+    small calls would otherwise pick the shortest anyway) and the direct form (one launch, every sequence one
+    segment from its initial state to its final state, empty sequences writing theirs back)."""
+    kwargs = lc.make_inputs(case, "cuda")
+    before = kwargs["state"].clone() if case.pool else None
+    o_ref, expected = lc.oracle(case, kwargs, before)
+    poison_allocator(8 * kwargs["q"].numel() * 4)
+    o, ht = _cutedsl_prefill(kwargs, seg_len=64, direct=direct)
+    torch.cuda.synchronize()
+    _check_o(case, o, o_ref)
+    if case.pool:
+        assert ht is None
+        _check_pool(kwargs["state"], expected, case.written(), before, lc.bound(case.name, 1), case.name)
+    else:
+        assert ht.dtype == torch.float32 and torch.isfinite(ht).all()
+        err, limit = rel_l2(ht.cpu(), expected), lc.bound(case.name, 1)
+        print(f"rel-L2 {case.name} final state {err:.4e} bound {limit:.4e}")
+        assert err <= limit, f"final state error {err:.3e} > bound {limit:.3e}"
+
+
+@pytest.mark.parametrize("case", FORM_CASES, ids=_ids(FORM_CASES))
+def test_the_forms_give_the_same_outputs_where_no_sequence_is_cut(case: lc.LightningCase) -> None:
+    """With segments no shorter than the longest sequence, the three launches start kernel C from each sequence's
+    initial state copied by the scan: the direct form's outputs are the same bits (its final states are rounded
+    along another path: within the bounds above, not compared bit for bit)."""
+    kwargs = lc.make_inputs(case, "cuda")
+    o_segments, _ = _cutedsl_prefill({**kwargs, **({"state": kwargs["state"].clone()} if case.pool else {})},
+                                     seg_len=4096, direct=False)
+    o_direct, _ = _cutedsl_prefill(kwargs, seg_len=4096, direct=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o_direct, o_segments)
+
+
+def test_a_batch_that_fills_the_gpu_runs_the_direct_form_and_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the public API, unforced: 32 sequences x 4 heads fill one wave of CTAs uncut on a GPU of <= 142 SMs,
+    so the per-call rule picks the direct form (checked on the table); the planned second call gives the first's
+    bits; both within the provisional bound of the fp64 recurrence (a varlen batch with an empty sequence, h0,
+    V-first states)."""
+    use_backend("cutedsl", monkeypatch)
+    from cula_runtime.cute.lightning import prefill_backend as pb
+    from cula_runtime.kda_tuning import sm_count
+
+    lens = [0, *([100] * 30), 57]
+    device = torch.device("cuda")
+    if pb.WAVE_FILL * sm_count(device) > (len(lens) - 1) * H:
+        pytest.skip(f"{sm_count(device)} SMs: 31 sequences x {H} heads do not fill a wave here")
+    gen = torch.Generator().manual_seed(5)
+    T = sum(lens)
+    q, k = ((0.5 * torch.randn(1, T, H, K, generator=gen)).to(torch.bfloat16).cuda() for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen).to(torch.bfloat16).cuda()
+    h0 = (0.3 * torch.randn(len(lens), H, V, K, generator=gen)).cuda()
+    cu = _cu(lens)
+    kwargs = dict(g_gamma=_gamma(), initial_state=h0, output_final_state=True, cu_seqlens=cu, state_v_first=True)
+    args = validate_lightning_prefill(q, k, v, **kwargs)
+    assert pb.device_segments(1, T, H, cu, device, sm_count(device)).direct
+    first = lightning_prefill(q, k, v, **kwargs)
+    second = lightning_prefill(q, k, v, **kwargs)
+    torch.cuda.synchronize()
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    o_ref, ht_ref = lightning_naive(q.cpu(), k.cpu(), v.cpu(), _gamma().cpu(), args.scale, initial_state=h0.cpu(),
+                                    output_final_state=True, cu_seqlens=cu.cpu(), state_v_first=True)
+    assert rel_l2(first[0].cpu(), o_ref) <= BOUND and rel_l2(first[1].cpu(), ht_ref) <= BOUND
+
+
 @pytest.mark.parametrize("case", lc.DECODE_CASES, ids=_ids(lc.DECODE_CASES))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decode_matches_the_per_sequence_oracle(backend: str, case: lc.LightningCase,

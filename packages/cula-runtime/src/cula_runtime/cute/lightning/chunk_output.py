@@ -12,6 +12,15 @@ the segment's chunks of <= 64 tokens in order. With λ = exp(g_gamma[h]) and loc
 * unless it is the segment's last chunk (the only one that may be partial):
   ``S = λ^64 S + Σ_j bf16(λ^(63-j) v_j)ᵀ k_j`` (fp32, in registers for the whole segment).
 
+**The direct form** (``direct=True`` in the config; the prefill backend runs it where every sequence fits in one
+segment): the table has one row per sequence (empty ones too), S starts from the sequence's initial state instead of
+``seg_state`` (h0 in either layout, or its pool slot widened from fp32/bf16, or zeros: padding slots, a False
+``has_initial_state``, no h0), and with a final state asked the last chunk updates S too, decayed by its true length
+L: ``S = λ^L S + Σ_{j<L} bf16(λ^(L-1-j) v_j)ᵀ k_j`` (factors made in registers, 0 past L: never the exponential of a
+positive number), then S goes to ``final_state[n]`` (fp32) or back to the pool slot (rounded to its dtype). One launch
+in place of three: q, k, v read once, no segment states. The accumulator layout reads and writes a state as 8-byte
+pairs where it is V-first (two adjacent k columns), as 4-byte elements (32 bytes per 8 lanes) where it is K-first.
+
 This is the KDA recurrence's chunk step (:mod:`cula_runtime.cute.kda.recurrence`) with w = 0, u = v, a scalar
 decay and the intra scores made in the kernel. As there, everything is transposed so that the state is the A
 operand and the products chain in registers: ``oᵀ = Sᵀ_bf · qᵀ`` (A = Sᵀ_bf straight from the fp32 state's
@@ -86,19 +95,20 @@ from collections.abc import Callable
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
+from .chunk_states import _STATE_DTYPES, state_io_rejection
 
 try:
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
+    from cutlass import BFloat16, Float32, Int32, Uint8, const_expr
     from cutlass._mlir.dialects import nvvm
     from cutlass.cute.nvgpu import warp
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "lightning_chunk_output",
-           "plan_chunk_output"]
+__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "direct_output_run",
+           "lightning_chunk_output", "plan_chunk_output", "plan_direct_output"]
 
 BLOCK_V = 128  # value columns per CTA: all of them, one 8-warp CTA per segment and head (module docstring)
 _LOG2E = 1.4426950408889634
@@ -142,12 +152,29 @@ class LightningChunkOutputConfig:
         block_v: value columns per CTA: only :data:`BLOCK_V` (8 warps; the field is the tiles' contract,
             :class:`~cula_runtime.cute.kda.tiles.ChunkTiles`).
         chunk_size: C; only 64.
+        direct: the direct form (module docstring): every segment is a whole sequence (one row per sequence, empty
+            ones too), started from the sequence's initial state and ending in its final state; no ``seg_state``.
+        has_initial_state, output_final_state, state_v_first, state_pool, state_dtype, initial_state_flags: the
+            direct form's start and final states, as in kernel B's config
+            (:class:`~cula_runtime.cute.lightning.chunk_states.LightningSegmentScanConfig`); all off otherwise.
     """
 
     num_heads: int
     head_dim: int = 128
     block_v: int = BLOCK_V
     chunk_size: int = 64
+    direct: bool = False
+    has_initial_state: bool = False
+    output_final_state: bool = False
+    state_v_first: bool = False
+    state_pool: bool = False
+    state_dtype: str = "float32"
+    initial_state_flags: bool = False
+
+    @property
+    def writes_final_state(self) -> bool:
+        """The direct form ends by writing a final state (``final_state`` or the pool)."""
+        return self.direct and (self.output_final_state or self.state_pool)
 
 
 class LightningChunkOutput(ChunkTiles):
@@ -167,19 +194,32 @@ class LightningChunkOutput(ChunkTiles):
             return False, f"block_v={c.block_v}: only {BLOCK_V} (V block 64 was retired: slower on every shape timed)"
         if c.num_heads < 1:
             return False, f"num_heads={c.num_heads}: must be >= 1"
-        return True, ""
+        if not c.direct:
+            if (c.has_initial_state, c.output_final_state, c.state_v_first, c.state_pool, c.state_dtype,
+                    c.initial_state_flags) != (False, False, False, False, "float32", False):
+                return False, "the start/final-state fields belong to the direct form (direct=True)"
+            return True, ""
+        reason = state_io_rejection(c)
+        return (False, reason) if reason else (True, "")
 
-    def argument_specs(self) -> tuple[TensorSpec, ...]:
-        """Layout promises of the seven tensor arguments of ``__call__``, in order."""
+    def argument_specs(self) -> tuple[TensorSpec | None, ...]:
+        """Layout promises of the twelve tensor arguments of ``__call__``, in order (None: argument absent)."""
+        c = self.config
         bf16 = TensorSpec(BFloat16, 4, 8)  # 16-byte row segments for cp.async and the o store
+        state = TensorSpec(Float32, 4, 2)  # (8-byte pairs of the accumulator layout, V-first)
         return (
             bf16,  # q [1, B·T, H, K]
             bf16,  # k [1, B·T, H, K]
             bf16,  # v [1, B·T, H, V]
             TensorSpec(Float32, 1),  # g_gamma [H], natural log
-            TensorSpec(Float32, 4),  # seg_state [NSEG, H, K, V]: each segment's start state
+            None if c.direct else TensorSpec(Float32, 4),  # seg_state [NSEG, H, K, V]: each segment's start state
             TensorSpec(Int32, 2, 4),  # segments [NSEG, 4]: (sequence, first row, length, 0)
             bf16,  # o [1, B·T, H, V]
+            state if c.has_initial_state else None,  # (direct) h0 [N, H, K, V] / [N, H, V, K]
+            state if c.output_final_state else None,  # (direct) ht
+            TensorSpec(_STATE_DTYPES[c.state_dtype], 4, 2) if c.state_pool else None,  # (direct) the pool
+            TensorSpec(Int32, 1) if c.state_pool else None,  # (direct) state_indices [N]
+            TensorSpec(Uint8, 1) if c.initial_state_flags else None,  # (direct) has_initial_state [N], bytes
         )
 
     def compile_arguments(self) -> tuple:
@@ -196,9 +236,14 @@ class LightningChunkOutput(ChunkTiles):
         mK: cute.Tensor,
         mV: cute.Tensor,
         mG: cute.Tensor,
-        mS0: cute.Tensor,
+        mS0: cute.Tensor | None,
         mSeg: cute.Tensor,
         mO: cute.Tensor,
+        mH0: cute.Tensor | None,
+        mHt: cute.Tensor | None,
+        mPool: cute.Tensor | None,
+        mStateIdx: cute.Tensor | None,
+        mHasInit: cute.Tensor | None,
         scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -222,8 +267,8 @@ class LightningChunkOutput(ChunkTiles):
         score_mma = self.make_score_mma()
         grid = [mSeg.shape[0] * c.num_heads * (K // BV), 1, 1]
         self.kernel(
-            mQ, mK, mV, mG, mS0, mSeg, mO, scale, sK_layout, sV_layout, sP_layout, tiled_mma, score_mma,
-            SharedStorage,
+            mQ, mK, mV, mG, mS0, mSeg, mO, mH0, mHt, mPool, mStateIdx, mHasInit, scale, sK_layout, sV_layout,
+            sP_layout, tiled_mma, score_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -236,9 +281,14 @@ class LightningChunkOutput(ChunkTiles):
         mK: cute.Tensor,
         mV: cute.Tensor,
         mG: cute.Tensor,
-        mS0: cute.Tensor,
+        mS0: cute.Tensor | None,
         mSeg: cute.Tensor,
         mO: cute.Tensor,
+        mH0: cute.Tensor | None,
+        mHt: cute.Tensor | None,
+        mPool: cute.Tensor | None,
+        mStateIdx: cute.Tensor | None,
+        mHasInit: cute.Tensor | None,
         scale: Float32,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -338,9 +388,14 @@ class LightningChunkOutput(ChunkTiles):
                                          score_word)
 
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
-        tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
-        if num_chunks > 0:
-            tSrS.store(tSgS0.load())
+        slot = Int32(-1)
+        if const_expr(c.direct):  # the sequence's initial state (or zeros); slot: its pool slot, -1 if none
+            n = mSeg[seg, 0]
+            slot = self.load_initial_state(thr_mma, tSrS, mH0, mPool, mStateIdx, mHasInit, n, h, vb)
+        else:
+            tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
+            if num_chunks > 0:
+                tSrS.store(tSgS0.load())
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % 2
@@ -380,14 +435,13 @@ class LightningChunkOutput(ChunkTiles):
                               acc)
 
             # ---- Sᵀ = λ^64 Sᵀ + bf16(vᵀ ⊙ λ^(63-j)) · k, for the next chunk (none after the segment's last)
+            k_copy = (s2r_Bt, tCsK, tCrK_v, tCrK, stage)
             if chunk + 1 < num_chunks:
-                rVdec = cute.make_rmem_tensor(accO.layout, BFloat16)
-                rVdec.store((self._bf16_pairs_to_f32(rV).load() * tVsVdec.load()).to(BFloat16))
-                tCrVdec_A = self._acc_as_operand_a(rVdec)
-                tSrS.store(tSrS.load() * lam_chunk)
-                for kb in cutlass.range_constexpr(C // self.mma_k):
-                    cute.copy(s2r_Bt, tCsK[None, None, kb, stage], tCrK_v[None, None, kb])
-                    cute.gemm(tiled_mma, tSrS, tCrVdec_A[None, None, kb], tCrK[None, None, kb], tSrS)
+                self.state_step(tiled_mma, tSrS, rV, tVsVdec, lam_chunk, k_copy)
+            if const_expr(c.writes_final_state):  # the direct form's last chunk: decayed by its true length
+                if chunk + 1 == num_chunks:
+                    self.state_step(tiled_mma, tSrS, rV, self.tail_factors(thr_mma, lg, chunk_len),
+                                    cute.math.exp2(Float32(chunk_len) * lg, fastmath=True), k_copy)
 
             # ---- o: stage oᵀ over this warp's own v columns (already read), then 16-byte stores of rows < chunk_len
             rO.store(accO.load().to(BFloat16))
@@ -395,6 +449,9 @@ class LightningChunkOutput(ChunkTiles):
             cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
             cute.arch.sync_warp()
             self.store_rows(mO, sV[None, None, stage], Int32(0), h, vb, start + chunk * C, chunk_len, tidx)
+
+        if const_expr(c.writes_final_state):
+            self.store_final_state(thr_mma, tSrS, mHt, mPool, n, h, vb, slot)
 
     @cute.jit
     def _bf16_pairs_to_f32(self, x: cute.Tensor) -> cute.Tensor:
@@ -488,6 +545,78 @@ class LightningChunkOutput(ChunkTiles):
             (head.shape[1], head.shape[0]), stride=(head.stride[1], head.stride[0])
         ))
         return cute.local_tile(head, (c.block_v, c.head_dim), (vb, 0))
+
+    @cute.jit
+    def _head_tile(self, head: cute.Tensor, vb: Int32) -> cute.Tensor:
+        """This CTA's ``(BV, K)`` block of ``Sᵀ`` in one head's compact ``[128, 128]`` state (the direct form's h0, ht
+        or pool slot: ``[K, V]``, or ``[V, K]`` with ``state_v_first``), viewed as ``(V, K)`` with static strides."""
+        c = self.config
+        K = c.head_dim
+        stride = (K, 1) if const_expr(c.state_v_first) else (1, K)
+        view = cute.make_tensor(head.iterator, cute.make_layout((K, K), stride=stride))
+        return cute.local_tile(view, (c.block_v, K), (vb, 0))
+
+    @cute.jit
+    def load_initial_state(self, thr_mma, tSrS: cute.Tensor, mH0, mPool, mStateIdx, mHasInit, n: Int32, h: Int32,
+                           vb: Int32) -> Int32:
+        """The direct form's start state of sequence ``n`` into ``tSrS`` (fp32, accumulator layout of Sᵀ): h0, or
+        the pool slot ``state_indices[n]`` (widened from bf16) when it lies in ``[0, P)`` and ``has_initial_state[n]``
+        is not 0, else zeros. Returns the slot, -1 outside ``[0, P)`` (padding: never read or written)."""
+        c = self.config
+        tSrS.fill(0.0)
+        slot = Int32(-1)
+        if const_expr(c.state_pool):
+            slot = mStateIdx[n]
+            slot = cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
+            if slot >= 0:
+                read = Int32(1)
+                if const_expr(c.initial_state_flags):
+                    read = Int32(mHasInit[n])
+                if read != 0:
+                    tSrS.store(thr_mma.partition_C(self._head_tile(mPool[slot, h, None, None], vb)).load()
+                               .to(Float32))
+        elif const_expr(c.has_initial_state):
+            tSrS.store(thr_mma.partition_C(self._head_tile(mH0[n, h, None, None], vb)).load())
+        return slot
+
+    @cute.jit
+    def store_final_state(self, thr_mma, tSrS: cute.Tensor, mHt, mPool, n: Int32, h: Int32, vb: Int32, slot: Int32):
+        """The direct form's final state of sequence ``n``: ``tSrS`` into ``final_state[n]``, or rounded to the
+        pool's dtype into slot ``slot`` unless it is -1."""
+        c = self.config
+        if const_expr(c.output_final_state):
+            thr_mma.partition_C(self._head_tile(mHt[n, h, None, None], vb)).store(tSrS.load())
+        if const_expr(c.state_pool):
+            if slot >= 0:
+                dst = thr_mma.partition_C(self._head_tile(mPool[slot, h, None, None], vb))
+                dst.store(tSrS.load().to(dst.element_type))
+
+    @cute.jit
+    def state_step(self, tiled_mma: cute.TiledMma, tSrS: cute.Tensor, rV: cute.Tensor, factors: cute.Tensor,
+                   lam: Float32, k_copy: tuple):
+        """``Sᵀ = lam · Sᵀ + bf16(vᵀ ⊙ factors) · k`` (``factors``: a tensor of the chunk's per-token factors in vᵀ's
+        accumulator layout; ``k_copy``: the kᵀ tiles' ldmatrix copy, partitions and stage)."""
+        s2r_Bt, tCsK, tCrK_v, tCrK, stage = k_copy
+        rVdec = cute.make_rmem_tensor(rV.layout, BFloat16)
+        rVdec.store((self._bf16_pairs_to_f32(rV).load() * factors.load()).to(BFloat16))
+        tCrVdec_A = self._acc_as_operand_a(rVdec)
+        tSrS.store(tSrS.load() * lam)
+        for kb in cutlass.range_constexpr(self.config.chunk_size // self.mma_k):
+            cute.copy(s2r_Bt, tCsK[None, None, kb, stage], tCrK_v[None, None, kb])
+            cute.gemm(tiled_mma, tSrS, tCrVdec_A[None, None, kb], tCrK[None, None, kb], tSrS)
+
+    @cute.jit
+    def tail_factors(self, thr_mma, lg: Float32, length: Int32):
+        """The last chunk's key factors ``λ^(L-1-j)`` for its tokens ``j < L`` (``L = length``), 0 past them (never
+        the exponential of a positive number), in vᵀ's accumulator layout (registers)."""
+        c = self.config
+        coords = thr_mma.partition_C(cute.make_identity_tensor((c.block_v, c.chunk_size)))  # (value row, token)
+        factors = cute.make_rmem_tensor(coords.shape, Float32)
+        for e in cutlass.range_constexpr(cute.size(factors)):
+            j = coords[e][1]
+            factors[e] = cutlass.select_(j < length, cute.math.exp2(Float32(length - 1 - j) * lg, fastmath=True),
+                                         Float32(0.0))
+        return factors
 
     @cute.jit
     def make_loader(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, h: Int32, vb: Int32, start: Int32,
@@ -598,10 +727,12 @@ def lightning_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: floa
            float(scale))
 
 
-def _tensors(q, k, v, g_gamma, seg_state, segments, o) -> tuple:
+def _tensors(q, k, v, g_gamma, seg_state, segments, o, h0=None, ht=None, pool=None, state_indices=None,
+             flag_bytes=None) -> tuple:
     """The kernel's tensor arguments in their order (:meth:`LightningChunkOutput.argument_specs`): the token tensors
-    with the leading batch axis of 1 the kernel indexes."""
-    return q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0)
+    with the leading batch axis of 1 the kernel indexes; the direct form's states last (None where absent)."""
+    return (q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g_gamma, seg_state, segments, o.unsqueeze(0), h0, ht,
+            pool, state_indices, flag_bytes)
 
 
 def plan_chunk_output(H: int, device) -> Callable:
@@ -617,3 +748,74 @@ def plan_chunk_output(H: int, device) -> Callable:
 
     return run_output
 
+
+
+# ---- the direct form: one launch, each sequence one segment (module docstring)
+
+
+@functools.lru_cache(maxsize=256)
+def _direct_plan(H: int, flags: tuple) -> tuple:
+    """The config and argument specs of one direct-form signature; ``flags``: kernel B's
+    (:func:`~cula_runtime.cute.lightning.chunk_states.scan_flags`)."""
+    has_h0, want_ht, v_first, pool_dtype, has_flags = flags
+    config = LightningChunkOutputConfig(num_heads=H, direct=True, has_initial_state=has_h0,
+                                        output_final_state=want_ht, state_v_first=v_first,
+                                        state_pool=pool_dtype is not None, state_dtype=pool_dtype or "float32",
+                                        initial_state_flags=has_flags)
+    ok, reason = LightningChunkOutput.can_implement(config)
+    if not ok:
+        raise ValueError(f"LightningChunkOutput: {reason}")
+    return config, LightningChunkOutput(config).argument_specs()
+
+
+_DIRECT_OUTPUTS = frozenset({6, 8, 9})  # o, ht, the pool (in place)
+
+
+def _direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, state_indices, has_initial_state) -> tuple:
+    import torch
+
+    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)  # (a view: no copy)
+    return _tensors(q, k, v, g_gamma, None, segments, o, initial_state, ht, pool, state_indices, flag_bytes)
+
+
+def direct_output_run(q, k, v, g_gamma, segments, o, scale: float, initial_state, ht, state_v_first: bool, pool,
+                      state_indices, has_initial_state) -> None:
+    """The direct form of kernel C, nothing checked (the prefill backend's validated arguments): every sequence's
+    outputs from its initial state and its final state, in one launch.
+
+    Args:
+        q, k, v, o: bf16 ``[B·T, H, 128]`` (the flattened token axis); o preallocated.
+        g_gamma: fp32 ``[H]``.
+        segments: int32 ``[N, 4]``: row n = (n, sequence n's first row, its length (may be 0), 0), one per sequence.
+        scale: the output's factor.
+        initial_state: fp32 ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first``) or None (zeros).
+        ht: fp32, ``initial_state``'s layout, to write the final states into, or None.
+        pool, state_indices, has_initial_state: a state pool (fp32 or bf16, ``pool_layout_rejection``'s layout),
+            int32 ``[N]`` slots (outside ``[0, P)``: padding, never read or written) and an optional bool ``[N]``
+            (False: start from zeros), instead of ``initial_state`` / ``ht``.
+
+    Launched on the current stream; the first call per configuration compiles.
+    """
+    from .chunk_states import scan_flags
+
+    config, specs = _direct_plan(q.shape[1], scan_flags(initial_state, ht is not None, state_v_first, pool,
+                                                        has_initial_state))
+    launch(LightningChunkOutput, config, specs,
+           _direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, state_indices, has_initial_state),
+           _DIRECT_OUTPUTS, q.device, float(scale))
+
+
+def plan_direct_output(H: int, flags: tuple, device) -> Callable:
+    """The direct form bound to one call signature (``flags``: :func:`~.chunk_states.scan_flags`): ``run(q, k, v,
+    g_gamma, segments, o, scale, initial_state, ht, pool, state_indices, has_initial_state)`` with
+    :func:`direct_output_run`'s tensors and nothing checked; ``LaunchDeclined`` where TVM-FFI refuses a pointer
+    (nothing launched)."""
+    config, specs = _direct_plan(H, flags)
+    run = bound_launch(LightningChunkOutput, config, specs, device)
+
+    def run_direct(q, k, v, g_gamma, segments, o, scale: float, initial_state, ht, pool, state_indices,
+                   has_initial_state) -> None:
+        run(_direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, state_indices, has_initial_state),
+            (float(scale),))
+
+    return run_direct

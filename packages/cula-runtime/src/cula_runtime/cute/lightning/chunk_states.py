@@ -292,6 +292,21 @@ class LightningSegmentScanConfig:
     prefetch: int = 8
 
 
+def state_io_rejection(c) -> str | None:
+    """Why the start/final-state fields of a config (``has_initial_state``, ``output_final_state``, ``state_pool``,
+    ``state_dtype``, ``initial_state_flags``: kernel B's, and kernel C's direct form's) do not go together, or None."""
+    if c.state_dtype not in _STATE_DTYPES:
+        return f"state_dtype={c.state_dtype!r}: expected one of {tuple(_STATE_DTYPES)}"
+    if not c.state_pool:
+        if c.state_dtype != "float32":
+            return f"state_dtype={c.state_dtype!r}: h0 and ht are fp32 (a bf16 state needs state_pool)"
+        if c.initial_state_flags:
+            return "initial_state_flags (has_initial_state per sequence) needs state_pool"
+    elif c.has_initial_state or c.output_final_state:
+        return "state_pool reads and writes the pool: has_initial_state and output_final_state must be False"
+    return None
+
+
 class LightningSegmentScan:
     """Kernel B: start states in place, final states out (see the module docstring)."""
 
@@ -313,18 +328,10 @@ class LightningSegmentScan:
             return False, f"head_dim={c.head_dim}: only K = V = {HEAD_DIM} is supported"
         if not 1 <= c.num_heads <= 65535:
             return False, f"num_heads={c.num_heads}: must be in [1, 65535] (grid y)"
-        if c.state_dtype not in _STATE_DTYPES:
-            return False, f"state_dtype={c.state_dtype!r}: expected one of {tuple(_STATE_DTYPES)}"
         if not 1 <= c.prefetch <= 16:
             return False, f"prefetch={c.prefetch}: must be in [1, 16]"
-        if not c.state_pool:
-            if c.state_dtype != "float32":
-                return False, f"state_dtype={c.state_dtype!r}: h0 and ht are fp32 (a bf16 state needs state_pool)"
-            if c.initial_state_flags:
-                return False, "initial_state_flags (has_initial_state per sequence) needs state_pool"
-        elif c.has_initial_state or c.output_final_state:
-            return False, "state_pool reads and writes the pool: has_initial_state and output_final_state must be False"
-        return True, ""
+        reason = state_io_rejection(c)
+        return (False, reason) if reason else (True, "")
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
         """Layout promises of the eight tensor arguments of ``__call__``, in order (None: argument absent)."""

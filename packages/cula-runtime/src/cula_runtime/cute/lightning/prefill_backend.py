@@ -9,6 +9,12 @@ may be shorter), chosen per call so that the segment-parallel grids fill the GPU
    (``final_state``, or back into the pool in place);
 3. kernel C (:mod:`.chunk_output`): each segment's outputs from its start state.
 
+Where every sequence fits in one segment of the chosen length (many sequences, or many heads: the grid fills the GPU
+without cutting any), the **direct form** runs instead: kernel C alone, one CTA per (sequence, head), starting from
+the sequence's initial state (h0, its pool slot, or zeros) and ending by writing its final state (``final_state`` or
+the pool slot) itself; no segment states, no scan: q, k, v read once, one launch. Its table has one row per
+sequence, empty ones too (``direct_table``), and no ``seq_segments``.
+
 The segment table (:func:`segment_table`, built on the host from B and T or from the checked host copy of
 ``cu_seqlens``, then one copy to the device; cached per ``(cu_seqlens tensor, version)`` or per ``(B, T)``):
 ``segments`` int32 ``[NSEG, 4]``, row s = (sequence n, first token's row in the flattened token axis ``[B·T]``,
@@ -46,6 +52,8 @@ __all__ = [
     "SEG_LEN_CHOICES",
     "SegmentTable",
     "choose_seg_len",
+    "direct_table",
+    "uses_direct_form",
     "lightning_prefill_cutedsl_backend",
     "num_segments",
     "plan_lightning_prefill",
@@ -132,6 +140,29 @@ def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
     return SegmentTable(rows, offsets)
 
 
+def direct_table(lens: Sequence[int]) -> list[int]:
+    """The direct form's rows, flattened: one ``(n, first row, length, 0)`` per sequence of ``lens`` tokens laid end
+    to end, empty ones too (their final state is still written). Example: ``lens = [130, 0, 64]`` gives ``(0, 0,
+    130, 0), (1, 130, 0, 0), (2, 130, 64, 0)``."""
+    rows: list[int] = []
+    start = 0
+    for n, length in enumerate(_check_lens(lens)):
+        rows += (n, start, length, 0)
+        start += length
+    return rows
+
+
+def uses_direct_form(lens: Sequence[int], seg_len: int, direct: bool | None = None) -> bool:
+    """Whether a call with sequences of ``lens`` tokens and the chosen ``seg_len`` runs the direct form: when
+    ``direct`` is None (the default), exactly when every sequence fits in one segment (the three launches would make
+    the same segments, and kernels A and B would only copy states); ``direct`` True or False forces it (tests). Never
+    without tokens (nothing for kernel C to read)."""
+    lens = _check_lens(lens)
+    if sum(lens) == 0:
+        return False
+    return max(lens) <= seg_len if direct is None else bool(direct)
+
+
 def num_segments(lens: Sequence[int], seg_len: int) -> int:
     """How many segments :func:`segment_table` makes (without building it)."""
     return sum(-(-length // seg_len) for length in lens)
@@ -161,12 +192,27 @@ _FIXED_CAPACITY = 64
 _fixed_tables: OrderedDict[tuple, tuple] = OrderedDict()
 
 
-def _to_device(table: SegmentTable, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(segments [NSEG, 4], seq_segments [N + 1])`` on ``device``: views of one int32 buffer, one copy."""
-    flat = _host_tensor(table.segments + table.seq_segments, torch.int32)
-    buffer = flat.to(device, non_blocking=True)
-    nseg = table.num_segments
-    return buffer.narrow(0, 0, 4 * nseg).view(nseg, 4), buffer.narrow(0, 4 * nseg, len(table.seq_segments))
+class DeviceSegments(NamedTuple):
+    """One call's segment table on the device: ``seg_len``; ``segments`` int32 ``[NSEG, 4]``; ``seq_segments`` int32
+    ``[N + 1]`` (None in the direct form); ``direct``: the direct form (``segments`` one row per sequence)."""
+
+    seg_len: int
+    segments: torch.Tensor
+    seq_segments: torch.Tensor | None
+    direct: bool
+
+
+def _to_device(lens: list[int], seg_len: int, direct: bool, device: torch.device) -> DeviceSegments:
+    """The table of ``lens`` on ``device``: views of one int32 buffer, one copy."""
+    if direct:
+        rows, offsets = direct_table(lens), []
+    else:
+        table = segment_table(lens, seg_len)
+        rows, offsets = table.segments, table.seq_segments
+    buffer = _host_tensor(rows + offsets, torch.int32).to(device, non_blocking=True)
+    nseg = len(rows) // 4
+    seq_segments = None if direct else buffer.narrow(0, 4 * nseg, len(offsets))
+    return DeviceSegments(seg_len, buffer.narrow(0, 0, 4 * nseg).view(nseg, 4), seq_segments, direct)
 
 
 def _resolved_seg_len(lens: list[int], H: int, num_sms: int, seg_len: int) -> int:
@@ -179,33 +225,35 @@ def _requested_seg_len(seg_len: int) -> int:
 
 
 def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, device: torch.device, num_sms: int,
-                    seg_len: int = 0) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """``(seg_len, segments, seq_segments)`` of one call on ``device``: ``seg_len`` as asked (0: chosen by
-    :func:`choose_seg_len`), the table built on the host and copied once. Cached: per ``(cu_seqlens, its version,
-    H, SMs, seg_len)`` in :func:`cula_runtime.index.cached_on_version` (the boundaries from the validator's checked
-    host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len, device)`` without ``cu_seqlens``."""
+                    seg_len: int = 0, direct: bool | None = None) -> DeviceSegments:
+    """One call's table on ``device``: ``seg_len`` as asked (0: chosen by :func:`choose_seg_len`), the form by
+    :func:`uses_direct_form` (``direct``: None, or forced), built on the host and copied once. Cached: per
+    ``(cu_seqlens, its version, H, SMs, seg_len, direct)`` in :func:`cula_runtime.index.cached_on_version` (the
+    boundaries from the validator's checked host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len,
+    direct, device)`` without ``cu_seqlens``."""
     if cu_seqlens is None:
-        key = (B, T, H, num_sms, seg_len, device)
+        key = (B, T, H, num_sms, seg_len, direct, device)
         hit = _fixed_tables.get(key)
         if hit is not None:
             _fixed_tables.move_to_end(key)
             return hit
         lens = [T] * B
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
+        use_direct = uses_direct_form(lens, chosen, direct)
         # (kept between calls: never in a CUDA graph's pool)
-        value = (chosen, *built_outside_graph_pools(device, lambda: _to_device(segment_table(lens, chosen), device)))
+        value = built_outside_graph_pools(device, lambda: _to_device(lens, chosen, use_direct, device))
         _fixed_tables[key] = value
         while len(_fixed_tables) > _FIXED_CAPACITY:
             _fixed_tables.popitem(last=False)
         return value
 
-    def build() -> tuple[int, torch.Tensor, torch.Tensor]:
+    def build() -> DeviceSegments:
         values = checked_cu_seqlens_host(cu_seqlens, T).tolist()
         lens = [b - a for a, b in zip(values, values[1:], strict=False)]
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        return (chosen, *_to_device(segment_table(lens, chosen), device))
+        return _to_device(lens, chosen, uses_direct_form(lens, chosen, direct), device)
 
-    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len), build)
+    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len, direct), build)
 
 
 def clear_segment_cache() -> None:
@@ -278,13 +326,21 @@ def _planned_output(H: int, device: torch.device) -> Callable:
     return plan_chunk_output(H, device)
 
 
+@functools.cache
+def _direct() -> object:
+    """:mod:`.chunk_output` for the direct form (imported on the first call that runs it)."""
+    from . import chunk_output
+
+    return chunk_output
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``[B, T, H, D]`` -> the flattened token axis ``[B·T, H, D]`` (a view of a contiguous tensor)."""
     return x.view(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
 
 
-def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0,
-                                      block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0, block_v: int = 0,
+                                      direct: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run validated ``lightning_prefill`` arguments (accepted by :func:`verify_lightning_prefill`) on the CuTeDSL
     kernels: ``(o, final_state)``.
 
@@ -292,6 +348,8 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         args: validated arguments.
         seg_len: the segment length (a positive multiple of 64); 0: :func:`choose_seg_len` per call.
         block_v: kernel A's value columns per CTA, 64 or 128 (the same bits); 0: chosen from NSEG · H and the SMs.
+        direct: the direct form forced (True) or not (False); None: :func:`uses_direct_form` decides (tests force
+            both forms on the same inputs).
 
     Returns:
         ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
@@ -312,11 +370,15 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     if args.N == 0:
         return o, ht
     num_sms = sm_count(device)
-    chosen, segments, seq_segments = device_segments(B, T, H, args.cu_seqlens, device, num_sms,
-                                                     _requested_seg_len(seg_len))
+    chosen, segments, seq_segments, use_direct = device_segments(B, T, H, args.cu_seqlens, device, num_sms,
+                                                                 _requested_seg_len(seg_len), direct)
+    q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
+    if use_direct:
+        _direct().direct_output_run(q, k, v, args.g_gamma, segments, o_flat, args.scale, args.initial_state, ht,
+                                    args.state_v_first, pool, args.state_indices, args.has_initial_state)
+        return o, ht
     nseg = segments.shape[0]
     seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
-    q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
     if nseg:
         states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms))
     states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
@@ -326,14 +388,16 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     return o, ht
 
 
-def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> Callable | None:
+def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
+                           direct: bool | None = None) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
     state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched,
     through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
     (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked host
     copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
-    plan. Holds no tensor of the call it was made from.
+    plan. ``direct``: as the backend's (the form is decided per call from the table: a varlen plan may run either).
+    Holds no tensor of the call it was made from.
 
     A launch TVM-FFI refuses raises ``LaunchDeclined`` before it launches (the caller then runs the call unplanned);
     kernel B writes the final states or the pool, so nothing after it may be refused: q, which only kernel C reads,
@@ -346,10 +410,11 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> C
     want_ht = args.output_final_state and args.state is None
     num_sms = sm_count(device)
     fixed_seg_len = _requested_seg_len(seg_len)
-    scan = states.plan_segment_scan(H, N, states.scan_flags(args.initial_state, want_ht, v_first, args.state,
-                                                            args.has_initial_state), device)
+    flags = states.scan_flags(args.initial_state, want_ht, v_first, args.state, args.has_initial_state)
+    scan = states.plan_segment_scan(H, N, flags, device)
     runs_a: dict[int, Callable] = {}
     run_c: list[Callable] = []  # kernel C, bound on the first call with tokens
+    run_direct: list[Callable] = []  # the direct form, bound on the first call that runs it
 
     def plan(q, k, v, g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state):
         if q.data_ptr() % _ROW_ALIGN:  # (kernel C's promise on q, checked before kernel B can write anything)
@@ -358,10 +423,17 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0) -> C
         ht = torch.empty(state_shape, dtype=torch.float32, device=device) if want_ht else None
         if N == 0:
             return o, ht
-        _, segments, seq_segments = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len)
+        _, segments, seq_segments, use_direct = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len,
+                                                                direct)
+        kf, o_flat = _flat(k), _flat(o)
+        if use_direct:
+            if not run_direct:
+                run_direct.append(_direct().plan_direct_output(H, flags, device))
+            run_direct[0](_flat(q), kf, _flat(v), g_gamma, segments, o_flat, scale, initial_state, ht, state,
+                          state_indices, has_initial_state)
+            return o, ht
         nseg = segments.shape[0]
         seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
-        kf, o_flat = _flat(k), _flat(o)
         if nseg:
             bv = recurrence_block_v(nseg * H, num_sms)
             run_a = runs_a.get(bv)
