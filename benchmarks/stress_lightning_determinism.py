@@ -10,6 +10,9 @@ Problems (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2):
 * ``prefill varlen 6 seqs H4``: cu = [0, 1, 64, 65, 700, 700, 2000] (an empty sequence, one-token ones, tails);
 * ``prefill pool 6 seqs H4``: the same batch on an fp32 pool of 13 slots (a padding row, one without an initial
   state); the pool is restored from a copy inside the graph before each call, so every call starts alike;
+* ``prefill direct 40 seqs H4 pool``: a packed batch the per-call rule sends to the direct form
+  (``tools/sanitize_lightning.py``'s ``WIDE_LENS``) on a bf16 V-first pool of 81 slots (padding rows, a False
+  has_initial_state), restored the same way;
 * ``decode fp32 kfirst N32 H8`` and ``decode bf16 vfirst N8 H8`` (two padding rows each, negative slots): one step
   on a pool restored the same way, o into a given buffer.
 
@@ -34,8 +37,9 @@ from stress_kda_determinism import replay  # noqa: E402
 
 K = V = 128
 PROBLEMS = ("prefill fixed B2 T1000 H4", "prefill varlen 6 seqs H4", "prefill pool 6 seqs H4",
-            "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8")
+            "prefill direct 40 seqs H4 pool", "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8")
 CU = (0, 1, 64, 65, 700, 700, 2000)
+WIDE_LENS = (0, 1, 63, 64, 65, 200, *(40 + 7 * i for i in range(34)))  # (tools/sanitize_lightning.py's)
 DEVICE = "cuda"  # (the CPU test of the problems' calls sets "cpu")
 
 
@@ -56,26 +60,32 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
     scale = K ** -0.5
     if name.startswith("prefill"):
         H = 4
+        bounds = [0, *torch.tensor(WIDE_LENS).cumsum(0).tolist()] if "direct" in name else list(CU)
         if "fixed" in name:
             B, T, cu = 2, 1000, None
         else:
-            B, T, cu = 1, CU[-1], torch.tensor(CU, dtype=torch.int32, device=DEVICE)
-        N = B if cu is None else len(CU) - 1
+            B, T, cu = 1, bounds[-1], torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+        N = B if cu is None else len(bounds) - 1
         q, k, v = (randn(B, T, H, K) for _ in range(3))
         g = _g_gamma(H)
         if "pool" not in name:
             h0 = randn(N, H, K, V, dtype=torch.float32)
             return lambda: lightning_prefill(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True,
                                              cu_seqlens=cu)
-        pool = randn(2 * N + 1, H, K, V, dtype=torch.float32)
+        wide = "direct" in name
+        pool = randn(2 * N + 1, H, K, V, dtype=torch.bfloat16 if wide else torch.float32)
         pristine = pool.clone()
-        idx = torch.tensor([4, 0, -1, 9, 12, 2], dtype=torch.int32, device=DEVICE)
-        has = torch.tensor([True, True, True, False, True, True], device=DEVICE)
+        slots = [2 * n + 1 for n in range(N)] if wide else [4, 0, -1, 9, 12, 2]
+        flags = [n != 3 for n in range(N)]
+        if wide:
+            slots[1], slots[4] = -1, -7  # padding rows (negative: the CPU test runs the reference, strict past the pool)
+        idx = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+        has = torch.tensor(flags, device=DEVICE)
 
         def pooled() -> tuple[torch.Tensor, ...]:
             pool.copy_(pristine)
             o, _ = lightning_prefill(q, k, v, g, scale=scale, cu_seqlens=cu, state=pool, state_indices=idx,
-                                     has_initial_state=has)
+                                     has_initial_state=has, state_v_first=wide)
             return o, pool
         return pooled
     H = 8

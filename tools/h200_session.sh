@@ -20,6 +20,11 @@
 #   ... && bash tools/h200_session.sh sanitizer:lightning
 #   ... && bash tools/h200_session.sh profile:lightning   (the three kernels' times at a few seg_lens)
 #   ... && bash tools/h200_session.sh stress:lightning
+# The prefill's direct form (on its branch until a GPU has run it; docs/STATUS.md), one device call:
+#   ... && bash tools/h200_session.sh tests:lightning-direct && LIGHTNING_SANITIZER_SHAPES="prefill-direct \
+#          prefill-direct-h0" bash tools/h200_session.sh sanitizer:lightning
+#   ... && bash tools/h200_session.sh ab:lightning-forms
+#   ... && LIGHTNING_STRESS_ONLY=direct bash tools/h200_session.sh stress:lightning
 # FLA's errors on the Lightning GPU tests' cases (the frozen bounds; capped at FLA_LIGHTNING_TIMEOUT, 300 s, where
 # all the cases take ~500 s alone; writes $OUT/lightning_fla_errors.py, to be copied to tests/lightning_fla_errors.py;
 # only the cases not recorded there yet):
@@ -175,14 +180,21 @@ for step in "$@"; do
                          --reps 20 --shapes 1,32768,64 1,32768,16 1,16384,64 1,4096,64 2,4096,16 \
                          1,1024,64 | tee "$OUT/profile_lightning.txt" ;;
     stress:lightning) timeout 400 python3 benchmarks/stress_lightning_determinism.py --backend cutedsl \
-                        --replays 100000 --out "$OUT/stress_lightning.md" ;;
+                        ${LIGHTNING_STRESS_ONLY:+--only "$LIGHTNING_STRESS_ONLY"} --replays 100000 \
+                        --out "$OUT/stress_lightning.md" ;;
+    # the prefill's direct form (kernel C alone, every sequence one segment): its GPU tests, then both forms timed
+    # side by side on the bench's rows and serving-like batches (LIGHTNING_AB_ONLY: the A/B's --only)
+    tests:lightning-direct) GPU_LOG_TAG=_lightning_direct timeout "${TESTS_TIMEOUT:-300}" bash tools/h200_tests.sh \
+                              -q -k "forms or fills" tests/gpu/test_lightning_gpu.py ;;
+    ab:lightning-forms) timeout 560 python3 benchmarks/ab_lightning_prefill_forms.py \
+                          ${LIGHTNING_AB_ONLY:+--only "$LIGHTNING_AB_ONLY"} --out "$OUT/lightning_prefill_forms_ab.md" ;;
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
-          "profile:lightning)" ;;
+          "profile:lightning tests:lightning-direct ab:lightning-forms)" ;;
   esac
   echo "=== $step: exit $?"
 done

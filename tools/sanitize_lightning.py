@@ -10,6 +10,10 @@ Shapes (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2, so head 0 has no
 * ``prefill-pool``: the same batch on an fp32 K-first pool of 7 slots, slots [3, -1, 0, 7, 5] (two padding rows: -1
   and 7 = P), has_initial_state [T, T, F, T, T];
 * ``prefill-large``: B = 2, T = 4096, H = 8, V-first fp32 initial states, the final states out;
+* ``prefill-direct``: a packed batch the per-call rule sends to the direct form (``WIDE_LENS``: 40 sequences, an
+  empty one, one-token ones, tails; x 4 heads = 160 CTAs, a wave on up to 177 SMs, none cut) on a bf16 V-first
+  pool of 81 slots with padding rows (-1, 81) and a False has_initial_state;
+* ``prefill-direct-h0``: the same batch with fp32 K-first initial states, the final states out;
 * ``decode``: one step of N = 5 sequences on an fp32 K-first pool of 7 slots, slots [2, -1, 6, 7, 0], H = 4, o into
   a given buffer;
 * ``decode-bf16``: the same on a bf16 V-first pool.
@@ -25,7 +29,8 @@ import sys
 import torch
 
 K = V = 128
-SHAPES = ("prefill", "prefill-pool", "prefill-large", "decode", "decode-bf16")
+SHAPES = ("prefill", "prefill-pool", "prefill-large", "prefill-direct", "prefill-direct-h0", "decode", "decode-bf16")
+WIDE_LENS = (0, 1, 63, 64, 65, 200, *(40 + 7 * i for i in range(34)))
 
 
 def _g_gamma(H: int) -> torch.Tensor:
@@ -42,21 +47,30 @@ def run_prefill(shape: str, gen: torch.Generator) -> str:
 
     if shape == "prefill-large":
         B, T, H, cu = 2, 4096, 8, None
+    elif shape.startswith("prefill-direct"):
+        bounds = [0, *torch.tensor(WIDE_LENS).cumsum(0).tolist()]
+        B, T, H, cu = 1, bounds[-1], 4, torch.tensor(bounds, dtype=torch.int32, device="cuda")
     else:
         B, T, H = 1, 200, 2
         cu = torch.tensor([0, 1, 64, 65, 65, 200], dtype=torch.int32, device="cuda")
     N = B if cu is None else len(cu) - 1
     q, k, v = (_randn(B, T, H, K, gen=gen) for _ in range(3))
     kwargs = {"scale": K ** -0.5, "cu_seqlens": cu}
-    if shape == "prefill-pool":
-        pool = _randn(7, H, K, V, gen=gen, dtype=torch.float32)
+    if shape in ("prefill-pool", "prefill-direct"):
+        wide = shape == "prefill-direct"
+        P = 2 * N + 1 if wide else 7
+        dtype = torch.bfloat16 if wide else torch.float32
+        pool = _randn(P, H, K, V, gen=gen, dtype=dtype)
         before = pool.clone()
-        idx = torch.tensor([3, -1, 0, 7, 5], dtype=torch.int32, device="cuda")
-        has = torch.tensor([True, True, False, True, True], device="cuda")
+        slots = [2 * n + 1 for n in range(N)] if wide else [3, -1, 0, 7, 5]
+        slots[1], slots[3] = -1, P  # padding rows: negative, and one past the pool
+        flags = [n != 2 for n in range(N)]
+        idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
+        has = torch.tensor(flags, device="cuda")
         o, final = lightning_prefill(q, k, v, _g_gamma(H), **kwargs, state=pool, state_indices=idx,
-                                     has_initial_state=has)
+                                     has_initial_state=has, state_v_first=wide)
         torch.cuda.synchronize()
-        untouched = [s for s in range(7) if s not in (3, 0, 5)]
+        untouched = [s for s in range(P) if s not in slots]
         assert final is None and torch.equal(pool[untouched], before[untouched]), "slots no index names changed"
         assert torch.isfinite(pool).all()
     else:

@@ -367,7 +367,8 @@ def test_the_defaults_write_the_issue_results_file() -> None:
 # ------------------------------------------------------------------ the determinism stress's problems, on the CPU
 
 @pytest.mark.parametrize("name", ["prefill fixed B2 T1000 H4", "prefill varlen 6 seqs H4", "prefill pool 6 seqs H4",
-                                  "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8"])
+                                  "prefill direct 40 seqs H4 pool", "decode fp32 kfirst N32 H8",
+                                  "decode bf16 vfirst N8 H8"])
 def test_the_stress_problems_are_valid_calls_that_restart_alike(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Each problem of stress_lightning_determinism.py, through cula.lightning's dispatch (the reference on the CPU):
     a valid call whose second run gives the first run's bits (the pool forms restore their pool first)."""
@@ -384,3 +385,24 @@ def test_the_stress_problems_are_valid_calls_that_restart_alike(monkeypatch: pyt
     if name.startswith("decode"):
         o, pool = first
         assert (o[[1, 5]] == 0).all()  # the padding rows' outputs
+
+
+def test_the_direct_form_s_problems_take_it_on_an_h200() -> None:
+    """The sanitizer's and the stress's wide batch (one list) and the forms A/B's serving rows: on 132 SMs the per-call
+    rule runs them in the direct form (what those runs are for); the A/B's rows have distinct names and whole
+    batches."""
+    import ab_lightning_prefill_forms as ab
+    import stress_lightning_determinism as stress
+
+    from cula_runtime.cute.lightning import prefill_backend as pb
+    from tools import sanitize_lightning
+
+    assert stress.WIDE_LENS == sanitize_lightning.WIDE_LENS
+    lens = list(stress.WIDE_LENS)
+    assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, 4, 132))
+    rows = ab.rows()
+    assert len({name for name, _ in rows}) == len(rows)
+    serving = [case for name, case in rows if name.endswith("(serving)")]
+    assert len(serving) == len(ab.SERVING) and all(sum(case.lens) == case.T for case in serving)
+    for case in serving:
+        assert pb.uses_direct_form(list(case.lens), pb.choose_seg_len(list(case.lens), case.H, 132)), case.name
