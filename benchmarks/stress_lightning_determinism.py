@@ -78,7 +78,7 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
         slots = [2 * n + 1 for n in range(N)] if wide else [4, 0, -1, 9, 12, 2]
         flags = [n != 3 for n in range(N)]
         if wide:
-            slots[1], slots[4] = -1, -7  # padding rows (negative: the CPU test runs the reference, strict past the pool)
+            slots[1], slots[4] = -1, -7  # padding rows (negative: the CPU test's reference is strict past the pool)
         idx = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
         has = torch.tensor(flags, device=DEVICE)
 
