@@ -98,6 +98,17 @@ def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float,
             o[t] = (scale * torch.einsum("hk,hkv->hv", q[t].double().cpu(), S)).to(o.dtype)
 
 
+def write_final_states(final: torch.Tensor, state_v_first: bool, ht, pool, slots: list[int]) -> None:
+    """The final states (K-first float64 ``[N, H, K, V]``) into ``ht`` and the pool slots, in their layout."""
+    final_laid = final.transpose(-1, -2) if state_v_first else final
+    if ht is not None:
+        ht.copy_(final_laid.float())
+    if pool is not None:
+        for n, slot in enumerate(slots):
+            if slot >= 0:
+                pool[slot] = final_laid[n].to(pool.dtype)
+
+
 class FakeKernels:
     """Stand-ins for ``chunk_states`` and ``chunk_output`` with the same entry points, computing in float64 and
     recording the calls."""
@@ -118,13 +129,7 @@ class FakeKernels:
         starts, final, slots = emulate_scan(seg_state, segments, seq_segments, g_gamma, initial_state, state_v_first,
                                             pool, state_indices, has_initial_state)
         seg_state.copy_(starts.float())
-        final_laid = final.transpose(-1, -2) if state_v_first else final
-        if ht is not None:
-            ht.copy_(final_laid.float())
-        if pool is not None:
-            for n, slot in enumerate(slots):
-                if slot >= 0:
-                    pool[slot] = final_laid[n].to(pool.dtype)
+        write_final_states(final, state_v_first, ht, pool, slots)
 
     def scan_flags(self, initial_state, output_final_state, state_v_first, pool, has_initial_state) -> tuple:
         return (initial_state is not None, bool(output_final_state), bool(state_v_first),
@@ -162,13 +167,7 @@ class FakeKernels:
         starts, final, slots = emulate_scan(own, segments, torch.arange(N + 1, dtype=torch.int32), g_gamma,
                                             initial_state, state_v_first, pool, state_indices, has_initial_state)
         emulate_chunk_output(q, k, v, g_gamma, starts.float(), segments, o, scale, q.shape[0], empty_rows=True)
-        final_laid = final.transpose(-1, -2) if state_v_first else final
-        if ht is not None:
-            ht.copy_(final_laid.float())
-        if pool is not None:
-            for n, slot in enumerate(slots):
-                if slot >= 0:
-                    pool[slot] = final_laid[n].to(pool.dtype)
+        write_final_states(final, state_v_first, ht, pool, slots)
 
     def plan_direct_output(self, H, flags, device):
         v_first = flags[2]

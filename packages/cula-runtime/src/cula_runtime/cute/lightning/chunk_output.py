@@ -95,7 +95,7 @@ from collections.abc import Callable
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
-from .chunk_states import _STATE_DTYPES, state_io_rejection
+from .chunk_states import _STATE_DTYPES, StateIO, read_pool_slot
 
 try:
     import cuda.bindings.driver as cuda
@@ -141,8 +141,8 @@ def _score_word(blocks: tuple) -> int:
     return word
 
 
-@dataclasses.dataclass(frozen=True)
-class LightningChunkOutputConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LightningChunkOutputConfig(StateIO):
     """Compile-time configuration of :class:`LightningChunkOutput` (the compile-cache key; the token count, the
     number of segments and their lengths are not in it).
 
@@ -154,9 +154,8 @@ class LightningChunkOutputConfig:
         chunk_size: C; only 64.
         direct: the direct form (module docstring): every segment is a whole sequence (one row per sequence, empty
             ones too), started from the sequence's initial state and ending in its final state; no ``seg_state``.
-        has_initial_state, output_final_state, state_v_first, state_pool, state_dtype, initial_state_flags: the
-            direct form's start and final states, as in kernel B's config
-            (:class:`~cula_runtime.cute.lightning.chunk_states.LightningSegmentScanConfig`); all off otherwise.
+            Its start and final states: the :class:`~cula_runtime.cute.lightning.chunk_states.StateIO` fields (all
+            off otherwise).
     """
 
     num_heads: int
@@ -164,12 +163,6 @@ class LightningChunkOutputConfig:
     block_v: int = BLOCK_V
     chunk_size: int = 64
     direct: bool = False
-    has_initial_state: bool = False
-    output_final_state: bool = False
-    state_v_first: bool = False
-    state_pool: bool = False
-    state_dtype: str = "float32"
-    initial_state_flags: bool = False
 
     @property
     def writes_final_state(self) -> bool:
@@ -195,11 +188,10 @@ class LightningChunkOutput(ChunkTiles):
         if c.num_heads < 1:
             return False, f"num_heads={c.num_heads}: must be >= 1"
         if not c.direct:
-            if (c.has_initial_state, c.output_final_state, c.state_v_first, c.state_pool, c.state_dtype,
-                    c.initial_state_flags) != (False, False, False, False, "float32", False):
+            if StateIO(**{f.name: getattr(c, f.name) for f in dataclasses.fields(StateIO)}) != StateIO():
                 return False, "the start/final-state fields belong to the direct form (direct=True)"
             return True, ""
-        reason = state_io_rejection(c)
+        reason = c.state_io_rejection()
         return (False, reason) if reason else (True, "")
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
@@ -566,15 +558,8 @@ class LightningChunkOutput(ChunkTiles):
         tSrS.fill(0.0)
         slot = Int32(-1)
         if const_expr(c.state_pool):
-            slot = mStateIdx[n]
-            slot = cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
-            if slot >= 0:
-                read = Int32(1)
-                if const_expr(c.initial_state_flags):
-                    read = Int32(mHasInit[n])
-                if read != 0:
-                    tSrS.store(thr_mma.partition_C(self._head_tile(mPool[slot, h, None, None], vb)).load()
-                               .to(Float32))
+            slot = read_pool_slot(mPool, mStateIdx, mHasInit, n, c.initial_state_flags, lambda s: tSrS.store(
+                thr_mma.partition_C(self._head_tile(mPool[s, h, None, None], vb)).load().to(Float32)))
         elif const_expr(c.has_initial_state):
             tSrS.store(thr_mma.partition_C(self._head_tile(mH0[n, h, None, None], vb)).load())
         return slot
@@ -757,11 +742,7 @@ def plan_chunk_output(H: int, device) -> Callable:
 def _direct_plan(H: int, flags: tuple) -> tuple:
     """The config and argument specs of one direct-form signature; ``flags``: kernel B's
     (:func:`~cula_runtime.cute.lightning.chunk_states.scan_flags`)."""
-    has_h0, want_ht, v_first, pool_dtype, has_flags = flags
-    config = LightningChunkOutputConfig(num_heads=H, direct=True, has_initial_state=has_h0,
-                                        output_final_state=want_ht, state_v_first=v_first,
-                                        state_pool=pool_dtype is not None, state_dtype=pool_dtype or "float32",
-                                        initial_state_flags=has_flags)
+    config = LightningChunkOutputConfig.from_flags(flags, num_heads=H, direct=True)
     ok, reason = LightningChunkOutput.can_implement(config)
     if not ok:
         raise ValueError(f"LightningChunkOutput: {reason}")

@@ -263,13 +263,12 @@ class LightningSegmentStates(ChunkTiles):
 # Kernel B: the scan over each sequence's segments
 
 
-@dataclasses.dataclass(frozen=True)
-class LightningSegmentScanConfig:
-    """Compile-time configuration of :class:`LightningSegmentScan` (the compile-cache key; N, NSEG, P not in it).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StateIO:
+    """The start and final states of a prefill's sequences, as compile-time fields (kernel B's, and kernel C's
+    direct form's, :class:`~cula_runtime.cute.lightning.chunk_output.LightningChunkOutputConfig`).
 
     Attributes:
-        num_heads: H (grid y: at most 65535).
-        head_dim: K = V (only 128).
         has_initial_state: an fp32 ``initial_state`` ``[N, H, K, V]`` (``[N, H, V, K]``) is read (else zeros).
         output_final_state: the fp32 final state is written (same layout).
         state_v_first: the initial/final states and the pool are ``[.., V, K]`` (``seg_state`` is always K-first).
@@ -278,33 +277,67 @@ class LightningSegmentScanConfig:
         state_dtype: the pool's dtype, ``"float32"`` or ``"bfloat16"`` (only ``"float32"`` without a pool).
         initial_state_flags: (pool only) a ``has_initial_state`` ``[N]`` byte per sequence is read: where 0 the
             sequence starts from zeros (its final state is still written to its slot).
-        prefetch: segments whose states are loaded ahead (1 to 16).
     """
 
-    num_heads: int
-    head_dim: int = HEAD_DIM
     has_initial_state: bool = False
     output_final_state: bool = False
     state_v_first: bool = False
     state_pool: bool = False
     state_dtype: str = "float32"
     initial_state_flags: bool = False
+
+    @classmethod
+    def from_flags(cls, flags: tuple, **fields):
+        """The config for :func:`scan_flags`' tuple of a call, with the class's other ``fields``."""
+        has_h0, want_ht, v_first, pool_dtype, has_flags = flags
+        return cls(has_initial_state=has_h0, output_final_state=want_ht, state_v_first=v_first,
+                   state_pool=pool_dtype is not None, state_dtype=pool_dtype or "float32",
+                   initial_state_flags=has_flags, **fields)
+
+    def state_io_rejection(self) -> str | None:
+        """Why these fields do not go together, or None."""
+        if self.state_dtype not in _STATE_DTYPES:
+            return f"state_dtype={self.state_dtype!r}: expected one of {tuple(_STATE_DTYPES)}"
+        if not self.state_pool:
+            if self.state_dtype != "float32":
+                return f"state_dtype={self.state_dtype!r}: h0 and ht are fp32 (a bf16 state needs state_pool)"
+            if self.initial_state_flags:
+                return "initial_state_flags (has_initial_state per sequence) needs state_pool"
+        elif self.has_initial_state or self.output_final_state:
+            return "state_pool reads and writes the pool: has_initial_state and output_final_state must be False"
+        return None
+
+
+@cute.jit
+def read_pool_slot(mPool: cute.Tensor, mStateIdx: cute.Tensor, mHasInit: cute.Tensor | None, n: Int32,
+                   read_flags: cutlass.Constexpr, load: cutlass.Constexpr) -> Int32:
+    """Sequence ``n``'s pool slot ``state_indices[n]``, or -1 outside ``[0, P)`` (padding: never read or written);
+    ``load(slot)`` (traced in place) reads the slot's start state where it is a slot and ``has_initial_state[n]``
+    (``read_flags``: read, else taken as True) is not 0. Kernel B's and kernel C's direct form's start state."""
+    slot = mStateIdx[n]
+    slot = cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
+    if slot >= 0:
+        read = Int32(1)
+        if const_expr(read_flags):
+            read = Int32(mHasInit[n])
+        if read != 0:
+            load(slot)
+    return slot
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LightningSegmentScanConfig(StateIO):
+    """Compile-time configuration of :class:`LightningSegmentScan` (the compile-cache key; N, NSEG, P not in it).
+
+    Attributes (and :class:`StateIO`'s):
+        num_heads: H (grid y: at most 65535).
+        head_dim: K = V (only 128).
+        prefetch: segments whose states are loaded ahead (1 to 16).
+    """
+
+    num_heads: int
+    head_dim: int = HEAD_DIM
     prefetch: int = 8
-
-
-def state_io_rejection(c) -> str | None:
-    """Why the start/final-state fields of a config (``has_initial_state``, ``output_final_state``, ``state_pool``,
-    ``state_dtype``, ``initial_state_flags``: kernel B's, and kernel C's direct form's) do not go together, or None."""
-    if c.state_dtype not in _STATE_DTYPES:
-        return f"state_dtype={c.state_dtype!r}: expected one of {tuple(_STATE_DTYPES)}"
-    if not c.state_pool:
-        if c.state_dtype != "float32":
-            return f"state_dtype={c.state_dtype!r}: h0 and ht are fp32 (a bf16 state needs state_pool)"
-        if c.initial_state_flags:
-            return "initial_state_flags (has_initial_state per sequence) needs state_pool"
-    elif c.has_initial_state or c.output_final_state:
-        return "state_pool reads and writes the pool: has_initial_state and output_final_state must be False"
-    return None
 
 
 class LightningSegmentScan:
@@ -330,7 +363,7 @@ class LightningSegmentScan:
             return False, f"num_heads={c.num_heads}: must be in [1, 65535] (grid y)"
         if not 1 <= c.prefetch <= 16:
             return False, f"prefetch={c.prefetch}: must be in [1, 16]"
-        reason = state_io_rejection(c)
+        reason = c.state_io_rejection()
         return (False, reason) if reason else (True, "")
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
@@ -388,14 +421,8 @@ class LightningSegmentScan:
         # ---- the start state
         slot = Int32(-1)
         if const_expr(c.state_pool):  # -1 outside [0, P) (negative: padding; >= P: treated as padding)
-            slot = mStateIdx[n]
-            slot = cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
-            if slot >= 0:
-                read = Int32(1)
-                if const_expr(c.initial_state_flags):
-                    read = Int32(mHasInit[n])
-                if read != 0:
-                    self.load_block(mPool[slot, h, None, None], rS, k0, v0, c.state_v_first)
+            slot = read_pool_slot(mPool, mStateIdx, mHasInit, n, c.initial_state_flags,
+                                  lambda s: self.load_block(mPool[s, h, None, None], rS, k0, v0, c.state_v_first))
         elif const_expr(c.has_initial_state):
             self.load_block(mH0[n, h, None, None], rS, k0, v0, c.state_v_first)
 
@@ -489,10 +516,7 @@ def _states_plan(H: int, block_v: int, dtype: str) -> tuple:
 @functools.lru_cache(maxsize=256)
 def _scan_plan(H: int, flags: tuple) -> tuple:
     """The config and argument specs of one kernel-B signature (cached)."""
-    has_h0, want_ht, v_first, pool_dtype, has_flags = flags
-    config = LightningSegmentScanConfig(num_heads=H, has_initial_state=has_h0, output_final_state=want_ht,
-                                        state_v_first=v_first, state_pool=pool_dtype is not None,
-                                        state_dtype=pool_dtype or "float32", initial_state_flags=has_flags)
+    config = LightningSegmentScanConfig.from_flags(flags, num_heads=H)
     ok, reason = LightningSegmentScan.can_implement(config)
     if not ok:
         raise ValueError(f"LightningSegmentScan: {reason}")
