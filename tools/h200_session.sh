@@ -185,7 +185,7 @@ for step in "$@"; do
     # the prefill's direct form (kernel C alone, every sequence one segment): its GPU tests, then both forms timed
     # side by side on the bench's rows and serving-like batches (LIGHTNING_AB_ONLY: the A/B's --only)
     tests:lightning-direct) GPU_LOG_TAG=_lightning_direct timeout "${TESTS_TIMEOUT:-300}" bash tools/h200_tests.sh \
-                              -q -k "forms or fills" tests/gpu/test_lightning_gpu.py ;;
+                              -q -k "forms or fills or direct_form" tests/gpu/test_lightning_gpu.py ;;
     ab:lightning-forms) timeout 560 python3 benchmarks/ab_lightning_prefill_forms.py \
                           ${LIGHTNING_AB_ONLY:+--only "$LIGHTNING_AB_ONLY"} --out "$OUT/lightning_prefill_forms_ab.md" ;;
     *) echo "unknown step: $step" \

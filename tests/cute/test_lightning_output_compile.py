@@ -109,6 +109,7 @@ def test_lightning_output_machine_code(config_id: str, target: str) -> None:
 # h0/ht in both layouts, the pool in both dtypes and layouts (with the per-sequence flags)
 DIRECT_CONFIGS = {
     "direct-no-state": dict(direct=True),
+    "direct-h0-kv": dict(direct=True, has_initial_state=True),
     "direct-ht-kv": dict(direct=True, output_final_state=True),
     "direct-h0-ht-vk": dict(direct=True, has_initial_state=True, output_final_state=True, state_v_first=True),
     "direct-pool-fp32-kv": dict(direct=True, state_pool=True),
@@ -150,9 +151,11 @@ def test_direct_form_machine_code(config_id: str, target: str) -> None:
     assert code.count("BAR.SYNC") == 2
     assert code.count("MUFU.EX2") == 4 + 17 * final
     assert code.count("STG") == C // 16 + state_accesses * final
-    starts = state_accesses * (fields.get("has_initial_state", False) or fields.get("state_pool", False))
+    reads_state = fields.get("has_initial_state", False) or fields.get("state_pool", False)
+    starts = state_accesses * reads_state
     indices = fields.get("state_pool", False) + fields.get("initial_state_flags", False)
-    assert code.count("LDG") == 3 + final + indices + starts  # the segment row (its sequence when final), slot, flag
+    # the segment row (its sequence where a state is read or written), the slot, the flag, the start state
+    assert code.count("LDG") == 3 + (final or reads_state) + indices + starts
     loop = chunk_loop(code.sass)
     assert len(loop) <= (DIRECT_LOOP_MAX[target] if final else CHUNK_LOOP_MAX["bv128-H64"][target])
     assert sum(op.startswith("HMMA") for op in loop) == HMMA_PER_CHUNK + 64 * final

@@ -489,6 +489,84 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pyt
     assert c_args[12] == args.scale
 
 
+def test_a_varlen_plan_takes_the_form_of_each_call(fake_kernels: FakeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One plan, packed batches whose boundaries change between calls: the form follows each call's table (8 SMs,
+    H = 4: 4 sequences fill the wave uncut; one 1200-token sequence alone is cut into 1024-token segments), the
+    outputs and final states each call's recurrence."""
+    from cula_runtime.lightning_args import validate_lightning_prefill
+
+    monkeypatch.setattr(pb, "sm_count", lambda device: 8)
+    pb.clear_segment_cache()
+    plan = None
+    for bounds, form in (((0, 100, 300, 1000, 1200), ["D"]), ((0, 1200, 1200, 1200, 1200), ["A", "B", "C"]),
+                         ((0, 300, 600, 900, 1200), ["D"])):
+        q, k, v, g_gamma, cu = _inputs(1, 1200, 4, 2, bounds)
+        args = validate_lightning_prefill(q, k, v, g_gamma, output_final_state=True, cu_seqlens=cu)
+        plan = plan or pb.plan_lightning_prefill(args)
+        fake_kernels.calls.clear()
+        o, ht = plan(args.q, args.k, args.v, args.g_gamma, None, args.cu_seqlens, None, None, None)
+        assert [c[0] for c in fake_kernels.calls] == form, bounds
+        ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, None, cu, False)
+        torch.testing.assert_close(o.double(), ref_o, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("pool_dtype", [None, torch.float32, torch.bfloat16], ids=["h0-ht", "fp32-pool", "bf16-pool"])
+@pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
+def test_the_direct_launch_gets_the_call_s_tensors(pool_dtype, planned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real direct-form launch (``chunk_output.direct_output_run`` / ``plan_direct_output``; nothing compiled
+    here): kernel C alone, its configuration's state fields from the call, no ``seg_state``, the table's one row per
+    sequence (the empty one's of length 0), h0 / ht or the pool, its slots and the bytes of ``has_initial_state``
+    at their positions, the scale last."""
+    from cula_runtime import cute as cula_cute
+
+    if not cula_cute.is_available():
+        pytest.skip("CuTeDSL or TVM-FFI is not installed")
+    from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput
+    from cula_runtime.lightning_args import validate_lightning_prefill
+    from tests.cute.compile_helpers import record_launches
+
+    launches = record_launches(monkeypatch)
+    monkeypatch.setattr(pb, "sm_count", lambda device: 132)
+    pb.clear_segment_cache()
+    bounds = (0, 0, 70, 70, 199, 300)
+    q, k, v, g_gamma, cu = _inputs(1, 300, 2, 1, bounds)
+    N = len(bounds) - 1
+    if pool_dtype is None:
+        h0 = torch.randn(N, 2, 128, 128)
+        kwargs = dict(initial_state=h0, output_final_state=True, state_v_first=True)
+    else:
+        pool = torch.randn(7, 2, 128, 128).to(pool_dtype)
+        idx = torch.tensor([3, -1, 0, 6, 5], dtype=torch.int32)
+        has = torch.tensor([True, True, False, True, True])
+        kwargs = dict(state=pool, state_indices=idx, has_initial_state=has)
+    args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu, **kwargs)
+    if planned:
+        plan = pb.plan_lightning_prefill(args, direct=True)
+        o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, args.state,
+                     args.state_indices, args.has_initial_state)
+    else:
+        o, ht = pb.lightning_prefill_cutedsl_backend(args, direct=True)
+    (cls, config, call), = launches
+    assert cls is LightningChunkOutput and config.direct and config.num_heads == 2
+    assert (config.has_initial_state, config.output_final_state) == (pool_dtype is None, pool_dtype is None)
+    assert config.state_pool == (pool_dtype is not None) and config.state_v_first == (pool_dtype is None)
+    assert config.state_dtype == ("float32" if pool_dtype is None else str(pool_dtype).removeprefix("torch."))
+    assert config.initial_state_flags == (pool_dtype is not None)
+    assert len(call) == len(LightningChunkOutput(config).argument_specs()) + 1
+    for got, want in zip(call[:3] + call[6:7], (args.q, args.k, args.v, o), strict=True):
+        assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
+    assert call[3] is args.g_gamma and call[4] is None
+    assert call[5].tolist() == [[0, 0, 0, 0], [1, 0, 70, 0], [2, 70, 0, 0], [3, 70, 129, 0], [4, 199, 101, 0]]
+    if pool_dtype is None:
+        assert call[7] is args.initial_state and call[8] is ht and call[9:12] == (None, None, None)
+    else:
+        assert call[7] is None and call[8] is None and ht is None
+        assert call[9] is args.state and call[10] is args.state_indices
+        assert call[11].dtype == torch.uint8 and call[11].data_ptr() == args.has_initial_state.data_ptr()
+    assert call[12] == args.scale
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["segments", "direct"])
 def test_backend_pool(fake_kernels: FakeKernels, direct: bool) -> None:
     """The pool form, in both forms: slots read and written in place (fp32), a padding row (-1) and an out-of-pool

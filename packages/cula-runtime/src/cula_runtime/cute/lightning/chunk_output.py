@@ -599,8 +599,8 @@ class LightningChunkOutput(ChunkTiles):
         factors = cute.make_rmem_tensor(coords.shape, Float32)
         for e in cutlass.range_constexpr(cute.size(factors)):
             j = coords[e][1]
-            factors[e] = cutlass.select_(j < length, cute.math.exp2(Float32(length - 1 - j) * lg, fastmath=True),
-                                         Float32(0.0))
+            d = cutlass.max(length - 1 - j, Int32(0))  # (>= 0: past L the exponent is clamped, the factor then 0)
+            factors[e] = cutlass.select_(j < length, cute.math.exp2(Float32(d) * lg, fastmath=True), Float32(0.0))
         return factors
 
     @cute.jit

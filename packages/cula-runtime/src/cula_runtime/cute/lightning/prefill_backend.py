@@ -411,8 +411,8 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
     num_sms = sm_count(device)
     fixed_seg_len = _requested_seg_len(seg_len)
     flags = states.scan_flags(args.initial_state, want_ht, v_first, args.state, args.has_initial_state)
-    scan = states.plan_segment_scan(H, N, flags, device)
     runs_a: dict[int, Callable] = {}
+    run_b: list[Callable] = []  # kernel B, bound on the first call that cuts segments (or has no tokens)
     run_c: list[Callable] = []  # kernel C, bound on the first call with tokens
     run_direct: list[Callable] = []  # the direct form, bound on the first call that runs it
 
@@ -440,7 +440,10 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
             if run_a is None:
                 run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device)
             run_a(kf, _flat(v), g_gamma, segments, seg_state)
-        scan(seg_state, segments, seq_segments, g_gamma, initial_state, ht, state, state_indices, has_initial_state)
+        if not run_b:
+            run_b.append(states.plan_segment_scan(H, N, flags, device))
+        run_b[0](seg_state, segments, seq_segments, g_gamma, initial_state, ht, state, state_indices,
+                 has_initial_state)
         if nseg:
             if not run_c:
                 run_c.append(_planned_output(H, device))
