@@ -11,7 +11,7 @@ Problems (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2):
 * ``prefill pool 6 seqs H4``: the same batch on an fp32 pool of 13 slots (a padding row, one without an initial
   state); the pool is restored from a copy inside the graph before each call, so every call starts alike;
 * ``prefill direct 40 seqs H4 pool``: a packed batch the per-call rule sends to the direct form
-  (``tools/sanitize_lightning.py``'s ``WIDE_LENS``) on a bf16 V-first pool of 81 slots (padding rows, a False
+  (``tools/sanitize_lightning.py``'s ``WIDE_BOUNDS``) on a bf16 V-first pool of 81 slots (padding rows, a False
   has_initial_state), restored the same way;
 * ``decode fp32 kfirst N32 H8`` and ``decode bf16 vfirst N8 H8`` (two padding rows each, negative slots): one step
   on a pool restored the same way, o into a given buffer.
@@ -33,13 +33,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stress_kda_determinism import replay  # noqa: E402
+
+from tools.sanitize_lightning import WIDE_BOUNDS  # noqa: E402
 
 K = V = 128
 PROBLEMS = ("prefill fixed B2 T1000 H4", "prefill varlen 6 seqs H4", "prefill pool 6 seqs H4",
             "prefill direct 40 seqs H4 pool", "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8")
 CU = (0, 1, 64, 65, 700, 700, 2000)
-WIDE_LENS = (0, 1, 63, 64, 65, 200, *(40 + 7 * i for i in range(34)))  # (tools/sanitize_lightning.py's)
 DEVICE = "cuda"  # (the CPU test of the problems' calls sets "cpu")
 
 
@@ -60,7 +62,7 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
     scale = K ** -0.5
     if name.startswith("prefill"):
         H = 4
-        bounds = [0, *torch.tensor(WIDE_LENS).cumsum(0).tolist()] if "direct" in name else list(CU)
+        bounds = WIDE_BOUNDS if "direct" in name else CU
         if "fixed" in name:
             B, T, cu = 2, 1000, None
         else:

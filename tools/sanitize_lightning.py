@@ -24,6 +24,7 @@ kernel fault surfaces in this process and the sanitizer's report names the launc
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -31,6 +32,7 @@ import torch
 K = V = 128
 SHAPES = ("prefill", "prefill-pool", "prefill-large", "prefill-direct", "prefill-direct-h0", "decode", "decode-bf16")
 WIDE_LENS = (0, 1, 63, 64, 65, 200, *(40 + 7 * i for i in range(34)))
+WIDE_BOUNDS = (0, *itertools.accumulate(WIDE_LENS))  # its cu_seqlens (also the determinism stress's wide batch)
 
 
 def _g_gamma(H: int) -> torch.Tensor:
@@ -48,8 +50,7 @@ def run_prefill(shape: str, gen: torch.Generator) -> str:
     if shape == "prefill-large":
         B, T, H, cu = 2, 4096, 8, None
     elif shape.startswith("prefill-direct"):
-        bounds = [0, *torch.tensor(WIDE_LENS).cumsum(0).tolist()]
-        B, T, H, cu = 1, bounds[-1], 4, torch.tensor(bounds, dtype=torch.int32, device="cuda")
+        B, T, H, cu = 1, WIDE_BOUNDS[-1], 4, torch.tensor(WIDE_BOUNDS, dtype=torch.int32, device="cuda")
     else:
         B, T, H = 1, 200, 2
         cu = torch.tensor([0, 1, 64, 65, 65, 200], dtype=torch.int32, device="cuda")

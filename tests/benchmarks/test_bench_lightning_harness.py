@@ -397,8 +397,9 @@ def test_the_direct_form_s_problems_take_it_on_an_h200() -> None:
     from cula_runtime.cute.lightning import prefill_backend as pb
     from tools import sanitize_lightning
 
-    assert stress.WIDE_LENS == sanitize_lightning.WIDE_LENS
-    lens = list(stress.WIDE_LENS)
+    assert stress.WIDE_BOUNDS is sanitize_lightning.WIDE_BOUNDS
+    assert sanitize_lightning.WIDE_BOUNDS[-1] == sum(sanitize_lightning.WIDE_LENS)
+    lens = list(sanitize_lightning.WIDE_LENS)
     assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, 4, 132))
     rows = ab.rows()
     assert len({name for name, _ in rows}) == len(rows)

@@ -92,7 +92,7 @@ import math
 import numbers
 from collections.abc import Callable
 
-from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, launch, missing_cutedsl
+from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, flag_bytes, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
 from .chunk_states import _STATE_DTYPES, StateIO, read_pool_slot
@@ -188,7 +188,7 @@ class LightningChunkOutput(ChunkTiles):
         if c.num_heads < 1:
             return False, f"num_heads={c.num_heads}: must be >= 1"
         if not c.direct:
-            if StateIO(**{f.name: getattr(c, f.name) for f in dataclasses.fields(StateIO)}) != StateIO():
+            if any(getattr(c, f.name) != f.default for f in dataclasses.fields(StateIO)):
                 return False, "the start/final-state fields belong to the direct form (direct=True)"
             return True, ""
         reason = c.state_io_rejection()
@@ -753,10 +753,8 @@ _DIRECT_OUTPUTS = frozenset({6, 8, 9})  # o, ht, the pool (in place)
 
 
 def _direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, state_indices, has_initial_state) -> tuple:
-    import torch
-
-    flag_bytes = None if has_initial_state is None else has_initial_state.view(torch.uint8)  # (a view: no copy)
-    return _tensors(q, k, v, g_gamma, None, segments, o, initial_state, ht, pool, state_indices, flag_bytes)
+    return _tensors(q, k, v, g_gamma, None, segments, o, initial_state, ht, pool, state_indices,
+                    flag_bytes(has_initial_state))
 
 
 def direct_output_run(q, k, v, g_gamma, segments, o, scale: float, initial_state, ht, state_v_first: bool, pool,

@@ -392,10 +392,10 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
                            direct: bool | None = None) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
-    state_indices, has_initial_state) -> (o, final)`` runs the three kernels with nothing validated or dispatched,
-    through launches bound once (``compile_cache.bound_launch``), the segment table from its cache
-    (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked host
-    copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
+    state_indices, has_initial_state) -> (o, final)`` runs the three kernels (or the direct form's one) with nothing
+    validated or dispatched, through launches bound once (``compile_cache.bound_launch``), the segment table from its
+    cache (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked
+    host copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
     plan. ``direct``: as the backend's (the form is decided per call from the table: a varlen plan may run either).
     Holds no tensor of the call it was made from.
 
