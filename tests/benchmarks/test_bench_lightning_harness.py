@@ -400,10 +400,11 @@ def test_the_direct_form_s_problems_take_it_on_an_h200() -> None:
     assert stress.WIDE_BOUNDS is sanitize_lightning.WIDE_BOUNDS
     assert sanitize_lightning.WIDE_BOUNDS[-1] == sum(sanitize_lightning.WIDE_LENS)
     lens = list(sanitize_lightning.WIDE_LENS)
-    assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, 4, 132))
+    assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, 4, 132), 4, 132)
     rows = ab.rows()
     assert len({name for name, _ in rows}) == len(rows)
     serving = [case for name, case in rows if name.endswith("(serving)")]
     assert len(serving) == len(ab.SERVING) and all(sum(case.lens) == case.T for case in serving)
     for case in serving:
-        assert pb.uses_direct_form(list(case.lens), pb.choose_seg_len(list(case.lens), case.H, 132)), case.name
+        lens = list(case.lens)
+        assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, case.H, 132), case.H, 132), case.name

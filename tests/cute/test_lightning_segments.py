@@ -312,7 +312,7 @@ def test_direct_table_has_one_row_per_sequence() -> None:
 
 @pytest.mark.parametrize(("lens", "seg_len", "direct", "expected"), [
     ([1000, 1000], 1024, None, True),  # every sequence fits one segment
-    ([1000, 1025], 1024, None, False),  # one does not
+    ([1000, 1025], 1024, None, False),  # one does not, and 2 sequences x 1 head leave the SMs idle
     ([0, 64, 0], 64, None, True),  # empty sequences fit anywhere
     ([1000, 1025], 1024, True, True),  # forced
     ([10, 10], 4096, False, False),  # forced off
@@ -320,7 +320,23 @@ def test_direct_table_has_one_row_per_sequence() -> None:
     ([0, 0], 64, True, False),
 ])
 def test_direct_form_decision(lens: list[int], seg_len: int, direct: bool | None, expected: bool) -> None:
-    assert pb.uses_direct_form(lens, seg_len, direct) is expected
+    assert pb.uses_direct_form(lens, seg_len, 1, 132, direct) is expected
+
+
+@pytest.mark.parametrize(("lens", "seg_len", "H", "sms", "expected"), [
+    ([16384] * 2, 4096, 64, 132, True),  # B2 H64 T16384: 128 CTAs, the longest 1.03 x the tokens per SM
+    ([32768] * 2, 4096, 64, 132, True),
+    ([4096], 2048, 64, 132, False),  # B1 H64: 64 CTAs, 2.06 x: the segments form
+    ([32768] * 2, 4096, 16, 132, False),  # B2 H16: 32 CTAs
+    ([4147, *[1359] * 9], 4096, 64, 132, True),  # 10 packed sequences, one cut by 4096: 0.52 x
+    ([125] * 80, 64, 1, 100, True),  # exactly at the ratio: 125 x 100 = 1.25 x 10000 tokens
+    ([126] + [125] * 79, 64, 1, 100, False),  # one token over it
+])
+def test_direct_form_where_it_keeps_the_sms_busy(lens: list[int], seg_len: int, H: int, sms: int,
+                                                 expected: bool) -> None:
+    """Beyond one segment per sequence: the longest sequence against DIRECT_LOAD_RATIO x the tokens per SM."""
+    assert pb.DIRECT_LOAD_RATIO == 1.25  # (the boundary rows' arithmetic)
+    assert pb.uses_direct_form(lens, seg_len, H, sms) is expected
 
 
 def test_device_table_of_the_direct_form() -> None:

@@ -12,12 +12,13 @@ the segment's chunks of <= 64 tokens in order. With λ = exp(g_gamma[h]) and loc
 * unless it is the segment's last chunk (the only one that may be partial):
   ``S = λ^64 S + Σ_j bf16(λ^(63-j) v_j)ᵀ k_j`` (fp32, in registers for the whole segment).
 
-**The direct form** (``direct=True`` in the config; the prefill backend runs it where every sequence fits in one
-segment): the table has one row per sequence (empty ones too), S starts from the sequence's initial state instead of
-``seg_state`` (h0 in either layout, or its pool slot widened from fp32/bf16, or zeros: padding slots, a False
-``has_initial_state``, no h0), and with a final state asked the last chunk updates S too, decayed by its true length
-L: ``S = λ^L S + Σ_{j<L} bf16(λ^(L-1-j) v_j)ᵀ k_j`` (factors made in registers, 0 past L: never the exponential of a
-positive number), then S goes to ``final_state[n]`` (fp32) or back to the pool slot (rounded to its dtype). One launch
+**The direct form** (``direct=True`` in the config; the prefill backend runs it where every sequence fits in one segment
+or no sequence is much longer than the tokens per SM: ``prefill_backend.uses_direct_form``): the table has one row per
+sequence (empty ones too), S starts from the sequence's initial state instead of ``seg_state`` (h0 in either layout, or
+its pool slot widened from fp32/bf16, or zeros: padding slots, a False ``has_initial_state``, no h0), and with a final
+state asked the last chunk updates S too, decayed by its true length L: ``S = λ^L S + Σ_{j<L} bf16(λ^(L-1-j) v_j)ᵀ k_j``
+(factors made in registers, 0 past L: never the exponential of a positive number), then S goes to ``final_state[n]``
+(fp32) or back to the pool slot (rounded to its dtype). One launch
 in place of three: q, k, v read once, no segment states. The accumulator layout reads and writes a state as 8-byte
 pairs where it is V-first (two adjacent k columns), as 4-byte elements (32 bytes per 8 lanes) where it is K-first.
 

@@ -10,7 +10,8 @@ may be shorter), chosen per call so that the segment-parallel grids fill the GPU
 3. kernel C (:mod:`.chunk_output`): each segment's outputs from its start state.
 
 Where every sequence fits in one segment of the chosen length (many sequences, or many heads: the grid fills the GPU
-without cutting any), the **direct form** runs instead: kernel C alone, one CTA per (sequence, head), starting from
+without cutting any), or where no sequence is much longer than the tokens per SM (:func:`uses_direct_form`), the
+**direct form** runs instead: kernel C alone, one CTA per (sequence, head), starting from
 the sequence's initial state (h0, its pool slot, or zeros) and ending by writing its final state (``final_state`` or
 the pool slot) itself; no segment states, no scan: q, k, v read once, one launch. Its table has one row per
 sequence, empty ones too (``direct_table``), and no ``seq_segments``.
@@ -54,6 +55,7 @@ __all__ = [
     "choose_seg_len",
     "direct_table",
     "uses_direct_form",
+    "DIRECT_LOAD_RATIO",
     "lightning_prefill_cutedsl_backend",
     "num_segments",
     "plan_lightning_prefill",
@@ -69,6 +71,11 @@ HEAD_DIM = 128
 # passes: each costs NSEG · H · 64 KB against the inputs' T · H · 1 KB), else the shortest (choose_seg_len)
 SEG_LEN_CHOICES = (4096, 2048, 1024, 512, 256, 128, 64)
 WAVE_FILL = 0.9  # CTAs per SM that count as one wave: 128 CTAs on 132 SMs do
+# The direct form beyond one segment per sequence (uses_direct_form): its longest sequence at most this many times the
+# tokens per SM. On a lent H100 its time on long sequences was about 0.64 x this load ratio x the segments form's
+# (0.66 at 1.03, 1.28-1.31 at 2.06; benchmarks/results/lightning_prefill_forms_ab_h100.md): even near 1.56; 1.25
+# keeps a margin for the H200's bandwidth, which speeds the segments form's state passes more.
+DIRECT_LOAD_RATIO = 1.25
 MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -152,15 +159,28 @@ def direct_table(lens: Sequence[int]) -> list[int]:
     return rows
 
 
-def uses_direct_form(lens: Sequence[int], seg_len: int, direct: bool | None = None) -> bool:
-    """Whether a call with sequences of ``lens`` tokens and the chosen ``seg_len`` runs the direct form: when
-    ``direct`` is None (the default), exactly when every sequence fits in one segment (the three launches would make
-    the same segments, and kernels A and B would only copy states); ``direct`` True or False forces it (tests). Never
-    without tokens (nothing for kernel C to read)."""
+def uses_direct_form(lens: Sequence[int], seg_len: int, num_heads: int, num_sms: int,
+                     direct: bool | None = None) -> bool:
+    """Whether a call with sequences of ``lens`` tokens, ``num_heads`` heads and the chosen ``seg_len`` runs the
+    direct form on a GPU of ``num_sms`` SMs; ``direct`` True or False forces it (tests). Never without tokens
+    (nothing for kernel C to read). By default (``direct`` None), when either
+
+    * every sequence fits in one segment (the three launches would make the same segments, and kernels A and B
+      would only copy states), or
+    * the direct form's one CTA per (sequence, head) keeps the SMs busy: its longest sequence is at most
+      :data:`DIRECT_LOAD_RATIO` times the tokens per SM, ``H · sum(lens) / num_sms`` (the time of one CTA walking
+      the longest sequence against the segments form's time for all the tokens spread over the SMs).
+
+    Examples, 132 SMs: B2 H64 T16384 -> direct (16384 <= 1.25 · 15887); B1 H64 T4096 -> the segments (4096 >
+    1.25 · 1986); 10 packed sequences of <= 4147 tokens in 16384, H64 -> direct."""
     lens = _check_lens(lens)
-    if sum(lens) == 0:
+    tokens = sum(lens)
+    if tokens == 0:
         return False
-    return max(lens) <= seg_len if direct is None else bool(direct)
+    if direct is not None:
+        return bool(direct)
+    longest = max(lens)
+    return longest <= seg_len or longest * num_sms <= DIRECT_LOAD_RATIO * num_heads * tokens
 
 
 def num_segments(lens: Sequence[int], seg_len: int) -> int:
@@ -239,7 +259,7 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
             return hit
         lens = [T] * B
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        use_direct = uses_direct_form(lens, chosen, direct)
+        use_direct = uses_direct_form(lens, chosen, H, num_sms, direct)
         # (kept between calls: never in a CUDA graph's pool)
         value = built_outside_graph_pools(device, lambda: _to_device(lens, chosen, use_direct, device))
         _fixed_tables[key] = value
@@ -251,7 +271,7 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
         values = checked_cu_seqlens_host(cu_seqlens, T).tolist()
         lens = [b - a for a, b in zip(values, values[1:], strict=False)]
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        return _to_device(lens, chosen, uses_direct_form(lens, chosen, direct), device)
+        return _to_device(lens, chosen, uses_direct_form(lens, chosen, H, num_sms, direct), device)
 
     return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len, direct), build)
 
