@@ -581,15 +581,29 @@ class LightningChunkOutput(ChunkTiles):
     def state_step(self, tiled_mma: cute.TiledMma, tSrS: cute.Tensor, rV: cute.Tensor, factors: cute.Tensor,
                    lam: Float32, k_copy: tuple):
         """``Sᵀ = lam · Sᵀ + bf16(vᵀ ⊙ factors) · k`` (``factors``: a tensor of the chunk's per-token factors in vᵀ's
-        accumulator layout; ``k_copy``: the kᵀ tiles' ldmatrix copy, partitions and stage)."""
+        accumulator layout; ``k_copy``: the kᵀ tiles' ldmatrix copy, partitions and stage).
+
+        The chunk's product is made 16 key columns at a time (two n8 tiles, one ``ldmatrix.x4`` per 16 tokens) in
+        fresh fp32 accumulators, then added to the scaled state with one FFMA per element: the long-lived state takes
+        one round-to-nearest addition per chunk, never the tensor core's own accumulation, whose rounding (biased
+        towards zero) compounds over a sequence's chunks; it made the direct form's final-state errors grow linearly
+        with the length (``benchmarks/results/lightning_prefill_forms_ab_h100.md``)."""
         s2r_Bt, tCsK, tCrK_v, tCrK, stage = k_copy
         rVdec = cute.make_rmem_tensor(rV.layout, BFloat16)
         rVdec.store((self._bf16_pairs_to_f32(rV).load() * factors.load()).to(BFloat16))
         tCrVdec_A = self._acc_as_operand_a(rVdec)
-        tSrS.store(tSrS.load() * lam)
-        for kb in cutlass.range_constexpr(self.config.chunk_size // self.mma_k):
-            cute.copy(s2r_Bt, tCsK[None, None, kb, stage], tCrK_v[None, None, kb])
-            cute.gemm(tiled_mma, tSrS, tCrVdec_A[None, None, kb], tCrK[None, None, kb], tSrS)
+        acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), 1, 2)), Float32)
+        for ng in cutlass.range_constexpr(self.config.head_dim // 16):
+            acc.fill(0.0)
+            for kb in cutlass.range_constexpr(self.config.chunk_size // self.mma_k):
+                cute.copy(s2r_Bt, tCsK[None, ng, kb, stage], tCrK_v[None, ng, kb])
+                for t in cutlass.range_constexpr(2):
+                    part = self._rank3(acc[None, None, t])
+                    cute.gemm(tiled_mma, part, self._rank3(tCrVdec_A[None, None, kb]),
+                              self._rank3(tCrK[None, 2 * ng + t, kb]), part)
+            for t in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(4):
+                    tSrS[e, 0, 2 * ng + t] = tSrS[e, 0, 2 * ng + t] * lam + acc[e, 0, t]
 
     @cute.jit
     def tail_factors(self, thr_mma, lg: Float32, length: Int32):
