@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Builds .devcarry/ for the lent H200 within the device tool's 64 MiB carry (tree included), from the repository root:
-#   bash tools/prepare_devcarry.sh [REV | src:REV ...]
+#   bash tools/prepare_devcarry.sh [src:REV ...]
 # 1. ../shared/device/prepare.sh cute native peers (CuTeDSL 4.8.1, the CUTLASS wheel, FLA; cached per machine);
 # 2. the cp312 apache-tvm-ffi wheel into .devcarry/extra-tvm-ffi/ (tools/h200_setup.sh unpacks it);
 # 3. the CUTLASS wheel replaced by a zip of only the headers cula-sm90 includes (nvcc -M of csrc/probe_kernel.cu,
 #    ~0.6 MB instead of 6.4; CMake finds cutlass_library/source/include in it the same way);
-# 4. for each REV: .devcarry/chunk_output-REV.py, that revision's Lightning kernel C source (CULA_KERNEL_C_BEFORE_CUT
-#    for the bit test, 30 KB); for each src:REV: .devcarry/src-REV/, its pure packages (`git archive` of packages/cula
-#    and packages/cula-runtime, ~0.7 MB), for the A/B scripts' --before-src.
+# 4. for each src:REV: .devcarry/src-REV/, its pure packages (`git archive` of packages/cula and
+#    packages/cula-runtime, ~0.7 MB), for the A/B scripts' --before-src.
 # Prints the carry's size and the tree's, and fails when they pass 64,500,000 bytes together (a call with 66.9 MB was
-# refused, 64.0 MB went; drop FLA's wheel or a REV where it fails and the call needs neither).
+# refused, 64.0 MB went; drop FLA's wheel or a src:REV where it fails and the call needs neither).
 set -euo pipefail
+for arg in "$@"; do
+  [[ "$arg" == src:* ]] || { echo "prepare_devcarry.sh: expected src:REV, got $arg" >&2; exit 2; }
+done
 CUTE_DSL_VERSION=${CUTE_DSL_VERSION:-4.8.1} bash ../shared/device/prepare.sh cute native peers
 PIP=${PIP:-python3 -m pip}
 mkdir -p .devcarry/extra-tvm-ffi
@@ -30,13 +32,9 @@ if [ -n "$wheel" ]; then
   rm -rf "$work" "$wheel"
 fi
 for arg in "$@"; do
-  if [[ "$arg" == src:* ]]; then
-    rev=${arg#src:}
-    rm -rf ".devcarry/src-$rev" && mkdir -p ".devcarry/src-$rev"
-    git archive "$rev" packages/cula packages/cula-runtime | tar -x -C ".devcarry/src-$rev"
-  else
-    git show "$arg:packages/cula-runtime/src/cula_runtime/cute/lightning/chunk_output.py" > ".devcarry/chunk_output-$arg.py"
-  fi
+  rev=${arg#src:}
+  rm -rf ".devcarry/src-$rev" && mkdir -p ".devcarry/src-$rev"
+  git archive "$rev" packages/cula packages/cula-runtime | tar -x -C ".devcarry/src-$rev"
 done
 carry=$(du -sb .devcarry | cut -f1)
 tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
