@@ -28,7 +28,10 @@ Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules lo
 Where it has run: on sm_90 (H200, 2026-12-02): kernels A, B and C against float64
 (``tests/cute/test_lightning_states_gpu.py``, ``tests/cute/test_lightning_output_gpu.py``) and this backend through
 ``cula.lightning.lightning_prefill`` against the fp64 recurrence (``tests/gpu/test_lightning_gpu.py``); timed against
-FLA in ``benchmarks/results/lightning_h200.md``. Compiled for sm_100a and sm_103a in CI, where no GPU has run them.
+FLA in ``benchmarks/results/lightning_h200.md``. The direct form and kernel C's FFMA state step: on sm_90 (a lent H100,
+2026-12-07): the same tests, compute-sanitizer and 10^5 replays of the direct form
+(``benchmarks/results/lightning_safety_h100.md``), timed in ``lightning_prefill_forms_ab_h100.md`` and beside FLA in
+``lightning_prefill_bench_h100.md``. Compiled for sm_100a and sm_103a in CI, where no GPU has run them.
 """
 
 from __future__ import annotations
