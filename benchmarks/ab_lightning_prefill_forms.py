@@ -65,7 +65,7 @@ def main() -> None:
         "# The cutedsl Lightning prefill's two forms side by side (issue 28)",
         "",
         *environment(),
-        f"- command: `python {' '.join(sys.argv)}`; {sms} SMs",
+        f"- {sms} SMs",
         "",
         "us = median CUDA-event time of eager calls, interleaved rounds; auto = the per-call rule's form "
         "(`uses_direct_form`); direct / segments < 1: the direct form is faster; errors: rel. L2 against fp64 on "

@@ -68,7 +68,7 @@ def main() -> None:
         "# Kernel C's state step: two sources of chunk_output.py in the direct form (issue 28)",
         "",
         *environment(),
-        f"- command: `python {' '.join(sys.argv)}`; {sms} SMs",
+        f"- {sms} SMs",
         "",
         "us = median CUDA-event time of eager launches of the direct form, interleaved rounds; now / before > 1: the "
         "current source is slower; errors: rel. L2 against fp64 on heads 0 and H-1.",
