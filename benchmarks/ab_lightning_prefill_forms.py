@@ -46,6 +46,25 @@ def rows() -> list[tuple[str, PrefillCase]]:
     return [(case.name, case) for case in prefill_cases()] + [(f"{case.name} (serving)", case) for case in serving]
 
 
+def selected_rows(only: str) -> list[tuple[str, PrefillCase]]:
+    """:func:`rows` whose names contain one of the comma-separated substrings of ``only`` (all where it is empty)."""
+    wanted = [s.strip() for s in only.split(",") if s.strip()]
+    return [(name, case) for name, case in rows() if not wanted or any(s in name for s in wanted)]
+
+
+def report_head(title: str, legend: str, columns: list[str], sms: int) -> list[str]:
+    """A results file's first lines: the title, the environment, the SM count, the legend and the table's head."""
+    return [f"# {title}", "", *environment(), f"- {sms} SMs", "", legend, "", "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns)]
+
+
+def add_row(lines: list[str], row: str, out: str) -> None:
+    """Print a table row and rewrite the results file with it (a cut run keeps the rows it made)."""
+    print(row, flush=True)
+    lines.append(row)
+    Path(out).write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated substrings of row names")
@@ -60,25 +79,15 @@ def main() -> None:
 
     device = torch.device("cuda")
     sms = sm_count(device)
-    only = [s.strip() for s in opts.only.split(",") if s.strip()]
-    lines = [
-        "# The cutedsl Lightning prefill's two forms side by side (issue 28)",
-        "",
-        *environment(),
-        f"- {sms} SMs",
-        "",
+    lines = report_head(
+        "The cutedsl Lightning prefill's two forms side by side (issue 28)",
         "us = median CUDA-event time of eager calls, interleaved rounds; auto = the per-call rule's form "
         "(`uses_direct_form`); direct / segments < 1: the direct form is faster; errors: rel. L2 against fp64 on "
         "heads 0 and H-1.",
-        "",
-        "| row | seg_len | auto | floor us | segments us | direct us | auto us | direct / segments | same o | "
-        "o err segments, direct | state err segments, direct |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        ["row", "seg_len", "auto", "floor us", "segments us", "direct us", "auto us", "direct / segments", "same o",
+         "o err segments, direct", "state err segments, direct"], sms)
     warm_up_gpu(3.0)
-    for name, case in rows():
-        if only and not any(s in name for s in only):
-            continue
+    for name, case in selected_rows(opts.only):
         inp = make_prefill_inputs(case)
         args = validate_lightning_prefill(**cula_prefill_kwargs(inp))
         table = pb.device_segments(case.B, case.T, case.H, inp.cu32, device, sms)
@@ -95,9 +104,7 @@ def main() -> None:
                f"{ms['auto'] * 1e3:.1f} | {ms['direct'] / ms['segments']:.3f} | {'yes' if same else 'no'} | "
                f"{errs['segments']['err_o']:.3e}, {errs['direct']['err_o']:.3e} | "
                f"{errs['segments']['err_state']:.3e}, {errs['direct']['err_state']:.3e} |")
-        print(row, flush=True)
-        lines.append(row)
-        Path(opts.out).write_text("\n".join(lines) + "\n")
+        add_row(lines, row, opts.out)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from ab_lightning_prefill_forms import rows  # noqa: E402
-from bench_kda_prefill import environment, interleaved_ms, warm_up_gpu  # noqa: E402
+from ab_lightning_prefill_forms import add_row, report_head, selected_rows  # noqa: E402
+from bench_kda_prefill import interleaved_ms, warm_up_gpu  # noqa: E402
 from bench_lightning import cula_prefill_kwargs, errors, make_prefill_inputs, prefill_reference  # noqa: E402
 
 
@@ -63,23 +63,13 @@ def main() -> None:
     kernels = {"before": load_before(opts.before), "now": chunk_output}
     device = torch.device("cuda")
     sms = sm_count(device)
-    only = [s.strip() for s in opts.only.split(",") if s.strip()]
-    lines = [
-        "# Kernel C's state step: two sources of chunk_output.py in the direct form (issue 28)",
-        "",
-        *environment(),
-        f"- {sms} SMs",
-        "",
+    lines = report_head(
+        "Kernel C's state step: two sources of chunk_output.py in the direct form (issue 28)",
         "us = median CUDA-event time of eager launches of the direct form, interleaved rounds; now / before > 1: the "
         "current source is slower; errors: rel. L2 against fp64 on heads 0 and H-1.",
-        "",
-        "| row | before us | now us | now / before | o err before, now | state err before, now |",
-        "|---|---|---|---|---|---|",
-    ]
+        ["row", "before us", "now us", "now / before", "o err before, now", "state err before, now"], sms)
     warm_up_gpu(3.0)
-    for name, case in rows():
-        if only and not any(s in name for s in only):
-            continue
+    for name, case in selected_rows(opts.only):
         inp = make_prefill_inputs(case)
         a = validate_lightning_prefill(**cula_prefill_kwargs(inp))
         table = pb.device_segments(case.B, case.T, case.H, inp.cu32, device, sms, direct=True)
@@ -96,9 +86,7 @@ def main() -> None:
         row = (f"| {name} | {ms['before'] * 1e3:.1f} | {ms['now'] * 1e3:.1f} | {ms['now'] / ms['before']:.3f} | "
                f"{errs['before']['err_o']:.3e}, {errs['now']['err_o']:.3e} | "
                f"{errs['before']['err_state']:.3e}, {errs['now']['err_state']:.3e} |")
-        print(row, flush=True)
-        lines.append(row)
-        Path(opts.out).write_text("\n".join(lines) + "\n")
+        add_row(lines, row, opts.out)
 
 
 if __name__ == "__main__":

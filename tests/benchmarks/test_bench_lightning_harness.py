@@ -408,3 +408,23 @@ def test_the_direct_form_s_problems_take_it_on_an_h200() -> None:
     for case in serving:
         lens = list(case.lens)
         assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, case.H, 132), case.H, 132), case.name
+
+
+def test_the_a_b_scripts_select_rows_and_head_their_tables(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--only`` keeps the rows naming one of its substrings (all rows without it); a results file's head has the
+    table's columns and a separator of as many cells; each row rewrites the file."""
+    import ab_lightning_prefill_forms as ab
+
+    monkeypatch.setattr(ab, "environment", lambda: ["- GPU: none"])
+
+    names = [name for name, _ in ab.rows()]
+    assert [name for name, _ in ab.selected_rows("")] == names
+    assert [name for name, _ in ab.selected_rows(" serving , B2 T4096 H64")] == \
+        [name for name in names if "serving" in name or "B2 T4096 H64" in name]
+    assert len(ab.selected_rows("serving")) == len(ab.SERVING)
+    head = ab.report_head("Title", "legend", ["row", "a us", "b us"], 132)
+    assert head[0] == "# Title" and "- 132 SMs" in head and "legend" in head
+    assert head[-2:] == ["| row | a us | b us |", "|---|---|---|"]
+    out = tmp_path / "ab.md"
+    ab.add_row(head, "| x | 1 | 2 |", str(out))
+    assert out.read_text().splitlines()[-1] == "| x | 1 | 2 |"
