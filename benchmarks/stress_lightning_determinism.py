@@ -62,7 +62,8 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
     scale = K ** -0.5
     if name.startswith("prefill"):
         H = 4
-        bounds = WIDE_BOUNDS if "direct" in name else CU
+        wide = "direct" in name  # the direct form's wide batch, on a bf16 V-first pool
+        bounds = WIDE_BOUNDS if wide else CU
         if "fixed" in name:
             B, T, cu = 2, 1000, None
         else:
@@ -74,7 +75,6 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
             h0 = randn(N, H, K, V, dtype=torch.float32)
             return lambda: lightning_prefill(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True,
                                              cu_seqlens=cu)
-        wide = "direct" in name
         pool = randn(2 * N + 1, H, K, V, dtype=torch.bfloat16 if wide else torch.float32)
         pristine = pool.clone()
         slots = [2 * n + 1 for n in range(N)] if wide else [4, 0, -1, 9, 12, 2]

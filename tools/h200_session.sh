@@ -20,7 +20,7 @@
 #   ... && bash tools/h200_session.sh sanitizer:lightning
 #   ... && bash tools/h200_session.sh profile:lightning   (the three kernels' times at a few seg_lens)
 #   ... && bash tools/h200_session.sh stress:lightning
-# The prefill's direct form (on its branch until a GPU has run it; docs/STATUS.md), one device call:
+# The prefill's direct form (kernel C alone; run on an H100 in the thirtieth session), one device call:
 #   ... && bash tools/h200_session.sh tests:lightning-direct && LIGHTNING_SANITIZER_SHAPES="prefill-direct \
 #          prefill-direct-h0" bash tools/h200_session.sh sanitizer:lightning
 #   ... && bash tools/h200_session.sh ab:lightning-forms

@@ -144,7 +144,7 @@ class FakeKernels:
         return lambda seg_state, segments, seq_segments, g_gamma, h0, ht, pool, idx, has_init: self._scan_run(
             seg_state, segments, seq_segments, g_gamma, h0, ht, v_first, pool, idx, has_init)
 
-    def chunk_output(self, q, k, v, g_gamma, seg_state, segments, o, scale, seg_len) -> None:
+    def lightning_chunk_output(self, q, k, v, g_gamma, seg_state, segments, o, scale, seg_len) -> None:
         assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0]
         self.calls.append(("C", segments.shape[0], seg_len))
         emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, seg_len)
@@ -182,9 +182,7 @@ class FakeKernels:
 def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> FakeKernels:
     fake = FakeKernels()
     monkeypatch.setattr(pb, "_states", lambda: fake)
-    monkeypatch.setattr(pb, "_output", lambda: fake.chunk_output)
-    monkeypatch.setattr(pb, "_planned_output", fake.plan_chunk_output)
-    monkeypatch.setattr(pb, "_direct", lambda: fake)
+    monkeypatch.setattr(pb, "_kernel_c", lambda: fake)
     monkeypatch.setattr(pb, "sm_count", lambda device: 132)
     pb.clear_segment_cache()
     return fake

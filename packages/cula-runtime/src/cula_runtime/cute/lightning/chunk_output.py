@@ -18,9 +18,9 @@ sequence (empty ones too), S starts from the sequence's initial state instead of
 its pool slot widened from fp32/bf16, or zeros: padding slots, a False ``has_initial_state``, no h0), and with a final
 state asked the last chunk updates S too, decayed by its true length L: ``S = λ^L S + Σ_{j<L} bf16(λ^(L-1-j) v_j)ᵀ k_j``
 (factors made in registers, 0 past L: never the exponential of a positive number), then S goes to ``final_state[n]``
-(fp32) or back to the pool slot (rounded to its dtype). One launch
-in place of three: q, k, v read once, no segment states. The accumulator layout reads and writes a state as 8-byte
-pairs where it is V-first (two adjacent k columns), as 4-byte elements (32 bytes per 8 lanes) where it is K-first.
+(fp32) or back to the pool slot (rounded to its dtype). One launch in place of three: q, k, v read once, no segment
+states. The accumulator layout reads and writes a state as 8-byte pairs where it is V-first (two adjacent k columns),
+as 4-byte elements (32 bytes per 8 lanes) where it is K-first.
 
 This is the KDA recurrence's chunk step (:mod:`cula_runtime.cute.kda.recurrence`) with w = 0, u = v, a scalar
 decay and the intra scores made in the kernel. As there, everything is transposed so that the state is the A
@@ -96,7 +96,7 @@ from collections.abc import Callable
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, flag_bytes, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
-from .chunk_states import _STATE_DTYPES, StateIO, read_pool_slot
+from .chunk_states import _STATE_DTYPES, StateIO, read_pool_slot, scan_flags
 
 try:
     import cuda.bindings.driver as cuda
@@ -749,7 +749,6 @@ def plan_chunk_output(H: int, device) -> Callable:
     return run_output
 
 
-
 # ---- the direct form: one launch, each sequence one segment (module docstring)
 
 
@@ -790,8 +789,6 @@ def direct_output_run(q, k, v, g_gamma, segments, o, scale: float, initial_state
 
     Launched on the current stream; the first call per configuration compiles.
     """
-    from .chunk_states import scan_flags
-
     config, specs = _direct_plan(q.shape[1], scan_flags(initial_state, ht is not None, state_v_first, pool,
                                                         has_initial_state))
     launch(LightningChunkOutput, config, specs,

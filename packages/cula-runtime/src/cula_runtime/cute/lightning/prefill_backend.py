@@ -335,23 +335,8 @@ def _states() -> object:
 
 
 @functools.cache
-def _output() -> Callable:
-    """``chunk_output.lightning_chunk_output`` (kernel C), imported on the first call that has tokens."""
-    from .chunk_output import lightning_chunk_output
-
-    return lightning_chunk_output
-
-
-def _planned_output(H: int, device: torch.device) -> Callable:
-    """Kernel C bound to a plan's signature (``chunk_output.plan_chunk_output``)."""
-    from .chunk_output import plan_chunk_output
-
-    return plan_chunk_output(H, device)
-
-
-@functools.cache
-def _direct() -> object:
-    """:mod:`.chunk_output` for the direct form (imported on the first call that runs it)."""
+def _kernel_c() -> object:
+    """:mod:`.chunk_output` (kernel C, both forms), imported on the first call that has tokens."""
     from . import chunk_output
 
     return chunk_output
@@ -397,7 +382,7 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
                                                                  _requested_seg_len(seg_len), direct)
     q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
     if use_direct:
-        _direct().direct_output_run(q, k, v, args.g_gamma, segments, o_flat, args.scale, args.initial_state, ht,
+        _kernel_c().direct_output_run(q, k, v, args.g_gamma, segments, o_flat, args.scale, args.initial_state, ht,
                                     args.state_v_first, pool, args.state_indices, args.has_initial_state)
         return o, ht
     nseg = segments.shape[0]
@@ -407,7 +392,7 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
                      pool, args.state_indices, args.has_initial_state)
     if nseg:
-        _output()(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, chosen)
+        _kernel_c().lightning_chunk_output(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, chosen)
     return o, ht
 
 
@@ -451,7 +436,7 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
         kf, o_flat = _flat(k), _flat(o)
         if use_direct:
             if not run_direct:
-                run_direct.append(_direct().plan_direct_output(H, flags, device))
+                run_direct.append(_kernel_c().plan_direct_output(H, flags, device))
             run_direct[0](_flat(q), kf, _flat(v), g_gamma, segments, o_flat, scale, initial_state, ht, state,
                           state_indices, has_initial_state)
             return o, ht
@@ -469,7 +454,7 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
                  has_initial_state)
         if nseg:
             if not run_c:
-                run_c.append(_planned_output(H, device))
+                run_c.append(_kernel_c().plan_chunk_output(H, device))
             run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale)
         return o, ht
 
