@@ -13,6 +13,9 @@ Problems (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2):
 * ``prefill direct 40 seqs H4 pool``: a packed batch the per-call rule sends to the direct form
   (``tools/sanitize_lightning.py``'s ``WIDE_BOUNDS``) on a bf16 V-first pool of 81 slots (padding rows, a False
   has_initial_state), restored the same way;
+* ``prefill direct64 3 seqs H32 pool``: a packed batch the per-call rule sends to the direct form's half-V CTAs on
+  132 SMs (``tools/sanitize_lightning.py``'s ``HALF_V_BOUNDS``: an empty sequence, two of 500 tokens) on a bf16
+  V-first pool of 7 slots (the empty sequence's a padding row), restored the same way;
 * ``decode fp32 kfirst N32 H8`` and ``decode bf16 vfirst N8 H8`` (two padding rows each, negative slots): one step
   on a pool restored the same way, o into a given buffer.
 
@@ -36,11 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stress_kda_determinism import replay  # noqa: E402
 
-from tools.sanitize_lightning import WIDE_BOUNDS  # noqa: E402
+from tools.sanitize_lightning import HALF_V_BOUNDS, HALF_V_HEADS, WIDE_BOUNDS  # noqa: E402
 
 K = V = 128
 PROBLEMS = ("prefill fixed B2 T1000 H4", "prefill varlen 6 seqs H4", "prefill pool 6 seqs H4",
-            "prefill direct 40 seqs H4 pool", "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8")
+            "prefill direct 40 seqs H4 pool", "prefill direct64 3 seqs H32 pool", "decode fp32 kfirst N32 H8",
+            "decode bf16 vfirst N8 H8")
 CU = (0, 1, 64, 65, 700, 700, 2000)
 DEVICE = "cuda"  # (the CPU test of the problems' calls sets "cpu")
 
@@ -61,9 +65,10 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
 
     scale = K ** -0.5
     if name.startswith("prefill"):
-        H = 4
-        wide = "direct" in name  # the direct form's wide batch, on a bf16 V-first pool
-        bounds = WIDE_BOUNDS if wide else CU
+        half_v = "direct64" in name  # the direct form's half-V batch, on a bf16 V-first pool
+        wide = "direct" in name  # the direct form's wide batch (or the half-V one), on a bf16 V-first pool
+        H = HALF_V_HEADS if half_v else 4
+        bounds = HALF_V_BOUNDS if half_v else WIDE_BOUNDS if wide else CU
         if "fixed" in name:
             B, T, cu = 2, 1000, None
         else:
@@ -79,7 +84,9 @@ def make_step(name: str, seed: int = 11) -> Callable[[], tuple[torch.Tensor, ...
         pristine = pool.clone()
         slots = [2 * n + 1 for n in range(N)] if wide else [4, 0, -1, 9, 12, 2]
         flags = [n != 3 for n in range(N)]
-        if wide:
+        if half_v:
+            slots[0] = -1  # the empty sequence: a padding row
+        elif wide:
             slots[1], slots[4] = -1, -7  # padding rows (negative: the CPU test's reference is strict past the pool)
         idx = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
         has = torch.tensor(flags, device=DEVICE)

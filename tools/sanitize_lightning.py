@@ -14,6 +14,11 @@ Shapes (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2, so head 0 has no
   empty one, one-token ones, tails; x 4 heads = 160 CTAs, a wave on up to 177 SMs, none cut) on a bf16 V-first
   pool of 81 slots with padding rows (-1, 81) and a False has_initial_state;
 * ``prefill-direct-h0``: the same batch with fp32 K-first initial states, the final states out;
+* ``prefill-direct64``: a packed batch the per-call rule sends to the direct form's half-V CTAs on 132 SMs
+  (``HALF_V_BOUNDS``: an empty sequence and two of 500 tokens, 52-token tails; H = 32: 128 CTAs of V block 64), fp32
+  K-first initial states, the final states out (the script checks the form it gets);
+* ``prefill-direct64-pool``: the same batch on a bf16 V-first pool of 3 slots, slots [-1, 2, 0], has_initial_state
+  [T, T, F];
 * ``decode``: one step of N = 5 sequences on an fp32 K-first pool of 7 slots, slots [2, -1, 6, 7, 0], H = 4, o into
   a given buffer;
 * ``decode-bf16``: the same on a bf16 V-first pool.
@@ -30,9 +35,12 @@ import sys
 import torch
 
 K = V = 128
-SHAPES = ("prefill", "prefill-pool", "prefill-large", "prefill-direct", "prefill-direct-h0", "decode", "decode-bf16")
+SHAPES = ("prefill", "prefill-pool", "prefill-large", "prefill-direct", "prefill-direct-h0", "prefill-direct64",
+          "prefill-direct64-pool", "decode", "decode-bf16")
 WIDE_LENS = (0, 1, 63, 64, 65, 200, *(40 + 7 * i for i in range(34)))
 WIDE_BOUNDS = (0, *itertools.accumulate(WIDE_LENS))  # its cu_seqlens (also the determinism stress's wide batch)
+HALF_V_BOUNDS = (0, 0, 500, 1000)  # the half-V batch's cu_seqlens (at H = 32; also the determinism stress's)
+HALF_V_HEADS = 32
 
 
 def _g_gamma(H: int) -> torch.Tensor:
@@ -49,6 +57,10 @@ def run_prefill(shape: str, gen: torch.Generator) -> str:
 
     if shape == "prefill-large":
         B, T, H, cu = 2, 4096, 8, None
+    elif shape.startswith("prefill-direct64"):
+        B, T, H, cu = 1, HALF_V_BOUNDS[-1], HALF_V_HEADS, torch.tensor(HALF_V_BOUNDS, dtype=torch.int32,
+                                                                       device="cuda")
+        _expect_half_v_ctas(T, H, cu)
     elif shape.startswith("prefill-direct"):
         B, T, H, cu = 1, WIDE_BOUNDS[-1], 4, torch.tensor(WIDE_BOUNDS, dtype=torch.int32, device="cuda")
     else:
@@ -57,19 +69,23 @@ def run_prefill(shape: str, gen: torch.Generator) -> str:
     N = B if cu is None else len(cu) - 1
     q, k, v = (_randn(B, T, H, K, gen=gen) for _ in range(3))
     kwargs = {"scale": K ** -0.5, "cu_seqlens": cu}
-    if shape in ("prefill-pool", "prefill-direct"):
+    if shape in ("prefill-pool", "prefill-direct", "prefill-direct64-pool"):
         wide = shape == "prefill-direct"
-        P = 2 * N + 1 if wide else 7
-        dtype = torch.bfloat16 if wide else torch.float32
+        half_v = shape == "prefill-direct64-pool"
+        P = 2 * N + 1 if wide else (3 if half_v else 7)
+        dtype = torch.bfloat16 if wide or half_v else torch.float32
         pool = _randn(P, H, K, V, gen=gen, dtype=dtype)
         before = pool.clone()
-        slots = [2 * n + 1 for n in range(N)] if wide else [3, -1, 0, 7, 5]
-        slots[1], slots[3] = -1, P  # padding rows: negative, and one past the pool
+        if half_v:
+            slots = [-1, 2, 0]
+        else:
+            slots = [2 * n + 1 for n in range(N)] if wide else [3, -1, 0, 7, 5]
+            slots[1], slots[3] = -1, P  # padding rows: negative, and one past the pool
         flags = [n != 2 for n in range(N)]
         idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
         has = torch.tensor(flags, device="cuda")
         o, final = lightning_prefill(q, k, v, _g_gamma(H), **kwargs, state=pool, state_indices=idx,
-                                     has_initial_state=has, state_v_first=wide)
+                                     has_initial_state=has, state_v_first=wide or half_v)
         torch.cuda.synchronize()
         untouched = [s for s in range(P) if s not in slots]
         assert final is None and torch.equal(pool[untouched], before[untouched]), "slots no index names changed"
@@ -84,6 +100,18 @@ def run_prefill(shape: str, gen: torch.Generator) -> str:
         assert torch.isfinite(final).all()
     assert torch.isfinite(o).all()
     return f"o {tuple(o.shape)}"
+
+
+def _expect_half_v_ctas(T: int, H: int, cu: torch.Tensor) -> None:
+    """Fail unless the per-call rule sends this batch to the direct form's half-V CTAs on this GPU (132 SMs)."""
+    from cula_runtime.cute.lightning import prefill_backend as pb
+    from cula_runtime.kda_tuning import sm_count
+
+    device = torch.device("cuda")
+    table = pb.device_segments(1, T, H, cu, device, sm_count(device))
+    if not (table.direct and table.block_v == pb.HALF_BLOCK_V):
+        raise SystemExit(f"{sm_count(device)} SMs: this batch runs {'the direct form' if table.direct else 'segments'}"
+                         f" at V block {table.block_v}, not the half-V CTAs the shape is for")
 
 
 def run_decode(shape: str, gen: torch.Generator) -> str:

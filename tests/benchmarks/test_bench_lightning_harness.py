@@ -367,8 +367,8 @@ def test_the_defaults_write_the_issue_results_file() -> None:
 # ------------------------------------------------------------------ the determinism stress's problems, on the CPU
 
 @pytest.mark.parametrize("name", ["prefill fixed B2 T1000 H4", "prefill varlen 6 seqs H4", "prefill pool 6 seqs H4",
-                                  "prefill direct 40 seqs H4 pool", "decode fp32 kfirst N32 H8",
-                                  "decode bf16 vfirst N8 H8"])
+                                  "prefill direct 40 seqs H4 pool", "prefill direct64 3 seqs H32 pool",
+                                  "decode fp32 kfirst N32 H8", "decode bf16 vfirst N8 H8"])
 def test_the_stress_problems_are_valid_calls_that_restart_alike(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Each problem of stress_lightning_determinism.py, through cula.lightning's dispatch (the reference on the CPU):
     a valid call whose second run gives the first run's bits (the pool forms restore their pool first)."""
@@ -401,6 +401,12 @@ def test_the_direct_form_s_problems_take_it_on_an_h200() -> None:
     assert sanitize_lightning.WIDE_BOUNDS[-1] == sum(sanitize_lightning.WIDE_LENS)
     lens = list(sanitize_lightning.WIDE_LENS)
     assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, 4, 132), 4, 132)
+    assert pb.choose_direct_block_v(lens, 4, 132) == 128
+    assert stress.HALF_V_BOUNDS is sanitize_lightning.HALF_V_BOUNDS  # the half-V batch: V block 64 on 132 SMs
+    bounds, H = sanitize_lightning.HALF_V_BOUNDS, sanitize_lightning.HALF_V_HEADS
+    lens = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert pb.uses_direct_form(lens, pb.choose_seg_len(lens, H, 132), H, 132)
+    assert pb.choose_direct_block_v(lens, H, 132) == 64 and not pb.uses_direct_form(lens, 64, H, 120)
     rows = ab.rows()
     assert len({name for name, _ in rows}) == len(rows)
     serving = [case for name, case in rows if name.endswith("(serving)")]

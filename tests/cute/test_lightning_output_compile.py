@@ -115,11 +115,27 @@ DIRECT_CONFIGS = {
     "direct-pool-fp32-kv": dict(direct=True, state_pool=True),
     "direct-pool-bf16-vk-flags": dict(direct=True, state_pool=True, state_dtype="bfloat16", state_v_first=True,
                                       initial_state_flags=True),
+    # half-V CTAs (V block 64, 4 warps: two per sequence and head)
+    "direct64-h0-ht-kv": dict(direct=True, block_v=64, has_initial_state=True, output_final_state=True),
+    "direct64-no-state": dict(direct=True, block_v=64),
+    "direct64-pool-bf16-vk-flags": dict(direct=True, block_v=64, state_pool=True, state_dtype="bfloat16",
+                                        state_v_first=True, initial_state_flags=True),
 }
-DIRECT_DSL_FLOOR = ("direct-pool-bf16-vk-flags",)
+DIRECT_DSL_FLOOR = ("direct-pool-bf16-vk-flags", "direct64-pool-bf16-vk-flags")
 # measured with CuTeDSL 4.8.1: the chunk loop with the last chunk's state update in it (taken once, skipped by the
-# other chunks) 1136-1176 instructions; without a final state the default's 632-691
-DIRECT_LOOP_MAX = {"sm_90a": 1220, "sm_100a": 1200, "sm_103a": 1200}
+# other chunks) 1136-1176 instructions at V block 128; without a final state the default's 632-691; at V block 64
+# (the score runs a loop, one warp's two runs) 1264-1316 with a final state on sm_90a
+DIRECT_LOOP_MAX = {128: {"sm_90a": 1220, "sm_100a": 1200, "sm_103a": 1200},
+                   64: {"sm_90a": 1360, "sm_100a": 1340, "sm_103a": 1340}}
+DIRECT_NO_STATE_LOOP_MAX = {64: {"sm_90a": 800, "sm_100a": 760, "sm_103a": 760}}
+# Local-memory spill instructions (LDL + STL) of the direct configurations, as measured per CuTeDSL minor version:
+# none, but at V block 64 without a state on sm_100a / sm_103a with 4.8.1 (10: 64-bit pairs, 7 of them in the chunk
+# loop; ptxas' choice, the same source spills nowhere else); 4.6.2 measured on the DSL-floor configurations only
+DIRECT_SPILLS = {
+    "4.8": {config_id: {target: 10 if config_id == "direct64-no-state" and target != "sm_90a" else 0 for target in SM}
+            for config_id in DIRECT_CONFIGS},
+    "4.6": {config_id: dict.fromkeys(SM, 0) for config_id in DIRECT_DSL_FLOOR},
+}
 
 
 @pytest.mark.parametrize(("config_id", "target"), [
@@ -131,7 +147,9 @@ def test_direct_form_machine_code(config_id: str, target: str) -> None:
     """The direct form: the default's chunk loop, plus (with a final state) the last chunk's state update (its 64
     MMAs and 32 kᵀ ldmatrix.trans, in the loop behind a branch), its key factors and λ^L (17 exp2: 16 distinct
     tokens per thread and one), the start state's loads and the final state's stores, whole 8-byte pairs where
-    the state is V-first (k contiguous: two accumulator columns), 4-byte elements where it is K-first; no spill."""
+    the state is V-first (k contiguous: two accumulator columns), 4-byte elements where it is K-first; no spill.
+    The same per thread in half-V CTAs (a warp's 16 value rows, its MMAs, its score code once: a loop over its
+    runs), with fewer v copies per thread."""
     from cula_runtime.cute.compile_cache import compile_kernel
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
     from cula_runtime.cute.machine_code import disassemble
@@ -139,6 +157,7 @@ def test_direct_form_machine_code(config_id: str, target: str) -> None:
     fields = DIRECT_CONFIGS[config_id]
     config = LightningChunkOutputConfig(num_heads=64, **fields)
     code = disassemble(compile_kernel(LightningChunkOutput, config, target=target))
+    block_v = config.block_v
     final = config.writes_final_state
     v_first = fields.get("state_v_first", False)
     state_accesses = 32 if v_first else 64  # per thread: 64 fp32 elements of Sᵀ, in pairs where k is contiguous
@@ -147,7 +166,8 @@ def test_direct_form_machine_code(config_id: str, target: str) -> None:
     assert code.opcodes["LDSM.16.M88.4"] == LDSM_PER_CHUNK
     assert code.opcodes["LDSM.16.MT88.4"] == LDSM_T_PER_CHUNK + 32 * final
     assert code.opcodes["STSM.16.MT88.4"] == STSM_T_PER_CHUNK
-    assert code.count("LDL") + code.count("STL") == 0
+    spills = code.count("LDL") + code.count("STL")
+    assert spills <= measured(DIRECT_SPILLS, config_id, target), f"register spill: {spills} local loads + stores"
     assert code.count("BAR.SYNC") == 2
     assert code.count("MUFU.EX2") == 4 + 17 * final
     assert code.count("STG") == C // 16 + state_accesses * final
@@ -156,8 +176,14 @@ def test_direct_form_machine_code(config_id: str, target: str) -> None:
     indices = fields.get("state_pool", False) + fields.get("initial_state_flags", False)
     # the segment row (its sequence where a state is read or written), the slot, the flag, the start state
     assert code.count("LDG") == 3 + (final or reads_state) + indices + starts
+    # q, k (2 x 64 x 128 bf16) and v (64 x block_v) in 16-byte cp.async per thread, prologue and prefetch
+    assert code.count("LDGSTS") == 2 * (2 * C * K + C * block_v) // 8 // (block_v // 16 * 32)
     loop = chunk_loop(code.sass)
-    assert len(loop) <= (DIRECT_LOOP_MAX[target] if final else CHUNK_LOOP_MAX["bv128-H64"][target])
+    if final:
+        loop_max = DIRECT_LOOP_MAX[block_v][target]
+    else:
+        loop_max = CHUNK_LOOP_MAX["bv128-H64"][target] if block_v == 128 else DIRECT_NO_STATE_LOOP_MAX[64][target]
+    assert len(loop) <= loop_max, f"chunk loop: {len(loop)} instructions"
     assert sum(op.startswith("HMMA") for op in loop) == HMMA_PER_CHUNK + 64 * final
 
 
@@ -202,7 +228,8 @@ def test_one_binary_serves_every_length() -> None:
     [
         ({"head_dim": 64}, "only K = V = 128"),
         ({"chunk_size": 32}, "only 64"),
-        ({"block_v": 64}, "block_v=64: only 128 (V block 64 was retired"),
+        ({"block_v": 64}, "block_v=64 serves only the direct form"),
+        ({"block_v": 32, "direct": True}, "block_v=32: expected 128 or (the direct form) 64"),
         ({"num_heads": 0}, "num_heads"),
         ({"output_final_state": True}, "belong to the direct form"),
         ({"direct": True, "state_pool": True, "output_final_state": True}, "state_pool reads and writes the pool"),
@@ -220,20 +247,28 @@ def test_can_implement_says_why(changes: dict, reason: str) -> None:
         LightningChunkOutput(config)
 
 
-def test_score_blocks_cover_the_lower_triangle_once() -> None:
-    """Every lower 16 x 16 block (J <= I) of the 64 x 64 score tile is made by exactly one of the 8 warps, each
-    warp's blocks are one run (the kernel reads the word's first run only), and the word the kernel decodes for each
-    warp names exactly that warp's blocks."""
+@pytest.mark.parametrize("warps", [8, 4])
+def test_score_blocks_cover_the_lower_triangle_once(warps: int) -> None:
+    """Every lower 16 x 16 block (J <= I) of the 64 x 64 score tile is made by exactly one of the CTA's warps (8: V
+    block 128, each warp's blocks one run, the kernel reads the word's first run only; 4: the direct form's half-V
+    CTAs, 2 or 3 blocks a warp, one warp with two runs), and the runs the kernel decodes from each warp's word name
+    exactly that warp's blocks."""
     from cula_runtime.cute.lightning.chunk_output import _SCORE_BLOCKS, _rows_of, _score_word
 
-    blocks = [block for per_warp in _SCORE_BLOCKS for block in per_warp]
-    assert len(_SCORE_BLOCKS) == 8 and all(len(_rows_of(per_warp)) == 1 for per_warp in _SCORE_BLOCKS)
-    assert sorted(blocks) == [(i, j) for i in range(4) for j in range(i + 1)]
-    for per_warp in _SCORE_BLOCKS:
+    per_warps = _SCORE_BLOCKS[warps]
+    blocks = [block for per_warp in per_warps for block in per_warp]
+    assert len(per_warps) == warps and sorted(blocks) == [(i, j) for i in range(4) for j in range(i + 1)]
+    runs_per_warp = [len(_rows_of(per_warp)) for per_warp in per_warps]
+    assert runs_per_warp == ([1] * 8 if warps == 8 else [1, 1, 1, 2])
+    assert sorted(len(per_warp) for per_warp in per_warps) == ([1] * 6 + [2] * 2 if warps == 8 else [2, 2, 3, 3])
+    for per_warp in per_warps:
         word = _score_word(per_warp)
-        assert word & 15 == 1
-        run = word >> 4 & 255  # as the kernel reads it
-        assert [(run & 3, (run >> 2 & 3) + t) for t in range(run >> 4)] == list(per_warp)
+        assert word & 15 == len(_rows_of(per_warp))
+        decoded = []
+        for r in range(word & 15):
+            run = word >> (4 + 8 * r) & 255  # as the kernel reads it
+            decoded += [(run & 3, (run >> 2 & 3) + t) for t in range(run >> 4)]
+        assert decoded == list(per_warp)
     with pytest.raises(ValueError, match="not adjacent"):
         _score_word(((3, 0), (3, 2)))
 

@@ -115,6 +115,7 @@ class FakeKernels:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.direct_block_vs: list[int] = []  # the direct form's V block per launch
 
     # chunk_states' unchecked entries
     def _states_run(self, k, v, g_gamma, segments, seg_state, block_v) -> None:
@@ -158,23 +159,25 @@ class FakeKernels:
 
     # chunk_output's direct form: kernel A's own states, kernel B's scan over one segment per sequence, kernel C
     def direct_output_run(self, q, k, v, g_gamma, segments, o, scale, initial_state, ht, state_v_first, pool,
-                          state_indices, has_initial_state) -> None:
-        assert q.dim() == 3 and o.dim() == 3 and segments.dtype == torch.int32
+                          state_indices, has_initial_state, block_v=128) -> None:
+        assert q.dim() == 3 and o.dim() == 3 and segments.dtype == torch.int32 and block_v in (64, 128)
         N = segments.shape[0]
         assert segments[:, 0].tolist() == list(range(N))  # one row per sequence, in order
         self.calls.append(("D", N))
+        self.direct_block_vs.append(block_v)
         own = emulate_segment_states(k, v, g_gamma, segments)
         starts, final, slots = emulate_scan(own, segments, torch.arange(N + 1, dtype=torch.int32), g_gamma,
                                             initial_state, state_v_first, pool, state_indices, has_initial_state)
         emulate_chunk_output(q, k, v, g_gamma, starts.float(), segments, o, scale, q.shape[0], empty_rows=True)
         write_final_states(final, state_v_first, ht, pool, slots)
 
-    def plan_direct_output(self, H, flags, device):
+    def plan_direct_output(self, H, flags, device, block_v=128):
         v_first = flags[2]
 
         def run(q, k, v, g_gamma, segments, o, scale, h0, ht, pool, idx, has_init) -> None:
             assert q.shape[1] == H
-            self.direct_output_run(q, k, v, g_gamma, segments, o, scale, h0, ht, v_first, pool, idx, has_init)
+            self.direct_output_run(q, k, v, g_gamma, segments, o, scale, h0, ht, v_first, pool, idx, has_init,
+                                   block_v)
         return run
 
 
@@ -284,8 +287,8 @@ def test_device_table_is_cached() -> None:
     cpu = torch.device("cpu")
     first = pb.device_segments(2, 1000, 16, None, cpu, 132)
     assert pb.device_segments(2, 1000, 16, None, cpu, 132) is first  # fixed length: built once
-    seg_len, segments, seq_segments, direct = first
-    assert not direct  # 1000 tokens > the chosen 256: cut into segments
+    seg_len, segments, seq_segments, direct, block_v = first
+    assert not direct and block_v == 128  # 1000 tokens > the chosen 256: cut into segments
     assert segments.dtype == seq_segments.dtype == torch.int32 and segments.is_contiguous()
     assert [tuple(r) for r in segments.tolist()] == segment_table([1000, 1000], seg_len).rows()
     assert seq_segments.tolist() == segment_table([1000, 1000], seg_len).seq_segments
@@ -324,25 +327,48 @@ def test_direct_form_decision(lens: list[int], seg_len: int, direct: bool | None
 @pytest.mark.parametrize(("lens", "seg_len", "H", "sms", "expected"), [
     ([16384] * 2, 4096, 64, 132, True),  # B2 H64 T16384: 128 CTAs, the longest 1.03 x the tokens per SM
     ([32768] * 2, 4096, 64, 132, True),
-    ([4096], 2048, 64, 132, False),  # B1 H64: 64 CTAs, 2.06 x: the segments form
-    ([32768] * 2, 4096, 16, 132, False),  # B2 H16: 32 CTAs
+    ([32768] * 2, 4096, 16, 132, False),  # B2 H16: 32 sequence-heads, in half-V CTAs 4.1 x
     ([4147, *[1359] * 9], 4096, 64, 132, True),  # 10 packed sequences, one cut by 4096: 0.52 x
     ([125] * 80, 64, 1, 100, True),  # exactly at the ratio: 125 x 100 = 1.25 x 10000 tokens
     ([126] + [125] * 79, 64, 1, 100, False),  # one token over it
 ])
 def test_direct_form_where_it_keeps_the_sms_busy(lens: list[int], seg_len: int, H: int, sms: int,
                                                  expected: bool) -> None:
-    """Beyond one segment per sequence: the longest sequence against DIRECT_LOAD_RATIO x the tokens per SM."""
+    """Beyond one segment per sequence: the longest sequence against DIRECT_LOAD_RATIO x the tokens per SM (these
+    rows have too many sequence-heads for half-V CTAs)."""
     assert pb.DIRECT_LOAD_RATIO == 1.25  # (the boundary rows' arithmetic)
+    assert pb.choose_direct_block_v(lens, H, sms) == 128 or not expected
     assert pb.uses_direct_form(lens, seg_len, H, sms) is expected
+
+
+@pytest.mark.parametrize(("lens", "H", "sms", "block_v", "expected"), [
+    ([4096], 64, 132, 64, True),  # B1 H64: 128 half-V CTAs, the longest 2.06 x the tokens per SM
+    ([32768], 64, 132, 64, True),
+    ([4096], 32, 132, 64, False),  # B1 H32: 64 half-V CTAs, 4.1 x
+    ([4096, 0, 0], 66, 132, 64, True),  # empty sequences take no SM: 2 x 66 CTAs = 132
+    ([4096, 1], 66, 132, 128, False),  # 264 half-V CTAs would share SMs: V block 128, 1.99 x > 1.25
+    ([220, 180], 1, 4, 64, True),  # exactly at the half-V ratio: 220 x 4 = 2.2 x 400 tokens
+    ([221, 179], 1, 4, 64, False),  # one token over it
+])
+def test_the_direct_form_in_half_v_ctas(lens: list[int], H: int, sms: int, block_v: int, expected: bool) -> None:
+    """Where two 4-warp CTAs per sequence-head each get an SM, the direct form runs in them and may take longer
+    sequences: up to HALF_V_LOAD_RATIO x the tokens per SM."""
+    assert pb.HALF_V_LOAD_RATIO == 2.2  # (the boundary rows' arithmetic)
+    assert pb.choose_direct_block_v(lens, H, sms) == block_v
+    assert pb.uses_direct_form(lens, 64, H, sms) is expected
+
+
+def test_the_direct_form_s_v_block_is_checked() -> None:
+    with pytest.raises(ValueError, match="direct_block_v must be 0 .* 64 or 128, got 32"):
+        pb._requested_block_v(32)
 
 
 def test_device_table_of_the_direct_form() -> None:
     pb.clear_segment_cache()
     cpu = torch.device("cpu")
     # B16 H8 T300 on 132 SMs: 4096-token segments fill the wave (128 CTAs), every sequence fits one: direct
-    seg_len, segments, seq_segments, direct = pb.device_segments(16, 300, 8, None, cpu, 132)
-    assert (seg_len, direct, seq_segments) == (4096, True, None)
+    seg_len, segments, seq_segments, direct, block_v = pb.device_segments(16, 300, 8, None, cpu, 132)
+    assert (seg_len, direct, seq_segments, block_v) == (4096, True, None, 128)
     assert segments.tolist() == [[b, 300 * b, 300, 0] for b in range(16)]
     assert not pb.device_segments(16, 300, 8, None, cpu, 132, direct=False).direct  # cached apart
     assert pb.device_segments(16, 300, 8, None, cpu, 132).direct
@@ -350,6 +376,12 @@ def test_device_table_of_the_direct_form() -> None:
     table = pb.device_segments(1, 1000, 4, cu, cpu, 132, 64, direct=True)
     assert table.direct and table.seq_segments is None
     assert table.segments.tolist() == [[0, 0, 0, 0], [1, 0, 100, 0], [2, 100, 128, 0], [3, 228, 772, 0]]
+    assert table.block_v == 64  # 3 sequences with tokens x 4 heads x 2 <= 132 SMs
+    forced = pb.device_segments(1, 1000, 4, cu, cpu, 132, 64, direct=True, block_v=128)
+    assert forced.direct and forced.block_v == 128 and forced is not table  # cached apart
+    # B1 H64 T32768: the direct form in half-V CTAs; the segments form keeps V block 128
+    assert pb.device_segments(1, 32768, 64, None, cpu, 132)[3:] == (True, 64)
+    assert pb.device_segments(1, 32768, 64, None, cpu, 132, direct=False)[3:] == (False, 128)
 
 
 # ---- verify -------------------------------------------------------------------------------------------------------
@@ -452,6 +484,8 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     torch.testing.assert_close(ht.double(), ref_ht, rtol=1e-5, atol=1e-4)
     one_launch = direct or B == 16
     assert [c[0] for c in fake_kernels.calls] == (["D"] if one_launch else ["A", "B", "C"])
+    # the direct form's V block: half-V CTAs where twice the sequence-heads fit the 132 SMs (B16 H8: 256 do not)
+    assert fake_kernels.direct_block_vs == ([128 if B == 16 else 64] if one_launch else [])
 
 
 def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKernels) -> None:
@@ -504,12 +538,12 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pyt
 
 
 def test_a_varlen_plan_takes_the_form_of_each_call(fake_kernels: FakeKernels, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One plan, packed batches whose boundaries change between calls: the form follows each call's table (8 SMs,
-    H = 4: 4 sequences fill the wave uncut; one 1200-token sequence alone is cut into 1024-token segments), the
-    outputs and final states each call's recurrence."""
+    """One plan, packed batches whose boundaries change between calls: the form follows each call's table (7 SMs,
+    H = 4: 4 sequences fill the wave uncut; one 1200-token sequence alone is cut into 1024-token segments: 8 half-V
+    CTAs would not get an SM each), the outputs and final states each call's recurrence."""
     from cula_runtime.lightning_args import validate_lightning_prefill
 
-    monkeypatch.setattr(pb, "sm_count", lambda device: 8)
+    monkeypatch.setattr(pb, "sm_count", lambda device: 7)
     pb.clear_segment_cache()
     plan = None
     for bounds, form in (((0, 100, 300, 1000, 1200), ["D"]), ((0, 1200, 1200, 1200, 1200), ["A", "B", "C"]),
@@ -563,6 +597,7 @@ def test_the_direct_launch_gets_the_call_s_tensors(pool_dtype, planned: bool, mo
         o, ht = pb.lightning_prefill_cutedsl_backend(args, direct=True)
     (cls, config, call), = launches
     assert cls is LightningChunkOutput and config.direct and config.num_heads == 2
+    assert config.block_v == 64  # 4 sequences with tokens x 2 heads: half-V CTAs
     assert (config.has_initial_state, config.output_final_state) == (pool_dtype is None, pool_dtype is None)
     assert config.state_pool == (pool_dtype is not None) and config.state_v_first == (pool_dtype is None)
     assert config.state_dtype == ("float32" if pool_dtype is None else str(pool_dtype).removeprefix("torch."))

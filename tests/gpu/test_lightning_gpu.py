@@ -163,17 +163,23 @@ def _cutedsl_prefill(kwargs: dict, **form):
     return pb.lightning_prefill_cutedsl_backend(args, **form)
 
 
+# the backend's form arguments: the three launches, the direct form in 8-warp and in half-V CTAs
+FORMS = {"segments": dict(direct=False), "direct": dict(direct=True, direct_block_v=128),
+         "direct64": dict(direct=True, direct_block_v=64)}
+
+
 @pytest.mark.parametrize("case", FORM_CASES, ids=_ids(FORM_CASES))
-@pytest.mark.parametrize("direct", [False, True], ids=["segments", "direct"])
-def test_both_prefill_forms_match_fp64(direct: bool, case: lc.LightningCase) -> None:
+@pytest.mark.parametrize("form", list(FORMS))
+def test_both_prefill_forms_match_fp64(form: str, case: lc.LightningCase) -> None:
     """The CuTeDSL prefill in each form forced on the same calls: the three launches over 64-token segments (these
     small calls would otherwise pick the shortest anyway) and the direct form (one launch, every sequence one
-    segment from its initial state to its final state, empty sequences writing theirs back)."""
+    segment from its initial state to its final state, empty sequences writing theirs back), in one CTA per sequence
+    and head or two half-V CTAs."""
     kwargs = lc.make_inputs(case, "cuda")
     before = kwargs["state"].clone() if case.pool else None
     o_ref, expected = lc.oracle(case, kwargs, before)
     poison_allocator(8 * kwargs["q"].numel() * 4)
-    o, ht = _cutedsl_prefill(kwargs, seg_len=64, direct=direct)
+    o, ht = _cutedsl_prefill(kwargs, seg_len=64, **FORMS[form])
     torch.cuda.synchronize()
     _check_o(case, o, o_ref)
     if case.pool:
@@ -190,25 +196,37 @@ def test_both_prefill_forms_match_fp64(direct: bool, case: lc.LightningCase) -> 
 def test_the_forms_give_the_same_outputs_where_no_sequence_is_cut(case: lc.LightningCase) -> None:
     """With segments no shorter than the longest sequence, the three launches start kernel C from each sequence's
     initial state copied by the scan: the direct form's outputs are the same bits (its final states are rounded
-    along another path: within the bounds above, not compared bit for bit)."""
+    along another path: within the bounds above, not compared bit for bit). The direct form's half-V CTAs give its
+    8-warp CTAs' bits, final states and pool slots included (every element's arithmetic is the same)."""
     kwargs = lc.make_inputs(case, "cuda")
-    o_segments, _ = _cutedsl_prefill({**kwargs, **({"state": kwargs["state"].clone()} if case.pool else {})},
-                                     seg_len=4096, direct=False)
-    o_direct, _ = _cutedsl_prefill(kwargs, seg_len=4096, direct=True)
+
+    def own_pool(kw: dict) -> dict:
+        return {**kw, "state": kw["state"].clone()} if case.pool else kw
+
+    o_segments, _ = _cutedsl_prefill(own_pool(kwargs), seg_len=4096, **FORMS["segments"])
+    direct_kwargs = own_pool(kwargs)
+    o_direct, ht_direct = _cutedsl_prefill(direct_kwargs, seg_len=4096, **FORMS["direct"])
+    o_half, ht_half = _cutedsl_prefill(kwargs, seg_len=4096, **FORMS["direct64"])
     torch.cuda.synchronize()
     assert torch.equal(o_direct, o_segments)
+    assert torch.equal(o_half, o_direct)
+    if case.pool:
+        assert torch.equal(kwargs["state"], direct_kwargs["state"])
+    else:
+        assert torch.equal(ht_half, ht_direct)
 
 
 @pytest.mark.parametrize("case", [c for c in lc.PREFILL_CASES if c.h0] + lc.PREFILL_CASES[2:4],
                          ids=_ids([c for c in lc.PREFILL_CASES if c.h0] + lc.PREFILL_CASES[2:4]))
-def test_the_direct_form_without_a_final_state(case: lc.LightningCase) -> None:
-    """The direct form's configurations that write no state (h0 read or not, no final state): the outputs of the
-    form that writes one, bit for bit, within the case's bound of fp64."""
+@pytest.mark.parametrize("form", ["direct", "direct64"])
+def test_the_direct_form_without_a_final_state(form: str, case: lc.LightningCase) -> None:
+    """The direct form's configurations that write no state (h0 read or not, no final state), in either CTA shape:
+    the outputs of the form that writes one, bit for bit, within the case's bound of fp64."""
     kwargs = {**lc.make_inputs(case, "cuda"), "output_final_state": False}
     o_ref, _ = lc.oracle(case, kwargs)
     poison_allocator(8 * kwargs["q"].numel() * 4)
-    o, ht = _cutedsl_prefill(kwargs, direct=True)
-    o_with, _ = _cutedsl_prefill({**kwargs, "output_final_state": True}, direct=True)
+    o, ht = _cutedsl_prefill(kwargs, **FORMS[form])
+    o_with, _ = _cutedsl_prefill({**kwargs, "output_final_state": True}, **FORMS[form])
     torch.cuda.synchronize()
     assert ht is None
     _check_o(case, o, o_ref)
@@ -226,13 +244,15 @@ def test_the_direct_form_on_long_sequences() -> None:
     v = torch.randn(1, T, H, V, generator=gen).to(torch.bfloat16).cuda()
     h0 = (0.3 * torch.randn(len(lens), H, K, V, generator=gen)).cuda()
     kwargs = dict(q=q, k=k, v=v, g_gamma=_gamma(), initial_state=h0, output_final_state=True, cu_seqlens=_cu(lens))
-    o, ht = _cutedsl_prefill(kwargs, direct=True)
-    _, ht_segments = _cutedsl_prefill(kwargs, direct=False)
+    o, ht = _cutedsl_prefill(kwargs, **FORMS["direct"])
+    o_half, ht_half = _cutedsl_prefill(kwargs, **FORMS["direct64"])
+    _, ht_segments = _cutedsl_prefill(kwargs, **FORMS["segments"])
     torch.cuda.synchronize()
     o_ref, ht_ref = lightning_naive(q.cpu(), k.cpu(), v.cpu(), _gamma().cpu(), initial_state=h0.cpu(),
                                     output_final_state=True, cu_seqlens=_cu(lens).cpu())
     assert rel_l2(o.cpu(), o_ref) <= BOUND and rel_l2(ht.cpu(), ht_ref) <= BOUND
     assert rel_l2(ht.cpu(), ht_segments.cpu()) <= 1e-4
+    assert torch.equal(o_half, o) and torch.equal(ht_half, ht)  # half-V CTAs: the same bits
 
 
 def test_a_batch_that_fills_the_gpu_runs_the_direct_form_and_its_plan(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -108,16 +108,21 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "direct_output_run",
+__all__ = ["BLOCK_V", "HALF_BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "direct_output_run",
            "lightning_chunk_output", "plan_chunk_output", "plan_direct_output"]
 
 BLOCK_V = 128  # value columns per CTA: all of them, one 8-warp CTA per segment and head (module docstring)
+HALF_BLOCK_V = 64  # the direct form's other V block: two 4-warp CTAs per sequence and head (module docstring)
 _LOG2E = 1.4426950408889634
 _MAX_GRID_X = 2**31 - 1
 
-# The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp (8): each warp's blocks
-# are one run of adjacent key blocks of one query block (its q rows read once).
-_SCORE_BLOCKS = (((3, 0), (3, 1)), ((3, 2), (3, 3)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),))
+# The 10 lower 16 x 16 blocks (query block I, key block J <= I) of the score tile, per warp, by the CTA's warps: each
+# warp's blocks are runs of adjacent key blocks of one query block (its q rows read once per run); one run per warp
+# with 8 warps, two for one of the 4 warps (V block 64)
+_SCORE_BLOCKS = {
+    8: (((3, 0), (3, 1)), ((3, 2), (3, 3)), ((2, 0),), ((2, 1),), ((2, 2),), ((1, 0),), ((1, 1),), ((0, 0),)),
+    4: (((3, 0), (3, 1), (3, 2)), ((2, 0), (2, 1), (2, 2)), ((1, 0), (1, 1)), ((3, 3), (0, 0))),
+}
 _SCORE_PAD = 8  # bf16 padding per score-tile row: 144-byte rows, conflict-free ldmatrix rows and 4-byte stores
 _ROW_BLOCK = 16 * 64  # elements between 16-row blocks of a swizzled (64, 128) tile: above the swizzle's bits
 
@@ -150,8 +155,9 @@ class LightningChunkOutputConfig(StateIO):
     Attributes:
         num_heads: H.
         head_dim: K = V (only 128).
-        block_v: value columns per CTA: only :data:`BLOCK_V` (8 warps; the field is the tiles' contract,
-            :class:`~cula_runtime.cute.kda.tiles.ChunkTiles`).
+        block_v: value columns per CTA (the tiles' contract, :class:`~cula_runtime.cute.kda.tiles.ChunkTiles`):
+            :data:`BLOCK_V` (8 warps), or in the direct form :data:`HALF_BLOCK_V` (4 warps, two CTAs per sequence and
+            head: twice the CTAs where the sequences and heads leave SMs idle; the same bits).
         chunk_size: C; only 64.
         direct: the direct form (module docstring): every segment is a whole sequence (one row per sequence, empty
             ones too), started from the sequence's initial state and ending in its final state; no ``seg_state``.
@@ -184,8 +190,11 @@ class LightningChunkOutput(ChunkTiles):
             return False, f"chunk_size={c.chunk_size}: only 64 is supported"
         if c.head_dim != 128:
             return False, f"head_dim={c.head_dim}: only K = V = 128 is supported"
-        if c.block_v != BLOCK_V:
-            return False, f"block_v={c.block_v}: only {BLOCK_V} (V block 64 was retired: slower on every shape timed)"
+        if c.block_v not in (BLOCK_V, HALF_BLOCK_V):
+            return False, f"block_v={c.block_v}: expected {BLOCK_V} or (the direct form) {HALF_BLOCK_V}"
+        if c.block_v == HALF_BLOCK_V and not c.direct:
+            return False, (f"block_v={HALF_BLOCK_V} serves only the direct form (over segments it lost to {BLOCK_V} on "
+                           "every shape timed)")
         if c.num_heads < 1:
             return False, f"num_heads={c.num_heads}: must be >= 1"
         if not c.direct:
@@ -377,7 +386,7 @@ class LightningChunkOutput(ChunkTiles):
         # ---- this warp's score blocks (a register for the whole segment)
         score_word = Int32(0)
         for w in cutlass.range_constexpr(self.num_warps):
-            score_word = cutlass.select_(warp_idx == w, Int32(_score_word(_SCORE_BLOCKS[w])),
+            score_word = cutlass.select_(warp_idx == w, Int32(_score_word(_SCORE_BLOCKS[self.num_warps][w])),
                                          score_word)
 
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
@@ -491,7 +500,15 @@ class LightningChunkOutput(ChunkTiles):
         (i0, j0), (i1, j1) = tCcC[0], tCcC[1]
         keep = cutlass.select_(j0 <= i0, Int32(0xFFFF), Int32(0)) | cutlass.select_(j1 <= i1, Int32(-65536), Int32(0))
         ops = (score_mma, thr_mma, copy_A, copy_B, tCcC, tCsP, tXsQ0, tYsK0, tCrX, tCrY, sPdec, keep)
-        self._score_run(ops, (word >> 4) & 255)  # the warp's one run: its offsets are the same every chunk
+        if const_expr(self._one_run_per_warp()):  # a static run: its offsets are the same every chunk
+            self._score_run(ops, (word >> 4) & 255)
+        else:
+            for r in cutlass.range(word & 15, unroll=1):  # the warp's runs (query blocks)
+                self._score_run(ops, (word >> (4 + 8 * r)) & 255)
+
+    def _one_run_per_warp(self) -> bool:
+        """Whether every warp's score blocks are one run (one query block): 8 warps."""
+        return all(len(_rows_of(blocks)) == 1 for blocks in _SCORE_BLOCKS[self.num_warps])
 
     @cute.jit
     def _score_run(self, ops: tuple, run: Int32):
@@ -753,10 +770,11 @@ def plan_chunk_output(H: int, device) -> Callable:
 
 
 @functools.lru_cache(maxsize=256)
-def _direct_plan(H: int, flags: tuple) -> tuple:
+def _direct_plan(H: int, flags: tuple, block_v: int) -> tuple:
     """The config and argument specs of one direct-form signature; ``flags``: kernel B's
-    (:func:`~cula_runtime.cute.lightning.chunk_states.scan_flags`)."""
-    config = LightningChunkOutputConfig.from_flags(flags, num_heads=H, direct=True)
+    (:func:`~cula_runtime.cute.lightning.chunk_states.scan_flags`); ``block_v``: :data:`BLOCK_V` or
+    :data:`HALF_BLOCK_V`."""
+    config = LightningChunkOutputConfig.from_flags(flags, num_heads=H, direct=True, block_v=block_v)
     ok, reason = LightningChunkOutput.can_implement(config)
     if not ok:
         raise ValueError(f"LightningChunkOutput: {reason}")
@@ -772,7 +790,7 @@ def _direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, stat
 
 
 def direct_output_run(q, k, v, g_gamma, segments, o, scale: float, initial_state, ht, state_v_first: bool, pool,
-                      state_indices, has_initial_state) -> None:
+                      state_indices, has_initial_state, block_v: int = BLOCK_V) -> None:
     """The direct form of kernel C, nothing checked (the prefill backend's validated arguments): every sequence's
     outputs from its initial state and its final state, in one launch.
 
@@ -786,22 +804,24 @@ def direct_output_run(q, k, v, g_gamma, segments, o, scale: float, initial_state
         pool, state_indices, has_initial_state: a state pool (fp32 or bf16, ``pool_layout_rejection``'s layout),
             int32 ``[N]`` slots (outside ``[0, P)``: padding, never read or written) and an optional bool ``[N]``
             (False: start from zeros), instead of ``initial_state`` / ``ht``.
+        block_v: value columns per CTA, :data:`BLOCK_V` or :data:`HALF_BLOCK_V` (twice the CTAs; the same bits).
 
     Launched on the current stream; the first call per configuration compiles.
     """
     config, specs = _direct_plan(q.shape[1], scan_flags(initial_state, ht is not None, state_v_first, pool,
-                                                        has_initial_state))
+                                                        has_initial_state), block_v)
     launch(LightningChunkOutput, config, specs,
            _direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, state_indices, has_initial_state),
            _DIRECT_OUTPUTS, q.device, float(scale))
 
 
-def plan_direct_output(H: int, flags: tuple, device) -> Callable:
-    """The direct form bound to one call signature (``flags``: :func:`~.chunk_states.scan_flags`): ``run(q, k, v,
+def plan_direct_output(H: int, flags: tuple, device, block_v: int = BLOCK_V) -> Callable:
+    """The direct form bound to one call signature (``flags``: :func:`~.chunk_states.scan_flags`; ``block_v``: as
+    :func:`direct_output_run`'s): ``run(q, k, v,
     g_gamma, segments, o, scale, initial_state, ht, pool, state_indices, has_initial_state)`` with
     :func:`direct_output_run`'s tensors and nothing checked; ``LaunchDeclined`` where TVM-FFI refuses a pointer
     (nothing launched)."""
-    config, specs = _direct_plan(H, flags)
+    config, specs = _direct_plan(H, flags, block_v)
     run = bound_launch(LightningChunkOutput, config, specs, device)
 
     def run_direct(q, k, v, g_gamma, segments, o, scale: float, initial_state, ht, pool, state_indices,

@@ -55,10 +55,12 @@ if TYPE_CHECKING:
 __all__ = [
     "SEG_LEN_CHOICES",
     "SegmentTable",
+    "choose_direct_block_v",
     "choose_seg_len",
     "direct_table",
     "uses_direct_form",
     "DIRECT_LOAD_RATIO",
+    "HALF_V_LOAD_RATIO",
     "lightning_prefill_cutedsl_backend",
     "num_segments",
     "plan_lightning_prefill",
@@ -79,6 +81,12 @@ WAVE_FILL = 0.9  # CTAs per SM that count as one wave: 128 CTAs on 132 SMs do
 # (0.66 at 1.03, 1.28-1.31 at 2.06; benchmarks/results/lightning_prefill_forms_ab_h100.md): even near 1.56; 1.25
 # keeps a margin for the H200's bandwidth, which speeds the segments form's state passes more.
 DIRECT_LOAD_RATIO = 1.25
+# The direct form in half-V CTAs (kernel C's V block 64: two 4-warp CTAs per sequence and head, each alone on an SM:
+# choose_direct_block_v): each walks its sequence at about the pace of an 8-warp CTA's half of the MMAs, so the
+# longest sequence may be this many times the tokens per SM. (Provisional, from the model: to be fitted on a GPU.)
+HALF_V_LOAD_RATIO = 2.2
+DIRECT_BLOCK_V = 128  # kernel C's value columns per CTA (chunk_output.BLOCK_V)
+HALF_BLOCK_V = 64  # the direct form's half-V CTAs (chunk_output.HALF_BLOCK_V)
 MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
 _POOL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -170,12 +178,14 @@ def uses_direct_form(lens: Sequence[int], seg_len: int, num_heads: int, num_sms:
 
     * every sequence fits in one segment (the three launches would make the same segments, and kernels A and B
       would only copy states), or
-    * the direct form's one CTA per (sequence, head) keeps the SMs busy: its longest sequence is at most
-      :data:`DIRECT_LOAD_RATIO` times the tokens per SM, ``H · sum(lens) / num_sms`` (the time of one CTA walking
-      the longest sequence against the segments form's time for all the tokens spread over the SMs).
+    * the direct form's CTAs keep the SMs busy: its longest sequence is at most :data:`DIRECT_LOAD_RATIO` times the
+      tokens per SM, ``H · sum(lens) / num_sms`` (the time of one CTA walking the longest sequence against the
+      segments form's time for all the tokens spread over the SMs), or :data:`HALF_V_LOAD_RATIO` times where it runs
+      in half-V CTAs (:func:`choose_direct_block_v`: twice the CTAs, each with half the work).
 
-    Examples, 132 SMs: B2 H64 T16384 -> direct (16384 <= 1.25 · 15887); B1 H64 T4096 -> the segments (4096 >
-    1.25 · 1986); 10 packed sequences of <= 4147 tokens in 16384, H64 -> direct."""
+    Examples, 132 SMs: B2 H64 T16384 -> direct (16384 <= 1.25 · 15887); B1 H64 T32768 -> direct in half-V CTAs
+    (128 CTAs; 32768 <= 2.2 · 15887); B1 H32 T4096 -> the segments (4096 > 2.2 · 993); 10 packed sequences of
+    <= 4147 tokens in 16384, H64 -> direct."""
     lens = _check_lens(lens)
     tokens = sum(lens)
     if tokens == 0:
@@ -183,7 +193,18 @@ def uses_direct_form(lens: Sequence[int], seg_len: int, num_heads: int, num_sms:
     if direct is not None:
         return bool(direct)
     longest = max(lens)
-    return longest <= seg_len or longest * num_sms <= DIRECT_LOAD_RATIO * num_heads * tokens
+    ratio = HALF_V_LOAD_RATIO if choose_direct_block_v(lens, num_heads, num_sms) == HALF_BLOCK_V else DIRECT_LOAD_RATIO
+    return longest <= seg_len or longest * num_sms <= ratio * num_heads * tokens
+
+
+def choose_direct_block_v(lens: Sequence[int], num_heads: int, num_sms: int) -> int:
+    """Kernel C's value columns per CTA in the direct form: :data:`HALF_BLOCK_V` (two 4-warp CTAs per sequence and
+    head, the same bits) where those CTAs still get an SM each (``2 · H ·`` the sequences with tokens ``<= num_sms``:
+    an SM would otherwise idle), else :data:`DIRECT_BLOCK_V` (over full grids the 8-warp CTA is faster: fewer
+    MMAs, ``benchmarks/results/lightning_block_v_ab_h100.md``). Examples, 132 SMs: B1 H64 -> 64; B2 H64 -> 128;
+    B1 H16 -> 64 (32 CTAs; the direct form itself is then rarely chosen)."""
+    busy = sum(1 for length in _check_lens(lens) if length)
+    return HALF_BLOCK_V if 2 * num_heads * busy <= num_sms else DIRECT_BLOCK_V
 
 
 def num_segments(lens: Sequence[int], seg_len: int) -> int:
@@ -217,16 +238,22 @@ _fixed_tables: OrderedDict[tuple, tuple] = OrderedDict()
 
 class DeviceSegments(NamedTuple):
     """One call's segment table on the device: ``seg_len``; ``segments`` int32 ``[NSEG, 4]``; ``seq_segments`` int32
-    ``[N + 1]`` (None in the direct form); ``direct``: the direct form (``segments`` one row per sequence)."""
+    ``[N + 1]`` (None in the direct form); ``direct``: the direct form (``segments`` one row per sequence);
+    ``block_v``: kernel C's value columns per CTA (64 only in the direct form: :func:`choose_direct_block_v`)."""
 
     seg_len: int
     segments: torch.Tensor
     seq_segments: torch.Tensor | None
     direct: bool
+    block_v: int = DIRECT_BLOCK_V
 
 
-def _to_device(lens: list[int], seg_len: int, direct: bool, device: torch.device) -> DeviceSegments:
-    """The table of ``lens`` on ``device``: views of one int32 buffer, one copy."""
+def _to_device(lens: list[int], seg_len: int, H: int, num_sms: int, direct: bool | None, block_v: int,
+               device: torch.device) -> DeviceSegments:
+    """The table of ``lens`` on ``device`` (the form and V block decided here, ``direct`` and ``block_v`` as
+    :func:`device_segments`'): views of one int32 buffer, one copy."""
+    direct = uses_direct_form(lens, seg_len, H, num_sms, direct)
+    block_v = (block_v or choose_direct_block_v(lens, H, num_sms)) if direct else DIRECT_BLOCK_V
     if direct:
         rows, offsets = direct_table(lens), []
     else:
@@ -235,7 +262,7 @@ def _to_device(lens: list[int], seg_len: int, direct: bool, device: torch.device
     buffer = _host_tensor(rows + offsets, torch.int32).to(device, non_blocking=True)
     nseg = len(rows) // 4
     seq_segments = None if direct else buffer.narrow(0, 4 * nseg, len(offsets))
-    return DeviceSegments(seg_len, buffer.narrow(0, 0, 4 * nseg).view(nseg, 4), seq_segments, direct)
+    return DeviceSegments(seg_len, buffer.narrow(0, 0, 4 * nseg).view(nseg, 4), seq_segments, direct, block_v)
 
 
 def _resolved_seg_len(lens: list[int], H: int, num_sms: int, seg_len: int) -> int:
@@ -247,24 +274,33 @@ def _requested_seg_len(seg_len: int) -> int:
     return _check_seg_len(seg_len) if seg_len else 0
 
 
+def _requested_block_v(block_v: int) -> int:
+    """The direct form's V block as forced (64 or 128), or 0 (chosen per call)."""
+    if block_v not in (0, HALF_BLOCK_V, DIRECT_BLOCK_V):
+        raise ValueError(f"direct_block_v must be 0 (the per-call choice), {HALF_BLOCK_V} or {DIRECT_BLOCK_V}, "
+                         f"got {block_v!r}")
+    return block_v
+
+
 def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, device: torch.device, num_sms: int,
-                    seg_len: int = 0, direct: bool | None = None) -> DeviceSegments:
+                    seg_len: int = 0, direct: bool | None = None, block_v: int = 0) -> DeviceSegments:
     """One call's table on ``device``: ``seg_len`` as asked (0: chosen by :func:`choose_seg_len`), the form by
-    :func:`uses_direct_form` (``direct``: None, or forced), built on the host and copied once. Cached: per
-    ``(cu_seqlens, its version, H, SMs, seg_len, direct)`` in :func:`cula_runtime.index.cached_on_version` (the
-    boundaries from the validator's checked host copy: no synchronisation on a hit), per ``(B, T, H, SMs, seg_len,
-    direct, device)`` without ``cu_seqlens``."""
+    :func:`uses_direct_form` (``direct``: None, or forced), the direct form's V block by
+    :func:`choose_direct_block_v` (``block_v``: 0, or forced), built on the host and copied once. Cached: per
+    ``(cu_seqlens, its version, H, SMs, seg_len, direct, block_v)`` in :func:`cula_runtime.index.cached_on_version`
+    (the boundaries from the validator's checked host copy: no synchronisation on a hit), per ``(B, T, H, SMs,
+    seg_len, direct, block_v, device)`` without ``cu_seqlens``."""
     if cu_seqlens is None:
-        key = (B, T, H, num_sms, seg_len, direct, device)
+        key = (B, T, H, num_sms, seg_len, direct, block_v, device)
         hit = _fixed_tables.get(key)
         if hit is not None:
             _fixed_tables.move_to_end(key)
             return hit
         lens = [T] * B
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        use_direct = uses_direct_form(lens, chosen, H, num_sms, direct)
         # (kept between calls: never in a CUDA graph's pool)
-        value = built_outside_graph_pools(device, lambda: _to_device(lens, chosen, use_direct, device))
+        value = built_outside_graph_pools(device, lambda: _to_device(lens, chosen, H, num_sms, direct, block_v,
+                                                                     device))
         _fixed_tables[key] = value
         while len(_fixed_tables) > _FIXED_CAPACITY:
             _fixed_tables.popitem(last=False)
@@ -274,9 +310,9 @@ def device_segments(B: int, T: int, H: int, cu_seqlens: torch.Tensor | None, dev
         values = checked_cu_seqlens_host(cu_seqlens, T).tolist()
         lens = [b - a for a, b in zip(values, values[1:], strict=False)]
         chosen = _resolved_seg_len(lens, H, num_sms, seg_len)
-        return _to_device(lens, chosen, uses_direct_form(lens, chosen, H, num_sms, direct), device)
+        return _to_device(lens, chosen, H, num_sms, direct, block_v, device)
 
-    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len, direct), build)
+    return cached_on_version("lightning_segments", cu_seqlens, (T, H, num_sms, seg_len, direct, block_v), build)
 
 
 def clear_segment_cache() -> None:
@@ -348,7 +384,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0, block_v: int = 0,
-                                      direct: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                      direct: bool | None = None,
+                                      direct_block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run validated ``lightning_prefill`` arguments (accepted by :func:`verify_lightning_prefill`) on the CuTeDSL
     kernels: ``(o, final_state)``.
 
@@ -358,6 +395,8 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         block_v: kernel A's value columns per CTA, 64 or 128 (the same bits); 0: chosen from NSEG · H and the SMs.
         direct: the direct form forced (True) or not (False); None: :func:`uses_direct_form` decides (tests force
             both forms on the same inputs).
+        direct_block_v: kernel C's value columns per CTA in the direct form, 64 or 128 (the same bits); 0:
+            :func:`choose_direct_block_v`.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
@@ -378,12 +417,13 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     if args.N == 0:
         return o, ht
     num_sms = sm_count(device)
-    chosen, segments, seq_segments, use_direct = device_segments(B, T, H, args.cu_seqlens, device, num_sms,
-                                                                 _requested_seg_len(seg_len), direct)
+    chosen, segments, seq_segments, use_direct, c_block_v = device_segments(
+        B, T, H, args.cu_seqlens, device, num_sms, _requested_seg_len(seg_len), direct,
+        _requested_block_v(direct_block_v))
     q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
     if use_direct:
         _kernel_c().direct_output_run(q, k, v, args.g_gamma, segments, o_flat, args.scale, args.initial_state, ht,
-                                    args.state_v_first, pool, args.state_indices, args.has_initial_state)
+                                      args.state_v_first, pool, args.state_indices, args.has_initial_state, c_block_v)
         return o, ht
     nseg = segments.shape[0]
     seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
@@ -422,7 +462,7 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
     runs_a: dict[int, Callable] = {}
     run_b: list[Callable] = []  # kernel B, bound on the first call that cuts segments (or has no tokens)
     run_c: list[Callable] = []  # kernel C, bound on the first call with tokens
-    run_direct: list[Callable] = []  # the direct form, bound on the first call that runs it
+    runs_direct: dict[int, Callable] = {}  # the direct form per V block, bound on the first call that runs it
 
     def plan(q, k, v, g_gamma, initial_state, cu_seqlens, state, state_indices, has_initial_state):
         if q.data_ptr() % _ROW_ALIGN:  # (kernel C's promise on q, checked before kernel B can write anything)
@@ -431,14 +471,15 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
         ht = torch.empty(state_shape, dtype=torch.float32, device=device) if want_ht else None
         if N == 0:
             return o, ht
-        _, segments, seq_segments, use_direct = device_segments(B, T, H, cu_seqlens, device, num_sms, fixed_seg_len,
-                                                                direct)
+        _, segments, seq_segments, use_direct, c_block_v = device_segments(B, T, H, cu_seqlens, device, num_sms,
+                                                                           fixed_seg_len, direct)
         kf, o_flat = _flat(k), _flat(o)
         if use_direct:
-            if not run_direct:
-                run_direct.append(_kernel_c().plan_direct_output(H, flags, device))
-            run_direct[0](_flat(q), kf, _flat(v), g_gamma, segments, o_flat, scale, initial_state, ht, state,
-                          state_indices, has_initial_state)
+            run_direct = runs_direct.get(c_block_v)
+            if run_direct is None:
+                run_direct = runs_direct[c_block_v] = _kernel_c().plan_direct_output(H, flags, device, c_block_v)
+            run_direct(_flat(q), kf, _flat(v), g_gamma, segments, o_flat, scale, initial_state, ht, state,
+                       state_indices, has_initial_state)
             return o, ht
         nseg = segments.shape[0]
         seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
