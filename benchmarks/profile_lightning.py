@@ -1,10 +1,12 @@
 """Per-kernel GPU time of the cutedsl Lightning prefill (segment states, scan, output) at a few shapes and segment
 lengths, from torch.profiler's CUDA activity (every kernel launch, TVM-FFI's included).
 
-    python benchmarks/profile_lightning.py [--shapes B,T,H ...] [--seg-lens 0,512,1024,...] [--reps 5]
+    python benchmarks/profile_lightning.py [--shapes B,T,H ...] [--seg-lens 0,512,1024,...] [--reps 5] [--segments]
 
 ``--seg-lens 0`` is the backend's own choice; any other value is passed to the cutedsl backend as its fixed
-``seg_len`` (the calls run the backend on validated arguments, as ``cula.lightning`` does after dispatch). Prints
+``seg_len`` (the calls run the backend on validated arguments, as ``cula.lightning`` does after dispatch; the form
+by the per-call rule, or the three launches with ``--segments``, as long segments would often take the direct
+form). Prints
 one line per (shape, segment length): each kernel's median time per call in us, their sum, and the bytes floor of
 the call (q, k, v read and o written once, bf16, at 4.3 TB/s).
 """
@@ -36,6 +38,7 @@ def main() -> None:
                         default=[(1, 32768, 64), (1, 32768, 16), (1, 4096, 64), (2, 4096, 16)])
     parser.add_argument("--seg-lens", default="0,512,1024,2048")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--segments", action="store_true", help="force the three launches (never the direct form)")
     args = parser.parse_args()
 
     import torch
@@ -45,6 +48,7 @@ def main() -> None:
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     D = 128
+    direct = False if args.segments else None
     for B, T, H in args.shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
@@ -52,11 +56,11 @@ def main() -> None:
         call = validate_lightning_prefill(q, k, v, layer_idx=0, num_layers=2)
         for seg_len in (int(x) for x in args.seg_lens.split(",")):
             for _ in range(3):
-                lightning_prefill_cutedsl_backend(call, seg_len=seg_len)
+                lightning_prefill_cutedsl_backend(call, seg_len=seg_len, direct=direct)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.reps):
-                    lightning_prefill_cutedsl_backend(call, seg_len=seg_len)
+                    lightning_prefill_cutedsl_backend(call, seg_len=seg_len, direct=direct)
                 torch.cuda.synchronize()
             times: dict[str, list[float]] = {}
             for event in prof.events():

@@ -50,12 +50,18 @@ complete), ``vᵀ · Pᵀ``, the state update, and oᵀ staged with ``stmatrix.t
 v columns, then 16-byte row stores of the valid rows. Only warp-level MMA (``mma.sync`` m16n8k16 bf16, fp32
 accumulate): one source for SM90, SM100 and SM103.
 
-Grid: one linear index, head fastest, then segment (the index arithmetic keeps a V-block coordinate, always 0 at the
-one V block).
+Grid: one linear index, V block fastest, then head, then segment (the two half-V CTAs of a sequence and head, which
+read the same q and k, run side by side: the second read is an L2 hit).
 
-The V block, 128 (per chunk of 64 tokens and head, K = V = 128); the V block of 64 (two CTAs of 4 warps per segment
-and head, the same bits) was retired after it lost on every shape timed (module history; commit 7e2efb5's tree has
-it):
+**Half-V CTAs** (``block_v`` = 64, the direct form only): two CTAs of 4 warps per sequence and head, each owning 64
+value columns of the state and o (its warps' value rows, as above), both making the whole score tile (4 warps: 3, 3,
+2 and 2 of its 10 blocks, one warp's two in two runs). Every element's arithmetic is that of the 8-warp CTA: the same
+bits. For batches whose sequences and heads leave SMs idle (B1 H64: 64 CTAs on 132 SMs): twice the CTAs, each with
+188 MMAs per warp and chunk instead of 168 but half the warps, so a sequence is walked in about half the time where
+each CTA has an SM to itself (``prefill_backend.choose_direct_block_v``). Over segments (full grids) V block 64 lost
+to 128 on every shape timed (two CTAs per SM; below), so the segments form keeps 128.
+
+The V block, 128 (per chunk of 64 tokens and head, K = V = 128):
 
 * Bytes: q, k, v 16 KB each in, o 16 KB out: 64 KB.
 * MMA (m16n8k16, 4096 flops each): per warp ``Sᵀ_bf · qᵀ`` 64, ``vᵀ · Pᵀ`` 20, the state 64 (148), plus its
@@ -74,9 +80,11 @@ it):
   sm_90a / sm_100a / sm_103a (with NOPs; 1864 / 1792 / 1792 before).
 * Shared memory: 2 stages x 48 KB + 9,200 B score tile (64 rows of 72) + 832 B tables = 108,336 B, one CTA per
   SM (two would fit the shared memory, 214 KB with the reserve, but not the registers).
-* Registers (compiled on the CPU with CuTeDSL 4.8.1; 4.6.2 and 4.7.1 gave 255 before the cut, not measured since):
-  222 per thread on sm_90a, 216 on sm_100a / sm_103a, no spills.
-* Measured: kernel C at V block 128 took 0.86-0.91x the time of V block 64 on four shapes on the H200
+* Registers (compiled on the CPU with CuTeDSL 4.8.1, since the FFMA state step): 254 per thread on sm_90a over
+  segments, 255 in the direct form with h0 and ht, 252 / 246 on sm_100a; no spills (222 / 216 before the state
+  step). Half-V CTAs: 244 (sm_90a) / 248 (sm_100a) with h0 and ht; without any state 255 on both, and on sm_100a /
+  sm_103a that configuration spills 10 instructions (7 in the chunk loop; ptxas' choice; see the compile tests).
+* Measured (over segments): kernel C at V block 128 took 0.86-0.91x the time of V block 64 on four shapes on the H200
   (``benchmarks/results/lightning_kernel_c_ab_h200.md``) and 0.91-0.99x on those and four T = 1024 shapes on an
   H100 (``lightning_block_v_ab_h100.md``): 11% fewer MMAs (the score tile made once per chunk-head, not twice)
   outweigh the second CTA per SM that V block 64 overlaps (its barrier waits, 80 KB of loads in flight per SM

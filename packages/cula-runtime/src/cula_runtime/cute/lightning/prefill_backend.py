@@ -11,7 +11,8 @@ may be shorter), chosen per call so that the segment-parallel grids fill the GPU
 
 Where every sequence fits in one segment of the chosen length (many sequences, or many heads: the grid fills the GPU
 without cutting any), or where no sequence is much longer than the tokens per SM (:func:`uses_direct_form`), the
-**direct form** runs instead: kernel C alone, one CTA per (sequence, head), starting from
+**direct form** runs instead: kernel C alone, one CTA per (sequence, head) (or two half-V CTAs of 64 value columns
+each where twice the sequence-heads still get an SM each: :func:`choose_direct_block_v`), starting from
 the sequence's initial state (h0, its pool slot, or zeros) and ending by writing its final state (``final_state`` or
 the pool slot) itself; no segment states, no scan: q, k, v read once, one launch. Its table has one row per
 sequence, empty ones too (``direct_table``), and no ``seq_segments``.
