@@ -83,9 +83,11 @@ WAVE_FILL = 0.9  # CTAs per SM that count as one wave: 128 CTAs on 132 SMs do
 # keeps a margin for the H200's bandwidth, which speeds the segments form's state passes more.
 DIRECT_LOAD_RATIO = 1.25
 # The direct form in half-V CTAs (kernel C's V block 64: two 4-warp CTAs per sequence and head, each alone on an SM:
-# choose_direct_block_v): each walks its sequence at about the pace of an 8-warp CTA's half of the MMAs, so the
-# longest sequence may be this many times the tokens per SM. (Provisional, from the model: to be fitted on a GPU.)
-HALF_V_LOAD_RATIO = 2.2
+# choose_direct_block_v): the longest sequence may be this many times the tokens per SM. On a lent H100 the form took
+# 0.87-0.93x the three launches' time at B1 H64 (ratio 2.06), 0.95x at 2.36, 0.98x at 2.75 and 3.30, 1.31x on a
+# packed [12288, 4096] H32 (3.09; benchmarks/results/lightning_prefill_forms_ab_h100.md, thirty-second session):
+# 2.4 keeps the wins of 5% and more, with the H200's margin as for DIRECT_LOAD_RATIO.
+HALF_V_LOAD_RATIO = 2.4
 DIRECT_BLOCK_V = 128  # kernel C's value columns per CTA (chunk_output.BLOCK_V)
 HALF_BLOCK_V = 64  # the direct form's half-V CTAs (chunk_output.HALF_BLOCK_V)
 MAX_SEG_LEN = 1 << 24  # a segment's length fits the kernels' int32 arithmetic with room to spare
@@ -185,7 +187,7 @@ def uses_direct_form(lens: Sequence[int], seg_len: int, num_heads: int, num_sms:
       in half-V CTAs (:func:`choose_direct_block_v`: twice the CTAs, each with half the work).
 
     Examples, 132 SMs: B2 H64 T16384 -> direct (16384 <= 1.25 · 15887); B1 H64 T32768 -> direct in half-V CTAs
-    (128 CTAs; 32768 <= 2.2 · 15887); B1 H32 T4096 -> the segments (4096 > 2.2 · 993); 10 packed sequences of
+    (128 CTAs; 32768 <= 2.4 · 15887); B1 H32 T4096 -> the segments (4096 > 2.4 · 993); 10 packed sequences of
     <= 4147 tokens in 16384, H64 -> direct."""
     lens = _check_lens(lens)
     tokens = sum(lens)
