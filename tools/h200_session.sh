@@ -188,13 +188,16 @@ for step in "$@"; do
                               -q -k "forms or fills or direct_form" tests/gpu/test_lightning_gpu.py ;;
     ab:lightning-forms) timeout 560 python3 benchmarks/ab_lightning_prefill_forms.py \
                           ${LIGHTNING_AB_ONLY:+--only "$LIGHTNING_AB_ONLY"} --out "$OUT/lightning_prefill_forms_ab.md" ;;
+    # the Lightning decode step at several register caps (CTAs per SM), side by side (LIGHTNING_CAPS: --caps)
+    ab:lightning-decode-caps) timeout 300 python3 benchmarks/ab_lightning_decode_caps.py \
+                                ${LIGHTNING_CAPS:+--caps "$LIGHTNING_CAPS"} --out "$OUT/lightning_decode_caps_ab.md" ;;
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
-          "profile:lightning tests:lightning-direct ab:lightning-forms)" ;;
+          "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-decode-caps)" ;;
   esac
   echo "=== $step: exit $?"
 done

@@ -5,6 +5,7 @@ marks and the merged results files."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import sys
@@ -434,3 +435,20 @@ def test_the_a_b_scripts_select_rows_and_head_their_tables(monkeypatch: pytest.M
     out = tmp_path / "ab.md"
     ab.add_row(head, "| x | 1 | 2 |", str(out))
     assert out.read_text().splitlines()[-1] == "| x | 1 | 2 |"
+
+
+def test_the_decode_caps_a_b_takes_the_bench_s_large_decode_rows_and_the_product_s_caps() -> None:
+    """``ab_lightning_decode_caps.py``: the bench's decode rows of N >= 128, ``--only`` as the other A/Bs; each row's
+    default cap is the one the product compiles for its single-token form."""
+    import ab_lightning_decode_caps as caps
+
+    names = [case.name for case in caps.rows("")]
+    assert names == [case.name for case in bench.decode_cases() if case.N >= 128] and names
+    assert [case.name for case in caps.rows("bf16 kfirst, N512")] == \
+        [name for name in names if "bf16 kfirst" in name or "N512" in name]
+    decode = pytest.importorskip("cula_runtime.cute.lightning.decode", exc_type=ImportError)
+    for case in caps.rows(""):
+        inp = bench.make_decode_inputs(dataclasses.replace(case, N=1, H=2), "cpu")  # (the same dtypes, layout)
+        config, _ = decode._launch_config(inp.q, inp.pool, case.v_first, None)
+        assert config.single_token and config.min_blocks_per_sm == 0
+        assert caps.default_cap(case) == decode.LightningDecode(config).min_blocks_per_sm

@@ -1,0 +1,128 @@
+"""The Lightning decode's register caps side by side on a GPU (issue 28): one decode step (T = 1, the single-token
+form) at each of several CTAs-per-SM caps (``LightningDecodeConfig.min_blocks_per_sm``, ptxas's register cap; 0 =
+the default of :data:`~cula_runtime.cute.lightning.decode.MIN_BLOCKS_PER_SM`), in one process, interleaved.
+
+    python benchmarks/ab_lightning_decode_caps.py [--only "bf16 kfirst"] [--caps 4,5,6,7,8] [--out FILE.md]
+
+Rows: ``bench_lightning.py``'s decode rows at N >= 128 (H = 64; fp32 and bf16 pools, both layouts), the same
+inputs. Each cap's kernel is launched directly (the validated call's tensors, the pool updated in place); time =
+us per step of a CUDA graph of ``--graph-calls`` steps (``bench_kda_decode.capture_graph``), median of CUDA-event
+timings in interleaved rounds (``bench_kda_prefill.interleaved_ms``), beside an in-place pass over the states'
+bytes (the yardstick of ``bench_kda_decode.state_pass``) and the floor (``bench_lightning.decode_floor_bytes`` at
+4.3 TB/s). "same bits": one step from the same pool at this cap gives the default cap's o and pool bit for bit
+(the caps change registers, not arithmetic: expected "yes"). Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from ab_lightning_prefill_forms import add_row, report_head  # noqa: E402
+from bench_kda_decode import capture_graph  # noqa: E402
+from bench_kda_prefill import interleaved_ms, warm_up_gpu  # noqa: E402
+from bench_lightning import DecodeCase, decode_cases, decode_floor_bytes, floor_us, make_decode_inputs  # noqa: E402
+
+STATE_PASS = "state pass"
+
+
+def rows(only: str) -> list[DecodeCase]:
+    """The bench's decode rows with N >= 128 whose names contain one of ``only``'s comma-separated substrings."""
+    wanted = [s.strip() for s in only.split(",") if s.strip()]
+    return [c for c in decode_cases() if c.N >= 128 and (not wanted or any(s in c.name for s in wanted))]
+
+
+def default_cap(case: DecodeCase) -> int:
+    """The cap the product compiles for this row's single-token form."""
+    from cula_runtime.cute.lightning.decode import MIN_BLOCKS_PER_SM
+
+    return MIN_BLOCKS_PER_SM[("float32" if case.pool_dtype == "fp32" else "bfloat16", case.v_first, True)]
+
+
+def cap_step(inp, cap: int):
+    """A zero-argument decode step of ``inp`` (one token per sequence, the pool in place, o into ``inp.out``) with
+    the kernel compiled at ``cap`` CTAs per SM (0: the default)."""
+    from cula_runtime.cute.compile_cache import launch
+    from cula_runtime.cute.lightning import decode
+
+    config, specs = decode._launch_config(inp.q, inp.pool, inp.case.v_first, None)
+    config = dataclasses.replace(config, min_blocks_per_sm=cap)
+    tensors = (inp.q, inp.k, inp.v, inp.g_gamma, inp.pool, inp.idx, None, inp.out)
+    return lambda: launch(decode.LightningDecode, config, specs, tensors, decode._OUTPUTS, inp.q.device, inp.scale)
+
+
+def state_pass(case: DecodeCase):
+    """An in-place pass over as many bytes as the step's states (torch's ``mul_``)."""
+    dtype = torch.float32 if case.pool_dtype == "fp32" else torch.bfloat16
+    buffer = torch.rand(case.N * case.H * 128 * 128, device="cuda").to(dtype)
+    return lambda: buffer.mul_(1.0)
+
+
+def same_bits(inp, step, reference: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """One ``step`` from the untouched pool gives ``reference``'s (o, pool) bit for bit."""
+    inp.pool.copy_(inp.pristine)
+    step()
+    torch.cuda.synchronize()
+    return torch.equal(inp.out, reference[0]) and torch.equal(inp.pool, reference[1])
+
+
+def measure(case: DecodeCase, caps: list[int], opts: argparse.Namespace) -> list[str]:
+    """The row's table lines, one per cap (the default's first)."""
+    inp = make_decode_inputs(case, "cuda", opts.seed)
+    default = default_cap(case)
+    steps = {0: cap_step(inp, 0)}
+    steps.update({cap: cap_step(inp, cap) for cap in caps if cap != default})
+    steps[0]()  # the default's first call compiles
+    torch.cuda.synchronize()
+    inp.pool.copy_(inp.pristine)
+    steps[0]()
+    torch.cuda.synchronize()
+    reference = (inp.out.clone(), inp.pool.clone())
+    bits = {cap: same_bits(inp, step, reference) for cap, step in steps.items()}  # (compiles the others)
+    fns = {str(cap): capture_graph(step, opts.graph_calls).replay for cap, step in steps.items()}
+    fns[STATE_PASS] = capture_graph(state_pass(case), opts.graph_calls).replay
+    ms = interleaved_ms(fns, opts.reps, opts.rounds)
+    per_step = {name: value * 1e3 / opts.graph_calls for name, value in ms.items()}
+    floor, yard = floor_us(decode_floor_bytes(case)), per_step[STATE_PASS]
+    lines = []
+    for cap in steps:
+        us = per_step[str(cap)]
+        label = f"{default} (default)" if cap == 0 else str(cap)
+        lines.append(f"| {case.name} | {label} | {floor:.1f} | {yard:.1f} | {us:.1f} | {us / floor:.3f} | "
+                     f"{us / yard:.3f} | {us / per_step['0']:.3f} | {'yes' if bits[cap] else 'NO'} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated substrings of row names")
+    parser.add_argument("--caps", default="4,5,6,7,8,10,12", help="CTAs per SM to compile besides the default")
+    parser.add_argument("--out", default="benchmarks/results/lightning_decode_caps_ab.md")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--graph-calls", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    opts = parser.parse_args()
+    caps = [int(x) for x in opts.caps.split(",") if x.strip()]
+    legend = ("One decode step (T = 1, H = 64, the single-token form) per cap: us per step in a CUDA graph of "
+              f"{opts.graph_calls} steps, median of CUDA-event timings in interleaved rounds; floor = the states "
+              "read and written in the pool's dtype plus q, k, v, o at 4.3 TB/s; state pass = an in-place pass "
+              "over the states' bytes (torch mul_); same bits = o and the pool equal the default cap's.")
+    columns = ["row", "CTAs per SM (cap)", "floor us", "state pass us", "us per step", "x floor", "x state pass",
+               "x default", "same bits"]
+    lines = report_head("The Lightning decode's register caps side by side (issue 28)", legend, columns,
+                        torch.cuda.get_device_properties(0).multi_processor_count)
+    lines.insert(lines.index(legend) - 1, f"- command: `python {' '.join(sys.argv)}`")
+    warm_up_gpu(2.0)
+    for case in rows(opts.only):
+        for row in measure(case, caps, opts):
+            add_row(lines, row, opts.out)
+
+
+if __name__ == "__main__":
+    main()
