@@ -32,7 +32,9 @@ Where it has run: on sm_90 (H200, 2026-12-02): kernels A, B and C against float6
 FLA in ``benchmarks/results/lightning_h200.md``. The direct form and kernel C's FFMA state step: on sm_90 (a lent H100,
 2026-12-07): the same tests, compute-sanitizer and 10^5 replays of the direct form
 (``benchmarks/results/lightning_safety_h100.md``), timed in ``lightning_prefill_forms_ab_h100.md`` and beside FLA in
-``lightning_prefill_bench_h100.md``. Compiled for sm_100a and sm_103a in CI, where no GPU has run them.
+``lightning_prefill_bench_h100.md``. Its half-V CTAs (V block 64): on sm_90 (a lent H100, 2026-12-07, thirty-second
+session): the same GPU tests, compute-sanitizer and 10^5 replays, timed in ``lightning_prefill_forms_ab_h100.md``.
+Compiled for sm_100a and sm_103a in CI, where no GPU has run them.
 """
 
 from __future__ import annotations
