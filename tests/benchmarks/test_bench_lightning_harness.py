@@ -452,3 +452,23 @@ def test_the_decode_caps_a_b_takes_the_bench_s_large_decode_rows_and_the_product
         config, _ = decode._launch_config(inp.q, inp.pool, case.v_first, None)
         assert config.single_token and config.min_blocks_per_sm == 0
         assert caps.default_cap(case) == decode.LightningDecode(config).min_blocks_per_sm
+
+
+def test_each_cap_s_step_launches_the_single_token_decode_at_that_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cap_step(inp, cap)`` launches the decode's single-token form on the row's tensors (the pool in place, o into
+    ``out``) with ``min_blocks_per_sm = cap`` (0: the default), nothing else changed."""
+    import ab_lightning_decode_caps as caps
+
+    pytest.importorskip("cula_runtime.cute.lightning.decode", exc_type=ImportError)
+    from tests.cute.compile_helpers import record_launches
+
+    launches = record_launches(monkeypatch)
+    inp = bench.make_decode_inputs(bench.DecodeCase("bf16", False, 2, H=2), "cpu")
+    for cap in (0, 7):
+        caps.cap_step(inp, cap)()
+    (_, default, args0), (_, capped, args7) = launches
+    assert default.single_token and default.min_blocks_per_sm == 0
+    assert capped == dataclasses.replace(default, min_blocks_per_sm=7)
+    assert args0[4] is inp.pool and args0[7] is inp.out and args0[8] == inp.scale
+    assert all(a is b for a, b in zip(args0[:8], args7[:8], strict=True))
+
