@@ -117,7 +117,6 @@ def main() -> None:
                "x default", "same bits"]
     lines = report_head("The Lightning decode's register caps side by side (issue 28)", legend, columns,
                         torch.cuda.get_device_properties(0).multi_processor_count)
-    lines.insert(lines.index(legend) - 1, f"- command: `python {' '.join(sys.argv)}`")
     warm_up_gpu(2.0)
     for case in rows(opts.only):
         for row in measure(case, caps, opts):

@@ -47,9 +47,11 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
   state loads are issued before the first FMA. Little's law at 4.3 TB/s and ≈ 1 us of loaded latency asks ≈ 33
   KB per SM, so every cap leaves room for CTAs in their math and store phases. sm_100a/sm_103a allocate more
   registers for the same general form and spill 21-71 instructions at its caps (pointers saved around the state's
-  loads, loop invariants of the token loop); the single-token form spills nothing there. No GPU has timed these
-  caps yet: :attr:`LightningDecodeConfig.min_blocks_per_sm` overrides them for A/B runs, and the compile tests
-  pin the spill counts of the defaults.
+  loads, loop invariants of the token loop); the single-token form spills nothing there. Timed on a lent H100
+  (``benchmarks/ab_lightning_decode_caps.py``, ``benchmarks/results/lightning_decode_caps_ab_h100.md``): the
+  single-token form's every cap from 4 to 8 CTAs per SM within 0.2% of the default, 10-12 1-4% slower; the step
+  at 1.03x (V-first) and 1.08-1.09x (K-first) an in-place pass over the same bytes. The compile tests pin the
+  spill counts of the defaults; :attr:`LightningDecodeConfig.min_blocks_per_sm` overrides them for A/B runs.
 * Nothing is allocated (with ``out``), nothing is read on the host: a call is CUDA-graph capturable. A slot outside
   ``[0, P)`` is a padding row: nothing read or written, its o rows zero. ``cu_seqlens`` values are clamped into
   ``[0, T]`` (a bad one cannot read past the inputs); a sequence index past ``B`` (fixed length) or past
