@@ -57,9 +57,12 @@ read the same q and k, run side by side: the second read is an L2 hit).
 value columns of the state and o (its warps' value rows, as above), both making the whole score tile (4 warps: 3, 3,
 2 and 2 of its 10 blocks, one warp's two in two runs). Every element's arithmetic is that of the 8-warp CTA: the same
 bits. For batches whose sequences and heads leave SMs idle (B1 H64: 64 CTAs on 132 SMs): twice the CTAs, each with
-188 MMAs per warp and chunk instead of 168 but half the warps, so a sequence is walked in about half the time where
-each CTA has an SM to itself (``prefill_backend.choose_direct_block_v``). Over segments (full grids) V block 64 lost
-to 128 on every shape timed (two CTAs per SM; below), so the segments form keeps 128.
+188 MMAs per warp and chunk instead of 168 but half the warps; where each CTA has an SM to itself
+(``prefill_backend.choose_direct_block_v``) a sequence is walked in 0.71x the 8-warp CTA's time (a lent H100, B1
+T32768 H64: 1123 against 1585 us; one warp per SM sub-partition hides less of the MMA chains' latency), the form
+0.87-0.93x the three launches' time at B1 H64 (``benchmarks/results/lightning_prefill_forms_ab_h100.md``). Over
+segments (full grids) V block 64 lost to 128 on every shape timed (two CTAs per SM; below), so the segments form
+keeps 128.
 
 The V block, 128 (per chunk of 64 tokens and head, K = V = 128):
 
