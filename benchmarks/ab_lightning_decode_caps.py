@@ -8,9 +8,10 @@ Rows: ``bench_lightning.py``'s decode rows at N >= 128 (H = 64; fp32 and bf16 po
 inputs. Each cap's kernel is launched directly (the validated call's tensors, the pool updated in place); time =
 us per step of a CUDA graph of ``--graph-calls`` steps (``bench_kda_decode.capture_graph``), median of CUDA-event
 timings in interleaved rounds (``bench_kda_prefill.interleaved_ms``), beside an in-place pass over the states'
-bytes (the yardstick of ``bench_kda_decode.state_pass``) and the floor (``bench_lightning.decode_floor_bytes`` at
-4.3 TB/s). "same bits": one step from the same pool at this cap gives the default cap's o and pool bit for bit
-(the caps change registers, not arithmetic: expected "yes"). Nothing is asserted.
+bytes (``bench_kda_decode.in_place_pass``, the yardstick of its decode rows) and the floor
+(``bench_lightning.decode_floor_bytes`` at 4.3 TB/s). "same bits": one step from the same pool at this cap gives
+the default cap's o and pool bit for bit (the caps change registers, not arithmetic: expected "yes"). Nothing is
+asserted.
 """
 
 from __future__ import annotations
@@ -23,25 +24,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from ab_lightning_prefill_forms import add_row, report_head  # noqa: E402
-from bench_kda_decode import capture_graph  # noqa: E402
+from ab_lightning_prefill_forms import add_row, is_selected, report_head  # noqa: E402
+from bench_kda_decode import STATE_PASS, capture_graph, in_place_pass  # noqa: E402
 from bench_kda_prefill import interleaved_ms, warm_up_gpu  # noqa: E402
-from bench_lightning import DecodeCase, decode_cases, decode_floor_bytes, floor_us, make_decode_inputs  # noqa: E402
-
-STATE_PASS = "state pass"
+from bench_lightning import (  # noqa: E402
+    POOL_DTYPES,
+    DecodeCase,
+    K,
+    V,
+    decode_cases,
+    decode_floor_bytes,
+    floor_us,
+    make_decode_inputs,
+)
 
 
 def rows(only: str) -> list[DecodeCase]:
-    """The bench's decode rows with N >= 128 whose names contain one of ``only``'s comma-separated substrings."""
-    wanted = [s.strip() for s in only.split(",") if s.strip()]
-    return [c for c in decode_cases() if c.N >= 128 and (not wanted or any(s in c.name for s in wanted))]
+    """The bench's decode rows with N >= 128 that ``only`` selects (the A/B scripts' ``--only``)."""
+    return [case for case in decode_cases() if case.N >= 128 and is_selected(case.name, only)]
 
 
-def default_cap(case: DecodeCase) -> int:
-    """The cap the product compiles for this row's single-token form."""
-    from cula_runtime.cute.lightning.decode import MIN_BLOCKS_PER_SM
+def default_cap(inp) -> int:
+    """The cap the product compiles for the decode step of ``inp`` (its single-token form)."""
+    from cula_runtime.cute.lightning import decode
 
-    return MIN_BLOCKS_PER_SM[("float32" if case.pool_dtype == "fp32" else "bfloat16", case.v_first, True)]
+    config, _ = decode._launch_config(inp.q, inp.pool, inp.case.v_first, None)
+    return decode.LightningDecode(config).min_blocks_per_sm
 
 
 def cap_step(inp, cap: int):
@@ -56,36 +64,27 @@ def cap_step(inp, cap: int):
     return lambda: launch(decode.LightningDecode, config, specs, tensors, decode._OUTPUTS, inp.q.device, inp.scale)
 
 
-def state_pass(case: DecodeCase):
-    """An in-place pass over as many bytes as the step's states (torch's ``mul_``)."""
-    dtype = torch.float32 if case.pool_dtype == "fp32" else torch.bfloat16
-    buffer = torch.rand(case.N * case.H * 128 * 128, device="cuda").to(dtype)
-    return lambda: buffer.mul_(1.0)
-
-
-def same_bits(inp, step, reference: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    """One ``step`` from the untouched pool gives ``reference``'s (o, pool) bit for bit."""
+def step_from_pristine(inp, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, pool)`` after one ``step`` from the untouched pool (views of ``inp``'s buffers: compare before the next
+    step)."""
     inp.pool.copy_(inp.pristine)
     step()
     torch.cuda.synchronize()
-    return torch.equal(inp.out, reference[0]) and torch.equal(inp.pool, reference[1])
+    return inp.out, inp.pool
 
 
 def measure(case: DecodeCase, caps: list[int], opts: argparse.Namespace) -> list[str]:
     """The row's table lines, one per cap (the default's first)."""
     inp = make_decode_inputs(case, "cuda", opts.seed)
-    default = default_cap(case)
+    default = default_cap(inp)
     steps = {0: cap_step(inp, 0)}
     steps.update({cap: cap_step(inp, cap) for cap in caps if cap != default})
-    steps[0]()  # the default's first call compiles
-    torch.cuda.synchronize()
-    inp.pool.copy_(inp.pristine)
-    steps[0]()
-    torch.cuda.synchronize()
-    reference = (inp.out.clone(), inp.pool.clone())
-    bits = {cap: same_bits(inp, step, reference) for cap, step in steps.items()}  # (compiles the others)
+    reference = tuple(t.clone() for t in step_from_pristine(inp, steps[0]))  # (its first call compiles)
+    bits = {cap: all(map(torch.equal, step_from_pristine(inp, step), reference))  # (compiles the others)
+            for cap, step in steps.items()}
     fns = {str(cap): capture_graph(step, opts.graph_calls).replay for cap, step in steps.items()}
-    fns[STATE_PASS] = capture_graph(state_pass(case), opts.graph_calls).replay
+    states = case.N * case.H * K * V
+    fns[STATE_PASS] = capture_graph(in_place_pass(states, POOL_DTYPES[case.pool_dtype]), opts.graph_calls).replay
     ms = interleaved_ms(fns, opts.reps, opts.rounds)
     per_step = {name: value * 1e3 / opts.graph_calls for name, value in ms.items()}
     floor, yard = floor_us(decode_floor_bytes(case)), per_step[STATE_PASS]

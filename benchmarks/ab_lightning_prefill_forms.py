@@ -56,10 +56,16 @@ def rows() -> list[tuple[str, PrefillCase]]:
             + [(f"{case.name} (half-V load)", case) for case in loads])
 
 
-def selected_rows(only: str) -> list[tuple[str, PrefillCase]]:
-    """:func:`rows` whose names contain one of the comma-separated substrings of ``only`` (all where it is empty)."""
+def is_selected(name: str, only: str) -> bool:
+    """Whether a row named ``name`` contains one of the comma-separated substrings of ``only`` (every row does where
+    ``only`` is empty): the A/B scripts' ``--only``."""
     wanted = [s.strip() for s in only.split(",") if s.strip()]
-    return [(name, case) for name, case in rows() if not wanted or any(s in name for s in wanted)]
+    return not wanted or any(s in name for s in wanted)
+
+
+def selected_rows(only: str) -> list[tuple[str, PrefillCase]]:
+    """:func:`rows` selected by ``only`` (:func:`is_selected`)."""
+    return [(name, case) for name, case in rows() if is_selected(name, only)]
 
 
 def report_head(title: str, legend: str, columns: list[str], sms: int) -> list[str]:

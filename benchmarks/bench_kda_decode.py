@@ -365,12 +365,18 @@ def timed_fns(ready: dict[str, Callable[[], object]], graph_calls: int, notes: d
     return fns
 
 
-def state_pass(case: DecodeCase) -> Callable[[], object]:
-    """One in-place pass over as many bytes as a step's states (a contiguous buffer of N HV K V elements in the
-    pool's dtype, read and written by torch's ``mul_``): what moving the states alone costs at this size, the yard
-    stick beside the floor's 4.3 TB/s (a large copy's rate, which smaller transfers do not reach)."""
-    buffer = torch.rand(case.N * case.HV * K * V, device="cuda").to(POOL_DTYPES[case.pool_dtype])
+def in_place_pass(elements: int, dtype: torch.dtype) -> Callable[[], object]:
+    """One in-place pass over a contiguous buffer of ``elements`` values of ``dtype`` (read and written by torch's
+    ``mul_``)."""
+    buffer = torch.rand(elements, device="cuda").to(dtype)
     return lambda: buffer.mul_(1.0)
+
+
+def state_pass(case: DecodeCase) -> Callable[[], object]:
+    """One in-place pass over as many bytes as a step's states (N HV K V elements in the pool's dtype): what moving
+    the states alone costs at this size, the yard stick beside the floor's 4.3 TB/s (a large copy's rate, which
+    smaller transfers do not reach)."""
+    return in_place_pass(case.N * case.HV * K * V, POOL_DTYPES[case.pool_dtype])
 
 
 def time_decode(ready: dict[str, Callable[[], object]], opts: argparse.Namespace, sleep: GpuSleep,

@@ -449,9 +449,8 @@ def test_the_decode_caps_a_b_takes_the_bench_s_large_decode_rows_and_the_product
     decode = pytest.importorskip("cula_runtime.cute.lightning.decode", exc_type=ImportError)
     for case in caps.rows(""):
         inp = bench.make_decode_inputs(dataclasses.replace(case, N=1, H=2), "cpu")  # (the same dtypes, layout)
-        config, _ = decode._launch_config(inp.q, inp.pool, case.v_first, None)
-        assert config.single_token and config.min_blocks_per_sm == 0
-        assert caps.default_cap(case) == decode.LightningDecode(config).min_blocks_per_sm
+        single_token = ("float32" if case.pool_dtype == "fp32" else "bfloat16", case.v_first, True)
+        assert caps.default_cap(inp) == decode.MIN_BLOCKS_PER_SM[single_token]
 
 
 def test_each_cap_s_step_launches_the_single_token_decode_at_that_cap(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -471,4 +470,3 @@ def test_each_cap_s_step_launches_the_single_token_decode_at_that_cap(monkeypatc
     assert capped == dataclasses.replace(default, min_blocks_per_sm=7)
     assert args0[4] is inp.pool and args0[7] is inp.out and args0[8] == inp.scale
     assert all(a is b for a, b in zip(args0[:8], args7[:8], strict=True))
-
