@@ -166,6 +166,10 @@ for step in "$@"; do
                         -k "not (B2-T200-H4 or B2-T129-H4-HV8-vk or B3-T130-H2-noh0 or varlen-0-1-64-65-200)" \
                         tests/integrations/test_fla_backend_gpu.py ;;
     bench:doors) timeout 400 python3 benchmarks/host_doors_kda.py --backend all --out "$OUT/kda_host_doors_h200.md" ;;
+    # the custom op's host time split into torch's way in/out and the body's steps (~1 min)
+    host:op-split) timeout 200 python3 benchmarks/host_op_split_kda.py --out "$OUT/kda_host_op_split.md" ;;
+    # an in-place pass over decode pools in the K-first decode's CTA shape and two others (Triton; ~1 min)
+    probe:state-access) timeout 200 python3 benchmarks/probe_state_access.py --out "$OUT/decode_state_access_probe.md" ;;
     # the unbounded gate's Kimi rows against FLA (UNB_ONLY: bench_kda_unbounded.py --only)
     bench:unbounded) timeout 560 python3 benchmarks/bench_kda_unbounded.py ${UNB_ONLY:+--only "$UNB_ONLY"} \
                        --out "$OUT/kda_unbounded_h200.md" ;;
@@ -195,7 +199,7 @@ for step in "$@"; do
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
-          "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors sanitizer:unbounded sanitizer:decode" \
+          "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors host:op-split probe:state-access sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
           "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-decode-caps)" ;;
   esac

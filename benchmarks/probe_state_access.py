@@ -1,0 +1,142 @@
+"""Does the K-first decode's access pattern cost bandwidth by itself? An in-place pass over a decode pool's states
+(``s <- 0.5 s + 1``, read and written once) in three CTA shapes, beside torch's own in-place pass (issues 26, 28).
+
+    python benchmarks/probe_state_access.py [--heads 64] [--batch 128,512] [--reps 30]
+        [--out benchmarks/results/decode_state_access_probe_h100.md]
+
+The decode kernels (``cute/kda/decode.py``, ``cute/lightning/decode.py``) give a K-first ``[K, V]`` state four CTAs,
+each one 128-byte line of every K row: 128 lines at a 512-byte stride (fp32; bf16: two CTAs, 128-byte lines at a
+256-byte stride); V-first CTAs read 16 KB that are contiguous. On a lent H100 the K-first step was 1.08-1.09x an
+in-place pass over the same bytes and the V-first step 1.03x (``lightning_decode_caps_ab_h100.md``). This probe
+moves the same bytes with nothing else in the kernel (Triton, one state block per program, 4 warps unless said):
+
+- ``lines``: the K-first decode's shape: program = (state, line), ``[128 rows, 128 bytes]`` at the row stride;
+- ``contiguous``: program = (state, quarter): 32 whole K rows (fp32; bf16: 64), the same bytes per program, contiguous;
+- ``whole state``: program = one state (64 KB fp32, 32 KB bf16), 16 warps;
+- ``torch``: ``pool.mul_(0.5)``, one in-place pass (the yardstick of ``ab_lightning_decode_caps.py``).
+
+Per row: the mean time of ``--reps`` calls queued back to back between CUDA events, the median over interleaved
+rounds, and the ratio to torch's pass. If ``lines`` is slower than ``contiguous`` by about the decode's K-first
+excess, the layout of the K-first CTAs is what costs, and a K-first CTA that reads contiguous rows (whole states,
+reducing over K inside the CTA) is the lever; if not, the excess is in the kernels' own phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+K = V = 128
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--batch", default="128,512")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/decode_state_access_probe_h100.md")
+    return parser.parse_args()
+
+
+def kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_pass(pool, ROWS: tl.constexpr, COLS: tl.constexpr, PARTS: tl.constexpr, BY_LINE: tl.constexpr):
+        """One program: part ``pid % PARTS`` of state ``pid // PARTS``, a [ROWS, COLS] block, in place."""
+        pid = tl.program_id(0)
+        state = pid // PARTS
+        part = pid % PARTS
+        rows = tl.arange(0, ROWS)[:, None]
+        cols = tl.arange(0, COLS)[None, :]
+        if BY_LINE:  # every K row, the part's columns
+            offsets = rows * V + part * COLS + cols
+        else:  # the part's K rows, every column
+            offsets = (part * ROWS + rows) * V + cols
+        ptrs = pool + state.to(tl.int64) * (K * V) + offsets
+        x = tl.load(ptrs)
+        tl.store(ptrs, (x.to(tl.float32) * 0.5 + 1.0).to(x.dtype))
+
+    return block_pass
+
+
+def forms(dtype) -> dict[str, tuple]:
+    """name -> (ROWS, COLS, PARTS, BY_LINE, num_warps)."""
+    import torch
+
+    line = 128 // torch.tensor([], dtype=dtype).element_size()  # columns in a 128-byte line
+    parts = V // line
+    return {"lines": (K, line, parts, True, 4), "contiguous": (K // parts, V, parts, False, 4),
+            "whole state": (K, V, 1, False, 16)}
+
+
+def batch_us(call, reps: int) -> float:
+    """Mean microseconds of one call over ``reps`` calls queued back to back between two CUDA events (the launches
+    run ahead of the GPU: host time is not counted)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps
+
+
+def probe(block_pass, dtype, N: int, opts: argparse.Namespace) -> list[str]:
+    """The table rows of one pool (N states of ``opts.heads`` heads in ``dtype``)."""
+    import torch
+
+    pool = torch.randn(N, opts.heads, K, V, device="cuda").to(dtype)
+    states = N * opts.heads
+    calls = {"torch": lambda: pool.mul_(0.5)}
+    for name, (rows, cols, parts, by_line, warps) in forms(dtype).items():
+        calls[name] = (lambda rows=rows, cols=cols, parts=parts, by_line=by_line, warps=warps:
+                       block_pass[(states * parts,)](pool, rows, cols, parts, by_line, num_warps=warps))
+    for call in calls.values():  # compile, warm up
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(opts.rounds):
+        for name, call in calls.items():
+            times[name].append(batch_us(call, opts.reps))
+    us = {name: statistics.median(t) for name, t in times.items()}
+    nbytes = 2 * pool.numel() * pool.element_size()
+    pool_name = str(dtype).removeprefix("torch.")
+    return [f"| {pool_name} | {N} | {opts.heads} | {nbytes / 1e6:.0f} | {name} | {us[name]:.1f} | "
+            f"{us[name] / us['torch']:.3f} | {nbytes / us[name] / 1e3:.0f} |" for name in calls]
+
+
+def main() -> None:
+    opts = parse()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_state_access.py needs a CUDA GPU")
+    from bench_kda_prefill import environment
+
+    block_pass = kernels()
+    lines = ["# An in-place pass over decode states in three CTA shapes (K-first access probe)", "", *environment(),
+             f"- command: `python {' '.join(sys.argv)}`", "",
+             "Method: `benchmarks/probe_state_access.py`'s docstring. us = median over rounds of the mean time of "
+             "`--reps` calls queued back to back between CUDA events; x torch = over `pool.mul_(0.5)` on the same "
+             "pool.", "",
+             "| pool | N | H | MB (read + written) | form | us | x torch | GB/s |", "|---|---|---|---|---|---|---|---|"]
+    for dtype in (torch.float32, torch.bfloat16):
+        for N in (int(x) for x in opts.batch.split(",")):
+            lines += probe(block_pass, dtype, N, opts)
+            Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(opts.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
