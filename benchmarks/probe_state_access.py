@@ -1,5 +1,5 @@
 """Does the K-first decode's access pattern cost bandwidth by itself? An in-place pass over a decode pool's states
-(``s <- 0.5 s + 1``, read and written once) in three CTA shapes, beside torch's own in-place pass (issues 26, 28).
+(``s <- 0.5 s + 1``, read and written once) in four CTA shapes, beside torch's own in-place pass (issues 26, 28).
 
     python benchmarks/probe_state_access.py [--heads 64] [--batch 128,512] [--reps 30]
         [--out benchmarks/results/decode_state_access_probe_h100.md]
@@ -11,6 +11,7 @@ in-place pass over the same bytes and the V-first step 1.03x (``lightning_decode
 moves the same bytes with nothing else in the kernel (Triton, one state block per program, 4 warps unless said):
 
 - ``lines``: the K-first decode's shape: program = (state, line), ``[128 rows, 128 bytes]`` at the row stride;
+- ``two lines``: program = (state, half): 256 contiguous bytes of every K row, 8 warps;
 - ``contiguous``: program = (state, quarter): 32 whole K rows (fp32; bf16: 64), the same bytes per program, contiguous;
 - ``whole state``: program = one state (64 KB fp32, 32 KB bf16), 16 warps;
 - ``torch``: ``pool.mul_(0.5)``, one in-place pass (the yardstick of ``ab_lightning_decode_caps.py``).
@@ -72,8 +73,8 @@ def forms(dtype) -> dict[str, tuple]:
 
     line = 128 // torch.tensor([], dtype=dtype).element_size()  # columns in a 128-byte line
     parts = V // line
-    return {"lines": (K, line, parts, True, 4), "contiguous": (K // parts, V, parts, False, 4),
-            "whole state": (K, V, 1, False, 16)}
+    return {"lines": (K, line, parts, True, 4), "two lines": (K, 2 * line, parts // 2, True, 8),
+            "contiguous": (K // parts, V, parts, False, 4), "whole state": (K, V, 1, False, 16)}
 
 
 def batch_us(call, reps: int) -> float:
@@ -124,7 +125,7 @@ def main() -> None:
     from bench_kda_prefill import environment
 
     block_pass = kernels()
-    lines = ["# An in-place pass over decode states in three CTA shapes (K-first access probe)", "", *environment(),
+    lines = ["# An in-place pass over decode states in four CTA shapes (K-first access probe)", "", *environment(),
              f"- command: `python {' '.join(sys.argv)}`", "",
              "Method: `benchmarks/probe_state_access.py`'s docstring. us = median over rounds of the mean time of "
              "`--reps` calls queued back to back between CUDA events; x torch = over `pool.mul_(0.5)` on the same "
