@@ -170,6 +170,8 @@ for step in "$@"; do
     host:op-split) timeout 200 python3 benchmarks/host_op_split_kda.py --out "$OUT/kda_host_op_split.md" ;;
     # an in-place pass over decode pools in the K-first decode's CTA shape and two others (Triton; ~1 min)
     probe:state-access) timeout 200 python3 benchmarks/probe_state_access.py --out "$OUT/decode_state_access_probe.md" ;;
+    # the K-first decode CTAs at 1, 2 and 4 lines per K row side by side (KDA and Lightning rows, N >= 128; ~4 min)
+    ab:k-first-lines) timeout 400 python3 benchmarks/ab_decode_k_first_lines.py ${AB_ONLY:+--only "$AB_ONLY"} --out "$OUT/decode_k_first_lines_ab.md" ;;
     # the unbounded gate's Kimi rows against FLA (UNB_ONLY: bench_kda_unbounded.py --only)
     bench:unbounded) timeout 560 python3 benchmarks/bench_kda_unbounded.py ${UNB_ONLY:+--only "$UNB_ONLY"} \
                        --out "$OUT/kda_unbounded_h200.md" ;;
@@ -199,7 +201,7 @@ for step in "$@"; do
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
-          "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors host:op-split probe:state-access sanitizer:unbounded sanitizer:decode" \
+          "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors host:op-split probe:state-access ab:k-first-lines sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
           "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-decode-caps)" ;;
   esac

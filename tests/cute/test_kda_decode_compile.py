@@ -150,15 +150,18 @@ def test_kda_decode_machine_code(config_id: str, target: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The lane mapping, emulated on the CPU from the kernel's index methods (nothing compiles)
 
-LAYOUTS = [pytest.param(dtype, v_first, id=f"{dtype}-{'vk' if v_first else 'kv'}")
-           for dtype in ("float32", "bfloat16") for v_first in (False, True)]
+# (pool dtype, V-first, K-first CTAs' lines per K row: 0 = the default; every count a K-first row allows)
+LAYOUTS = [pytest.param(dtype, v_first, lines, id=f"{dtype}-{'vk' if v_first else 'kv'}" + (f"-{lines}l" * bool(lines)))
+           for dtype in ("float32", "bfloat16") for v_first in (False, True)
+           for lines in ((0,) if v_first else (0, 1, 2, 4) if dtype == "float32" else (0, 1, 2))]
 K = 128
 
 
-def _kernel(state_dtype: str, v_first: bool):
+def _kernel(state_dtype: str, v_first: bool, lines: int = 0):
     from cula_runtime.cute.kda.decode import KdaDecode, KdaDecodeConfig
 
-    return KdaDecode(KdaDecodeConfig(num_heads=1, num_v_heads=1, state_dtype=state_dtype, state_v_first=v_first))
+    return KdaDecode(KdaDecodeConfig(num_heads=1, num_v_heads=1, state_dtype=state_dtype, state_v_first=v_first,
+                                     k_first_lines=lines))
 
 
 def _lane_elements(kernel, vb: int, warp: int, lane: int) -> list[list[tuple[int, int]]]:
@@ -174,15 +177,16 @@ def _lane_elements(kernel, vb: int, warp: int, lane: int) -> list[list[tuple[int
     return vectors
 
 
-@pytest.mark.parametrize(("state_dtype", "v_first"), LAYOUTS)
-def test_each_element_once_in_whole_lines(state_dtype: str, v_first: bool) -> None:
+@pytest.mark.parametrize(("state_dtype", "v_first", "lines"), LAYOUTS)
+def test_each_element_once_in_whole_lines(state_dtype: str, v_first: bool, lines: int) -> None:
     """Every element of a head is held by exactly one lane of one of its CTAs; each lane's vector is 16 contiguous,
     aligned bytes; every warp-wide access (vector p of the 32 lanes) covers whole 128-byte lines."""
-    kernel = _kernel(state_dtype, v_first)
+    kernel = _kernel(state_dtype, v_first, lines)
     elem_bytes = 16 // kernel.vec
     assert kernel.block_v * kernel.v_blocks == K
     if not v_first:
-        assert kernel.block_v * elem_bytes == 128  # a CTA's part of a K-first row is one line
+        assert kernel.block_v * elem_bytes == 128 * kernel.lines  # a CTA's part of a K-first row: its lines
+        assert kernel.num_warps == 4 * kernel.lines
     holders: dict[tuple[int, int], int] = {}
     for vb in range(kernel.v_blocks):
         for warp in range(kernel.num_warps):
@@ -205,13 +209,13 @@ def test_each_element_once_in_whole_lines(state_dtype: str, v_first: bool) -> No
     assert len(holders) == K * K
 
 
-@pytest.mark.parametrize(("state_dtype", "v_first"), LAYOUTS)
-def test_reductions_cover_each_column_once(state_dtype: str, v_first: bool) -> None:
+@pytest.mark.parametrize(("state_dtype", "v_first", "lines"), LAYOUTS)
+def test_reductions_cover_each_column_once(state_dtype: str, v_first: bool, lines: int) -> None:
     """The lanes one shfl.bfly all-reduce combines (``reduce_masks``) hold the same columns and disjoint rows; with
     the other warps whose sums the K-first exchange adds (the same column group in every warp), they hold all 128
     K rows of those columns once. The lane's q, k and g rows are its state rows (K-first: one 16-byte piece of 8
     contiguous rows); o is written by one lane per column."""
-    kernel = _kernel(state_dtype, v_first)
+    kernel = _kernel(state_dtype, v_first, lines)
     for vb in range(kernel.v_blocks):
         written: list[int] = []
         by_column: dict[int, list[int]] = {}
@@ -232,8 +236,10 @@ def test_reductions_cover_each_column_once(state_dtype: str, v_first: bool) -> N
                     by_column.setdefault(v, []).extend(rows)
                 if kernel.stores_o(r, 32 * warp + lane):
                     written.extend(range(col0, col0 + kernel.cols))
-                if not v_first:  # the exchange: a thread adds the sums of its column group (lane % 8) of each warp
-                    for other_warp in range(kernel.num_warps):
+                if not v_first:  # the exchange: a thread adds the sums of its column group (lane % 8) of each
+                    # warp of its line group
+                    first = kernel.exchange_warps(warp)
+                    for other_warp in range(first, first + 4):
                         assert kernel.lane_layout(other_warp, lane % 8, vb)[1] == col0
         for v, rows in by_column.items():
             assert sorted(rows) == list(range(K)), f"column {v}: rows held {len(rows)} times, not each once"
@@ -248,13 +254,14 @@ def _xor_span(masks: tuple[int, ...]) -> set[int]:
     return span
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-def test_exchange_writes_meet_reads(state_dtype: str) -> None:
+@pytest.mark.parametrize(("state_dtype", "lines"), [("float32", 0), ("float32", 2), ("float32", 4), ("bfloat16", 0),
+                                                    ("bfloat16", 2)])
+def test_exchange_writes_meet_reads(state_dtype: str, lines: int) -> None:
     """K-first exchange: the writers' slots (row group 0 of each warp: lane c writes its kᵀS and qᵀS, 16-byte
     pieces m) are distinct and inside the buffer, the two token-parity buffers are disjoint, piece m of the 8 column
     groups is 128 contiguous bytes (one wavefront), and a reader (any lane l, column group l % 8) finds there the
-    sums of its own columns."""
-    kernel = _kernel(state_dtype, False)
+    sums of its own columns (from each warp of its line group: :meth:`exchange_warps`)."""
+    kernel = _kernel(state_dtype, False, lines)
     shape, stride = kernel.exchange_shape_stride()
     VC, NW = kernel.cols, kernel.num_warps
     assert shape == (4, VC // 4, 8, 2, NW, 2)
@@ -281,10 +288,11 @@ def test_exchange_writes_meet_reads(state_dtype: str) -> None:
                 for m in range(VC // 4):
                     piece = sorted(offset(e, m, c, half, warp, buf) for c in range(8) for e in range(4))
                     assert piece == list(range(piece[0], piece[0] + 32)) and piece[0] % 32 == 0
-    for lane in range(32):  # a reader of every warp finds its own columns' sums of each warp
+    for lane in range(32):  # a reader of every warp finds its own columns' sums of each warp of its line group
         for reader_warp in range(NW):
             _, col0, _ = kernel.lane_layout(reader_warp, lane, 0)
-            for warp in range(NW):
+            first = kernel.exchange_warps(reader_warp)
+            for warp in range(first, first + 4):
                 for half in range(2):
                     for j in range(VC):
                         slot = offset(j % 4, j // 4, lane % 8, half, warp, 1)
@@ -316,6 +324,10 @@ def test_one_binary_serves_every_batch() -> None:
         ({"gate": {"form": "none", "has_dt_bias": True, "has_A_log": False}}, "only used by an activated gate"),
         ({"gate": {"form": "none", "has_A_log": False, "has_dt_bias": False, "allow_neg_eigval": True,
                    "beta_sigmoid": False}}, "allow_neg_eigval"),
+        ({"k_first_lines": 3}, "k_first_lines=3"),
+        ({"k_first_lines": 8}, "k_first_lines=8"),
+        ({"state_dtype": "bfloat16", "k_first_lines": 4}, "a row's 2 lines"),
+        ({"state_v_first": True, "k_first_lines": 1}, "K-first"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:

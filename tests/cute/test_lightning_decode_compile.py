@@ -171,6 +171,9 @@ def test_one_binary_serves_every_batch() -> None:
         ({"state_dtype": "float64"}, "state_dtype"),
         ({"min_blocks_per_sm": 33}, "min_blocks_per_sm"),
         ({"single_token": True, "varlen": True}, "single_token needs fixed-length"),
+        ({"k_first_lines": 3}, "k_first_lines=3"),
+        ({"state_dtype": "bfloat16", "k_first_lines": 4}, "a row's 2 lines"),
+        ({"state_v_first": True, "k_first_lines": 2}, "K-first"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:
@@ -186,14 +189,17 @@ def test_can_implement_says_why(changes: dict, reason: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # One token step, emulated on the CPU from the kernel's index methods (nothing compiles)
 
-LAYOUTS = [pytest.param(dtype, v_first, id=f"{dtype}-{'vk' if v_first else 'kv'}")
-           for dtype in ("float32", "bfloat16") for v_first in (False, True)]
+# (pool dtype, V-first, K-first CTAs' lines per K row: 0 = the default; every count a K-first row allows)
+LAYOUTS = [pytest.param(dtype, v_first, lines, id=f"{dtype}-{'vk' if v_first else 'kv'}" + (f"-{lines}l" * bool(lines)))
+           for dtype in ("float32", "bfloat16") for v_first in (False, True)
+           for lines in ((0,) if v_first else (0, 1, 2, 4) if dtype == "float32" else (0, 1, 2))]
 
 
-def _kernel(state_dtype: str, v_first: bool):
+def _kernel(state_dtype: str, v_first: bool, lines: int = 0):
     from cula_runtime.cute.lightning.decode import LightningDecode, LightningDecodeConfig
 
-    return LightningDecode(LightningDecodeConfig(num_heads=1, state_dtype=state_dtype, state_v_first=v_first))
+    return LightningDecode(LightningDecodeConfig(num_heads=1, state_dtype=state_dtype, state_v_first=v_first,
+                                                 k_first_lines=lines))
 
 
 def _xor_span(masks: tuple[int, ...]) -> list[int]:
@@ -211,13 +217,14 @@ def _exchange_offset(kernel, e: int, m: int, c: int, w: int, buf: int) -> int:
     return sum(x * s for x, s in zip(coord, stride, strict=True))
 
 
-@pytest.mark.parametrize(("state_dtype", "v_first"), LAYOUTS)
-def test_token_step_emulation(state_dtype: str, v_first: bool) -> None:
+@pytest.mark.parametrize(("state_dtype", "v_first", "lines"), LAYOUTS)
+def test_token_step_emulation(state_dtype: str, v_first: bool, lines: int) -> None:
     """A token step of every CTA of one head, lane by lane: ``s ← λ s + k_i v_j`` on the elements the lane holds,
     its partial sums ``Σ_i q_i s_ij``, the butterflies over ``reduce_masks``, (K-first) the exchange through its
-    shared-memory offsets in warp order, and o from the lanes that store it. The result is the new state
-    ``λ S + k vᵀ`` (every element written once) and ``o = scale · Sᵀq`` (every column written once)."""
-    kernel = _kernel(state_dtype, v_first)
+    shared-memory offsets in warp order over each line group's 4 warps, and o from the lanes that store it. The
+    result is the new state ``λ S + k vᵀ`` (every element written once) and ``o = scale · Sᵀq`` (every column
+    written once)."""
+    kernel = _kernel(state_dtype, v_first, lines)
     lanes = kernel.lanes
     rng = random.Random(f"{state_dtype}-{v_first}")
     S = [[rng.uniform(-1, 1) for _ in range(K)] for _ in range(K)]  # [K, V]
@@ -272,14 +279,17 @@ def test_token_step_emulation(state_dtype: str, v_first: bool) -> None:
                         slot = _exchange_offset(kernel, j % 4, j // 4, lane, warp, buf)
                         assert slot not in smem
                         smem[slot] = sums[(warp, lane)][j]
-            for lane in range(32):  # warp 0 gathers in warp order; threads 0..7 store
-                r, col0, _ = lanes.lane_layout(0, lane, vb)
-                total = [sum(smem[_exchange_offset(kernel, j % 4, j // 4, lane % 8, w, buf)] for w in range(NW))
-                         for j in range(VC)]
-                if lanes.stores_o(r, lane):
-                    for j in range(VC):
-                        assert col0 + j not in o, "o written twice"
-                        o[col0 + j] = scale * total[j]
+            for warp in range(NW):  # each warp gathers its line group's 4 warps in order; lanes stores_o store
+                first = lanes.exchange_warps(warp)
+                for lane in range(32):
+                    r, col0, _ = lanes.lane_layout(warp, lane, vb)
+                    assert all(lanes.lane_layout(first + w, lane % 8, vb)[1] == col0 for w in range(4))
+                    total = [sum(smem[_exchange_offset(kernel, j % 4, j // 4, lane % 8, first + w, buf)]
+                                 for w in range(4)) for j in range(VC)]
+                    if lanes.stores_o(r, 32 * warp + lane):
+                        for j in range(VC):
+                            assert col0 + j not in o, "o written twice"
+                            o[col0 + j] = scale * total[j]
     assert len(new_S) == K * K
     for (row, col), s in new_S.items():
         assert s == pytest.approx(decay * S[row][col] + k[row] * v[col], abs=1e-12)
@@ -289,11 +299,12 @@ def test_token_step_emulation(state_dtype: str, v_first: bool) -> None:
         assert o[col] == pytest.approx(expected, rel=1e-9, abs=1e-9)
 
 
-@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
-def test_exchange_buffers(state_dtype: str) -> None:
+@pytest.mark.parametrize(("state_dtype", "lines"), [("float32", 0), ("float32", 2), ("float32", 4), ("bfloat16", 0),
+                                                    ("bfloat16", 2)])
+def test_exchange_buffers(state_dtype: str, lines: int) -> None:
     """K-first exchange: the writers' slots are distinct and fill the buffer exactly, the two token-parity buffers
     are disjoint, and piece m of the 8 column groups of one warp is 128 contiguous bytes (one wavefront)."""
-    kernel = _kernel(state_dtype, False)
+    kernel = _kernel(state_dtype, False, lines)
     VC, NW = kernel.cols, kernel.num_warps
     slots = {_exchange_offset(kernel, e, m, c, w, buf)
              for e in range(4) for m in range(VC // 4) for c in range(8) for w in range(NW) for buf in range(2)}

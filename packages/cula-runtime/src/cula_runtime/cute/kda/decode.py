@@ -86,8 +86,11 @@ __all__ = ["KdaDecode", "KdaDecodeConfig", "kda_decode_cutedsl"]
 
 _DTYPES = {"float32": Float32, "bfloat16": BFloat16}
 BLOCK_V = 32  # V-first: value columns per CTA, 4 CTAs per head (see the module docstring)
-LINE_BYTES = 128  # K-first: a CTA's value columns are one 128-byte line of each K row (32 fp32 or 64 bf16 columns)
-K_FIRST_WARPS = 4  # K-first: 32 K rows per warp
+LINE_BYTES = 128  # K-first: a line group's value columns are one 128-byte line of each K row (32 fp32 or 64 bf16)
+K_FIRST_ROW_WARPS = 4  # K-first: the warps of a line group, 32 K rows each
+# K-first: 128-byte lines of each K row per CTA (its line groups), by pool dtype: 1 = a CTA per line (4 CTAs per fp32
+# head, 2 per bf16 head), up to all of a row's lines (4 fp32, 2 bf16: one CTA reads its head's 64 or 32 KB whole)
+K_FIRST_LINES = {"float32": 1, "bfloat16": 1}
 # Register budget (min CTAs per SM, hence registers per thread): the state bytes resident per SM must cover what
 # 4.3 TB/s needs in flight (≈ 33-40 KB per SM at ≈ 1 us of loaded latency), with margin for the CTAs that are in
 # their math or store phase. V-first: unconstrained, ptxas takes ≈ 102 (fp32 pool, 128 threads) and ≈ 134 (bf16
@@ -118,6 +121,7 @@ class KdaDecodeConfig:
         varlen: packed sequences (B = 1, ``cu_seqlens``).
         per_token_slots: ``state_indices`` is ``[N, W]`` (speculative verification; else ``[N]``).
         num_accepted: ``num_accepted_tokens [N]`` is given (needs ``per_token_slots``).
+        k_first_lines: K-first CTAs' lines per K row (1, 2 or 4 fp32; 1 or 2 bf16); 0: :data:`K_FIRST_LINES`.
     """
 
     num_heads: int
@@ -130,6 +134,7 @@ class KdaDecodeConfig:
     varlen: bool = False
     per_token_slots: bool = False
     num_accepted: bool = False
+    k_first_lines: int = 0
 
 
 class KdaDecode:
@@ -157,6 +162,10 @@ class KdaDecode:
             return False, "allow_neg_eigval needs the in-kernel beta sigmoid"
         if c.num_accepted and not c.per_token_slots:
             return False, "num_accepted_tokens needs per-token state indices [N, W]"
+        row_lines = c.head_dim * (4 if c.state_dtype == "float32" else 2) // LINE_BYTES
+        if c.k_first_lines and (c.state_v_first or c.k_first_lines not in (1, 2, 4) or c.k_first_lines > row_lines):
+            return False, (f"k_first_lines={c.k_first_lines}: expected 0 (the default) or, K-first, 1, 2 or 4 up to "
+                           f"a row's {row_lines} lines")
         return True, ""
 
     def __init__(self, config: KdaDecodeConfig):
@@ -167,6 +176,7 @@ class KdaDecode:
         state_bytes = 4 if config.state_dtype == "float32" else 2
         self.vec = 16 // state_bytes  # state elements per 16-byte access
         if config.state_v_first:
+            self.lines = 1  # (K-first only)
             self.block_v = BLOCK_V  # a CTA's value columns
             self.warp_cols = 32 // state_bytes  # a warp's value columns (all 128 K rows of them)
             self.cols = self.warp_cols // 2  # value columns per lane
@@ -176,10 +186,13 @@ class KdaDecode:
             self.reduce_masks = (1, 2, 4, 8)
             self.smem_carveout = 0  # no shared memory
         else:
-            self.block_v = LINE_BYTES // state_bytes  # 32 (fp32 pool) or 64 (bf16 pool)
+            self.lines = config.k_first_lines or K_FIRST_LINES[config.state_dtype]  # line groups per CTA
+            self.line_cols = LINE_BYTES // state_bytes  # 32 (fp32 pool) or 64 (bf16 pool)
+            self.block_v = self.lines * self.line_cols
             self.cols = self.vec  # value columns per lane: one 16-byte vector of each of its rows
-            self.num_warps = K_FIRST_WARPS
-            self.min_blocks_per_sm = MIN_BLOCKS_PER_SM_K_FIRST[config.state_dtype]
+            self.num_warps = K_FIRST_ROW_WARPS * self.lines
+            # the same threads per SM whatever the lines: the register cap of the one-line CTAs
+            self.min_blocks_per_sm = max(1, MIN_BLOCKS_PER_SM_K_FIRST[config.state_dtype] // self.lines)
             # lanes sharing a lane's columns within its warp: the 4 row groups (l // 8); the warps then exchange
             # their sums through shared memory
             self.reduce_masks = (8, 16)
@@ -290,7 +303,7 @@ class KdaDecode:
             # token t - 1's)
             smem = SmemAllocator()
             sRed = smem.allocate_tensor(Float32, self.exchange_layout(), 16)
-            sQk = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 2)), 16)
+            sQk = smem.allocate_tensor(Float32, cute.make_layout((K_FIRST_ROW_WARPS, self.lines, 2)), 16)
             red = (sRed, sQk, warp_idx, lane)
 
         # ---- the sequence: batch row b, first token bos, length tokens (cu_seqlens clamped into [0, T])
@@ -464,8 +477,9 @@ class KdaDecode:
                 rS[e, p] = rS[e, p] + rKf[i % 4, i // 4] * vnew[j]
         if const_expr(red is None):
             self.store_output(mO, sums[VC:], qk, vnew, scale, b, tok, hv, col0, stores_o)
-        else:  # K-first: warp 0 (its row group 0 holds each column once) gathers qᵀS and q·k and writes o
-            if red[2] == 0:
+        else:  # K-first: a line group's first warp (its row group 0 holds each column once) gathers qᵀS and q·k and
+            # writes o
+            if red[2] % K_FIRST_ROW_WARPS == 0:
                 self.store_output(mO, self.cta_gather(red, buf, 1), self.cta_gather(red, buf, 2)[0], vnew, scale, b,
                                   tok, hv, col0, stores_o)
 
@@ -524,19 +538,26 @@ class KdaDecode:
                 bases = (4 * r, 64 + 4 * r)
             else:  # bf16: rows 8r .. 8r + 7, one 16-byte vector
                 bases = (8 * r, 8 * r + 4)
-        else:
+        else:  # line group warp_idx // 4, its rows 32 (warp_idx % 4) ..
             r = lane // 8
-            col0 = vb * self.block_v + (lane % 8) * VC
-            row0 = 32 * warp_idx + 8 * r
+            col0 = vb * self.block_v + (warp_idx // K_FIRST_ROW_WARPS) * self.line_cols + (lane % 8) * VC
+            row0 = 32 * (warp_idx % K_FIRST_ROW_WARPS) + 8 * r
             bases = (row0, row0 + 4)
         return r, col0, bases
 
+    @staticmethod
+    def exchange_warps(warp_idx):
+        """K-first: the first of the 4 warps whose sums a thread of warp ``warp_idx`` adds (its line group's, which
+        hold the 128 K rows of its columns: warps ``first .. first + 3``). Plain arithmetic, as :meth:`lane_layout`."""
+        return warp_idx - warp_idx % K_FIRST_ROW_WARPS
+
     def stores_o(self, r, tidx):
         """Whether thread ``tidx`` (row group ``r``) writes o: one lane per column. V-first: row group 0 of each
-        column group; K-first: warp 0's row group 0 (threads 0..7: every warp holds every column)."""
+        column group; K-first: row group 0 of each line group's first warp (lanes 0..7 of warps 0, 4, ...: the 4
+        warps of a line group hold the same columns)."""
         if self.config.state_v_first:
             return r == 0
-        return tidx < 8
+        return tidx % (32 * K_FIRST_ROW_WARPS) < 8
 
     @staticmethod
     def flat(frag: cute.Tensor) -> cute.Tensor:
@@ -572,20 +593,21 @@ class KdaDecode:
                 for m in cutlass.range_constexpr(VC // 4):
                     cute.copy(atom, rOut[None, m, half], sRed[None, m, lane, half, warp_idx, buf])
             if lane == 0:
-                sQk[warp_idx, buf] = sums[2 * VC]
+                sQk[warp_idx % K_FIRST_ROW_WARPS, warp_idx // K_FIRST_ROW_WARPS, buf] = sums[2 * VC]
         cute.arch.sync_threads()
 
     @cute.jit
     def cta_gather(self, red: tuple, buf: Int32, half: cutlass.Constexpr) -> list:
-        """K-first, after :meth:`cta_publish`: the CTA's sums over all 128 K rows, added in warp order (every thread
-        gets the same bits) from buffer ``buf``: ``kᵀS`` (``half`` 0) or ``qᵀS`` (1) of the lane's columns, or
-        ``[q·k]`` (2)."""
-        VC, NW = self.cols, self.num_warps
+        """K-first, after :meth:`cta_publish`: the sums over all 128 K rows, added in warp order over the thread's
+        line group (:meth:`exchange_warps`; every thread gets the same bits) from buffer ``buf``: ``kᵀS`` (``half``
+        0) or ``qᵀS`` (1) of the lane's columns, or ``[q·k]`` (2)."""
+        VC, NW = self.cols, K_FIRST_ROW_WARPS
         sRed, sQk, warp_idx, lane = red
+        first = self.exchange_warps(warp_idx)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         if const_expr(half == 2):
             rQk = cute.make_rmem_tensor(cute.make_layout(NW), Float32)
-            cute.copy(atom, sQk[None, buf], rQk)
+            cute.copy(atom, sQk[None, warp_idx // NW, buf], rQk)
             qk = rQk[0]
             for w in cutlass.range_constexpr(1, NW):
                 qk = qk + rQk[w]
@@ -594,7 +616,7 @@ class KdaDecode:
         for w in cutlass.range_constexpr(NW):
             rIn = cute.make_rmem_tensor(cute.make_layout((4, VC // 4)), Float32)
             for m in cutlass.range_constexpr(VC // 4):
-                cute.copy(atom, sRed[None, m, lane % 8, half, w, buf], rIn[None, m])
+                cute.copy(atom, sRed[None, m, lane % 8, half, first + w, buf], rIn[None, m])
             for j in cutlass.range_constexpr(VC):
                 sums[j] = rIn[j % 4, j // 4] if w == 0 else sums[j] + rIn[j % 4, j // 4]
         return sums

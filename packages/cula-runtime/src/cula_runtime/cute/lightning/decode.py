@@ -66,7 +66,7 @@ import functools
 
 from ..compile_cache import LaunchDeclined, TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
 from ..dsl_compat import SmemAllocator
-from ..kda.decode import KdaDecode, KdaDecodeConfig
+from ..kda.decode import K_FIRST_ROW_WARPS, KdaDecode, KdaDecodeConfig
 
 try:
     import cuda.bindings.driver as cuda
@@ -115,7 +115,10 @@ class LightningDecodeConfig:
         single_token: every sequence has exactly one token (fixed length, T = 1: the host knows it from q's shape;
             a decode step): no token loop, and the state is updated and stored one 16-byte vector at a time in the
             pool's dtype, which frees registers for more CTAs per SM (:data:`MIN_BLOCKS_PER_SM`).
-        min_blocks_per_sm: CTAs per SM asked of ptxas (its register cap); 0: :data:`MIN_BLOCKS_PER_SM`.
+        min_blocks_per_sm: CTAs per SM asked of ptxas (its register cap); 0: :data:`MIN_BLOCKS_PER_SM`, divided
+            by the K-first CTAs' lines (the same threads per SM).
+        k_first_lines: K-first CTAs' lines per K row (:data:`~cula_runtime.cute.kda.decode.K_FIRST_LINES`, whose
+            default 0 takes the KDA decode's).
     """
 
     num_heads: int
@@ -126,6 +129,7 @@ class LightningDecodeConfig:
     varlen: bool = False
     single_token: bool = False
     min_blocks_per_sm: int = 0
+    k_first_lines: int = 0
 
 
 class LightningDecode:
@@ -147,7 +151,7 @@ class LightningDecode:
             return False, "single_token needs fixed-length sequences (T = 1); packed lengths are device values"
         if not 0 <= c.min_blocks_per_sm <= 32:
             return False, f"min_blocks_per_sm={c.min_blocks_per_sm}: expected 0 (the default) to 32"
-        return True, ""
+        return KdaDecode.can_implement(_lane_config(c))
 
     def __init__(self, config: LightningDecodeConfig):
         ok, reason = self.can_implement(config)
@@ -156,8 +160,7 @@ class LightningDecode:
         self.config = config
         # the KDA decode kernel's lane layout of this pool (lane_layout, element, row, state_vector, store_state,
         # lane_sum, stores_o and the CTA shape), shared rather than rewritten
-        self.lanes = KdaDecode(KdaDecodeConfig(num_heads=1, num_v_heads=1, head_dim=config.head_dim,
-                                               state_dtype=config.state_dtype, state_v_first=config.state_v_first))
+        self.lanes = KdaDecode(_lane_config(config))
         self.vec = self.lanes.vec  # state elements per 16-byte access
         self.cols = self.lanes.cols  # value columns per lane
         self.block_v = self.lanes.block_v  # value columns per CTA
@@ -165,8 +168,8 @@ class LightningDecode:
         self.num_warps = self.lanes.num_warps
         self.num_threads = 32 * self.num_warps
         self.io_dtype = _IO_DTYPES[config.dtype]
-        self.min_blocks_per_sm = config.min_blocks_per_sm or MIN_BLOCKS_PER_SM[
-            (config.state_dtype, config.state_v_first, config.single_token)]
+        self.min_blocks_per_sm = config.min_blocks_per_sm or max(1, MIN_BLOCKS_PER_SM[
+            (config.state_dtype, config.state_v_first, config.single_token)] // self.lanes.lines)
         self.smem_carveout = 0 if config.state_v_first else SMEM_CARVEOUT_K_FIRST
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
@@ -354,10 +357,11 @@ class LightningDecode:
         sums = self.lanes.lane_sum(part)  # V-first: the column group's 16 lanes; K-first: the warp's 4 row groups
         if const_expr(red is None):
             self.store_output(mO, sums, scale, b, tok, h, col0, stores_o)
-        else:  # K-first: the 4 warps' sums through shared memory; warp 0's row group 0 writes o
+        else:  # K-first: the 4 warps' sums of each line group through shared memory; row group 0 of the group's
+            # first warp writes o
             buf = t % 2
             self.cta_publish(red, buf, sums)
-            if red[1] == 0:
+            if red[1] % K_FIRST_ROW_WARPS == 0:
                 self.store_output(mO, self.cta_gather(red, buf), scale, b, tok, h, col0, stores_o)
 
     @cute.jit
@@ -421,18 +425,25 @@ class LightningDecode:
     @cute.jit
     def cta_gather(self, red: tuple, buf: Int32) -> list:
         """K-first, after :meth:`cta_publish`: the sums over all 128 K rows of the lane's columns (column group
-        ``lane % 8``), added in warp order from buffer ``buf``."""
-        VC, NW = self.cols, self.num_warps
-        sRed, _, lane = red
+        ``lane % 8``), added in warp order over its line group's 4 warps from buffer ``buf``."""
+        VC = self.cols
+        sRed, warp_idx, lane = red
+        first = self.lanes.exchange_warps(warp_idx)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         sums = [None] * VC
-        for w in cutlass.range_constexpr(NW):
+        for w in cutlass.range_constexpr(K_FIRST_ROW_WARPS):
             rIn = cute.make_rmem_tensor(cute.make_layout((4, VC // 4)), Float32)
             for m in cutlass.range_constexpr(VC // 4):
-                cute.copy(atom, sRed[None, m, lane % 8, w, buf], rIn[None, m])
+                cute.copy(atom, sRed[None, m, lane % 8, first + w, buf], rIn[None, m])
             for j in cutlass.range_constexpr(VC):
                 sums[j] = rIn[j % 4, j // 4] if w == 0 else sums[j] + rIn[j % 4, j // 4]
         return sums
+
+
+def _lane_config(config: LightningDecodeConfig) -> KdaDecodeConfig:
+    """The KDA decode config whose lane layout (:meth:`KdaDecode.lane_layout`) and CTA shape this kernel uses."""
+    return KdaDecodeConfig(num_heads=1, num_v_heads=1, head_dim=config.head_dim, state_dtype=config.state_dtype,
+                           state_v_first=config.state_v_first, k_first_lines=config.k_first_lines)
 
 
 @functools.lru_cache(maxsize=256)
