@@ -43,6 +43,11 @@ bf16 pool) and sums its rows; the two layouts then reduce over K differently (:m
   ``[0, T)`` (it is already), which keeps the compiler from carrying a strength-reduced pointer and stride per
   input tensor across iterations (on SM90 at 96 registers: 12 spill instructions instead of 51 in the compile
   tests' T = 1 fp32 configuration, 25 instead of 37 with per-token slots and the lower-bound gate).
+  **Lines per CTA** (``k_first_lines`` L, :data:`K_FIRST_LINES`): a CTA may hold L such line groups of 4 warps
+  side by side (warp ``w``: rows ``32 (w % 4) ..``, line ``w // 4``), so that it reads ``L · 128`` contiguous bytes
+  of every row (L = 4, fp32: the head's 64 KB whole; bf16 L = 2 likewise); each group exchanges among its own 4
+  warps (:meth:`KdaDecode.exchange_warps`), in the same order, and its first warp writes its columns' o: the same
+  bits for every L. The register cap is divided by L (the same threads per SM).
 * **Bytes per step** (T = 1, fp32 pool, HV = 32): ``N · HV · 2 · 64 KB`` of state plus ``≈ 1.3 KB`` of inputs and
   output per (sequence, head): N = 128 moves 537 MB, a floor of 125 us at 4.3 TB/s (bf16 pool: 268 MB, 62 us).
   Little's law at 4.3 TB/s and ≈ 1 us of loaded DRAM latency wants ≈ 33 KB in flight per SM, more counting the

@@ -26,7 +26,9 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
   and warp 0's row group 0 (threads 0..7, each column once) adds the 4 warps in warp order and writes o. The
   exchange is double-buffered by token parity (1 KB for an fp32 pool, 2 KB for bf16), so one barrier per token is
   enough: a warp writes token ``t + 1``'s sums only after passing token ``t``'s barrier, which warp 0 reaches after
-  it read token ``t - 1``'s.
+  it read token ``t - 1``'s. With ``k_first_lines`` L (the KDA decode's lines per CTA), a CTA is L such groups of 4
+  warps side by side, each group over its own line of every row, exchanging among its own warps; its first warp
+  writes o (the same bits for every L; the register cap divided by L).
 * Every reduction runs in a fixed order (butterflies, then warps 0..3): the same bits on every call.
 * **Bytes per step** (T = 1): ``N · H · 2 · K · V`` state elements (read and written) plus ``4 · 128`` q/k/v/o
   elements per (sequence, head). H = 64, N = 128, fp32 pool: 1.07 GB of state (+ 8 MB of inputs and o), a floor
