@@ -255,6 +255,35 @@ def test_kda_decode_matches_float64_loop(case: Case) -> None:
     _check(case, args, before, out)
 
 
+K_FIRST_CASES = [c for c in CASES if not c.v_first]
+
+
+@pytest.mark.parametrize("case", K_FIRST_CASES, ids=[c.name for c in K_FIRST_CASES])
+def test_k_first_lines_give_the_same_bits(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K-first CTAs of every count of lines per K row (``k_first_lines``: 1, 2, 4 in an fp32 pool, 1, 2 in bf16)
+    give the default's o and pool bit for bit (each line group reduces its columns in the same order), padding
+    rows, packed sequences and per-token slots included; the default itself is checked against float64 above."""
+    import dataclasses
+
+    from cula_runtime.cute.kda import decode
+
+    args = make_case(case, seed=3)
+    start = args["state"].clone()
+    plan = decode._plan
+    results = {}
+    for lines in (0, 1, 2, 4) if case.pool_dtype == torch.float32 else (0, 1, 2):
+        monkeypatch.setattr(decode, "_plan", lambda *key, lines=lines: (
+            dataclasses.replace(plan(*key)[0], k_first_lines=lines), plan(*key)[1]))
+        args["state"].copy_(start)
+        out = _poisoned_out(case)
+        run_kernel(args, out)
+        torch.cuda.synchronize()
+        results[lines] = (out.clone(), args["state"].clone())
+    for lines, (out, pool) in results.items():
+        assert torch.equal(out.view(torch.int16), results[0][0].view(torch.int16)), f"o at {lines} lines"
+        assert torch.equal(pool, results[0][1]), f"the pool at {lines} lines"
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[8]], ids=[CASES[i].name for i in (0, 5, 8)])
 def test_replays_are_bit_identical(case: Case) -> None:
     args = make_case(case, seed=7)

@@ -222,6 +222,33 @@ def test_cuda_graph_replays_with_new_values(case: Case) -> None:
         _check(now, args, before, out)
 
 
+K_FIRST_CASES = [c for c in CASES if not c.v_first and c.T > 0]
+
+
+@pytest.mark.parametrize("case", K_FIRST_CASES, ids=[c.name for c in K_FIRST_CASES])
+def test_k_first_lines_give_the_same_bits(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """K-first CTAs of every count of lines per K row (``k_first_lines``: 1, 2, 4 in an fp32 pool, 1, 2 in bf16)
+    give the default's o and pool bit for bit, in both forms (single-token, token loop), padding rows and packed
+    sequences included; the default itself is checked against float64 above."""
+    from cula_runtime.cute.lightning import decode
+
+    args = make_case(case, seed=3)
+    start = args["state"].clone()
+    plan = decode._plan
+    results = {}
+    for lines in (0, 1, 2, 4) if case.pool_dtype == torch.float32 else (0, 1, 2):
+        monkeypatch.setattr(decode, "_plan", lambda *key, lines=lines: (
+            replace(plan(*key)[0], k_first_lines=lines), plan(*key)[1]))
+        args["state"].copy_(start)
+        out = _poisoned_out(case)
+        run_kernel(case, args, out)
+        torch.cuda.synchronize()
+        results[lines] = (out.clone(), args["state"].clone())
+    for lines, (out, pool) in results.items():
+        assert torch.equal(out.view(torch.int16), results[0][0].view(torch.int16)), f"o at {lines} lines"
+        assert torch.equal(pool, results[0][1]), f"the pool at {lines} lines"
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4]], ids=[CASES[i].name for i in (0, 1, 2, 4)])
 def test_single_token_form_agrees_with_the_general_form(case: Case) -> None:
     """A fixed-length T = 1 call runs the single-token form; the same batch as packed sequences of one token each
