@@ -37,12 +37,14 @@ K = V = 128
 
 @dataclasses.dataclass
 class Row:
-    """One row: its name, the pool and its untouched copy, o, the floor, and the step at a number of lines."""
+    """One row: its name, the pool and its untouched copy, o, the states a step reads and writes (elements), the
+    floor, and the step at a number of lines."""
 
     name: str
     pool: torch.Tensor
     pristine: torch.Tensor
     out: torch.Tensor
+    states: int
     floor_us: float
     step: Callable[[int], Callable[[], None]]
     max_lines: int
@@ -68,7 +70,7 @@ def kda_rows(only: str, seed: int) -> Iterator[Row]:
             lined = dataclasses.replace(config, k_first_lines=lines)
             return lambda: launch(decode.KdaDecode, lined, specs, tensors, decode._OUTPUTS, device, *scalars)
 
-        yield Row(name, inp.pool, inp.pristine, inp.out, kda_bench.floor_us(case, 4), step,
+        yield Row(name, inp.pool, inp.pristine, inp.out, case.N * HV * K * V, kda_bench.floor_us(case, 4), step,
                   4 if case.pool_dtype == "fp32" else 2)
 
 
@@ -90,8 +92,8 @@ def lightning_rows(only: str, seed: int) -> Iterator[Row]:
             lined = dataclasses.replace(config, k_first_lines=lines)
             return lambda: launch(decode.LightningDecode, lined, specs, tensors, decode._OUTPUTS, device, scale)
 
-        yield Row(name, inp.pool, inp.pristine, inp.out, la_bench.floor_us(la_bench.decode_floor_bytes(case)), step,
-                  4 if case.pool_dtype == "fp32" else 2)
+        yield Row(name, inp.pool, inp.pristine, inp.out, case.N * case.H * K * V,
+                  la_bench.floor_us(la_bench.decode_floor_bytes(case)), step, 4 if case.pool_dtype == "fp32" else 2)
 
 
 def step_from_pristine(row: Row, step: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +111,7 @@ def measure(row: Row, lines: list[int], opts: argparse.Namespace) -> list[str]:
     bits = {n: all(map(torch.equal, step_from_pristine(row, step), reference)) for n, step in steps.items()}
     fns = {str(n): kda_bench.capture_graph(step, opts.graph_calls).replay for n, step in steps.items()}
     fns[kda_bench.STATE_PASS] = kda_bench.capture_graph(
-        kda_bench.in_place_pass(row.pool.numel(), row.pool.dtype), opts.graph_calls).replay
+        kda_bench.in_place_pass(row.states, row.pool.dtype), opts.graph_calls).replay
     ms = interleaved_ms(fns, opts.reps, opts.rounds)
     per_step = {name: value * 1e3 / opts.graph_calls for name, value in ms.items()}
     yard = per_step[kda_bench.STATE_PASS]
@@ -132,7 +134,7 @@ def main() -> None:
     legend = ("One decode step (T = 1) per number of 128-byte lines of each K row a K-first CTA reads: us per step "
               f"in a CUDA graph of {opts.graph_calls} steps, median of CUDA-event timings in interleaved rounds; "
               "floor = the row's bytes at 4.3 TB/s (the benches' floors); state pass = an in-place pass over the "
-              "pool's bytes (torch mul_); same bits = o and the pool equal the 1-line CTAs'.")
+              "states' bytes (torch mul_); same bits = o and the pool equal the 1-line CTAs'.")
     columns = ["row", "lines per CTA", "floor us", "state pass us", "us per step", "x floor", "x state pass",
                "x 1 line", "same bits"]
     report = report_head("The K-first decode CTAs' lines per K row side by side (issues 26, 28)", legend, columns,
