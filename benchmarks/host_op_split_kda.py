@@ -93,7 +93,9 @@ def _doors(cfg, stamps: Stamps) -> dict:
 
 def _parts(stamps: Stamps, start: int, end: int) -> dict[str, float]:
     at = stamps.at
-    steps = {name: (at[f"{name} end"] - at[f"{name} start"]) / 1e3 for name in ("signature", "lookup", "plan")}
+    # (a step the call did not take, e.g. no plan yet, counts 0)
+    steps = {name: (at.get(f"{name} end", 0) - at.get(f"{name} start", 0)) / 1e3
+             for name in ("signature", "lookup", "plan")}
     body = (at["leave"] - at["enter"]) / 1e3
     return {"in": (at["enter"] - start) / 1e3, **steps, "body rest": body - sum(steps.values()),
             "out": (end - at["leave"]) / 1e3, "total": (end - start) / 1e3}
