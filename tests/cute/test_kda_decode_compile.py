@@ -10,7 +10,9 @@ Five configurations cover the kernel's code paths: a T = 1 fp32 pool in the K-fi
 packed sequences with per-token slots and accepted counts, the V-first fp32 layout, the L2 norm and the lower-bound
 gate from bf16 g and β logits; a bf16 pool in the V-first layout with the softplus gate; per-token slots in a K-first
 fp32 pool with the L2 norm and the lower-bound gate; packed sequences with per-token slots and accepted counts in a
-K-first bf16 pool with the L2 norm and the softplus gate from bf16 g and β logits.
+K-first bf16 pool with the L2 norm and the softplus gate from bf16 g and β logits. Two more compile the serving
+case with K-first CTAs of 2 and 4 lines per K row (``k_first_lines``: each line group exchanges among its own 4
+warps), candidates timed by ``benchmarks/ab_decode_k_first_lines.py``. The emulation runs every line count.
 
 The emulation checks, from the kernel's own index methods, that every element of a head is held by exactly one lane
 of one CTA, that each warp-wide state access covers whole 128-byte lines, that the lanes a reduction combines hold
@@ -39,6 +41,9 @@ pytestmark = COMPILE_MARKS
 # KdaDecodeConfig fields (the gate as InKernelGate fields) of the compiled configurations
 CONFIGS = {
     "T1-fp32-kv-H4-HV8": dict(num_heads=4, num_v_heads=8),
+    # K-first CTAs of 2 and 4 lines per K row (k_first_lines; candidates timed by ab_decode_k_first_lines.py)
+    "T1-fp32-kv-H4-HV8-2lines": dict(num_heads=4, num_v_heads=8, k_first_lines=2),
+    "T1-fp32-kv-H4-HV8-4lines": dict(num_heads=4, num_v_heads=8, k_first_lines=4),
     "varlen-slots-accepted-fp32-vk-l2-safe-bf16gb-H2-HV8": dict(
         num_heads=2, num_v_heads=8, varlen=True, per_token_slots=True, num_accepted=True, l2norm=True,
         state_v_first=True,
@@ -69,6 +74,8 @@ SPILLS = {
         "bf16-vk-softplus-H8-HV8": {"sm_90a": 8, "sm_100a": 16, "sm_103a": 16},
         "slots-fp32-kv-l2-safe-H4-HV4": {"sm_90a": 25, "sm_100a": 16, "sm_103a": 16},
         "varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8": {"sm_90a": 0, "sm_100a": 2, "sm_103a": 0},
+        "T1-fp32-kv-H4-HV8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-fp32-kv-H4-HV8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
     },
     "4.8": {
         "T1-fp32-kv-H4-HV8": {"sm_90a": 12, "sm_100a": 0, "sm_103a": 0},
@@ -76,6 +83,8 @@ SPILLS = {
         "bf16-vk-softplus-H8-HV8": {"sm_90a": 8, "sm_100a": 12, "sm_103a": 10},
         "slots-fp32-kv-l2-safe-H4-HV4": {"sm_90a": 25, "sm_100a": 0, "sm_103a": 0},
         "varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-fp32-kv-H4-HV8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-fp32-kv-H4-HV8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
     },
 }
 
@@ -111,7 +120,7 @@ def test_kda_decode_machine_code(config_id: str, target: str) -> None:
         pieces = VC // 4
         assert code.opcodes["STS.128"] == steps * 2 * pieces
         assert code.opcodes["STS"] == steps
-        assert code.opcodes["LDS.128"] == steps * (2 * kernel.num_warps * pieces + 1)
+        assert code.opcodes["LDS.128"] == steps * (2 * 4 * pieces + 1)  # (a line group's 4 warps)
         assert code.count("BAR") == steps and code.opcodes["BAR.SYNC.DEFER_BLOCKING"] == steps
         assert not [op for op in code.opcodes if op.startswith(("LDS", "STS")) and op not in ("LDS.128", "STS.128",
                                                                                               "STS")]

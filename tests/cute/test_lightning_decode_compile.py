@@ -9,8 +9,10 @@ decay is one exponential per CTA. Local-memory spills are the ones measured with
 Nine configurations cover the code paths: the single-token form (fixed length, T = 1: a decode step) for both
 layouts and pool dtypes, with bf16 or fp16 q/k/v; and the general form (a token loop): a fixed-length K-first fp32
 pool, packed sequences in a K-first fp32 pool (also compiled by the oldest CuTeDSL: ``dsl_floor``), a V-first fp32
-pool, packed sequences in a V-first bf16 pool, a K-first bf16 pool with fp16 q/k/v and H = 64. Every state load of
-a lane is issued before its first FMA (all 8 16-byte vectors in flight at once).
+pool, packed sequences in a V-first bf16 pool, a K-first bf16 pool with fp16 q/k/v and H = 64. Three more compile
+the single-token form with K-first CTAs of 2 and 4 lines per K row (``k_first_lines``), candidates timed by
+``benchmarks/ab_decode_k_first_lines.py``. Every state load of a lane is issued before its first FMA (all 8 16-byte
+vectors in flight at once).
 
 The lane → (K row, V column) mapping is the KDA decode kernel's (tests/cute/test_kda_decode_compile.py emulates it:
 each element once, whole 128-byte lines per warp access, each reduction's lanes one column's 128 rows). Here the
@@ -52,6 +54,10 @@ CONFIGS = {
     "vk-fp32-bf16-H8": dict(num_heads=8, state_v_first=True),
     "varlen-vk-bf16pool-bf16-H2": dict(num_heads=2, varlen=True, state_v_first=True, state_dtype="bfloat16"),
     "kv-bf16pool-fp16-H64": dict(num_heads=64, state_dtype="bfloat16", dtype="float16"),
+    # K-first CTAs of 2 and 4 lines per K row (k_first_lines; candidates timed by ab_decode_k_first_lines.py)
+    "T1-kv-fp32-bf16-H8-2lines": dict(num_heads=8, single_token=True, k_first_lines=2),
+    "T1-kv-fp32-bf16-H8-4lines": dict(num_heads=8, single_token=True, k_first_lines=4),
+    "T1-kv-bf16pool-bf16-H64-2lines": dict(num_heads=64, single_token=True, state_dtype="bfloat16", k_first_lines=2),
 }
 # compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
 DSL_FLOOR = "varlen-kv-fp32-bf16-H4"
@@ -70,6 +76,9 @@ SPILLS = {
         "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
         "varlen-vk-bf16pool-bf16-H2": {"sm_90a": 0, "sm_100a": 71, "sm_103a": 71},
         "kv-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 62, "sm_103a": 62},
+        "T1-kv-fp32-bf16-H8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-kv-fp32-bf16-H8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-kv-bf16pool-bf16-H64-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
     },
     "4.8": {
         "T1-kv-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
@@ -81,6 +90,9 @@ SPILLS = {
         "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
         "varlen-vk-bf16pool-bf16-H2": {"sm_90a": 0, "sm_100a": 71, "sm_103a": 71},
         "kv-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 62, "sm_103a": 62},
+        "T1-kv-fp32-bf16-H8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-kv-fp32-bf16-H8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-kv-bf16pool-bf16-H64-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
     },
 }
 K = 128
@@ -108,10 +120,10 @@ def test_lightning_decode_machine_code(config_id: str, target: str) -> None:
     k_first = not config.state_v_first
     if k_first:
         # the warps' exchange, per token step: row group 0 of each warp writes its VC sums (VC / 4 16-byte pieces),
-        # one barrier, warp 0's threads read their columns' sums of the 4 warps
+        # one barrier, each line group's first warp reads its columns' sums of the group's 4 warps
         pieces = VC // 4
         assert code.opcodes["STS.128"] == steps * pieces
-        assert code.opcodes["LDS.128"] == steps * kernel.num_warps * pieces
+        assert code.opcodes["LDS.128"] == steps * 4 * pieces
         assert code.count("BAR") == steps and code.opcodes["BAR.SYNC.DEFER_BLOCKING"] == steps
         assert not [op for op in code.opcodes if op.startswith(("LDS", "STS")) and op not in ("LDS.128", "STS.128")]
     else:  # the reduction over K stays in a warp: no shared memory, no barrier
