@@ -119,8 +119,8 @@ class LightningDecodeConfig:
             pool's dtype, which frees registers for more CTAs per SM (:data:`MIN_BLOCKS_PER_SM`).
         min_blocks_per_sm: CTAs per SM asked of ptxas (its register cap); 0: :data:`MIN_BLOCKS_PER_SM`, divided
             by the K-first CTAs' lines (the same threads per SM).
-        k_first_lines: K-first CTAs' lines per K row (:data:`~cula_runtime.cute.kda.decode.K_FIRST_LINES`, whose
-            default 0 takes the KDA decode's).
+        k_first_lines: K-first CTAs' lines per K row (1, 2 or 4 fp32; 1 or 2 bf16); 0: the KDA decode's default,
+            :data:`~cula_runtime.cute.kda.decode.K_FIRST_LINES`.
     """
 
     num_heads: int
