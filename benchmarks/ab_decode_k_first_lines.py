@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kda_decode as kda_bench  # noqa: E402
 import bench_lightning as la_bench  # noqa: E402
 import torch  # noqa: E402
+from ab_lightning_decode_caps import steps_side_by_side  # noqa: E402
 from ab_lightning_prefill_forms import add_row, is_selected, report_head  # noqa: E402
-from bench_kda_prefill import interleaved_ms, warm_up_gpu  # noqa: E402
+from bench_kda_prefill import warm_up_gpu  # noqa: E402
 
 K = V = 128
 
@@ -96,24 +97,10 @@ def lightning_rows(only: str, seed: int) -> Iterator[Row]:
                   la_bench.floor_us(la_bench.decode_floor_bytes(case)), step, 4 if case.pool_dtype == "fp32" else 2)
 
 
-def step_from_pristine(row: Row, step: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, pool)`` after one ``step`` from the untouched pool (the row's buffers: compare before the next step)."""
-    row.pool.copy_(row.pristine)
-    step()
-    torch.cuda.synchronize()
-    return row.out, row.pool
-
-
 def measure(row: Row, lines: list[int], opts: argparse.Namespace) -> list[str]:
     """The row's table lines, one per number of lines (1 first)."""
     steps = {n: row.step(n) for n in [1, *(n for n in lines if n != 1)] if n <= row.max_lines}
-    reference = tuple(t.clone() for t in step_from_pristine(row, steps[1]))  # (its first call compiles)
-    bits = {n: all(map(torch.equal, step_from_pristine(row, step), reference)) for n, step in steps.items()}
-    fns = {str(n): kda_bench.capture_graph(step, opts.graph_calls).replay for n, step in steps.items()}
-    fns[kda_bench.STATE_PASS] = kda_bench.capture_graph(
-        kda_bench.in_place_pass(row.states, row.pool.dtype), opts.graph_calls).replay
-    ms = interleaved_ms(fns, opts.reps, opts.rounds)
-    per_step = {name: value * 1e3 / opts.graph_calls for name, value in ms.items()}
+    per_step, bits = steps_side_by_side(row, steps, row.states, opts)
     yard = per_step[kda_bench.STATE_PASS]
     return [f"| {row.name} | {n} | {row.floor_us:.1f} | {yard:.1f} | {per_step[str(n)]:.1f} | "
             f"{per_step[str(n)] / row.floor_us:.3f} | {per_step[str(n)] / yard:.3f} | "

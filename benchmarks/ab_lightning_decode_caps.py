@@ -28,7 +28,6 @@ from ab_lightning_prefill_forms import add_row, is_selected, report_head  # noqa
 from bench_kda_decode import STATE_PASS, capture_graph, in_place_pass  # noqa: E402
 from bench_kda_prefill import interleaved_ms, warm_up_gpu  # noqa: E402
 from bench_lightning import (  # noqa: E402
-    POOL_DTYPES,
     DecodeCase,
     K,
     V,
@@ -73,20 +72,27 @@ def step_from_pristine(inp, step) -> tuple[torch.Tensor, torch.Tensor]:
     return inp.out, inp.pool
 
 
+def steps_side_by_side(inp, steps: dict, states: int, opts: argparse.Namespace) -> tuple[dict, dict]:
+    """``(per_step, bits)`` of decode steps of one row's inputs ``inp`` (its ``pool``, ``pristine`` and ``out``):
+    us per step of each step (keyed ``str(key)``) and of an in-place pass over ``states`` state elements in the
+    pool's dtype (:data:`STATE_PASS`), each in a CUDA graph of ``opts.graph_calls`` steps, interleaved; and whether
+    one step of each from the pristine pool gives the first step's o and pool bit for bit (this compiles them)."""
+    first = next(iter(steps.values()))
+    reference = tuple(t.clone() for t in step_from_pristine(inp, first))
+    bits = {key: all(map(torch.equal, step_from_pristine(inp, step), reference)) for key, step in steps.items()}
+    fns = {str(key): capture_graph(step, opts.graph_calls).replay for key, step in steps.items()}
+    fns[STATE_PASS] = capture_graph(in_place_pass(states, inp.pool.dtype), opts.graph_calls).replay
+    ms = interleaved_ms(fns, opts.reps, opts.rounds)
+    return {name: value * 1e3 / opts.graph_calls for name, value in ms.items()}, bits
+
+
 def measure(case: DecodeCase, caps: list[int], opts: argparse.Namespace) -> list[str]:
     """The row's table lines, one per cap (the default's first)."""
     inp = make_decode_inputs(case, "cuda", opts.seed)
     default = default_cap(inp)
     steps = {0: cap_step(inp, 0)}
     steps.update({cap: cap_step(inp, cap) for cap in caps if cap != default})
-    reference = tuple(t.clone() for t in step_from_pristine(inp, steps[0]))  # (its first call compiles)
-    bits = {cap: all(map(torch.equal, step_from_pristine(inp, step), reference))  # (compiles the others)
-            for cap, step in steps.items()}
-    fns = {str(cap): capture_graph(step, opts.graph_calls).replay for cap, step in steps.items()}
-    states = case.N * case.H * K * V
-    fns[STATE_PASS] = capture_graph(in_place_pass(states, POOL_DTYPES[case.pool_dtype]), opts.graph_calls).replay
-    ms = interleaved_ms(fns, opts.reps, opts.rounds)
-    per_step = {name: value * 1e3 / opts.graph_calls for name, value in ms.items()}
+    per_step, bits = steps_side_by_side(inp, steps, case.N * case.H * K * V, opts)
     floor, yard = floor_us(decode_floor_bytes(case)), per_step[STATE_PASS]
     lines = []
     for cap in steps:
