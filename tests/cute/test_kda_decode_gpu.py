@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from cula_runtime import cute as cula_cute
-from tests.helpers import rel_l2
+from tests.helpers import assert_k_first_lines_same_bits, rel_l2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -263,25 +263,19 @@ def test_k_first_lines_give_the_same_bits(case: Case, monkeypatch: pytest.Monkey
     """K-first CTAs of every count of lines per K row (``k_first_lines``: 1, 2, 4 in an fp32 pool, 1, 2 in bf16)
     give the default's o and pool bit for bit (each line group reduces its columns in the same order), padding
     rows, packed sequences and per-token slots included; the default itself is checked against float64 above."""
-    import dataclasses
-
     from cula_runtime.cute.kda import decode
 
     args = make_case(case, seed=3)
     start = args["state"].clone()
-    plan = decode._plan
-    results = {}
-    for lines in (0, 1, 2, 4) if case.pool_dtype == torch.float32 else (0, 1, 2):
-        monkeypatch.setattr(decode, "_plan", lambda *key, lines=lines: (
-            dataclasses.replace(plan(*key)[0], k_first_lines=lines), plan(*key)[1]))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
         args["state"].copy_(start)
         out = _poisoned_out(case)
         run_kernel(args, out)
         torch.cuda.synchronize()
-        results[lines] = (out.clone(), args["state"].clone())
-    for lines, (out, pool) in results.items():
-        assert torch.equal(out.view(torch.int16), results[0][0].view(torch.int16)), f"o at {lines} lines"
-        assert torch.equal(pool, results[0][1]), f"the pool at {lines} lines"
+        return out.clone(), args["state"].clone()
+
+    assert_k_first_lines_same_bits(decode, run, case.pool_dtype == torch.float32, monkeypatch)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[8]], ids=[CASES[i].name for i in (0, 5, 8)])
