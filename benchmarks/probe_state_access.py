@@ -16,10 +16,11 @@ moves the same bytes with nothing else in the kernel (Triton, one state block pe
 - ``whole state``: program = one state (64 KB fp32, 32 KB bf16), 16 warps;
 - ``torch``: ``pool.mul_(0.5)``, one in-place pass (the yardstick of ``ab_lightning_decode_caps.py``).
 
-Per row: the mean time of ``--reps`` calls queued back to back between CUDA events, the median over interleaved
-rounds, and the ratio to torch's pass. If ``lines`` is slower than ``contiguous`` by about the decode's K-first
-excess, the layout of the K-first CTAs is what costs, and a K-first CTA that reads contiguous rows (whole states,
-reducing over K inside the CTA) is the lever; if not, the excess is in the kernels' own phases.
+Per row: the mean time of ``--reps`` calls queued back to back between CUDA events
+(``host_overhead_kda.back_to_back_us``), the median over interleaved rounds, and the ratio to torch's pass. If
+``lines`` is slower than ``contiguous`` by about the decode's K-first excess, the layout of the K-first CTAs is
+what costs, and a K-first CTA that reads contiguous rows (whole states, reducing over K inside the CTA) is the
+lever; if not, the excess is in the kernels' own phases.
 """
 
 from __future__ import annotations
@@ -77,23 +78,10 @@ def forms(dtype) -> dict[str, tuple]:
             "contiguous": (K // parts, V, parts, False, 4), "whole state": (K, V, 1, False, 16)}
 
 
-def batch_us(call, reps: int) -> float:
-    """Mean microseconds of one call over ``reps`` calls queued back to back between two CUDA events (the launches
-    run ahead of the GPU: host time is not counted)."""
-    import torch
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        call()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
-
-
 def probe(block_pass, dtype, N: int, opts: argparse.Namespace) -> list[str]:
     """The table rows of one pool (N states of ``opts.heads`` heads in ``dtype``)."""
     import torch
+    from host_overhead_kda import back_to_back_us
 
     pool = torch.randn(N, opts.heads, K, V, device="cuda").to(dtype)
     states = N * opts.heads
@@ -108,7 +96,7 @@ def probe(block_pass, dtype, N: int, opts: argparse.Namespace) -> list[str]:
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(opts.rounds):
         for name, call in calls.items():
-            times[name].append(batch_us(call, opts.reps))
+            times[name].append(back_to_back_us(call, opts.reps))
     us = {name: statistics.median(t) for name, t in times.items()}
     nbytes = 2 * pool.numel() * pool.element_size()
     pool_name = str(dtype).removeprefix("torch.")
