@@ -8,16 +8,15 @@ schemas (1 tensor; 5 tensors; 5 tensors + 10 bools; 5 tensors + 10 optional tens
 one pre-made pair of tensors (so no allocation is timed), and called with the arguments of
 ``benchmarks/host_doors_kda.py``'s prefill door (5 inputs, h0, A_log, dt_bias, five flags True, lower_bound) by
 keyword, positionally (every argument in schema order), and with the 5 inputs positional and the rest by keyword;
-also the body called directly. Per row: the median over 5 loops of the mean us per call over ``--calls / 5`` calls,
-``torch.no_grad`` and ``torch.inference_mode``. What it shows: the part of the custom op's time over a plain call
-that the schema and the calling convention decide, which no body can remove.
+also the body called directly. Per row: the least over 5 loops of the mean us per call over ``--calls / 5`` calls
+(``host_cpu_kda.per_call_us``), under ``torch.no_grad`` and ``torch.inference_mode``. What it shows: the part of
+the custom op's time over a plain call that the schema and the calling convention decide, which no body can remove.
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,18 +31,6 @@ SMALL_SCHEMAS = {
     "5 tensors + 10 optional tensors": "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, "
                                        + ", ".join(f"Tensor? t{i}=None" for i in range(10)) + ") -> (Tensor, Tensor)",
 }
-
-
-def per_call_us(fn, calls: int) -> float:
-    """Median over 5 loops of the mean wall time of one call, in microseconds."""
-    loop = max(calls // 5, 1)
-    means = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(loop):
-            fn()
-        means.append((time.perf_counter() - start) / loop * 1e6)
-    return statistics.median(means)
 
 
 def calls() -> dict:
@@ -96,6 +83,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/custom_op_schema_cpu.md")
     opts = parser.parse_args()
     import torch
+    from host_cpu_kda import per_call_us
 
     timed, _library = calls()
     rows = {name: {} for name in timed}
@@ -108,7 +96,7 @@ def main() -> None:
              f"- torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()} "
              f"({platform.processor() or 'cpu'}); date {time.strftime('%Y-%m-%d')}",
              f"- command: `python benchmarks/host_op_schema_cpu.py --calls {opts.calls}`", "",
-             "Method: the script's docstring. us per call, median over 5 loops.", "",
+             "Method: the script's docstring. us per call, the least of 5 loops' means.", "",
              "| call | no_grad us | inference_mode us |", "|---|---|---|"]
     for name, by_mode in rows.items():
         lines.append(f"| {name} | {by_mode['no_grad']:.2f} | {by_mode['inference_mode']:.2f} |")
