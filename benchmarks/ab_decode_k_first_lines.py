@@ -3,11 +3,12 @@ decode (``cute/kda/decode.py``) and of the Lightning decode (``cute/lightning/de
 reading 1, 2 or 4 128-byte lines of every K row (``k_first_lines``: 4 CTAs per fp32 head reading 128 bytes at a
 512-byte stride, down to one CTA reading the head's 64 KB whole), in one process, interleaved.
 
-    python benchmarks/ab_decode_k_first_lines.py [--only "fp32 kfirst H8"] [--lines 1,2,4] [--out FILE.md]
+    python benchmarks/ab_decode_k_first_lines.py [--only "fp32 kfirst H8"] [--lines 1,2,4] [--min-n 128]
+        [--out FILE.md]
 
-Rows: the K-first decode rows at N >= 128 of ``bench_kda_decode.py`` (the precomputed fp32 log-gate, L2 norm in
-kernel; H = HV = 32, 8 and H16/HV64) and of ``bench_lightning.py`` (H = 64), fp32 and bf16 pools, their inputs.
-Each variant's kernel is launched directly (the product's configuration of the call with ``k_first_lines``
+Rows: the K-first decode rows at N >= ``--min-n`` (128) of ``bench_kda_decode.py`` (the precomputed fp32 log-gate,
+L2 norm in kernel; H = HV = 32, 8 and H16/HV64) and of ``bench_lightning.py`` (H = 64), fp32 and bf16 pools, their
+inputs. Each variant's kernel is launched directly (the product's configuration of the call with ``k_first_lines``
 replaced; the register cap follows, the same threads per SM); time = us per step of a CUDA graph of
 ``--graph-calls`` steps, median of CUDA-event timings in interleaved rounds (``bench_kda_prefill.interleaved_ms``),
 beside an in-place pass over the states' bytes (``bench_kda_decode.in_place_pass``) and the row's floor at 4.3
@@ -51,14 +52,14 @@ class Row:
     max_lines: int
 
 
-def kda_rows(only: str, seed: int) -> Iterator[Row]:
-    """The KDA decode's K-first rows at N >= 128 that ``only`` selects (the fp32 log-gate), made one at a time."""
+def kda_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
+    """The KDA decode's K-first rows at N >= ``min_n`` that ``only`` selects (the fp32 log-gate), made one at a time."""
     from cula_runtime.cute.compile_cache import launch
     from cula_runtime.cute.kda import decode
 
     for case in kda_bench.decode_cases():
         name = f"kda {case.name}"
-        if case.v_first or case.N < 128 or not is_selected(name, only):
+        if case.v_first or case.N < min_n or not is_selected(name, only):
             continue
         inp = kda_bench.make_decode_inputs(case, "cuda", seed)
         H, HV = case.H, case.HV
@@ -75,15 +76,15 @@ def kda_rows(only: str, seed: int) -> Iterator[Row]:
                   4 if case.pool_dtype == "fp32" else 2)
 
 
-def lightning_rows(only: str, seed: int) -> Iterator[Row]:
-    """The Lightning decode's K-first rows at N >= 128 that ``only`` selects (its single-token form), one at a
+def lightning_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
+    """The Lightning decode's K-first rows at N >= ``min_n`` that ``only`` selects (its single-token form), one at a
     time."""
     from cula_runtime.cute.compile_cache import launch
     from cula_runtime.cute.lightning import decode
 
     for case in la_bench.decode_cases():
         name = f"lightning {case.name}"
-        if case.v_first or case.N < 128 or not is_selected(name, only):
+        if case.v_first or case.N < min_n or not is_selected(name, only):
             continue
         inp = la_bench.make_decode_inputs(case, "cuda", seed)
         config, specs = decode._launch_config(inp.q, inp.pool, False, None)
@@ -111,6 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated substrings of row names")
     parser.add_argument("--lines", default="1,2,4", help="K-first lines per CTA to compile (up to a row's lines)")
+    parser.add_argument("--min-n", type=int, default=128, help="the least batch N of the rows")
     parser.add_argument("--out", default="benchmarks/results/decode_k_first_lines_ab.md")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
@@ -127,7 +129,8 @@ def main() -> None:
     report = report_head("The K-first decode CTAs' lines per K row side by side (issues 26, 28)", legend, columns,
                          torch.cuda.get_device_properties(0).multi_processor_count)
     warm_up_gpu(2.0)
-    for row in itertools.chain(kda_rows(opts.only, opts.seed), lightning_rows(opts.only, opts.seed)):
+    for row in itertools.chain(kda_rows(opts.only, opts.min_n, opts.seed),
+                                 lightning_rows(opts.only, opts.min_n, opts.seed)):
         for line in measure(row, lines, opts):
             add_row(report, line, opts.out)
 

@@ -50,18 +50,20 @@ def kernels():
     import triton.language as tl
 
     @triton.jit
-    def block_pass(pool, ROWS: tl.constexpr, COLS: tl.constexpr, PARTS: tl.constexpr, BY_LINE: tl.constexpr):
-        """One program: part ``pid % PARTS`` of state ``pid // PARTS``, a [ROWS, COLS] block, in place."""
+    def block_pass(pool, ROWS: tl.constexpr, COLS: tl.constexpr, PARTS: tl.constexpr, BY_LINE: tl.constexpr,
+                   STATE_K: tl.constexpr, STATE_V: tl.constexpr):
+        """One program: part ``pid % PARTS`` of state ``pid // PARTS`` ([STATE_K, STATE_V]), a [ROWS, COLS] block,
+        in place."""
         pid = tl.program_id(0)
         state = pid // PARTS
         part = pid % PARTS
         rows = tl.arange(0, ROWS)[:, None]
         cols = tl.arange(0, COLS)[None, :]
         if BY_LINE:  # every K row, the part's columns
-            offsets = rows * V + part * COLS + cols
+            offsets = rows * STATE_V + part * COLS + cols
         else:  # the part's K rows, every column
-            offsets = (part * ROWS + rows) * V + cols
-        ptrs = pool + state.to(tl.int64) * (K * V) + offsets
+            offsets = (part * ROWS + rows) * STATE_V + cols
+        ptrs = pool + state.to(tl.int64) * (STATE_K * STATE_V) + offsets
         x = tl.load(ptrs)
         tl.store(ptrs, (x.to(tl.float32) * 0.5 + 1.0).to(x.dtype))
 
@@ -88,7 +90,7 @@ def probe(block_pass, dtype, N: int, opts: argparse.Namespace) -> list[str]:
     calls = {"torch": lambda: pool.mul_(0.5)}
     for name, (rows, cols, parts, by_line, warps) in forms(dtype).items():
         calls[name] = (lambda rows=rows, cols=cols, parts=parts, by_line=by_line, warps=warps:
-                       block_pass[(states * parts,)](pool, rows, cols, parts, by_line, num_warps=warps))
+                       block_pass[(states * parts,)](pool, rows, cols, parts, by_line, K, V, num_warps=warps))
     for call in calls.values():  # compile, warm up
         for _ in range(3):
             call()
@@ -114,7 +116,7 @@ def main() -> None:
 
     block_pass = kernels()
     lines = ["# An in-place pass over decode states in four CTA shapes (K-first access probe)", "", *environment(),
-             f"- command: `python {' '.join(sys.argv)}`", "",
+             "",
              "Method: `benchmarks/probe_state_access.py`'s docstring. us = median over rounds of the mean time of "
              "`--reps` calls queued back to back between CUDA events; x torch = over `pool.mul_(0.5)` on the same "
              "pool.", "",

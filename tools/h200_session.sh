@@ -171,7 +171,7 @@ for step in "$@"; do
     # an in-place pass over decode pools in the K-first decode's CTA shape and two others (Triton; ~1 min)
     probe:state-access) timeout 200 python3 benchmarks/probe_state_access.py --out "$OUT/decode_state_access_probe.md" ;;
     # the K-first decode CTAs at 1, 2 and 4 lines per K row side by side (KDA and Lightning rows, N >= 128; ~4 min)
-    ab:k-first-lines) timeout 400 python3 benchmarks/ab_decode_k_first_lines.py ${AB_ONLY:+--only "$AB_ONLY"} --out "$OUT/decode_k_first_lines_ab.md" ;;
+    ab:k-first-lines) timeout 400 python3 benchmarks/ab_decode_k_first_lines.py ${AB_ONLY:+--only "$AB_ONLY"} ${AB_MIN_N:+--min-n "$AB_MIN_N"} --out "$OUT/decode_k_first_lines_ab.md" ;;
     # the unbounded gate's Kimi rows against FLA (UNB_ONLY: bench_kda_unbounded.py --only)
     bench:unbounded) timeout 560 python3 benchmarks/bench_kda_unbounded.py ${UNB_ONLY:+--only "$UNB_ONLY"} \
                        --out "$OUT/kda_unbounded_h200.md" ;;
