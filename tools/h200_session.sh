@@ -115,7 +115,7 @@ for step in "$@"; do
     # the CuTeDSL decode kernel)
     sanitizer:unbounded) for b in ${SANITIZER_BACKENDS:-sm90 cutedsl}; do CULA_BACKEND=$b SANITIZER_SHAPES="small-kimi gva-extreme large-kimi" \
                            timeout 500 bash tools/h200_sanitizer.sh; done ;;
-    sanitizer:decode) CULA_BACKEND=cutedsl SANITIZER_SHAPES="decode-kimi decode-gva-vfirst decode-bf16 decode-spec" \
+    sanitizer:decode) CULA_BACKEND=cutedsl SANITIZER_SHAPES="${SANITIZER_SHAPES:-decode-kimi decode-gva-vfirst decode-bf16 decode-spec decode-whole-rows}" \
                         timeout 400 bash tools/h200_sanitizer.sh ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
     # each BV (64 and 128: warpgroup MMAs)

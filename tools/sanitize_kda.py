@@ -3,11 +3,12 @@
     compute-sanitizer --tool memcheck python3 tools/sanitize_kda.py small|gva|large|decode-kimi|...
 
 With ``CULA_BACKEND=cutedsl`` a prefill call runs both CuTeDSL prefill kernels (the intra kernel on the raw inputs,
-then the recurrence on its outputs). The ``decode-*`` shapes are cases of ``tests/gpu/test_kda_decode_gpu.py`` on a
-pool of 13 slots (the decode kernel on any GPU backend: cula-sm90 has none): Kimi's softplus gate at H = 32 with
-two padding rows (-1, and a slot past the pool), GVA packed lengths 0/1/2/5 on a V-first pool, a bf16 pool with
-int64 cu_seqlens, and speculative verification (per-token slots, accepted counts). Each decode call checks the
-slots no index names unchanged after a synchronisation.
+then the recurrence on its outputs). The ``decode-*`` shapes are cases of ``tests/gpu/test_kda_decode_gpu.py`` (the
+decode kernel on any GPU backend: cula-sm90 has none), on a pool of 13 slots: Kimi's softplus gate at H = 32 with two
+padding rows (-1, and a slot past the pool), GVA packed lengths 0/1/2/5 on a V-first pool, a bf16 pool with int64
+cu_seqlens, and speculative verification (per-token slots, accepted counts); and ``decode-whole-rows``, Kimi's step
+over 64 sequences on a pool of 67 slots (128 MiB of state: K-first CTAs of whole rows, 4 line groups behind named
+barriers). Each decode call checks the slots no index names unchanged after a synchronisation.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ DECODE_SHAPES = {
     "decode-gva-vfirst": "gva-H2-HV8-packed-0-1-2-5-vfirst",
     "decode-bf16": "bf16-pool-H4-packed-cu64",
     "decode-spec": "spec-verify-H4-packed",
+    "decode-whole-rows": "kimi-H32-N64-T1-whole-rows",  # 128 MiB of state: K-first CTAs of 4 lines
 }
 
 

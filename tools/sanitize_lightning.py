@@ -21,7 +21,10 @@ Shapes (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2, so head 0 has no
   [T, T, F];
 * ``decode``: one step of N = 5 sequences on an fp32 K-first pool of 7 slots, slots [2, -1, 6, 7, 0], H = 4, o into
   a given buffer;
-* ``decode-bf16``: the same on a bf16 V-first pool.
+* ``decode-bf16``: the same on a bf16 V-first pool;
+* ``decode-whole-rows``: the same at N = 32, H = 64 on a pool of 34 slots (two padding rows: -1 and P): 32 x 64
+  heads of 64 KB, 128 MiB of state by the rule's count (padding rows included), so the single-token form's K-first
+  CTAs take whole rows (4 line groups behind named barriers).
 
 Each call's outputs are checked finite and the padding rows' outputs zero (decode) after a synchronisation, so a
 kernel fault surfaces in this process and the sanitizer's report names the launch.
@@ -36,7 +39,7 @@ import torch
 
 K = V = 128
 SHAPES = ("prefill", "prefill-pool", "prefill-large", "prefill-direct", "prefill-direct-h0", "prefill-direct64",
-          "prefill-direct64-pool", "decode", "decode-bf16")
+          "prefill-direct64-pool", "decode", "decode-bf16", "decode-whole-rows")
 WIDE_LENS = (0, 1, 63, 64, 65, 200, *(40 + 7 * i for i in range(34)))
 WIDE_BOUNDS = (0, *itertools.accumulate(WIDE_LENS))  # its cu_seqlens (also the determinism stress's wide batch)
 HALF_V_BOUNDS = (0, 0, 500, 1000)  # the half-V batch's cu_seqlens (at H = 32; also the determinism stress's)
@@ -117,20 +120,22 @@ def _expect_half_v_ctas(T: int, H: int, cu: torch.Tensor) -> None:
 def run_decode(shape: str, gen: torch.Generator) -> str:
     from cula.lightning import lightning_decode
 
-    N, H, P = 5, 4, 7
+    whole_rows = shape == "decode-whole-rows"
+    N, H, P = (32, 64, 34) if whole_rows else (5, 4, 7)
     v_first = shape == "decode-bf16"
     dtype = torch.bfloat16 if v_first else torch.float32
     q, k, v = (_randn(N, 1, H, K, gen=gen) for _ in range(3))
     pool = _randn(P, H, K, V, gen=gen, dtype=dtype)
     before = pool.clone()
-    idx = torch.tensor([2, -1, 6, 7, 0], dtype=torch.int32, device="cuda")
+    slots = [2, -1, 6, P, 0, *range(8, 8 + N - 5)]
+    idx = torch.tensor(slots, dtype=torch.int32, device="cuda")
     out = torch.full((N, 1, H, V), float("nan"), dtype=torch.bfloat16, device="cuda")
     o = lightning_decode(q, k, v, _g_gamma(H), scale=K ** -0.5, state=pool, state_indices=idx,
                          state_v_first=v_first, out=out)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr() and torch.isfinite(o).all()
     assert (o[[1, 3]] == 0).all(), "padding rows' outputs not zero"
-    untouched = [s for s in range(P) if s not in (2, 6, 0)]
+    untouched = [s for s in range(P) if s not in slots]
     assert torch.equal(pool[untouched], before[untouched]), "slots no index names changed"
     return f"o {tuple(o.shape)}"
 

@@ -111,3 +111,13 @@ def launch_flow(launches: list, args) -> list:
                 seen[id(t)] = ("launch", i, j)
         records.append((kernel_cls, config, call_args[n:], labels))
     return records
+
+
+def assert_exchange_barriers(code, lines: int) -> None:
+    """The K-first decode exchange's barriers: the CTA's (``BAR.SYNC 0x0``) with one line group, else each group's
+    named barrier of its 128 threads (the id in a register, ``1 + warp // 4``)."""
+    import re
+
+    bars = [line.split("*/")[-1].strip() for line in code.sass.splitlines() if "BAR." in line]
+    pattern = r"BAR\.SYNC\.DEFER_BLOCKING 0x0 ;" if lines <= 1 else r"BAR\.SYNC\.DEFER_BLOCKING R\d+, 0x80 ;"
+    assert bars and all(re.fullmatch(pattern, bar) for bar in bars), bars

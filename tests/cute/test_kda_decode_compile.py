@@ -11,8 +11,9 @@ packed sequences with per-token slots and accepted counts, the V-first fp32 layo
 gate from bf16 g and β logits; a bf16 pool in the V-first layout with the softplus gate; per-token slots in a K-first
 fp32 pool with the L2 norm and the lower-bound gate; packed sequences with per-token slots and accepted counts in a
 K-first bf16 pool with the L2 norm and the softplus gate from bf16 g and β logits. Two more compile the serving
-case with K-first CTAs of 2 and 4 lines per K row (``k_first_lines``: each line group exchanges among its own 4
-warps), candidates timed by ``benchmarks/ab_decode_k_first_lines.py``. The emulation runs every line count.
+case with K-first CTAs of whole rows, fp32 (4 lines per K row) and bf16 (2): ``k_first_lines``, the configuration
+of steps reading at least 128 MiB of state; each line group exchanges among its own 4 warps behind its own named
+barrier. The emulation runs every line count.
 
 The emulation checks, from the kernel's own index methods, that every element of a head is held by exactly one lane
 of one CTA, that each warp-wide state access covers whole 128-byte lines, that the lanes a reduction combines hold
@@ -30,6 +31,7 @@ import pytest
 
 from tests.cute.compile_helpers import (
     COMPILE_MARKS,
+    assert_exchange_barriers,
     assert_measured_spills,
     assert_simt_only,
     compile_machine_code,
@@ -41,9 +43,9 @@ pytestmark = COMPILE_MARKS
 # KdaDecodeConfig fields (the gate as InKernelGate fields) of the compiled configurations
 CONFIGS = {
     "T1-fp32-kv-H4-HV8": dict(num_heads=4, num_v_heads=8),
-    # K-first CTAs of 2 and 4 lines per K row (k_first_lines; candidates timed by ab_decode_k_first_lines.py)
-    "T1-fp32-kv-H4-HV8-2lines": dict(num_heads=4, num_v_heads=8, k_first_lines=2),
+    # K-first CTAs of whole rows (k_first_lines: the configurations of steps reading >= 128 MiB of state)
     "T1-fp32-kv-H4-HV8-4lines": dict(num_heads=4, num_v_heads=8, k_first_lines=4),
+    "T1-bf16-kv-H4-HV8-2lines": dict(num_heads=4, num_v_heads=8, state_dtype="bfloat16", k_first_lines=2),
     "varlen-slots-accepted-fp32-vk-l2-safe-bf16gb-H2-HV8": dict(
         num_heads=2, num_v_heads=8, varlen=True, per_token_slots=True, num_accepted=True, l2norm=True,
         state_v_first=True,
@@ -67,6 +69,8 @@ DSL_FLOOR = "varlen-slots-accepted-fp32-vk-l2-safe-bf16gb-H2-HV8"
 # fp32 pool runs at 96 registers (5 CTAs per SM; decode.MIN_BLOCKS_PER_SM, MIN_BLOCKS_PER_SM_K_FIRST), where ptxas
 # spills a few values on SM90 (K-first T = 1: two 8-byte pointers saved before the state's loads, one reloaded for
 # its stores, and a few loop invariants of the token loop; with the lower-bound gate, dt_bias in the token loop).
+# A bf16 K-first pool at 128 registers spills about as many at 2 lines as at 1 (10 at 1 line on SM90, 14-24 on
+# SM100/SM103); whole fp32 rows at 128 registers (1 CTA of 512 threads) none.
 SPILLS = {
     "4.6": {
         "T1-fp32-kv-H4-HV8": {"sm_90a": 10, "sm_100a": 0, "sm_103a": 0},
@@ -74,8 +78,8 @@ SPILLS = {
         "bf16-vk-softplus-H8-HV8": {"sm_90a": 8, "sm_100a": 16, "sm_103a": 16},
         "slots-fp32-kv-l2-safe-H4-HV4": {"sm_90a": 25, "sm_100a": 16, "sm_103a": 16},
         "varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8": {"sm_90a": 0, "sm_100a": 2, "sm_103a": 0},
-        "T1-fp32-kv-H4-HV8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "T1-fp32-kv-H4-HV8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-bf16-kv-H4-HV8-2lines": {"sm_90a": 10, "sm_100a": 33, "sm_103a": 33},
     },
     "4.8": {
         "T1-fp32-kv-H4-HV8": {"sm_90a": 12, "sm_100a": 0, "sm_103a": 0},
@@ -83,8 +87,8 @@ SPILLS = {
         "bf16-vk-softplus-H8-HV8": {"sm_90a": 8, "sm_100a": 12, "sm_103a": 10},
         "slots-fp32-kv-l2-safe-H4-HV4": {"sm_90a": 25, "sm_100a": 0, "sm_103a": 0},
         "varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
-        "T1-fp32-kv-H4-HV8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "T1-fp32-kv-H4-HV8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
+        "T1-bf16-kv-H4-HV8-2lines": {"sm_90a": 13, "sm_100a": 12, "sm_103a": 12},
     },
 }
 
@@ -122,6 +126,7 @@ def test_kda_decode_machine_code(config_id: str, target: str) -> None:
         assert code.opcodes["STS"] == steps
         assert code.opcodes["LDS.128"] == steps * (2 * 4 * pieces + 1)  # (a line group's 4 warps)
         assert code.count("BAR") == steps and code.opcodes["BAR.SYNC.DEFER_BLOCKING"] == steps
+        assert_exchange_barriers(code, config.k_first_lines)
         assert not [op for op in code.opcodes if op.startswith(("LDS", "STS")) and op not in ("LDS.128", "STS.128",
                                                                                               "STS")]
     else:  # the reductions over K stay in a warp: no shared memory, no barrier
@@ -320,6 +325,35 @@ def test_one_binary_serves_every_batch() -> None:
             assert all(fake.dynamic_shapes_mask)
     compiled = compile_cache.compile_kernel(KdaDecode, config, target="sm_90a")
     assert compile_cache.compile_kernel(KdaDecode, config, target="sm_90a") is compiled
+
+
+@pytest.mark.parametrize(("pool", "N", "HV", "v_first", "lines"), [
+    ("float32", 63, 32, False, 0),  # 126 MiB of state: one line (0)
+    ("float32", 64, 32, False, 4),  # 128 MiB: whole rows
+    ("float32", 8, 256, False, 4),
+    ("bfloat16", 127, 32, False, 0),
+    ("bfloat16", 128, 32, False, 2),
+    ("float32", 512, 32, True, 0),  # V-first: no lines
+])
+def test_whole_rows_from_128_mib_of_state(pool: str, N: int, HV: int, v_first: bool, lines: int) -> None:
+    """A call's configuration takes a row's every line (4 fp32, 2 bf16) where its step reads at least
+    ``WHOLE_ROWS_BYTES`` (128 MiB) of state, N · HV heads of the pool's dtype, else one (0); meta tensors: nothing
+    is allocated or compiled."""
+    import torch
+
+    from cula_runtime.cute.kda import decode
+
+    assert decode.WHOLE_ROWS_BYTES == 128 << 20
+    dtype = getattr(torch, pool)
+    state = torch.empty(N + 3, HV, 128, 128, dtype=dtype, device="meta")
+    g = torch.empty(N, 1, HV, 128, device="meta")
+    beta = torch.empty(N, 1, HV, device="meta")
+    idx = torch.empty(N, dtype=torch.int32, device="meta")
+    config = decode._launch_args(HV // 2, HV, g, beta, state, idx, None, None, None, None, False, False, False,
+                                 False, v_first, None, None)[0]
+    assert config.k_first_lines == lines
+    if not v_first:  # 4 warps per line
+        assert decode.KdaDecode(config).num_warps == 4 * max(lines, 1)
 
 
 @pytest.mark.parametrize(

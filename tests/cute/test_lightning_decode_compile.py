@@ -9,9 +9,9 @@ decay is one exponential per CTA. Local-memory spills are the ones measured with
 Nine configurations cover the code paths: the single-token form (fixed length, T = 1: a decode step) for both
 layouts and pool dtypes, with bf16 or fp16 q/k/v; and the general form (a token loop): a fixed-length K-first fp32
 pool, packed sequences in a K-first fp32 pool (also compiled by the oldest CuTeDSL: ``dsl_floor``), a V-first fp32
-pool, packed sequences in a V-first bf16 pool, a K-first bf16 pool with fp16 q/k/v and H = 64. Three more compile
-the single-token form with K-first CTAs of 2 and 4 lines per K row (``k_first_lines``), candidates timed by
-``benchmarks/ab_decode_k_first_lines.py``. Every state load of a lane is issued before its first FMA (all 8 16-byte
+pool, packed sequences in a V-first bf16 pool, a K-first bf16 pool with fp16 q/k/v and H = 64. Two more compile
+the single-token form with K-first CTAs of whole rows (``k_first_lines`` 4 fp32, 2 bf16: steps reading at least 128
+MiB of state; a named barrier per line group). Every state load of a lane is issued before its first FMA (all 8 16-byte
 vectors in flight at once).
 
 The lane → (K row, V column) mapping is the KDA decode kernel's (tests/cute/test_kda_decode_compile.py emulates it:
@@ -33,6 +33,7 @@ import pytest
 
 from tests.cute.compile_helpers import (
     COMPILE_MARKS,
+    assert_exchange_barriers,
     assert_measured_spills,
     assert_simt_only,
     compile_machine_code,
@@ -54,8 +55,7 @@ CONFIGS = {
     "vk-fp32-bf16-H8": dict(num_heads=8, state_v_first=True),
     "varlen-vk-bf16pool-bf16-H2": dict(num_heads=2, varlen=True, state_v_first=True, state_dtype="bfloat16"),
     "kv-bf16pool-fp16-H64": dict(num_heads=64, state_dtype="bfloat16", dtype="float16"),
-    # K-first CTAs of 2 and 4 lines per K row (k_first_lines; candidates timed by ab_decode_k_first_lines.py)
-    "T1-kv-fp32-bf16-H8-2lines": dict(num_heads=8, single_token=True, k_first_lines=2),
+    # K-first CTAs of whole rows (k_first_lines: the single-token form's configurations at >= 128 MiB of state)
     "T1-kv-fp32-bf16-H8-4lines": dict(num_heads=8, single_token=True, k_first_lines=4),
     "T1-kv-bf16pool-bf16-H64-2lines": dict(num_heads=64, single_token=True, state_dtype="bfloat16", k_first_lines=2),
 }
@@ -76,7 +76,6 @@ SPILLS = {
         "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
         "varlen-vk-bf16pool-bf16-H2": {"sm_90a": 0, "sm_100a": 71, "sm_103a": 71},
         "kv-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 62, "sm_103a": 62},
-        "T1-kv-fp32-bf16-H8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "T1-kv-fp32-bf16-H8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "T1-kv-bf16pool-bf16-H64-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
     },
@@ -90,7 +89,6 @@ SPILLS = {
         "vk-fp32-bf16-H8": {"sm_90a": 0, "sm_100a": 27, "sm_103a": 27},
         "varlen-vk-bf16pool-bf16-H2": {"sm_90a": 0, "sm_100a": 71, "sm_103a": 71},
         "kv-bf16pool-fp16-H64": {"sm_90a": 0, "sm_100a": 62, "sm_103a": 62},
-        "T1-kv-fp32-bf16-H8-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "T1-kv-fp32-bf16-H8-4lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
         "T1-kv-bf16pool-bf16-H64-2lines": {"sm_90a": 0, "sm_100a": 0, "sm_103a": 0},
     },
@@ -125,6 +123,7 @@ def test_lightning_decode_machine_code(config_id: str, target: str) -> None:
         assert code.opcodes["STS.128"] == steps * pieces
         assert code.opcodes["LDS.128"] == steps * 4 * pieces
         assert code.count("BAR") == steps and code.opcodes["BAR.SYNC.DEFER_BLOCKING"] == steps
+        assert_exchange_barriers(code, config.k_first_lines)
         assert not [op for op in code.opcodes if op.startswith(("LDS", "STS")) and op not in ("LDS.128", "STS.128")]
     else:  # the reduction over K stays in a warp: no shared memory, no barrier
         for prefix in ("LDS", "STS", "BAR"):
@@ -172,6 +171,27 @@ def test_one_binary_serves_every_batch() -> None:
             assert all(spec.fake().dynamic_shapes_mask)
     compiled = compile_cache.compile_kernel(LightningDecode, config, target="sm_90a")
     assert compile_cache.compile_kernel(LightningDecode, config, target="sm_90a") is compiled
+
+
+@pytest.mark.parametrize(("pool", "B", "T", "v_first", "lines"), [
+    ("float32", 31, 1, False, 0),  # 124 MiB of state at H = 64: one line (0)
+    ("float32", 32, 1, False, 4),  # 128 MiB: whole rows
+    ("bfloat16", 63, 1, False, 0),
+    ("bfloat16", 64, 1, False, 2),
+    ("float32", 128, 2, False, 0),  # the general form (T > 1): one line
+    ("float32", 128, 1, True, 0),  # V-first: no lines
+])
+def test_whole_rows_from_128_mib_of_state(pool: str, B: int, T: int, v_first: bool, lines: int) -> None:
+    """The single-token form takes the KDA decode's rule (``kda.decode.k_first_lines``): a row's every line where
+    a step reads at least 128 MiB of state (B · H heads), else one (0); the general form keeps one; meta tensors."""
+    import torch
+
+    from cula_runtime.cute.lightning import decode
+
+    q = torch.empty(B, T, 64, 128, dtype=torch.bfloat16, device="meta")
+    state = torch.empty(B + 2, 64, 128, 128, dtype=getattr(torch, pool), device="meta")
+    config = decode._launch_config(q, state, v_first, None)[0]
+    assert (config.k_first_lines, config.single_token) == (lines, T == 1)
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ class Case:
     cu64: bool = False  # pass cu_seqlens as int64 (narrowed by the backend)
     params_bf16: bool = False  # A_log / dt_bias in bf16
     per_token: bool = False  # [N, W] indices with num_accepted_tokens
+    P: int = 13  # pool slots
 
 
 CASES = [
@@ -53,13 +54,16 @@ CASES = [
     Case("bf16-pool-H4-packed-cu64", 4, 4, (3, 0, 1), pool=torch.bfloat16, cu64=True, params_bf16=True),
     Case("lower-bound-H8-HV16-T1", 8, 16, None, B=9, gate="lower-bound"),
     Case("spec-verify-H4-packed", 4, 4, (2, 3, 1), per_token=True),
+    # 64 sequences x 32 heads of 64 KB: a step reads 128 MiB of state, so K-first CTAs take whole rows (4 lines)
+    Case("kimi-H32-N64-T1-whole-rows", 32, 32, None, B=64, P=67),
 ]
 
 
-def make_call(case: Case, seed: int = 0, P: int = 13) -> dict:
-    """The call's keyword arguments on the GPU: the pool of ``P`` slots, sequence rows 1 and 3 padding (-1, and a
-    slot past the pool) where there are more than 3, the others distinct random slots."""
+def make_call(case: Case, seed: int = 0) -> dict:
+    """The call's keyword arguments on the GPU: the pool of ``case.P`` slots, sequence rows 1 and 3 padding (-1, and
+    a slot past the pool) where there are more than 3, the others distinct random slots."""
     gen = torch.Generator().manual_seed(seed)
+    P = case.P
 
     def r(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype).cuda()

@@ -43,11 +43,16 @@ bf16 pool) and sums its rows; the two layouts then reduce over K differently (:m
   ``[0, T)`` (it is already), which keeps the compiler from carrying a strength-reduced pointer and stride per
   input tensor across iterations (on SM90 at 96 registers: 12 spill instructions instead of 51 in the compile
   tests' T = 1 fp32 configuration, 25 instead of 37 with per-token slots and the lower-bound gate).
-  **Lines per CTA** (``k_first_lines`` L, :data:`K_FIRST_LINES`): a CTA may hold L such line groups of 4 warps
-  side by side (warp ``w``: rows ``32 (w % 4) ..``, line ``w // 4``), so that it reads ``L · 128`` contiguous bytes
-  of every row (L = 4, fp32: the head's 64 KB whole; bf16 L = 2 likewise); each group exchanges among its own 4
-  warps (:meth:`KdaDecode.exchange_warps`), in the same order, and its first warp writes its columns' o: the same
-  bits for every L. The register cap is divided by L (the same threads per SM).
+  **Lines per CTA** (``k_first_lines`` L, chosen per call by :func:`k_first_lines`): a CTA may hold L such line
+  groups of 4 warps side by side (warp ``w``: rows ``32 (w % 4) ..``, line ``w // 4``), so that it reads ``L · 128``
+  contiguous bytes of every row (L = 4, fp32: the head's 64 KB whole; bf16 L = 2 likewise); each group exchanges
+  among its own 4 warps (:meth:`KdaDecode.exchange_warps`) behind its own named barrier, in the same order, and its
+  first warp writes its columns' o: the same bits for every L. The register cap is divided by L. A step that reads
+  at least :data:`WHOLE_ROWS_BYTES` of state (HBM-bound: a pool far past the 50 MB L2) takes whole rows, a smaller
+  one one line (latency- or L2-bound: whole-row CTAs would be a quarter or half as many, each moving 4x or 2x the
+  bytes). Timed on a lent H100 (``benchmarks/results/decode_k_first_lines_ab_h100.md``): whole rows 0.3-2.5% faster
+  than one line from 128 MiB of state up, up to 45% slower at N = 1; the step stays 1.05-1.12x an in-place pass over
+  its bytes, where a pass over one-line blocks alone costs 1.05-1.06x (``decode_state_access_probe_h100.md``).
 * **Bytes per step** (T = 1, fp32 pool, HV = 32): ``N · HV · 2 · 64 KB`` of state plus ``≈ 1.3 KB`` of inputs and
   output per (sequence, head): N = 128 moves 537 MB, a floor of 125 us at 4.3 TB/s (bf16 pool: 268 MB, 62 us).
   Little's law at 4.3 TB/s and ≈ 1 us of loaded DRAM latency wants ≈ 33 KB in flight per SM, more counting the
@@ -87,15 +92,14 @@ try:
 except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
-__all__ = ["KdaDecode", "KdaDecodeConfig", "kda_decode_cutedsl"]
+__all__ = ["KdaDecode", "KdaDecodeConfig", "k_first_lines", "kda_decode_cutedsl"]
 
 _DTYPES = {"float32": Float32, "bfloat16": BFloat16}
 BLOCK_V = 32  # V-first: value columns per CTA, 4 CTAs per head (see the module docstring)
 LINE_BYTES = 128  # K-first: a line group's value columns are one 128-byte line of each K row (32 fp32 or 64 bf16)
 K_FIRST_ROW_WARPS = 4  # K-first: the warps of a line group, 32 K rows each
-# K-first: 128-byte lines of each K row per CTA (its line groups), by pool dtype: 1 = a CTA per line (4 CTAs per fp32
-# head, 2 per bf16 head), up to all of a row's lines (4 fp32, 2 bf16: one CTA reads its head's 64 or 32 KB whole)
-K_FIRST_LINES = {"float32": 1, "bfloat16": 1}
+# K-first: the bytes of state one step reads from which a CTA takes whole rows (see :func:`k_first_lines`)
+WHOLE_ROWS_BYTES = 128 << 20
 # Register budget (min CTAs per SM, hence registers per thread): the state bytes resident per SM must cover what
 # 4.3 TB/s needs in flight (≈ 33-40 KB per SM at ≈ 1 us of loaded latency), with margin for the CTAs that are in
 # their math or store phase. V-first: unconstrained, ptxas takes ≈ 102 (fp32 pool, 128 threads) and ≈ 134 (bf16
@@ -126,7 +130,8 @@ class KdaDecodeConfig:
         varlen: packed sequences (B = 1, ``cu_seqlens``).
         per_token_slots: ``state_indices`` is ``[N, W]`` (speculative verification; else ``[N]``).
         num_accepted: ``num_accepted_tokens [N]`` is given (needs ``per_token_slots``).
-        k_first_lines: K-first CTAs' lines per K row (1, 2 or 4 fp32; 1 or 2 bf16); 0: :data:`K_FIRST_LINES`.
+        k_first_lines: K-first CTAs' 128-byte lines per K row (1, 2 or 4 fp32; 1 or 2 bf16); 0: one
+            (:func:`k_first_lines` chooses per call).
     """
 
     num_heads: int
@@ -169,7 +174,7 @@ class KdaDecode:
             return False, "num_accepted_tokens needs per-token state indices [N, W]"
         row_lines = c.head_dim * (4 if c.state_dtype == "float32" else 2) // LINE_BYTES
         if c.k_first_lines and (c.state_v_first or c.k_first_lines not in (1, 2, 4) or c.k_first_lines > row_lines):
-            return False, (f"k_first_lines={c.k_first_lines}: expected 0 (the default) or, K-first, 1, 2 or 4 up to "
+            return False, (f"k_first_lines={c.k_first_lines}: expected 0 (one line) or, K-first, 1, 2 or 4 up to "
                            f"a row's {row_lines} lines")
         return True, ""
 
@@ -191,12 +196,13 @@ class KdaDecode:
             self.reduce_masks = (1, 2, 4, 8)
             self.smem_carveout = 0  # no shared memory
         else:
-            self.lines = config.k_first_lines or K_FIRST_LINES[config.state_dtype]  # line groups per CTA
+            self.lines = config.k_first_lines or 1  # line groups per CTA
             self.line_cols = LINE_BYTES // state_bytes  # 32 (fp32 pool) or 64 (bf16 pool)
             self.block_v = self.lines * self.line_cols
             self.cols = self.vec  # value columns per lane: one 16-byte vector of each of its rows
             self.num_warps = K_FIRST_ROW_WARPS * self.lines
-            # the same threads per SM whatever the lines: the register cap of the one-line CTAs
+            # the register cap of the one-line CTAs (fp32: 5 CTAs of 128 threads) divided by the lines (fp32 2 lines:
+            # 2 CTAs of 256; 3 spilled 67 instructions on sm_90a)
             self.min_blocks_per_sm = max(1, MIN_BLOCKS_PER_SM_K_FIRST[config.state_dtype] // self.lines)
             # lanes sharing a lane's columns within its warp: the 4 row groups (l // 8); the warps then exchange
             # their sums through shared memory
@@ -586,7 +592,7 @@ class KdaDecode:
     def cta_publish(self, red: tuple, buf: Int32, sums: list):
         """K-first: row group 0 of each warp writes its warp's ``sums`` (the lane's ``cols`` sums of ``kᵀS``, then of
         ``qᵀS``, then q·k, each over the warp's 32 rows, as :meth:`lane_sum` leaves them) into buffer ``buf`` of
-        the exchange; then the CTA's barrier."""
+        the exchange; then the line group's barrier (:meth:`group_barrier`)."""
         VC = self.cols
         sRed, sQk, warp_idx, lane = red
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
@@ -599,7 +605,16 @@ class KdaDecode:
                     cute.copy(atom, rOut[None, m, half], sRed[None, m, lane, half, warp_idx, buf])
             if lane == 0:
                 sQk[warp_idx % K_FIRST_ROW_WARPS, warp_idx // K_FIRST_ROW_WARPS, buf] = sums[2 * VC]
-        cute.arch.sync_threads()
+        self.group_barrier(warp_idx)
+
+    @cute.jit
+    def group_barrier(self, warp_idx: Int32):
+        """K-first: the barrier of the exchange: the CTA's (one line group), or with several line groups the named
+        barrier ``1 + warp_idx // 4`` of the thread's group's 128 threads (the groups exchange independently)."""
+        if const_expr(self.lines == 1):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=1 + warp_idx // K_FIRST_ROW_WARPS, number_of_threads=32 * K_FIRST_ROW_WARPS)
 
     @cute.jit
     def cta_gather(self, red: tuple, buf: Int32, half: cutlass.Constexpr) -> list:
@@ -682,12 +697,22 @@ class KdaDecode:
         return out
 
 
+def k_first_lines(state_dtype: str, state_bytes: int) -> int:
+    """The 128-byte lines of each K row a K-first CTA reads for a step that reads ``state_bytes`` of state
+    (``N · HV · K · V`` elements of ``state_dtype``): all of a row's (4 fp32, 2 bf16) from
+    :data:`WHOLE_ROWS_BYTES` up, else 1."""
+    if state_bytes < WHOLE_ROWS_BYTES:
+        return 1
+    return 4 if state_dtype == "float32" else 2
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(H: int, HV: int, gate: InKernelGate, flags: tuple) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
-    l2norm, state_dtype, v_first, varlen, per_token, accepted = flags
+    l2norm, state_dtype, v_first, varlen, per_token, accepted, lines = flags
     config = KdaDecodeConfig(num_heads=H, num_v_heads=HV, gate=gate, l2norm=l2norm, state_dtype=state_dtype,
-                             state_v_first=v_first, varlen=varlen, per_token_slots=per_token, num_accepted=accepted)
+                             state_v_first=v_first, varlen=varlen, per_token_slots=per_token, num_accepted=accepted,
+                             k_first_lines=0 if v_first or lines == 1 else lines)
     ok, reason = KdaDecode.can_implement(config)
     if not ok:
         raise ValueError(f"KdaDecode: {reason}")
@@ -785,8 +810,10 @@ def _launch_args(H: int, HV: int, g, beta, state, state_indices, scale: float | 
     gate = InKernelGate(form=form, g_dtype=_DTYPE_NAMES[str(g.dtype)], beta_dtype=_DTYPE_NAMES[str(beta.dtype)],
                         has_A_log=A_log is not None, has_dt_bias=dt_bias is not None,
                         beta_sigmoid=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval))
-    flags = (bool(use_qk_l2norm_in_kernel), _DTYPE_NAMES[str(state.dtype)], bool(state_v_first),
-             cu_seqlens is not None, state_indices.dim() == 2, num_accepted_tokens is not None)
+    state_dtype = _DTYPE_NAMES[str(state.dtype)]
+    lines = k_first_lines(state_dtype, state_indices.shape[0] * HV * K * K * state.element_size())
+    flags = (bool(use_qk_l2norm_in_kernel), state_dtype, bool(state_v_first), cu_seqlens is not None,
+             state_indices.dim() == 2, num_accepted_tokens is not None, lines)
     config, specs = _plan(H, HV, gate, flags)
     scalars = (float(K**-0.5 if scale is None else scale), float(lower_bound) if form == "safe" else 0.0)
     return config, specs, A_log, dt_bias, scalars

@@ -27,8 +27,11 @@ pool, 64 with a bf16 pool) and sums ``q_i s_ij`` over its rows; then:
   exchange is double-buffered by token parity (1 KB for an fp32 pool, 2 KB for bf16), so one barrier per token is
   enough: a warp writes token ``t + 1``'s sums only after passing token ``t``'s barrier, which warp 0 reaches after
   it read token ``t - 1``'s. With ``k_first_lines`` L (the KDA decode's lines per CTA), a CTA is L such groups of 4
-  warps side by side, each group over its own line of every row, exchanging among its own warps; its first warp
-  writes o (the same bits for every L; the register cap divided by L).
+  warps side by side, each group over its own line of every row, exchanging among its own warps behind its own
+  named barrier; its first warp writes o (the same bits for every L; the register cap divided by L). The
+  single-token form takes the KDA decode's rule (:func:`~cula_runtime.cute.kda.decode.k_first_lines`: whole rows
+  from 128 MiB of state per step up; H100, ``decode_k_first_lines_ab_h100.md``: 1.7-2.3% faster at N >= 128, H =
+  64); the general form (any T, packed sequences; not timed at more lines) keeps one line.
 * Every reduction runs in a fixed order (butterflies, then warps 0..3): the same bits on every call.
 * **Bytes per step** (T = 1): ``N · H · 2 · K · V`` state elements (read and written) plus ``4 · 128`` q/k/v/o
   elements per (sequence, head). H = 64, N = 128, fp32 pool: 1.07 GB of state (+ 8 MB of inputs and o), a floor
@@ -68,7 +71,7 @@ import functools
 
 from ..compile_cache import LaunchDeclined, TensorSpec, fake_call_arguments, launch, missing_cutedsl, planned_launch
 from ..dsl_compat import SmemAllocator
-from ..kda.decode import K_FIRST_ROW_WARPS, KdaDecode, KdaDecodeConfig
+from ..kda.decode import K_FIRST_ROW_WARPS, KdaDecode, KdaDecodeConfig, k_first_lines
 
 try:
     import cuda.bindings.driver as cuda
@@ -119,8 +122,7 @@ class LightningDecodeConfig:
             pool's dtype, which frees registers for more CTAs per SM (:data:`MIN_BLOCKS_PER_SM`).
         min_blocks_per_sm: CTAs per SM asked of ptxas (its register cap); 0: :data:`MIN_BLOCKS_PER_SM`, divided
             by the K-first CTAs' lines (the same threads per SM).
-        k_first_lines: K-first CTAs' lines per K row (1, 2 or 4 fp32; 1 or 2 bf16); 0: the KDA decode's default,
-            :data:`~cula_runtime.cute.kda.decode.K_FIRST_LINES`.
+        k_first_lines: K-first CTAs' 128-byte lines per K row (1, 2 or 4 fp32; 1 or 2 bf16); 0: one.
     """
 
     num_heads: int
@@ -412,7 +414,8 @@ class LightningDecode:
     @cute.jit
     def cta_publish(self, red: tuple, buf: Int32, sums: list):
         """K-first: row group 0 of each warp (lanes 0..7, column group = lane) writes its warp's ``cols`` sums into
-        buffer ``buf`` of the exchange (16-byte stores); then the CTA's barrier."""
+        buffer ``buf`` of the exchange (16-byte stores); then the line group's barrier
+        (:meth:`~cula_runtime.cute.kda.decode.KdaDecode.group_barrier`)."""
         VC = self.cols
         sRed, warp_idx, lane = red
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
@@ -422,7 +425,7 @@ class LightningDecode:
         if lane < 8:
             for m in cutlass.range_constexpr(VC // 4):
                 cute.copy(atom, rOut[None, m], sRed[None, m, lane, warp_idx, buf])
-        cute.arch.sync_threads()
+        self.lanes.group_barrier(warp_idx)
 
     @cute.jit
     def cta_gather(self, red: tuple, buf: Int32) -> list:
@@ -449,10 +452,12 @@ def _lane_config(config: LightningDecodeConfig) -> KdaDecodeConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(H: int, dtype: str, state_dtype: str, v_first: bool, varlen: bool, single_token: bool) -> tuple:
+def _plan(H: int, dtype: str, state_dtype: str, v_first: bool, varlen: bool, single_token: bool,
+          lines: int) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call)."""
     config = LightningDecodeConfig(num_heads=H, dtype=dtype, state_dtype=state_dtype, state_v_first=v_first,
-                                   varlen=varlen, single_token=single_token)
+                                   varlen=varlen, single_token=single_token,
+                                   k_first_lines=lines if single_token and not v_first and lines > 1 else 0)
     ok, reason = LightningDecode.can_implement(config)
     if not ok:
         raise ValueError(f"LightningDecode: {reason}")
@@ -493,8 +498,12 @@ def _check_shapes(q, k, v, g_gamma, state, state_indices, cu_seqlens, state_v_fi
 def _launch_config(q, state, state_v_first: bool, cu_seqlens) -> tuple:
     """``(config, specs)`` of one call: fixed-length calls of T = 1 (a decode step) take the single-token form."""
     varlen = cu_seqlens is not None
-    return _plan(q.shape[2], _DTYPE_NAMES[str(q.dtype)], _DTYPE_NAMES[str(state.dtype)], bool(state_v_first),
-                 varlen, not varlen and q.shape[1] == 1)
+    state_dtype = _DTYPE_NAMES[str(state.dtype)]
+    H, K = q.shape[2], q.shape[3]
+    # (for the single-token form, fixed length: N = B sequences)
+    lines = k_first_lines(state_dtype, q.shape[0] * H * K * K * state.element_size())
+    return _plan(H, _DTYPE_NAMES[str(q.dtype)], state_dtype, bool(state_v_first), varlen,
+                 not varlen and q.shape[1] == 1, lines)
 
 
 def lightning_decode_cutedsl(q, k, v, g_gamma, *, state, state_indices, scale: float | None = None,
