@@ -51,7 +51,7 @@ bf16 pool) and sums its rows; the two layouts then reduce over K differently (:m
   at least :data:`WHOLE_ROWS_BYTES` of state (HBM-bound: a pool far past the 50 MB L2) takes whole rows, a smaller
   one one line (latency- or L2-bound: whole-row CTAs would be a quarter or half as many, each moving 4x or 2x the
   bytes). Timed on a lent H100 (``benchmarks/results/decode_k_first_lines_ab_h100.md``): whole rows 0.3-2.5% faster
-  than one line from 128 MiB of state up, up to 45% slower at N = 1; the step stays 1.05-1.12x an in-place pass over
+  than one line from 128 MiB of state up, up to 45% slower at N = 1; the step stays 1.05-1.15x an in-place pass over
   its bytes, where a pass over one-line blocks alone costs 1.05-1.06x (``decode_state_access_probe_h100.md``).
 * **Bytes per step** (T = 1, fp32 pool, HV = 32): ``N · HV · 2 · 64 KB`` of state plus ``≈ 1.3 KB`` of inputs and
   output per (sequence, head): N = 128 moves 537 MB, a floor of 125 us at 4.3 TB/s (bf16 pool: 268 MB, 62 us).
