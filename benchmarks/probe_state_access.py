@@ -1,26 +1,32 @@
 """Does the K-first decode's access pattern cost bandwidth by itself? An in-place pass over a decode pool's states
-(``s <- 0.5 s + 1``, read and written once) in four CTA shapes, beside torch's own in-place pass (issues 26, 28).
+(``s <- 0.5 s + 1``, read and written once) in five CTA shapes, beside torch's own in-place pass (issues 26, 28).
 
     python benchmarks/probe_state_access.py [--heads 64] [--batch 128,512] [--reps 30]
         [--out benchmarks/results/decode_state_access_probe_h100.md]
 
-The decode kernels (``cute/kda/decode.py``, ``cute/lightning/decode.py``) give a K-first ``[K, V]`` state four CTAs,
-each one 128-byte line of every K row: 128 lines at a 512-byte stride (fp32; bf16: two CTAs, 128-byte lines at a
-256-byte stride); V-first CTAs read 16 KB that are contiguous. On a lent H100 the K-first step was 1.08-1.09x an
-in-place pass over the same bytes and the V-first step 1.03x (``lightning_decode_caps_ab_h100.md``). This probe
-moves the same bytes with nothing else in the kernel (Triton, one state block per program, 4 warps unless said):
+The decode kernels (``cute/kda/decode.py``, ``cute/lightning/decode.py``) give a K-first ``[K, V]`` state of a small
+pool four CTAs, each one 128-byte line of every K row: 128 lines at a 512-byte stride (fp32; bf16: two CTAs, 128-byte
+lines at a 256-byte stride), and take whole rows from 128 MiB of state per step; V-first CTAs read 16 KB that are
+contiguous. On a lent H100 the K-first step was 1.08-1.09x an in-place pass over the same bytes and the V-first step
+1.03x (``lightning_decode_caps_ab_h100.md``); at whole rows 1.05-1.15x (``decode_k_first_lines_ab_h100.md``). This
+probe moves the same bytes with nothing else in the kernel (Triton, one state block per program, 4 warps unless
+said):
 
-- ``lines``: the K-first decode's shape: program = (state, line), ``[128 rows, 128 bytes]`` at the row stride;
+- ``strips``: program = (state, 32-byte strip), ``[128 rows, 32 bytes]`` at the row stride, one warp: the shape of a
+  K-first layout whose warps each hold all 128 rows of a few columns (its reduction over K inside the warp, no
+  exchange), each row piece one 32-byte sector;
+- ``lines``: the K-first decode's one-line shape: program = (state, line), ``[128 rows, 128 bytes]`` at the row
+  stride;
 - ``two lines``: program = (state, half): 256 contiguous bytes of every K row, 8 warps;
 - ``contiguous``: program = (state, quarter): 32 whole K rows (fp32; bf16: 64), the same bytes per program, contiguous;
 - ``whole state``: program = one state (64 KB fp32, 32 KB bf16), 16 warps;
 - ``torch``: ``pool.mul_(0.5)``, one in-place pass (the yardstick of ``ab_lightning_decode_caps.py``).
 
 Per row: the mean time of ``--reps`` calls queued back to back between CUDA events
-(``host_overhead_kda.back_to_back_us``), the median over interleaved rounds, and the ratio to torch's pass. If
-``lines`` is slower than ``contiguous`` by about the decode's K-first excess, the layout of the K-first CTAs is
-what costs, and a K-first CTA that reads contiguous rows (whole states, reducing over K inside the CTA) is the
-lever; if not, the excess is in the kernels' own phases.
+(``host_overhead_kda.back_to_back_us``), the median over interleaved rounds, and the ratio to torch's pass. Run on
+an H100 (``decode_state_access_probe_h100.md``, before ``strips``): ``lines`` 1.05-1.06x, the others 1.00-1.02x. If
+``strips`` is near 1.00x too, a K-first layout whose warps reduce over K alone (as V-first's do) is a lever for the
+rest of the K-first step's excess (its exchange and barrier); if not, that layout would trade one cost for another.
 """
 
 from __future__ import annotations
@@ -76,7 +82,8 @@ def forms(dtype) -> dict[str, tuple]:
 
     line = 128 // torch.tensor([], dtype=dtype).element_size()  # columns in a 128-byte line
     parts = V // line
-    return {"lines": (K, line, parts, True, 4), "two lines": (K, 2 * line, parts // 2, True, 8),
+    return {"strips": (K, line // 4, 4 * parts, True, 1), "lines": (K, line, parts, True, 4),
+            "two lines": (K, 2 * line, parts // 2, True, 8),
             "contiguous": (K // parts, V, parts, False, 4), "whole state": (K, V, 1, False, 16)}
 
 
@@ -115,7 +122,7 @@ def main() -> None:
     from bench_kda_prefill import environment
 
     block_pass = kernels()
-    lines = ["# An in-place pass over decode states in four CTA shapes (K-first access probe)", "", *environment(),
+    lines = ["# An in-place pass over decode states in five CTA shapes (K-first access probe)", "", *environment(),
              "",
              "Method: `benchmarks/probe_state_access.py`'s docstring. us = median over rounds of the mean time of "
              "`--reps` calls queued back to back between CUDA events; x torch = over `pool.mul_(0.5)` on the same "
