@@ -120,8 +120,14 @@ DIRECT_CONFIGS = {
     "direct64-no-state": dict(direct=True, block_v=64),
     "direct64-pool-bf16-vk-flags": dict(direct=True, block_v=64, state_pool=True, state_dtype="bfloat16",
                                         state_v_first=True, initial_state_flags=True),
+    # over segments, each sequence's last segment ending in its final state (the prefill's segments form, with
+    # kernels A and B skipping the last segments): ht in both layouts, the pool in both dtypes
+    "segments-ht-kv": dict(output_final_state=True),
+    "segments-ht-vk": dict(output_final_state=True, state_v_first=True),
+    "segments-pool-fp32-kv": dict(state_pool=True),
+    "segments-pool-bf16-vk": dict(state_pool=True, state_dtype="bfloat16", state_v_first=True),
 }
-DIRECT_DSL_FLOOR = ("direct-pool-bf16-vk-flags", "direct64-pool-bf16-vk-flags")
+DIRECT_DSL_FLOOR = ("direct-pool-bf16-vk-flags", "direct64-pool-bf16-vk-flags", "segments-pool-bf16-vk")
 # measured with CuTeDSL 4.8.1: the chunk loop with the last chunk's state update in it (taken once, skipped by the
 # other chunks) 1136-1176 instructions at V block 128; without a final state the default's 632-691; at V block 64
 # (the score runs a loop, one warp's two runs) 1264-1316 with a final state on sm_90a
@@ -149,7 +155,8 @@ def test_direct_form_machine_code(config_id: str, target: str) -> None:
     tokens per thread and one), the start state's loads and the final state's stores, whole 8-byte pairs where
     the state is V-first (k contiguous: two accumulator columns), 4-byte elements where it is K-first; no spill.
     The same per thread in half-V CTAs (a warp's 16 value rows, its MMAs, its score code once: a loop over its
-    runs), with fewer v copies per thread."""
+    runs), with fewer v copies per thread. Over segments with a final state the same, the start state read from
+    ``seg_state`` (K-first: 64 4-byte loads) and the row's sequence and last mark read besides."""
     from cula_runtime.cute.compile_cache import compile_kernel
     from cula_runtime.cute.lightning.chunk_output import LightningChunkOutput, LightningChunkOutputConfig
     from cula_runtime.cute.machine_code import disassemble
@@ -172,10 +179,11 @@ def test_direct_form_machine_code(config_id: str, target: str) -> None:
     assert code.count("MUFU.EX2") == 4 + 17 * final
     assert code.count("STG") == C // 16 + state_accesses * final
     reads_state = fields.get("has_initial_state", False) or fields.get("state_pool", False)
-    starts = state_accesses * reads_state
     indices = fields.get("state_pool", False) + fields.get("initial_state_flags", False)
-    # the segment row (its sequence where a state is read or written), the slot, the flag, the start state
-    assert code.count("LDG") == 3 + (final or reads_state) + indices + starts
+    if config.direct:  # the segment row (its sequence where a state is read or written), the slot, the flag, h0
+        assert code.count("LDG") == 3 + (final or reads_state) + indices + state_accesses * reads_state
+    else:  # the segment row, seg_state's start state (K-first), the row's sequence and last mark, the slot
+        assert code.count("LDG") == 3 + 64 + 2 + indices
     # q, k (2 x 64 x 128 bf16) and v (64 x block_v) in 16-byte cp.async per thread, prologue and prefetch
     assert code.count("LDGSTS") == 2 * (2 * C * K + C * block_v) // 8 // (block_v // 16 * 32)
     loop = chunk_loop(code.sass)
@@ -231,7 +239,8 @@ def test_one_binary_serves_every_length() -> None:
         ({"block_v": 64}, "block_v=64 serves only the direct form"),
         ({"block_v": 32, "direct": True}, "block_v=32: expected 128 or (the direct form) 64"),
         ({"num_heads": 0}, "num_heads"),
-        ({"output_final_state": True}, "belong to the direct form"),
+        ({"has_initial_state": True}, "belong to the direct form"),
+        ({"state_pool": True, "initial_state_flags": True}, "belong to the direct form"),
         ({"direct": True, "state_pool": True, "output_final_state": True}, "state_pool reads and writes the pool"),
         ({"direct": True, "state_dtype": "bfloat16"}, "a bf16 state needs state_pool"),
         ({"direct": True, "state_dtype": "float16"}, "expected one of"),

@@ -66,9 +66,11 @@ def start_states(N: int, H: int, K: int, initial_state, state_v_first: bool, poo
 
 def emulate_scan(seg_state: torch.Tensor, segments: torch.Tensor, seq_segments: torch.Tensor,
                  g_gamma: torch.Tensor, initial_state=None, state_v_first: bool = False, pool=None,
-                 state_indices=None, has_initial_state=None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+                 state_indices=None, has_initial_state=None,
+                 skip_last: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Kernel B in float64: ``(start states [NSEG, H, K, V], final states K-first [N, H, K, V], slots)`` from the
-    segments' own states ``seg_state``."""
+    segments' own states ``seg_state``; ``skip_last``: each sequence's last segment's own state is not read (the
+    final states of sequences with tokens are then their last segments' start states: kernel C finishes them)."""
     H, K = seg_state.shape[1], seg_state.shape[2]
     offsets = seq_segments.tolist()
     N = len(offsets) - 1
@@ -80,33 +82,41 @@ def emulate_scan(seg_state: torch.Tensor, segments: torch.Tensor, seq_segments: 
     for n in range(N):
         for s in range(offsets[n], offsets[n + 1]):
             starts[s] = S[n]
-            S[n] = torch.exp(g * lengths[s]) * S[n] + own[s]
+            if not (skip_last and s == offsets[n + 1] - 1):
+                S[n] = torch.exp(g * lengths[s]) * S[n] + own[s]
     return starts, S, slots
 
 
 def emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, seg_len: int,
-                         empty_rows: bool = False) -> None:
+                         empty_rows: bool = False) -> list[torch.Tensor]:
     """Kernel C in float64 (the token recurrence from each segment's start state), written into ``o``
-    (``empty_rows``: the direct form's table, whose empty sequences have rows of length 0)."""
+    (``empty_rows``: the direct form's table, whose empty sequences have rows of length 0); returns each segment's
+    state after its tokens (K-first float64 ``[H, K, V]``)."""
     H = q.shape[1]
     g = torch.exp(g_gamma.double().cpu()).view(H, 1, 1)
+    ends = []
     for s, (_, start, length, _) in enumerate(segments.tolist()):
         assert (0 if empty_rows else 1) <= length <= seg_len
         S = seg_state[s].double().cpu().clone()
         for t in range(start, start + length):
             S = g * S + k[t].double().cpu().unsqueeze(-1) * v[t].double().cpu().unsqueeze(-2)
             o[t] = (scale * torch.einsum("hk,hkv->hv", q[t].double().cpu(), S)).to(o.dtype)
+        ends.append(S)
+    return ends
 
 
-def write_final_states(final: torch.Tensor, state_v_first: bool, ht, pool, slots: list[int]) -> None:
-    """The final states (K-first float64 ``[N, H, K, V]``) into ``ht`` and the pool slots, in their layout."""
+def write_final_states(final: torch.Tensor, state_v_first: bool, ht, pool, slots: list[int],
+                       only: list[int] | None = None) -> None:
+    """The final states (K-first float64 ``[N, H, K, V]``) into ``ht`` and the pool slots, in their layout
+    (``only``: those sequences' alone)."""
     final_laid = final.transpose(-1, -2) if state_v_first else final
-    if ht is not None:
-        ht.copy_(final_laid.float())
-    if pool is not None:
-        for n, slot in enumerate(slots):
-            if slot >= 0:
-                pool[slot] = final_laid[n].to(pool.dtype)
+    for n, slot in enumerate(slots):
+        if only is not None and n not in only:
+            continue
+        if ht is not None:
+            ht[n] = final_laid[n].float()
+        if pool is not None and slot >= 0:
+            pool[slot] = final_laid[n].to(pool.dtype)
 
 
 class FakeKernels:
@@ -117,44 +127,72 @@ class FakeKernels:
         self.calls: list[tuple] = []
         self.direct_block_vs: list[int] = []  # the direct form's V block per launch
 
-    # chunk_states' unchecked entries
-    def _states_run(self, k, v, g_gamma, segments, seg_state, block_v) -> None:
+    # chunk_states' unchecked entries (skip_last: the last segments' own states are left as NaN, never read)
+    def _states_run(self, k, v, g_gamma, segments, seg_state, block_v, skip_last=False) -> None:
         assert block_v in (64, 128) and seg_state.dtype == torch.float32 and seg_state.is_contiguous()
         assert k.dim() == 3 and v.dim() == 3 and segments.dtype == torch.int32
         self.calls.append(("A", segments.shape[0], block_v))
-        seg_state.copy_(emulate_segment_states(k, v, g_gamma, segments).float())
+        own = emulate_segment_states(k, v, g_gamma, segments).float()
+        if skip_last:
+            own[segments[:, 3].cpu() != 0] = float("nan")
+        seg_state.copy_(own)
 
     def _scan_run(self, seg_state, segments, seq_segments, g_gamma, initial_state, ht, state_v_first, pool=None,
-                  state_indices=None, has_initial_state=None) -> None:
+                  state_indices=None, has_initial_state=None, skip_last=False) -> None:
         self.calls.append(("B", seq_segments.shape[0] - 1))
         starts, final, slots = emulate_scan(seg_state, segments, seq_segments, g_gamma, initial_state, state_v_first,
-                                            pool, state_indices, has_initial_state)
+                                            pool, state_indices, has_initial_state, skip_last)
         seg_state.copy_(starts.float())
-        write_final_states(final, state_v_first, ht, pool, slots)
+        offsets = seq_segments.tolist()
+        empty = [n for n in range(len(offsets) - 1) if offsets[n] == offsets[n + 1]]
+        write_final_states(final, state_v_first, ht, pool, slots, empty if skip_last else None)
 
     def scan_flags(self, initial_state, output_final_state, state_v_first, pool, has_initial_state) -> tuple:
         return (initial_state is not None, bool(output_final_state), bool(state_v_first),
                 None if pool is None else str(pool.dtype), has_initial_state is not None)
 
-    def plan_segment_states(self, H, dtype, block_v, device):
+    def plan_segment_states(self, H, dtype, block_v, device, skip_last=False):
         return lambda k, v, g_gamma, segments, seg_state: self._states_run(k, v, g_gamma, segments, seg_state,
-                                                                           block_v)
+                                                                           block_v, skip_last)
 
-    def plan_segment_scan(self, H, N, flags, device):
+    def plan_segment_scan(self, H, N, flags, device, skip_last=False):
         v_first = flags[2]
         return lambda seg_state, segments, seq_segments, g_gamma, h0, ht, pool, idx, has_init: self._scan_run(
-            seg_state, segments, seq_segments, g_gamma, h0, ht, v_first, pool, idx, has_init)
+            seg_state, segments, seq_segments, g_gamma, h0, ht, v_first, pool, idx, has_init, skip_last)
 
     def lightning_chunk_output(self, q, k, v, g_gamma, seg_state, segments, o, scale, seg_len) -> None:
         assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0]
         self.calls.append(("C", segments.shape[0], seg_len))
         emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, seg_len)
 
-    def plan_chunk_output(self, H, device):  # (the bound kernel C of plans: no seg_len, the table's lengths)
-        def run(q, k, v, g_gamma, seg_state, segments, o, scale) -> None:
-            assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0] and q.shape[1] == H
-            self.calls.append(("C", segments.shape[0], None))
-            emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, q.shape[0])
+    def segments_output_run(self, q, k, v, g_gamma, seg_state, segments, o, scale, ht, state_v_first, pool,
+                            state_indices) -> None:
+        """Kernel C over segments whose last ones write their sequences' final states."""
+        assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0]
+        self.calls.append(("C", segments.shape[0], None))
+        ends = emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, q.shape[0])
+        rows = segments.tolist()
+        N = max((r[0] for r in rows), default=-1) + 1
+        final = torch.zeros(N, *ends[0].shape, dtype=torch.float64) if rows else None
+        last = [r[0] for r in rows if r[3]]
+        for s, r in enumerate(rows):
+            if r[3]:
+                final[r[0]] = ends[s]
+        if pool is not None:
+            P = pool.shape[0]
+            slots = [int(x) if 0 <= int(x) < P else -1 for x in state_indices.tolist()[:N]]
+        else:
+            slots = [-1] * N
+        if rows and (ht is not None or pool is not None):
+            write_final_states(final, state_v_first, ht, pool, slots, last)
+
+    def plan_chunk_output(self, H, device, flags=None):  # (the bound kernel C of plans: the table's lengths)
+        v_first = False if flags is None else flags[2]
+
+        def run(q, k, v, g_gamma, seg_state, segments, o, scale, ht=None, pool=None, state_indices=None) -> None:
+            assert q.shape[1] == H
+            self.segments_output_run(q, k, v, g_gamma, seg_state, segments, o, scale, ht, v_first, pool,
+                                     state_indices)
         return run
 
     # chunk_output's direct form: kernel A's own states, kernel B's scan over one segment per sequence, kernel C
@@ -200,7 +238,7 @@ def brute_force_rows(lens: list[int], seg_len: int) -> list[tuple[int, int, int,
         tokens = list(range(start, start + length))
         for i in range(0, length, seg_len):
             piece = tokens[i:i + seg_len]
-            rows.append((n, piece[0], len(piece), 0))
+            rows.append((n, piece[0], len(piece), int(piece[-1] == tokens[-1])))
         start += length
     return rows
 
@@ -230,11 +268,12 @@ def test_segment_table_cuts_every_sequence_in_order(lens: list[int], seg_len: in
         assert [r[1] for r in mine] == [starts[n] + i * seg_len for i in range(len(mine))]
         assert all(r[2] == seg_len for r in mine[:-1]) and all(1 <= r[2] <= seg_len for r in mine)
         assert (length == 0) == (not mine)  # an empty sequence has no segment
+        assert [r[3] for r in mine] == [0] * (len(mine) - 1) + [1] * bool(mine)  # its last one marked
 
 
 def test_segment_table_docstring_example() -> None:
     table = segment_table([130, 0, 64], 64)
-    assert table.rows() == [(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 0), (2, 130, 64, 0)]
+    assert table.rows() == [(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 1), (2, 130, 64, 1)]
     assert table.seq_segments == [0, 3, 3, 4]
 
 
@@ -510,9 +549,10 @@ def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKerne
 
 
 def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan's kernel C launch (``plan_chunk_output``) gets what ``lightning_chunk_output`` passes: q, k, v and
-    o as ``[1, B·T, H, 128]`` views of the call's own tensors, the decays, the scan's start states, the segment
-    table and the scale; kernels A and B before it, nothing compiled here."""
+    """The plan's kernel C launch (``plan_chunk_output``) gets what ``segments_output_run`` passes: q, k, v and o
+    as ``[1, B·T, H, 128]`` views of the call's own tensors, the decays, the scan's start states, the segment table,
+    ``ht`` (its last segments write the final states) and the scale; kernels A and B before it, nothing compiled
+    here."""
     from cula_runtime import cute as cula_cute
 
     if not cula_cute.is_available():
@@ -529,14 +569,17 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pyt
     plan = pb.plan_lightning_prefill(args)
     o, ht = plan(args.q, args.k, args.v, args.g_gamma, None, args.cu_seqlens, None, None, None)
     assert len(launches) == 3
-    (a_cls, _, a_args), (_, _, b_args), (c_cls, c_config, c_args) = launches
+    (a_cls, a_config, a_args), (_, b_config, b_args), (c_cls, c_config, c_args) = launches
+    assert a_config.skip_last and b_config.skip_last  # the last segments are kernel C's
     assert c_cls is LightningChunkOutput and c_config.num_heads == 2
     assert len(c_args) == len(LightningChunkOutput(c_config).argument_specs()) + 1
     for got, want in zip(c_args[:3] + c_args[6:7], (args.q, args.k, args.v, o), strict=True):
         assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
     assert c_args[3] is args.g_gamma and c_args[4] is b_args[0] and c_args[5] is b_args[1]  # start states, table
-    assert c_args[7:12] == (None,) * 5  # the direct form's states: absent
+    assert c_args[8] is ht and c_config.output_final_state  # the last segments write the final states
+    assert c_args[7] is None and c_args[9:12] == (None,) * 3  # no h0, no pool
     assert c_args[12] == args.scale
+    assert b_args[5] is ht  # (kernel B: the final states of sequences without tokens)
 
 
 def test_a_varlen_plan_takes_the_form_of_each_call(fake_kernels: FakeKernels, monkeypatch: pytest.MonkeyPatch) -> None:

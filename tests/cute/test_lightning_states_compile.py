@@ -27,6 +27,7 @@ STATES_CONFIGS = {
     "A-bv128-H4-bf16": dict(num_heads=4),
     "A-bv64-H16-bf16": dict(num_heads=16, block_v=64),
     "A-bv128-H2-fp16": dict(num_heads=2, dtype="float16"),
+    "A-bv128-H4-bf16-skip-last": dict(num_heads=4, skip_last=True),  # the prefill backend's: last segments skipped
 }
 # LightningSegmentScanConfig fields: no state, h0/ht in both layouts, the pool in both dtypes and layouts, the flags
 SCAN_CONFIGS = {
@@ -39,6 +40,11 @@ SCAN_CONFIGS = {
     "B-pool-bf16-vk-flags": dict(num_heads=8, state_pool=True, state_dtype="bfloat16", state_v_first=True,
                                  initial_state_flags=True),
     "B-pool-bf16-kv": dict(num_heads=8, state_pool=True, state_dtype="bfloat16"),
+    # the prefill backend's: last segments' own states unread, final states of sequences without tokens only
+    "B-H4-h0-ht-vk-skip-last": dict(num_heads=4, has_initial_state=True, output_final_state=True,
+                                    state_v_first=True, skip_last=True),
+    "B-pool-bf16-vk-flags-skip-last": dict(num_heads=8, state_pool=True, state_dtype="bfloat16", state_v_first=True,
+                                           initial_state_flags=True, skip_last=True),
 }
 # compiled by `nox -s cute_compile_oldest` too (pytest -m "compile and dsl_floor"), for every target
 DSL_FLOOR = ("A-bv128-H4-bf16", "B-pool-bf16-vk-flags")

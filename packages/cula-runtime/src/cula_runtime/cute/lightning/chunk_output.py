@@ -19,7 +19,10 @@ its pool slot widened from fp32/bf16, or zeros: padding slots, a False ``has_ini
 state asked the last chunk updates S too, decayed by its true length L: ``S = λ^L S + Σ_{j<L} bf16(λ^(L-1-j) v_j)ᵀ k_j``
 (factors made in registers, 0 past L: never the exponential of a positive number), then S goes to ``final_state[n]``
 (fp32) or back to the pool slot (rounded to its dtype). One launch in place of three: q, k, v read once, no segment
-states. The accumulator layout reads and writes a state as 8-byte pairs where it is V-first (two adjacent k columns),
+states. **Over segments with final states** (the prefill backend's segments form: kernels A and B ``skip_last``) each
+sequence's last segment (``segments[s, 3] != 0``) ends the same way, from its start state in ``seg_state``: its last
+chunk's update decayed by its true length, then ``final_state[n]`` or the pool slot. The accumulator layout reads
+and writes a state as 8-byte pairs where it is V-first (two adjacent k columns),
 as 4-byte elements (32 bytes per 8 lanes) where it is K-first.
 
 This is the KDA recurrence's chunk step (:mod:`cula_runtime.cute.kda.recurrence`) with w = 0, u = v, a scalar
@@ -107,7 +110,7 @@ from collections.abc import Callable
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, flag_bytes, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
-from .chunk_states import _STATE_DTYPES, StateIO, read_pool_slot, scan_flags
+from .chunk_states import _STATE_DTYPES, StateIO, pool_slot, read_pool_slot, scan_flags
 
 try:
     import cuda.bindings.driver as cuda
@@ -120,7 +123,7 @@ except ImportError as exc:
     raise missing_cutedsl(exc) from exc
 
 __all__ = ["BLOCK_V", "HALF_BLOCK_V", "LightningChunkOutput", "LightningChunkOutputConfig", "direct_output_run",
-           "lightning_chunk_output", "plan_chunk_output", "plan_direct_output"]
+           "lightning_chunk_output", "plan_chunk_output", "plan_direct_output", "segments_output_run"]
 
 BLOCK_V = 128  # value columns per CTA: all of them, one 8-warp CTA per segment and head (module docstring)
 HALF_BLOCK_V = 64  # the direct form's other V block: two 4-warp CTAs per sequence and head (module docstring)
@@ -172,8 +175,10 @@ class LightningChunkOutputConfig(StateIO):
         chunk_size: C; only 64.
         direct: the direct form (module docstring): every segment is a whole sequence (one row per sequence, empty
             ones too), started from the sequence's initial state and ending in its final state; no ``seg_state``.
-            Its start and final states: the :class:`~cula_runtime.cute.lightning.chunk_states.StateIO` fields (all
-            off otherwise).
+            Its start and final states: the :class:`~cula_runtime.cute.lightning.chunk_states.StateIO` fields. Over
+            segments only the final-state fields (``output_final_state`` or ``state_pool``, ``state_dtype``,
+            ``state_v_first``) may be set: each sequence's last segment (``segments[s, 3] != 0``) then ends in the
+            sequence's final state and writes it (kernels A and B with ``skip_last``).
     """
 
     num_heads: int
@@ -184,8 +189,9 @@ class LightningChunkOutputConfig(StateIO):
 
     @property
     def writes_final_state(self) -> bool:
-        """The direct form ends by writing a final state (``final_state`` or the pool)."""
-        return self.direct and (self.output_final_state or self.state_pool)
+        """A sequence's last CTA (the direct form's every CTA) ends by writing its final state (``final_state`` or
+        the pool)."""
+        return self.output_final_state or self.state_pool
 
 
 class LightningChunkOutput(ChunkTiles):
@@ -208,10 +214,9 @@ class LightningChunkOutput(ChunkTiles):
                            "every shape timed)")
         if c.num_heads < 1:
             return False, f"num_heads={c.num_heads}: must be >= 1"
-        if not c.direct:
-            if any(getattr(c, f.name) != f.default for f in dataclasses.fields(StateIO)):
-                return False, "the start/final-state fields belong to the direct form (direct=True)"
-            return True, ""
+        if not c.direct and (c.has_initial_state or c.initial_state_flags):
+            return False, ("over segments the start states are seg_state's: has_initial_state and "
+                           "initial_state_flags belong to the direct form (direct=True)")
         reason = c.state_io_rejection()
         return (False, reason) if reason else (True, "")
 
@@ -229,9 +234,9 @@ class LightningChunkOutput(ChunkTiles):
             TensorSpec(Int32, 2, 4),  # segments [NSEG, 4]: (sequence, first row, length, 0)
             bf16,  # o [1, B·T, H, V]
             state if c.has_initial_state else None,  # (direct) h0 [N, H, K, V] / [N, H, V, K]
-            state if c.output_final_state else None,  # (direct) ht
-            TensorSpec(_STATE_DTYPES[c.state_dtype], 4, 2) if c.state_pool else None,  # (direct) the pool
-            TensorSpec(Int32, 1) if c.state_pool else None,  # (direct) state_indices [N]
+            state if c.output_final_state else None,  # ht
+            TensorSpec(_STATE_DTYPES[c.state_dtype], 4, 2) if c.state_pool else None,  # the pool
+            TensorSpec(Int32, 1) if c.state_pool else None,  # state_indices [N]
             TensorSpec(Uint8, 1) if c.initial_state_flags else None,  # (direct) has_initial_state [N], bytes
         )
 
@@ -402,13 +407,18 @@ class LightningChunkOutput(ChunkTiles):
 
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
         slot = Int32(-1)
+        n = mSeg[seg, 0]
+        ends = Int32(1)  # the CTA ends its sequence (and writes the final state where there is one)
         if const_expr(c.direct):  # the sequence's initial state (or zeros); slot: its pool slot, -1 if none
-            n = mSeg[seg, 0]
             slot = self.load_initial_state(thr_mma, tSrS, mH0, mPool, mStateIdx, mHasInit, n, h, vb)
         else:
             tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
             if num_chunks > 0:
                 tSrS.store(tSgS0.load())
+            if const_expr(c.writes_final_state):  # the sequence's last segment; its pool slot (only written)
+                ends = cutlass.select_(mSeg[seg, 3] != 0, Int32(1), Int32(0))
+                if const_expr(c.state_pool):
+                    slot = pool_slot(mPool, mStateIdx, n)
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % 2
@@ -451,8 +461,8 @@ class LightningChunkOutput(ChunkTiles):
             k_copy = (s2r_Bt, tCsK, tCrK_v, tCrK, stage)
             if chunk + 1 < num_chunks:
                 self.state_step(tiled_mma, tSrS, rV, tVsVdec, lam_chunk, k_copy)
-            if const_expr(c.writes_final_state):  # the direct form's last chunk: decayed by its true length
-                if chunk + 1 == num_chunks:
+            if const_expr(c.writes_final_state):  # a sequence's last chunk: decayed by its true length
+                if chunk + 1 == num_chunks and ends != 0:
                     self.state_step(tiled_mma, tSrS, rV, self.tail_factors(thr_mma, lg, chunk_len),
                                     cute.math.exp2(Float32(chunk_len) * lg, fastmath=True), k_copy)
 
@@ -464,7 +474,8 @@ class LightningChunkOutput(ChunkTiles):
             self.store_rows(mO, sV[None, None, stage], Int32(0), h, vb, start + chunk * C, chunk_len, tidx)
 
         if const_expr(c.writes_final_state):
-            self.store_final_state(thr_mma, tSrS, mHt, mPool, n, h, vb, slot)
+            if ends != 0:
+                self.store_final_state(thr_mma, tSrS, mHt, mPool, n, h, vb, slot)
 
     @cute.jit
     def _bf16_pairs_to_f32(self, x: cute.Tensor) -> cute.Tensor:
@@ -595,8 +606,8 @@ class LightningChunkOutput(ChunkTiles):
 
     @cute.jit
     def store_final_state(self, thr_mma, tSrS: cute.Tensor, mHt, mPool, n: Int32, h: Int32, vb: Int32, slot: Int32):
-        """The direct form's final state of sequence ``n``: ``tSrS`` into ``final_state[n]``, or rounded to the
-        pool's dtype into slot ``slot`` unless it is -1."""
+        """Sequence ``n``'s final state: ``tSrS`` into ``final_state[n]``, or rounded to the pool's dtype into slot
+        ``slot`` unless it is -1."""
         c = self.config
         if const_expr(c.output_final_state):
             thr_mma.partition_C(self._head_tile(mHt[n, h, None, None], vb)).store(tSrS.load())
@@ -676,9 +687,15 @@ class LightningChunkOutput(ChunkTiles):
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(H: int) -> tuple:
-    """The config and argument specs of one call signature (cached: no work per call)."""
-    config = LightningChunkOutputConfig(num_heads=H)
+def _plan(H: int, flags: tuple | None = None) -> tuple:
+    """The config and argument specs of one call signature (cached: no work per call); ``flags``: kernel B's
+    (:func:`~cula_runtime.cute.lightning.chunk_states.scan_flags`) where the last segments write the final states,
+    None where nothing does."""
+    if flags is None:
+        config = LightningChunkOutputConfig(num_heads=H)
+    else:  # the final-state fields only: the start states are seg_state's
+        _, want_ht, v_first, pool_dtype, _ = flags
+        config = LightningChunkOutputConfig.from_flags((False, want_ht, v_first, pool_dtype, False), num_heads=H)
     ok, reason = LightningChunkOutput.can_implement(config)
     if not ok:
         raise ValueError(f"LightningChunkOutput: {reason}")
@@ -763,16 +780,32 @@ def _tensors(q, k, v, g_gamma, seg_state, segments, o, h0=None, ht=None, pool=No
             pool, state_indices, flag_bytes)
 
 
-def plan_chunk_output(H: int, device) -> Callable:
+def segments_output_run(q, k, v, g_gamma, seg_state, segments, o, scale: float, ht, state_v_first: bool, pool,
+                        state_indices) -> None:
+    """Kernel C over segments whose last ones end their sequences, nothing checked (the prefill backend's validated
+    arguments; kernels A and B ran with ``skip_last``): :func:`lightning_chunk_output`'s work, and each sequence's
+    last segment writes its final state into ``ht`` (fp32, ``state_v_first``'s layout) or its pool slot
+    ``state_indices[n]`` (a slot outside ``[0, P)``: not written), where either is given."""
+    flags = scan_flags(None, ht is not None, state_v_first, pool, None)
+    config, specs = _plan(q.shape[1], flags if ht is not None or pool is not None else None)
+    launch(LightningChunkOutput, config, specs, _tensors(q, k, v, g_gamma, seg_state, segments, o, None, ht, pool,
+                                                         state_indices), _FINAL_OUTPUTS, q.device, float(scale))
+
+
+def plan_chunk_output(H: int, device, flags: tuple | None = None) -> Callable:
     """Kernel C bound to one call signature (:func:`~cula_runtime.cute.compile_cache.bound_launch`, for the prefill's
-    call plans): ``run(q, k, v, g_gamma, seg_state, segments, o, scale)`` with :func:`lightning_chunk_output`'s
-    tensors and nothing checked; ``LaunchDeclined`` where TVM-FFI refuses a pointer (nothing launched). The caller
-    launches only with segments and rows."""
-    config, specs = _plan(H)
+    call plans): ``run(q, k, v, g_gamma, seg_state, segments, o, scale, ht=None, pool=None, state_indices=None)``
+    with :func:`segments_output_run`'s tensors and nothing checked; ``flags``: as :func:`_plan`'s (None: no final
+    states); ``LaunchDeclined`` where TVM-FFI refuses a pointer (nothing launched). The caller launches only with
+    segments and rows."""
+    if flags is not None and not (flags[1] or flags[3] is not None):
+        flags = None  # neither ht nor a pool: nothing to write
+    config, specs = _plan(H, flags)
     run = bound_launch(LightningChunkOutput, config, specs, device)
 
-    def run_output(q, k, v, g_gamma, seg_state, segments, o, scale: float) -> None:
-        run(_tensors(q, k, v, g_gamma, seg_state, segments, o), (float(scale),))
+    def run_output(q, k, v, g_gamma, seg_state, segments, o, scale: float, ht=None, pool=None,
+                   state_indices=None) -> None:
+        run(_tensors(q, k, v, g_gamma, seg_state, segments, o, None, ht, pool, state_indices), (float(scale),))
 
     return run_output
 
@@ -792,7 +825,7 @@ def _direct_plan(H: int, flags: tuple, block_v: int) -> tuple:
     return config, LightningChunkOutput(config).argument_specs()
 
 
-_DIRECT_OUTPUTS = frozenset({6, 8, 9})  # o, ht, the pool (in place)
+_FINAL_OUTPUTS = frozenset({6, 8, 9})  # o, ht, the pool (in place): the direct form and the last segments
 
 
 def _direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, state_indices, has_initial_state) -> tuple:
@@ -823,7 +856,7 @@ def direct_output_run(q, k, v, g_gamma, segments, o, scale: float, initial_state
                                                         has_initial_state), block_v)
     launch(LightningChunkOutput, config, specs,
            _direct_tensors(q, k, v, g_gamma, segments, o, initial_state, ht, pool, state_indices, has_initial_state),
-           _DIRECT_OUTPUTS, q.device, float(scale))
+           _FINAL_OUTPUTS, q.device, float(scale))
 
 
 def plan_direct_output(H: int, flags: tuple, device, block_v: int = BLOCK_V) -> Callable:

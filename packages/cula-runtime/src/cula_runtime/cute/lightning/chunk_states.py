@@ -16,14 +16,18 @@ seq_segments[n + 1] - 1`` in order). Per head h, with λ = exp(g_gamma[h]) (``g_
   0, never the exponential of a positive number) is computed in fp32 once per token into a shared table and
   multiplied into the vᵀ fragment in registers, rounded once to the operand dtype. Rows past the segment's end are
   zero-filled in shared memory and never read from global memory (the segment's rows are also clamped into the
-  token axis). k and v are read once per V block.
+  token axis). k and v are read once per V block. With ``skip_last`` (the prefill backend's) a sequence's last
+  segment (``segments[s, 3] != 0``) is skipped: nothing read, nothing written (its own state would only feed the
+  final state, which kernel C then writes).
 * **Kernel B** (:class:`LightningSegmentScan`, grid ``(N, H, 16)``): elementwise over each (sequence, head) state,
   sequential over the sequence's segments: ``S`` = the start state (``initial_state[n]``; or pool slot
   ``state_indices[n]`` when it is in ``[0, P)`` and ``has_initial_state[n]`` is not False; else zeros); for each
   segment s in order: ``S_loc = seg_state[s]``, ``seg_state[s] = S`` (the segment's START state, in place),
   ``S = λ^(L_s) S + S_loc``. At the end ``S`` is the final state: written to ``final_state[n]`` (either layout) when
   asked, or back into the pool slot (in place, fp32 or bf16 rounded to nearest even) when the slot is in ``[0, P)``.
-  A sequence without tokens has no segments: its final state is its start state. Lane ``l`` of warp ``w`` owns a
+  A sequence without tokens has no segments: its final state is its start state. With ``skip_last`` the last
+  segment's own state is not read (kernel A skipped it) and only sequences without tokens get their final states
+  here; kernel C finishes the others' from their last segments' start states. Lane ``l`` of warp ``w`` owns a
   4 x 4 block of the state (K rows ``k0 .. k0 + 3``, V columns ``v0 .. v0 + 3``): 8 lanes cover 128 contiguous bytes
   of a K-first row and 4 lanes 64 contiguous bytes of a V-first one, so every access is a 16-byte vector in whole
   sectors. The segments' states are loaded ``prefetch`` segments ahead (one memory latency per group of
@@ -84,6 +88,8 @@ class LightningSegmentStatesConfig:
         block_v: value columns per CTA, 64 or 128 (4 or 8 warps); k is read once per V block.
         dtype: the k and v dtype, ``"bfloat16"`` or ``"float16"`` (the MMA operands; fp32 accumulators).
         chunk_size: C; only 64.
+        skip_last: the table's last segments (``segments[s, 3] != 0``) are skipped, nothing read or written: their
+            own states only feed the final states, which kernel C writes (the prefill backend's segments form).
     """
 
     num_heads: int
@@ -91,6 +97,7 @@ class LightningSegmentStatesConfig:
     block_v: int = 128
     dtype: str = "bfloat16"
     chunk_size: int = CHUNK
+    skip_last: bool = False
 
 
 class LightningSegmentStates(ChunkTiles):
@@ -182,6 +189,10 @@ class LightningSegmentStates(ChunkTiles):
         rows = mK.shape[0]
         start = cutlass.min(cutlass.max(mSegments[s, 1], 0), rows)
         length = cutlass.min(cutlass.max(mSegments[s, 2], 0), rows - start)
+        skipped = Int32(0)
+        if const_expr(c.skip_last):  # a sequence's last segment: nothing read, nothing written
+            skipped = cutlass.select_(mSegments[s, 3] != 0, Int32(1), Int32(0))
+            length = cutlass.select_(skipped != 0, Int32(0), length)
         gamma2 = mGamma[h] * LOG2E  # log2 of the per-token decay, <= 0
         num_chunks = (length + (C - 1)) // C
 
@@ -234,9 +245,10 @@ class LightningSegmentStates(ChunkTiles):
                 cute.gemm(tiled_mma, acc, tCrV[None, None, kb], tCrK[None, None, kb], acc)
 
         # S_loc (fp32) into seg_state[s, h] ([K, V], V contiguous), this CTA's value columns, from the layout of Sᵀ
-        head = mSegState[s, h, None, None]
-        headT = cute.make_tensor(head.iterator, cute.make_layout((K, K), stride=(1, K)))  # (V, K) view
-        thr_mma.partition_C(cute.local_tile(headT, (BV, K), (vb, 0))).store(acc.load())
+        if skipped == 0:
+            head = mSegState[s, h, None, None]
+            headT = cute.make_tensor(head.iterator, cute.make_layout((K, K), stride=(1, K)))  # (V, K) view
+            thr_mma.partition_C(cute.local_tile(headT, (BV, K), (vb, 0))).store(acc.load())
 
     @cute.jit
     def load_chunk(self, g2s_K, g2s_V, mK: cute.Tensor, mV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
@@ -309,13 +321,19 @@ class StateIO:
 
 
 @cute.jit
+def pool_slot(mPool: cute.Tensor, mStateIdx: cute.Tensor, n: Int32) -> Int32:
+    """Sequence ``n``'s pool slot ``state_indices[n]``, or -1 outside ``[0, P)`` (padding: never read or written)."""
+    slot = mStateIdx[n]
+    return cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
+
+
+@cute.jit
 def read_pool_slot(mPool: cute.Tensor, mStateIdx: cute.Tensor, mHasInit: cute.Tensor | None, n: Int32,
                    read_flags: cutlass.Constexpr, load: cutlass.Constexpr) -> Int32:
-    """Sequence ``n``'s pool slot ``state_indices[n]``, or -1 outside ``[0, P)`` (padding: never read or written);
-    ``load(slot)`` (traced in place) reads the slot's start state where it is a slot and ``has_initial_state[n]``
-    (``read_flags``: read, else taken as True) is not 0. Kernel B's and kernel C's direct form's start state."""
-    slot = mStateIdx[n]
-    slot = cutlass.select_(cutlass.min(slot, mPool.shape[0] - 1 - slot) >= 0, slot, Int32(-1))
+    """Sequence ``n``'s pool slot (:func:`pool_slot`); ``load(slot)`` (traced in place) reads the slot's start state
+    where it is a slot and ``has_initial_state[n]`` (``read_flags``: read, else taken as True) is not 0. Kernel B's
+    and kernel C's direct form's start state."""
+    slot = pool_slot(mPool, mStateIdx, n)
     if slot >= 0:
         read = Int32(1)
         if const_expr(read_flags):
@@ -333,11 +351,15 @@ class LightningSegmentScanConfig(StateIO):
         num_heads: H (grid y: at most 65535).
         head_dim: K = V (only 128).
         prefetch: segments whose states are loaded ahead (1 to 16).
+        skip_last: each sequence's last segment is kernel C's (kernel A skipped it, ``skip_last``): its own state is
+            not read, its start state is still written, and the final state is written only for a sequence without
+            tokens (kernel C writes the others').
     """
 
     num_heads: int
     head_dim: int = HEAD_DIM
     prefetch: int = 8
+    skip_last: bool = False
 
 
 class LightningSegmentScan:
@@ -413,6 +435,9 @@ class LightningSegmentScan:
         nseg = mSegState.shape[0]
         seg0 = cutlass.min(cutlass.max(mSeqSegments[n], 0), nseg)
         seg1 = cutlass.min(cutlass.max(mSeqSegments[n + 1], seg0), nseg)
+        read_end = seg1  # the segments whose own states are read and added
+        if const_expr(c.skip_last):
+            read_end = cutlass.max(seg1 - 1, seg0)
 
         f_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         rS = cute.make_rmem_tensor(cute.make_layout((4, 4)), Float32)  # rS[j, i]: row k0 + i, column v0 + j
@@ -431,7 +456,7 @@ class LightningSegmentScan:
         rLen = cute.make_rmem_tensor(cute.make_layout(D), Int32)
         for s0 in cutlass.range(seg0, seg1, D, unroll=1):
             for d in cutlass.range_constexpr(D):
-                if s0 + d < seg1:
+                if s0 + d < read_end:
                     rLen[d] = mSegments[s0 + d, 2]
                     head = self.head(mSegState, s0 + d, h)
                     for i in cutlass.range_constexpr(4):
@@ -441,15 +466,20 @@ class LightningSegmentScan:
                     head = self.head(mSegState, s0 + d, h)
                     for i in cutlass.range_constexpr(4):
                         cute.copy(f_atom, rS[None, i], cute.local_tile(head[k0 + i, None], (4,), (v0 // 4,)))
-                    decay = cute.math.exp2(gamma2 * Float32(rLen[d]), fastmath=True)
-                    rS.store(rS.load() * decay + rBuf[None, None, d].load())
+                    if s0 + d < read_end:
+                        decay = cute.math.exp2(gamma2 * Float32(rLen[d]), fastmath=True)
+                        rS.store(rS.load() * decay + rBuf[None, None, d].load())
 
-        # ---- the final state
-        if const_expr(c.output_final_state):
-            self.store_block(mHt[n, h, None, None], rS, k0, v0, c.state_v_first)
-        if const_expr(c.state_pool):
-            if slot >= 0:
-                self.store_block(mPool[slot, h, None, None], rS, k0, v0, c.state_v_first)
+        # ---- the final state (skip_last: kernel C writes those of sequences with tokens)
+        writes = Int32(1)
+        if const_expr(c.skip_last):
+            writes = cutlass.select_(seg1 == seg0, Int32(1), Int32(0))
+        if writes != 0:
+            if const_expr(c.output_final_state):
+                self.store_block(mHt[n, h, None, None], rS, k0, v0, c.state_v_first)
+            if const_expr(c.state_pool):
+                if slot >= 0:
+                    self.store_block(mPool[slot, h, None, None], rS, k0, v0, c.state_v_first)
 
     def head(self, mState: cute.Tensor, index, h) -> cute.Tensor:
         """One head's ``[128, 128]`` state at ``mState[index, h]``, its row stride static (the heads are compact)."""
@@ -504,9 +534,9 @@ class LightningSegmentScan:
 
 
 @functools.lru_cache(maxsize=256)
-def _states_plan(H: int, block_v: int, dtype: str) -> tuple:
+def _states_plan(H: int, block_v: int, dtype: str, skip_last: bool = False) -> tuple:
     """The config and argument specs of one kernel-A signature (cached: no work per call)."""
-    config = LightningSegmentStatesConfig(num_heads=H, block_v=block_v, dtype=dtype)
+    config = LightningSegmentStatesConfig(num_heads=H, block_v=block_v, dtype=dtype, skip_last=skip_last)
     ok, reason = LightningSegmentStates.can_implement(config)
     if not ok:
         raise ValueError(f"LightningSegmentStates: {reason}")
@@ -514,9 +544,9 @@ def _states_plan(H: int, block_v: int, dtype: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _scan_plan(H: int, flags: tuple) -> tuple:
+def _scan_plan(H: int, flags: tuple, skip_last: bool = False) -> tuple:
     """The config and argument specs of one kernel-B signature (cached)."""
-    config = LightningSegmentScanConfig.from_flags(flags, num_heads=H)
+    config = LightningSegmentScanConfig.from_flags(flags, num_heads=H, skip_last=skip_last)
     ok, reason = LightningSegmentScan.can_implement(config)
     if not ok:
         raise ValueError(f"LightningSegmentScan: {reason}")
@@ -584,18 +614,19 @@ def lightning_segment_states(k, v, g_gamma, segments, *, seg_state=None, block_v
     return seg_state
 
 
-def _states_run(k, v, g_gamma, segments, seg_state, block_v: int) -> None:
-    """:func:`lightning_segment_states` after its checks (no launch without segments)."""
+def _states_run(k, v, g_gamma, segments, seg_state, block_v: int, skip_last: bool = False) -> None:
+    """:func:`lightning_segment_states` after its checks (no launch without segments); ``skip_last``: as the
+    config's."""
     if segments.shape[0] == 0:
         return
-    config, specs = _states_plan(k.shape[1], block_v, _TORCH_NAMES[str(k.dtype)])
+    config, specs = _states_plan(k.shape[1], block_v, _TORCH_NAMES[str(k.dtype)], skip_last)
     launch(LightningSegmentStates, config, specs, (k, v, segments, g_gamma, seg_state), _STATES_OUTPUTS, k.device)
 
 
-def plan_segment_states(H: int, dtype, block_v: int, device):
+def plan_segment_states(H: int, dtype, block_v: int, device, skip_last: bool = False):
     """Kernel A bound to one call signature (``compile_cache.bound_launch``): ``run(k, v, g_gamma, segments,
-    seg_state)`` launches with nothing checked (no launch without segments)."""
-    config, specs = _states_plan(H, block_v, _TORCH_NAMES[str(dtype)])
+    seg_state)`` launches with nothing checked (no launch without segments); ``skip_last``: as the config's."""
+    config, specs = _states_plan(H, block_v, _TORCH_NAMES[str(dtype)], skip_last)
     run = bound_launch(LightningSegmentStates, config, specs, device)
 
     def run_states(k, v, g_gamma, segments, seg_state) -> None:
@@ -673,25 +704,25 @@ def scan_flags(initial_state, output_final_state: bool, state_v_first: bool, poo
 
 
 def _scan_run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, state_v_first: bool, pool=None,
-              state_indices=None, has_initial_state=None) -> None:
+              state_indices=None, has_initial_state=None, skip_last: bool = False) -> None:
     """:func:`lightning_segment_scan` after its checks, ``ht`` allocated by the caller (or None); no launch
-    without sequences."""
+    without sequences; ``skip_last``: as the config's."""
     if seq_segments.shape[0] <= 1:
         return
     config, specs = _scan_plan(seg_state.shape[1], scan_flags(initial_state, ht is not None, state_v_first, pool,
-                                                               has_initial_state))
+                                                               has_initial_state), skip_last)
     tensors = (seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices,
                flag_bytes(has_initial_state))
     launch(LightningSegmentScan, config, specs, tensors, _SCAN_OUTPUTS, seg_state.device)
 
 
-def plan_segment_scan(H: int, N: int, flags: tuple, device):
+def plan_segment_scan(H: int, N: int, flags: tuple, device, skip_last: bool = False):
     """Kernel B bound to one call signature: ``run(seg_state, segments, seq_segments, g_gamma, initial_state, ht,
     pool, state_indices, has_initial_state)`` with nothing checked; ``flags``: :func:`scan_flags` (no launch for
-    N = 0)."""
+    N = 0); ``skip_last``: as the config's."""
     if N == 0:
         return lambda *tensors: None
-    config, specs = _scan_plan(H, flags)
+    config, specs = _scan_plan(H, flags, skip_last)
     run = bound_launch(LightningSegmentScan, config, specs, device)
 
     def run_scan(seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices,

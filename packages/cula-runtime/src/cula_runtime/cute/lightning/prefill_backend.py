@@ -3,11 +3,16 @@
 Every sequence is cut into segments of ``seg_len`` tokens (a multiple of the chunk, 64; a sequence's last segment
 may be shorter), chosen per call so that the segment-parallel grids fill the GPU (:func:`choose_seg_len`). Then:
 
-1. kernel A (:mod:`.chunk_states`): each segment's own state from zero, fp32 ``seg_state [NSEG, H, K, V]``;
+1. kernel A (:mod:`.chunk_states`): each segment's own state from zero, fp32 ``seg_state [NSEG, H, K, V]``, but
+   for each sequence's last segment (``skip_last``: its own state would only feed the final state);
 2. kernel B (:mod:`.chunk_states`): the scan over each sequence's segments: the start states (``initial_state``, a
-   pool slot, or zeros) in, each segment's START state written over its own in ``seg_state``, the final states out
-   (``final_state``, or back into the pool in place);
-3. kernel C (:mod:`.chunk_output`): each segment's outputs from its start state.
+   pool slot, or zeros) in, each segment's START state written over its own in ``seg_state``; the final states of
+   sequences without tokens out (``final_state``, or back into the pool in place);
+3. kernel C (:mod:`.chunk_output`): each segment's outputs from its start state; each sequence's last segment also
+   steps its state over its last (partial) chunk and writes the final state (``final_state`` or the pool slot).
+
+Kernel A thus reads each sequence's last segment's k and v not at all (1 / segments-per-sequence of its bytes), and
+the final states come from kernel C's FFMA state step, as in the direct form.
 
 Where every sequence fits in one segment of the chosen length (many sequences, or many heads: the grid fills the GPU
 without cutting any), or where no sequence is much longer than the tokens per SM (:func:`uses_direct_form`), the
@@ -20,9 +25,9 @@ sequence, empty ones too (``direct_table``), and no ``seq_segments``.
 The segment table (:func:`segment_table`, built on the host from B and T or from the checked host copy of
 ``cu_seqlens``, then one copy to the device; cached per ``(cu_seqlens tensor, version)`` or per ``(B, T)``):
 ``segments`` int32 ``[NSEG, 4]``, row s = (sequence n, first token's row in the flattened token axis ``[B·T]``,
-length ``1 <= L_s <= seg_len``, 0), and ``seq_segments`` int32 ``[N + 1]``, sequence n's rows
-``seq_segments[n] .. seq_segments[n + 1] - 1`` in order. A sequence without tokens has no segments. The token
-tensors are passed flattened (views): q, k ``[B·T, H, K]``, v, o ``[B·T, H, V]``.
+length ``1 <= L_s <= seg_len``, 1 on the sequence's last segment else 0), and ``seq_segments`` int32 ``[N + 1]``,
+sequence n's rows ``seq_segments[n] .. seq_segments[n + 1] - 1`` in order. A sequence without tokens has no
+segments. The token tensors are passed flattened (views): q, k ``[B·T, H, K]``, v, o ``[B·T, H, V]``.
 
 Importing this module imports neither CuTeDSL nor TVM-FFI; the kernel modules load on the first call.
 
@@ -103,7 +108,8 @@ class SegmentTable(NamedTuple):
     """A batch's segments, on the host.
 
     Attributes:
-        segments: the rows ``(n, start, length, 0)`` flattened (4 ints per segment), in sequence order.
+        segments: the rows ``(n, start, length, last)`` flattened (4 ints per segment), in sequence order; ``last``
+            is 1 on a sequence's last segment, else 0.
         seq_segments: ``N + 1`` offsets: sequence n's segments are rows ``seq_segments[n] .. seq_segments[n+1]-1``.
     """
 
@@ -144,8 +150,8 @@ def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
     sequence b starting at row ``b·T``; varlen: the lengths of ``cu_seqlens``, sequence n at ``cu_seqlens[n]``).
 
     Each sequence is cut at multiples of ``seg_len`` from its first token: segments of ``seg_len`` tokens, the last
-    one ``1 .. seg_len`` tokens; a sequence of no tokens has no segment. Example: ``lens = [130, 0, 64]``,
-    ``seg_len = 64`` gives rows ``(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 0), (2, 130, 64, 0)`` and
+    one ``1 .. seg_len`` tokens, marked ``last = 1``; a sequence of no tokens has no segment. Example: ``lens = [130, 0,
+    64]``, ``seg_len = 64`` gives rows ``(0, 0, 64, 0), (0, 64, 64, 0), (0, 128, 2, 1), (2, 130, 64, 1)`` and
     ``seq_segments = [0, 3, 3, 4]``.
 
     Raises:
@@ -157,7 +163,7 @@ def segment_table(lens: Sequence[int], seg_len: int) -> SegmentTable:
     start = 0
     for n, length in enumerate(_check_lens(lens)):
         for offset in range(0, length, seg_len):
-            rows += (n, start + offset, min(seg_len, length - offset), 0)
+            rows += (n, start + offset, min(seg_len, length - offset), int(offset + seg_len >= length))
         offsets.append(len(rows) // 4)
         start += length
     return SegmentTable(rows, offsets)
@@ -433,11 +439,13 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     nseg = segments.shape[0]
     seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
     if nseg:
-        states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms))
+        states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms),
+                           skip_last=True)
     states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
-                     pool, args.state_indices, args.has_initial_state)
+                     pool, args.state_indices, args.has_initial_state, skip_last=True)
     if nseg:
-        _kernel_c().lightning_chunk_output(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, chosen)
+        _kernel_c().segments_output_run(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, ht,
+                                        args.state_v_first, pool, args.state_indices)
     return o, ht
 
 
@@ -452,9 +460,10 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
     plan. ``direct``: as the backend's (the form is decided per call from the table: a varlen plan may run either).
     Holds no tensor of the call it was made from.
 
-    A launch TVM-FFI refuses raises ``LaunchDeclined`` before it launches (the caller then runs the call unplanned);
-    kernel B writes the final states or the pool, so nothing after it may be refused: q, which only kernel C reads,
-    has its alignment checked before kernel A (k and v are kernel A's too, refused there; o is the plan's own)."""
+    A launch TVM-FFI refuses raises ``LaunchDeclined`` before it launches (the caller then runs the call unplanned).
+    Kernel B writes only ``seg_state`` and the final states of sequences without tokens (which a rerun writes again
+    alike); kernel C writes the others', so q, which only kernel C reads, has its alignment checked before kernel A
+    (k and v are kernel A's too, refused there; o is the plan's own; the pool and ht kernel B's too)."""
     states = _states()
     device = args.device
     B, T, H, K, V, N = args.B, args.T, args.H, args.K, args.V, args.N
@@ -492,16 +501,16 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
             bv = recurrence_block_v(nseg * H, num_sms)
             run_a = runs_a.get(bv)
             if run_a is None:
-                run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device)
+                run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device, skip_last=True)
             run_a(kf, _flat(v), g_gamma, segments, seg_state)
         if not run_b:
-            run_b.append(states.plan_segment_scan(H, N, flags, device))
+            run_b.append(states.plan_segment_scan(H, N, flags, device, skip_last=True))
         run_b[0](seg_state, segments, seq_segments, g_gamma, initial_state, ht, state, state_indices,
                  has_initial_state)
         if nseg:
             if not run_c:
-                run_c.append(_kernel_c().plan_chunk_output(H, device))
-            run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale)
+                run_c.append(_kernel_c().plan_chunk_output(H, device, flags))
+            run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale, ht, state, state_indices)
         return o, ht
 
     return plan
