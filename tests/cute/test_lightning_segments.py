@@ -661,11 +661,13 @@ def test_the_direct_launch_gets_the_call_s_tensors(pool_dtype, planned: bool, mo
     assert call[12] == args.scale
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["segments", "direct"])
-def test_backend_pool(fake_kernels: FakeKernels, direct: bool) -> None:
-    """The pool form, in both forms: slots read and written in place (fp32), a padding row (-1) and an out-of-pool
-    slot start from zeros and write nothing, a False flag starts from zeros but writes its slot, an empty sequence
-    writes its start state back, unnamed slots keep their bits."""
+@pytest.mark.parametrize(("direct", "finals_in_c"), [(False, True), (False, False), (True, True)],
+                         ids=["segments", "segments-finals-in-B", "direct"])
+def test_backend_pool(fake_kernels: FakeKernels, direct: bool, finals_in_c: bool) -> None:
+    """The pool form, in both forms (over segments the final states from kernel C or, as before lever 5, kernel B):
+    slots read and written in place (fp32), a padding row (-1) and an out-of-pool slot start from zeros and write
+    nothing, a False flag starts from zeros but writes its slot, an empty sequence writes its start state back,
+    unnamed slots keep their bits."""
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     cu = (0, 50, 50, 180, 200, 260)
@@ -676,7 +678,7 @@ def test_backend_pool(fake_kernels: FakeKernels, direct: bool) -> None:
     flags = torch.tensor([True, True, True, False, True])
     args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool, state_indices=idx,
                                       has_initial_state=flags)
-    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64, direct=direct)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64, direct=direct, finals_in_c=finals_in_c)
     assert ht is None
     assert [c[0] for c in fake_kernels.calls] == (["D"] if direct else ["A", "B", "C"])
     h0 = torch.stack([before[4], before[1], torch.zeros(2, 128, 128), torch.zeros(2, 128, 128), before[2]])

@@ -395,8 +395,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0, block_v: int = 0,
-                                      direct: bool | None = None,
-                                      direct_block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                      direct: bool | None = None, direct_block_v: int = 0,
+                                      finals_in_c: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run validated ``lightning_prefill`` arguments (accepted by :func:`verify_lightning_prefill`) on the CuTeDSL
     kernels: ``(o, final_state)``.
 
@@ -408,6 +408,9 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
             both forms on the same inputs).
         direct_block_v: kernel C's value columns per CTA in the direct form, 64 or 128 (the same bits); 0:
             :func:`choose_direct_block_v`.
+        finals_in_c: over segments, kernel C's last segments write the final states and kernel A skips them (the
+            default); False: kernel A computes every segment's state and kernel B writes every final state (the
+            form before; ``benchmarks/ab_lightning_last_segment.py`` times both until one is retired).
 
     Returns:
         ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
@@ -440,12 +443,14 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
     if nseg:
         states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms),
-                           skip_last=True)
+                           skip_last=finals_in_c)
     states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
-                     pool, args.state_indices, args.has_initial_state, skip_last=True)
-    if nseg:
+                     pool, args.state_indices, args.has_initial_state, skip_last=finals_in_c)
+    if nseg and finals_in_c:
         _kernel_c().segments_output_run(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, ht,
                                         args.state_v_first, pool, args.state_indices)
+    elif nseg:
+        _kernel_c().lightning_chunk_output(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, chosen)
     return o, ht
 
 
