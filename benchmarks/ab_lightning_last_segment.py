@@ -1,7 +1,7 @@
 """The cutedsl Lightning prefill over segments, with and without lever 5 of ``docs/lightning_notes.md``, side by side
 on a GPU (issue 28): kernel A skipping each sequence's last segment and kernel C's last segments writing the final
-states ("finals in C", the default) against kernel A computing every segment's state and kernel B writing every final
-state ("finals in B", the form before).
+states ("finals in C", the candidate) against kernel A computing every segment's state and kernel B writing every
+final state ("finals in B", ``prefill_backend.FINALS_IN_C = False``, the default until this is timed).
 
     python benchmarks/ab_lightning_last_segment.py [--only "B2 T16384,H16"] [--out FILE.md] [--reps 30]
 

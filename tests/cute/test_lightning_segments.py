@@ -499,13 +499,15 @@ def _oracle(q, k, v, g_gamma, scale, h0, cu, v_first):
     pytest.param(1, 130, 2, (0, 1, 130), False, False, 0, id="varlen-chosen-seg_len"),
     pytest.param(16, 70, 8, None, True, True, 0, id="fixed-B16-T70-H8-h0-vk-fills-the-wave"),
 ])
-@pytest.mark.parametrize("direct", [None, True], ids=["auto", "direct"])
+@pytest.mark.parametrize(("direct", "finals_in_c"), [(None, False), (None, True), (True, None)],
+                         ids=["auto", "auto-finals-in-C", "direct"])
 @pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
 def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, cu, h0, v_first, seg_len,
-                                           direct: bool | None, planned: bool,
+                                           direct: bool | None, finals_in_c: bool | None, planned: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both forms: the three launches where a sequence is cut into segments, the direct form (one launch) where
-    every sequence fits one (B16 H8: 128 CTAs fill the wave uncut) or where it is forced."""
+    """Both forms: the three launches where a sequence is cut into segments (the final states from kernel B, or
+    from kernel C's last segments: ``finals_in_c``), the direct form (one launch) where every sequence fits one (B16
+    H8: 128 CTAs fill the wave uncut) or where it is forced."""
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     q, k, v, g_gamma, cu_t = _inputs(B, T, H, 1, cu)
@@ -514,10 +516,10 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=initial, output_final_state=True,
                                       cu_seqlens=cu_t, state_v_first=v_first)
     if planned:
-        plan = pb.plan_lightning_prefill(args, seg_len=seg_len, direct=direct)
+        plan = pb.plan_lightning_prefill(args, seg_len=seg_len, direct=direct, finals_in_c=finals_in_c)
         o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, None, None, None)
     else:
-        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len, direct=direct)
+        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len, direct=direct, finals_in_c=finals_in_c)
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, initial, cu_t, v_first)
     assert o.dtype == torch.bfloat16 and o.shape == (B, T, H, 128)
     assert ht.dtype == torch.float32 and ht.shape == args.state_shape
@@ -548,11 +550,13 @@ def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKerne
     assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"] and fake_kernels.calls[-1][2] is None
 
 
-def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan's kernel C launch (``plan_chunk_output``) gets what ``segments_output_run`` passes: q, k, v and o
-    as ``[1, B·T, H, 128]`` views of the call's own tensors, the decays, the scan's start states, the segment table,
-    ``ht`` (its last segments write the final states) and the scale; kernels A and B before it, nothing compiled
-    here."""
+@pytest.mark.parametrize("finals_in_c", [False, True], ids=["finals-in-B", "finals-in-C"])
+def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(finals_in_c: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's kernel C launch (``plan_chunk_output``) gets what ``lightning_chunk_output`` (``finals_in_c``:
+    ``segments_output_run``) passes: q, k, v and o as ``[1, B·T, H, 128]`` views of the call's own tensors, the
+    decays, the scan's start states, the segment table, (``finals_in_c``: ``ht``, its last segments writing the
+    final states) and the scale; kernels A and B before it, nothing compiled here."""
     from cula_runtime import cute as cula_cute
 
     if not cula_cute.is_available():
@@ -566,17 +570,20 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pyt
     pb.clear_segment_cache()
     q, k, v, g_gamma, cu = _inputs(1, 300, 2, 1, (0, 0, 70, 70, 199, 300))
     args = validate_lightning_prefill(q, k, v, g_gamma, output_final_state=True, cu_seqlens=cu)
-    plan = pb.plan_lightning_prefill(args)
+    plan = pb.plan_lightning_prefill(args, finals_in_c=finals_in_c)
     o, ht = plan(args.q, args.k, args.v, args.g_gamma, None, args.cu_seqlens, None, None, None)
     assert len(launches) == 3
     (a_cls, a_config, a_args), (_, b_config, b_args), (c_cls, c_config, c_args) = launches
-    assert a_config.skip_last and b_config.skip_last  # the last segments are kernel C's
+    assert a_config.skip_last == b_config.skip_last == finals_in_c  # the last segments are kernel C's, or not
     assert c_cls is LightningChunkOutput and c_config.num_heads == 2
     assert len(c_args) == len(LightningChunkOutput(c_config).argument_specs()) + 1
     for got, want in zip(c_args[:3] + c_args[6:7], (args.q, args.k, args.v, o), strict=True):
         assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
     assert c_args[3] is args.g_gamma and c_args[4] is b_args[0] and c_args[5] is b_args[1]  # start states, table
-    assert c_args[8] is ht and c_config.output_final_state  # the last segments write the final states
+    if finals_in_c:
+        assert c_args[8] is ht and c_config.output_final_state  # the last segments write the final states
+    else:
+        assert c_args[8] is None and not c_config.output_final_state
     assert c_args[7] is None and c_args[9:12] == (None,) * 3  # no h0, no pool
     assert c_args[12] == args.scale
     assert b_args[5] is ht  # (kernel B: the final states of sequences without tokens)
