@@ -65,6 +65,23 @@ sanitize_lightning() {
     done
   done
 }
+# Nsight Compute on the KDA decode step in four forms (see the ncu:decode step), one report file each.
+ncu_decode() {
+  local row=${NCU_DECODE_ROW:-fp32 kfirst H32 HV32 N128} tag args
+  local vrow=${row/kfirst/vfirst}
+  for tag in kfirst-1line kfirst-whole vfirst pass; do
+    case $tag in
+      kfirst-1line) args=(--row "$row" --lines 1) ;;
+      kfirst-whole) args=(--row "$row" --lines 4) ;;
+      vfirst) args=(--row "$vrow") ;;
+      pass) args=(--row "$row" --state-pass) ;;
+    esac
+    timeout 150 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --section SourceCounters python3 tools/ncu_decode.py "${args[@]}" > "$OUT/ncu_decode_$tag.txt" 2>&1
+    echo "ncu decode $tag: exit $? | $(grep -m1 'DRAM Throughput' "$OUT/ncu_decode_$tag.txt")"
+  done
+}
 # The Lightning GPU tests that exist (tests/cute/test_lightning_*_gpu.py, tests/gpu/test_lightning_*gpu.py): a missing
 # file named to pytest would stop the whole run, and none named would make h200_tests.sh run every GPU test.
 lightning_gpu_tests() {
@@ -129,6 +146,9 @@ for step in "$@"; do
                         "$OUT/profile_kda_ablation.txt" ;;
     intra) timeout 200 python3 benchmarks/bench_kda_intra.py --out "$OUT/kda_intra_h200.md" ;;
     ncu) timeout 580 bash tools/h200_ncu.sh ;;
+    # Nsight Compute on one KDA decode step (tools/ncu_decode.py): K-first at 1 line and whole rows, V-first, and the
+    # in-place pass over the same bytes (NCU_DECODE_ROW: the K-first row; ~3 min); $OUT/ncu_decode_<tag>.txt
+    ncu:decode) ncu_decode ;;
     # the cutedsl prefill's host time by stage, its kernel launches alone included (the planned call's bound launches
     # against the unplanned call's)
     host:cutedsl) timeout 400 python3 benchmarks/host_overhead_kda.py --backend cutedsl --calls 50 --reps 30 \
@@ -203,7 +223,7 @@ for step in "$@"; do
     *) echo "unknown step: $step" \
           "(tests[:cute|:cutedsl|:cutedsl-varlen|:rest|:recurrence|:tuned|:sm90-unbounded]" \
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
-          "profile[:sm90|:tuned|:short|:ablation] intra ncu host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
+          "profile[:sm90|:tuned|:short|:ablation] intra ncu ncu:decode host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors host:op-split probe:state-access ab:k-first-lines sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
           "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-last-segment ab:lightning-decode-caps)" ;;
