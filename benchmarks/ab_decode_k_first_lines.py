@@ -31,7 +31,7 @@ import bench_kda_decode as kda_bench  # noqa: E402
 import bench_lightning as la_bench  # noqa: E402
 import torch  # noqa: E402
 from ab_lightning_decode_caps import steps_side_by_side  # noqa: E402
-from ab_lightning_prefill_forms import add_row, is_selected, report_head  # noqa: E402
+from ab_lightning_prefill_forms import ab_parser, add_row, is_selected, report_head  # noqa: E402
 from bench_kda_prefill import warm_up_gpu  # noqa: E402
 
 K = V = 128
@@ -52,28 +52,34 @@ class Row:
     max_lines: int
 
 
-def kda_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
-    """The KDA decode's K-first rows at N >= ``min_n`` that ``only`` selects (the fp32 log-gate), made one at a time."""
+def kda_decode_step(case, inp) -> Callable[[int], Callable[[], None]]:
+    """``step(lines)``: a zero-argument KDA decode step of ``case`` (a ``bench_kda_decode`` row) on its inputs
+    ``inp`` (the fp32 log-gate, L2 norm in the kernel), launched directly in the product's configuration of the
+    call with ``k_first_lines`` replaced by ``lines`` (0 or None: the product's own)."""
     from cula_runtime.cute.compile_cache import launch
     from cula_runtime.cute.kda import decode
 
+    config, specs, A_log, dt_bias, scalars = decode._launch_args(
+        case.H, case.HV, inp.g, inp.beta, inp.pool, inp.idx, None, None, None, None, True, False, False, False,
+        case.v_first, None, None)
+    tensors = (inp.q, inp.k, inp.v, inp.g, inp.beta, A_log, dt_bias, inp.pool, inp.idx, None, None, inp.out)
+
+    def step(lines: int | None) -> Callable[[], None]:
+        lined = dataclasses.replace(config, k_first_lines=lines) if lines else config
+        return lambda: launch(decode.KdaDecode, lined, specs, tensors, decode._OUTPUTS, inp.q.device, *scalars)
+
+    return step
+
+
+def kda_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
+    """The KDA decode's K-first rows at N >= ``min_n`` that ``only`` selects (the fp32 log-gate), made one at a time."""
     for case in kda_bench.decode_cases():
         name = f"kda {case.name}"
         if case.v_first or case.N < min_n or not is_selected(name, only):
             continue
         inp = kda_bench.make_decode_inputs(case, "cuda", seed)
-        H, HV = case.H, case.HV
-        config, specs, A_log, dt_bias, scalars = decode._launch_args(
-            H, HV, inp.g, inp.beta, inp.pool, inp.idx, None, None, None, None, True, False, False, False, False,
-            None, None)
-        tensors = (inp.q, inp.k, inp.v, inp.g, inp.beta, A_log, dt_bias, inp.pool, inp.idx, None, None, inp.out)
-
-        def step(lines: int, config=config, specs=specs, tensors=tensors, scalars=scalars, device=inp.q.device):
-            lined = dataclasses.replace(config, k_first_lines=lines)
-            return lambda: launch(decode.KdaDecode, lined, specs, tensors, decode._OUTPUTS, device, *scalars)
-
-        yield Row(name, inp.pool, inp.pristine, inp.out, case.N * HV * K * V, kda_bench.floor_us(case, 4), step,
-                  4 if case.pool_dtype == "fp32" else 2)
+        yield Row(name, inp.pool, inp.pristine, inp.out, case.N * case.HV * K * V, kda_bench.floor_us(case, 4),
+                  kda_decode_step(case, inp), 4 if case.pool_dtype == "fp32" else 2)
 
 
 def lightning_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
@@ -109,13 +115,9 @@ def measure(row: Row, lines: list[int], opts: argparse.Namespace) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="comma-separated substrings of row names")
+    parser = ab_parser(__doc__, "benchmarks/results/decode_k_first_lines_ab.md")
     parser.add_argument("--lines", default="1,2,4", help="K-first lines per CTA to compile (up to a row's lines)")
     parser.add_argument("--min-n", type=int, default=128, help="the least batch N of the rows")
-    parser.add_argument("--out", default="benchmarks/results/decode_k_first_lines_ab.md")
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--graph-calls", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args()

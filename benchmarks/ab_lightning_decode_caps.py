@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from ab_lightning_prefill_forms import add_row, is_selected, report_head  # noqa: E402
+from ab_lightning_prefill_forms import ab_parser, add_row, is_selected, report_head  # noqa: E402
 from bench_kda_decode import STATE_PASS, capture_graph, in_place_pass  # noqa: E402
 from bench_kda_prefill import interleaved_ms, warm_up_gpu  # noqa: E402
 from bench_lightning import (  # noqa: E402
@@ -104,12 +104,8 @@ def measure(case: DecodeCase, caps: list[int], opts: argparse.Namespace) -> list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="comma-separated substrings of row names")
+    parser = ab_parser(__doc__, "benchmarks/results/lightning_decode_caps_ab.md")
     parser.add_argument("--caps", default="4,5,6,7,8,10,12", help="CTAs per SM to compile besides the default")
-    parser.add_argument("--out", default="benchmarks/results/lightning_decode_caps_ab.md")
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--graph-calls", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args()

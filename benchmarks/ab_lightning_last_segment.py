@@ -16,34 +16,22 @@ sequence: the lever saves kernel A 1 / that of its k and v bytes. Nothing is ass
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from ab_lightning_prefill_forms import add_row, report_head, selected_rows  # noqa: E402
-from bench_kda_prefill import interleaved_ms, warm_up_gpu  # noqa: E402
-from bench_lightning import (  # noqa: E402
-    cula_prefill_kwargs,
-    errors,
-    floor_us,
-    make_prefill_inputs,
-    prefill_floor_bytes,
-    prefill_reference,
-)
+from ab_lightning_prefill_forms import ab_parser, add_row, forms_side_by_side, report_head, selected_rows  # noqa: E402
+from bench_kda_prefill import warm_up_gpu  # noqa: E402
+from bench_lightning import cula_prefill_kwargs, floor_us, make_prefill_inputs, prefill_floor_bytes  # noqa: E402
 
-FORMS = {"finals in C": True, "finals in B": False}  # the backend's finals_in_c
+# the backend's form arguments per contender
+FORMS = {"finals in C": dict(direct=False, finals_in_c=True), "finals in B": dict(direct=False, finals_in_c=False)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="", help="comma-separated substrings of row names")
-    parser.add_argument("--out", default="benchmarks/results/lightning_last_segment_ab.md")
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=5)
-    opts = parser.parse_args()
+    opts = ab_parser(__doc__, "benchmarks/results/lightning_last_segment_ab.md").parse_args()
 
     from cula_runtime.cute.lightning import prefill_backend as pb
     from cula_runtime.kda_tuning import sm_count
@@ -63,13 +51,7 @@ def main() -> None:
         args = validate_lightning_prefill(**cula_prefill_kwargs(inp))
         table = pb.device_segments(case.B, case.T, case.H, inp.cu32, device, sms, direct=False)
         N = table.seq_segments.shape[0] - 1
-        runs = {form: (lambda a=args, c=in_c: pb.lightning_prefill_cutedsl_backend(a, direct=False, finals_in_c=c))
-                for form, in_c in FORMS.items()}
-        outs = {form: run() for form, run in runs.items()}
-        ms = interleaved_ms(runs, opts.reps, opts.rounds)
-        heads = [0, case.H - 1]
-        ref = prefill_reference(inp, heads)
-        errs = {form: errors(*outs[form], ref, heads) for form in outs}
+        ms, outs, errs = forms_side_by_side(args, inp, case, FORMS, tuple(FORMS), opts)
         c, b = ms["finals in C"], ms["finals in B"]
         same = "yes" if torch.equal(outs["finals in C"][0], outs["finals in B"][0]) else "no"
         row = (f"| {name} | {table.seg_len} | {table.segments.shape[0] / max(N, 1):.2f} | "

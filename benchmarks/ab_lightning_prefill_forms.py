@@ -81,13 +81,33 @@ def add_row(lines: list[str], row: str, out: str) -> None:
     Path(out).write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def ab_parser(doc: str, default_out: str) -> argparse.ArgumentParser:
+    """The A/B scripts' common options (``--only``, ``--out``, ``--reps``, ``--rounds``); each adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default="", help="comma-separated substrings of row names")
-    parser.add_argument("--out", default="benchmarks/results/lightning_prefill_forms_ab.md")
+    parser.add_argument("--out", default=default_out)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
-    opts = parser.parse_args()
+    return parser
+
+
+def forms_side_by_side(args, inp, case: PrefillCase, forms: dict[str, dict], checked: tuple[str, ...],
+                       opts: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """``(ms, outs, errs)``: the cutedsl backend on validated ``args`` in each of ``forms`` (name -> its keyword
+    arguments), ms per eager call in interleaved rounds; the ``(o, final_state)`` of the ``checked`` forms (one call
+    each, before the timing) and their errors against the fp64 recurrence of ``inp`` on heads 0 and H-1."""
+    from cula_runtime.cute.lightning import prefill_backend as pb
+
+    runs = {form: (lambda a=args, f=how: pb.lightning_prefill_cutedsl_backend(a, **f)) for form, how in forms.items()}
+    outs = {form: runs[form]() for form in checked}
+    ms = interleaved_ms(runs, opts.reps, opts.rounds)
+    heads = [0, case.H - 1]
+    ref = prefill_reference(inp, heads)
+    return ms, outs, {form: errors(*outs[form], ref, heads) for form in checked}
+
+
+def main() -> None:
+    opts = ab_parser(__doc__, "benchmarks/results/lightning_prefill_forms_ab.md").parse_args()
 
     from cula_runtime.cute.lightning import prefill_backend as pb
     from cula_runtime.kda_tuning import sm_count
@@ -108,17 +128,11 @@ def main() -> None:
         inp = make_prefill_inputs(case)
         args = validate_lightning_prefill(**cula_prefill_kwargs(inp))
         table = pb.device_segments(case.B, case.T, case.H, inp.cu32, device, sms)
-        runs = {form: (lambda a=args, f=how: pb.lightning_prefill_cutedsl_backend(a, **f))
-                for form, how in FORMS.items()}
-        outs = {form: runs[form]() for form in ("segments", "direct", "direct64")}
-        ms = interleaved_ms(runs, opts.reps, opts.rounds)
-        heads = [0, case.H - 1]
-        ref = prefill_reference(inp, heads)
-        errs = {form: errors(*outs[form], ref, heads) for form in outs}
+        forms = ("segments", "direct", "direct64")
+        ms, outs, errs = forms_side_by_side(args, inp, case, FORMS, forms, opts)
         same = ["yes" if torch.equal(outs[a][0], outs[b][0]) else "no"
                 for a, b in (("direct", "segments"), ("direct64", "direct"))]
         auto = f"direct{64 if table.block_v == 64 else ''}" if table.direct else "segments"
-        forms = ("segments", "direct", "direct64")
         row = (f"| {name} | {table.seg_len} | {auto} | {floor_us(prefill_floor_bytes(case)):.1f} | "
                + " | ".join(f"{ms[form] * 1e3:.1f}" for form in (*forms, "auto")) + " | "
                f"{ms['direct'] / ms['segments']:.3f} | {ms['direct64'] / ms['segments']:.3f} | {', '.join(same)} | "

@@ -16,7 +16,6 @@ The step is launched once outside the range first (compilation, caches), then on
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -41,21 +40,10 @@ def main() -> None:
         step = kda_bench.state_pass(case)
         label = "the in-place pass"
     else:
-        from cula_runtime.cute.compile_cache import launch
-        from cula_runtime.cute.kda import decode
+        from ab_decode_k_first_lines import kda_decode_step
 
-        inp = kda_bench.make_decode_inputs(case, "cuda", 0)
-        config, specs, A_log, dt_bias, scalars = decode._launch_args(
-            case.H, case.HV, inp.g, inp.beta, inp.pool, inp.idx, None, None, None, None, True, False, False, False,
-            case.v_first, None, None)
-        if opts.lines:
-            config = dataclasses.replace(config, k_first_lines=opts.lines)
-        tensors = (inp.q, inp.k, inp.v, inp.g, inp.beta, A_log, dt_bias, inp.pool, inp.idx, None, None, inp.out)
-
-        def step() -> None:
-            launch(decode.KdaDecode, config, specs, tensors, decode._OUTPUTS, inp.q.device, *scalars)
-
-        label = f"the decode step, k_first_lines={config.k_first_lines}"
+        step = kda_decode_step(case, kda_bench.make_decode_inputs(case, "cuda", 0))(opts.lines)
+        label = "the decode step, " + (f"k_first_lines={opts.lines}" if opts.lines else "the product's lines")
     step()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()

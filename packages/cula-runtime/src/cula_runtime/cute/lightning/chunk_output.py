@@ -689,9 +689,9 @@ class LightningChunkOutput(ChunkTiles):
 @functools.lru_cache(maxsize=64)
 def _plan(H: int, flags: tuple | None = None) -> tuple:
     """The config and argument specs of one call signature (cached: no work per call); ``flags``: kernel B's
-    (:func:`~cula_runtime.cute.lightning.chunk_states.scan_flags`) where the last segments write the final states,
-    None where nothing does."""
-    if flags is None:
+    (:func:`~cula_runtime.cute.lightning.chunk_states.scan_flags`) where the last segments write the final states
+    (with neither ht nor a pool, nothing to write), None where nothing does."""
+    if flags is None or not (flags[1] or flags[3] is not None):
         config = LightningChunkOutputConfig(num_heads=H)
     else:  # the final-state fields only: the start states are seg_state's
         _, want_ht, v_first, pool_dtype, _ = flags
@@ -786,8 +786,7 @@ def segments_output_run(q, k, v, g_gamma, seg_state, segments, o, scale: float, 
     arguments; kernels A and B ran with ``skip_last``): :func:`lightning_chunk_output`'s work, and each sequence's
     last segment writes its final state into ``ht`` (fp32, ``state_v_first``'s layout) or its pool slot
     ``state_indices[n]`` (a slot outside ``[0, P)``: not written), where either is given."""
-    flags = scan_flags(None, ht is not None, state_v_first, pool, None)
-    config, specs = _plan(q.shape[1], flags if ht is not None or pool is not None else None)
+    config, specs = _plan(q.shape[1], scan_flags(None, ht is not None, state_v_first, pool, None))
     launch(LightningChunkOutput, config, specs, _tensors(q, k, v, g_gamma, seg_state, segments, o, None, ht, pool,
                                                          state_indices), _FINAL_OUTPUTS, q.device, float(scale))
 
@@ -798,8 +797,6 @@ def plan_chunk_output(H: int, device, flags: tuple | None = None) -> Callable:
     with :func:`segments_output_run`'s tensors and nothing checked; ``flags``: as :func:`_plan`'s (None: no final
     states); ``LaunchDeclined`` where TVM-FFI refuses a pointer (nothing launched). The caller launches only with
     segments and rows."""
-    if flags is not None and not (flags[1] or flags[3] is not None):
-        flags = None  # neither ht nor a pool: nothing to write
     config, specs = _plan(H, flags)
     run = bound_launch(LightningChunkOutput, config, specs, device)
 
