@@ -1,5 +1,5 @@
 """Does the K-first decode's access pattern cost bandwidth by itself? An in-place pass over a decode pool's states
-(``s <- 0.5 s + 1``, read and written once) in five CTA shapes, beside torch's own in-place pass (issues 26, 28).
+(``s <- 0.5 s + 1``, read and written once) in seven CTA shapes, beside torch's own in-place pass (issues 26, 28).
 
     python benchmarks/probe_state_access.py [--heads 64] [--batch 128,512] [--reps 30]
         [--out benchmarks/results/decode_state_access_probe_h100.md]
@@ -16,10 +16,12 @@ said):
   K-first layout whose warps each hold all 128 rows of a few columns (its reduction over K inside the warp, no
   exchange), each row piece one 32-byte sector;
 - ``lines``: the K-first decode's one-line shape: program = (state, line), ``[128 rows, 128 bytes]`` at the row
-  stride;
+  stride; ``lines by slot``: the same with the state found as the decode finds it, sequence ``n``'s heads at pool
+  entry ``slots[n]`` (a random permutation), one dependent int32 load before the state's (what a CTA's wait for its
+  start slot costs: no state bytes in flight meanwhile);
 - ``two lines``: program = (state, half): 256 contiguous bytes of every K row, 8 warps;
 - ``contiguous``: program = (state, quarter): 32 whole K rows (fp32; bf16: 64), the same bytes per program, contiguous;
-- ``whole state``: program = one state (64 KB fp32, 32 KB bf16), 16 warps;
+- ``whole state``: program = one state (64 KB fp32, 32 KB bf16), 16 warps; ``whole state by slot``: found by slot;
 - ``torch``: ``pool.mul_(0.5)``, one in-place pass (the yardstick of ``ab_lightning_decode_caps.py``).
 
 Per row: the mean time of ``--reps`` calls queued back to back between CUDA events
@@ -56,13 +58,16 @@ def kernels():
     import triton.language as tl
 
     @triton.jit
-    def block_pass(pool, ROWS: tl.constexpr, COLS: tl.constexpr, PARTS: tl.constexpr, BY_LINE: tl.constexpr,
-                   STATE_K: tl.constexpr, STATE_V: tl.constexpr):
+    def block_pass(pool, slots, ROWS: tl.constexpr, COLS: tl.constexpr, PARTS: tl.constexpr, BY_LINE: tl.constexpr,
+                   BY_SLOT: tl.constexpr, HEADS: tl.constexpr, STATE_K: tl.constexpr, STATE_V: tl.constexpr):
         """One program: part ``pid % PARTS`` of state ``pid // PARTS`` ([STATE_K, STATE_V]), a [ROWS, COLS] block,
-        in place."""
+        in place; ``BY_SLOT``: state (n, h) is read at pool entry ``(slots[n], h)``, ``slots`` int32 ``[N]`` (the
+        decode's start slots: one dependent load before the state's)."""
         pid = tl.program_id(0)
         state = pid // PARTS
         part = pid % PARTS
+        if BY_SLOT:
+            state = tl.load(slots + state // HEADS) * HEADS + state % HEADS
         rows = tl.arange(0, ROWS)[:, None]
         cols = tl.arange(0, COLS)[None, :]
         if BY_LINE:  # every K row, the part's columns
@@ -77,14 +82,16 @@ def kernels():
 
 
 def forms(dtype) -> dict[str, tuple]:
-    """name -> (ROWS, COLS, PARTS, BY_LINE, num_warps)."""
+    """name -> (ROWS, COLS, PARTS, BY_LINE, BY_SLOT, num_warps)."""
     import torch
 
     line = 128 // torch.tensor([], dtype=dtype).element_size()  # columns in a 128-byte line
     parts = V // line
-    return {"strips": (K, line // 4, 4 * parts, True, 1), "lines": (K, line, parts, True, 4),
-            "two lines": (K, 2 * line, parts // 2, True, 8),
-            "contiguous": (K // parts, V, parts, False, 4), "whole state": (K, V, 1, False, 16)}
+    return {"strips": (K, line // 4, 4 * parts, True, False, 1), "lines": (K, line, parts, True, False, 4),
+            "lines by slot": (K, line, parts, True, True, 4),
+            "two lines": (K, 2 * line, parts // 2, True, False, 8),
+            "contiguous": (K // parts, V, parts, False, False, 4),
+            "whole state": (K, V, 1, False, False, 16), "whole state by slot": (K, V, 1, False, True, 16)}
 
 
 def probe(block_pass, dtype, N: int, opts: argparse.Namespace) -> list[str]:
@@ -93,11 +100,13 @@ def probe(block_pass, dtype, N: int, opts: argparse.Namespace) -> list[str]:
     from host_overhead_kda import back_to_back_us
 
     pool = torch.randn(N, opts.heads, K, V, device="cuda").to(dtype)
+    slots = torch.randperm(N, generator=torch.Generator().manual_seed(0)).to(torch.int32).cuda()
     states = N * opts.heads
     calls = {"torch": lambda: pool.mul_(0.5)}
-    for name, (rows, cols, parts, by_line, warps) in forms(dtype).items():
-        calls[name] = (lambda rows=rows, cols=cols, parts=parts, by_line=by_line, warps=warps:
-                       block_pass[(states * parts,)](pool, rows, cols, parts, by_line, K, V, num_warps=warps))
+    for name, (rows, cols, parts, by_line, by_slot, warps) in forms(dtype).items():
+        calls[name] = (lambda rows=rows, cols=cols, parts=parts, by_line=by_line, by_slot=by_slot, warps=warps:
+                       block_pass[(states * parts,)](pool, slots, rows, cols, parts, by_line, by_slot, opts.heads, K, V,
+                                                     num_warps=warps))
     for call in calls.values():  # compile, warm up
         for _ in range(3):
             call()
@@ -122,7 +131,7 @@ def main() -> None:
     from bench_kda_prefill import environment
 
     block_pass = kernels()
-    lines = ["# An in-place pass over decode states in five CTA shapes (K-first access probe)", "", *environment(),
+    lines = ["# An in-place pass over decode states in seven CTA shapes (K-first access probe)", "", *environment(),
              "",
              "Method: `benchmarks/probe_state_access.py`'s docstring. us = median over rounds of the mean time of "
              "`--reps` calls queued back to back between CUDA events; x torch = over `pool.mul_(0.5)` on the same "
