@@ -214,9 +214,6 @@ for step in "$@"; do
                               -q -k "forms or fills or direct_form" tests/gpu/test_lightning_gpu.py ;;
     ab:lightning-forms) timeout 560 python3 benchmarks/ab_lightning_prefill_forms.py \
                           ${LIGHTNING_AB_ONLY:+--only "$LIGHTNING_AB_ONLY"} --out "$OUT/lightning_prefill_forms_ab.md" ;;
-    # the prefill over segments with the final states from kernel C (lever 5) or kernel B, side by side (~4 min)
-    ab:lightning-last-segment) timeout 560 python3 benchmarks/ab_lightning_last_segment.py \
-                          ${LIGHTNING_AB_ONLY:+--only "$LIGHTNING_AB_ONLY"} --out "$OUT/lightning_last_segment_ab.md" ;;
     # the Lightning decode step at several register caps (CTAs per SM), side by side (LIGHTNING_CAPS: --caps)
     ab:lightning-decode-caps) timeout 300 python3 benchmarks/ab_lightning_decode_caps.py \
                                 ${LIGHTNING_CAPS:+--caps "$LIGHTNING_CAPS"} --out "$OUT/lightning_decode_caps_ab.md" ;;
@@ -226,7 +223,7 @@ for step in "$@"; do
           "profile[:sm90|:tuned|:short|:ablation] intra ncu ncu:decode host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors host:op-split probe:state-access ab:k-first-lines sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
-          "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-last-segment ab:lightning-decode-caps)" ;;
+          "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-decode-caps)" ;;
   esac
   echo "=== $step: exit $?"
 done

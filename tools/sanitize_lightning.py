@@ -9,11 +9,9 @@ Shapes (K = V = 128, bf16 q/k/v, FLA's decays for layer 0 of 2, so head 0 has no
   H = 2, fp32 initial states, the final states out;
 * ``prefill-pool``: the same batch on an fp32 K-first pool of 7 slots, slots [3, -1, 0, 7, 5] (two padding rows: -1
   and 7 = P), has_initial_state [T, T, F, T, T];
-* ``prefill-large``: B = 2, T = 4096, H = 8, V-first fp32 initial states, the final states out (over segments);
+* ``prefill-large``: B = 2, T = 4096, H = 8, V-first fp32 initial states, the final states out (over segments:
+  kernel A skips each sequence's last segment, kernel C's last segments write the final states);
 * ``prefill-large-pool``: the same batch on an fp32 K-first pool of 3 slots, slots [2, 0], has_initial_state [T, T];
-* ``prefill-large-finals-in-c``, ``prefill-large-pool-finals-in-c``: those two with lever 5's form forced
-  (``prefill_backend.FINALS_IN_C``: kernel A skips each sequence's last segment, kernel C's last segments write the
-  final states);
 * ``prefill-direct``: a packed batch the per-call rule sends to the direct form (``WIDE_LENS``: 40 sequences, an
   empty one, one-token ones, tails; x 4 heads = 160 CTAs, a wave on up to 177 SMs, none cut) on a bf16 V-first
   pool of 81 slots with padding rows (-1, 81) and a False has_initial_state;
@@ -42,10 +40,8 @@ import sys
 import torch
 
 K = V = 128
-FINALS_IN_C = "-finals-in-c"  # a shape suffix: the prefill over segments with lever 5's final states from kernel C
 SHAPES = ("prefill", "prefill-pool", "prefill-large", "prefill-direct", "prefill-direct-h0", "prefill-direct64",
-          "prefill-direct64-pool", "prefill-large-pool", "decode", "decode-bf16", "decode-whole-rows",
-          "prefill-large" + FINALS_IN_C, "prefill-large-pool" + FINALS_IN_C)
+          "prefill-direct64-pool", "prefill-large-pool", "decode", "decode-bf16", "decode-whole-rows")
 WIDE_LENS = (0, 1, 63, 64, 65, 200, *(40 + 7 * i for i in range(34)))
 WIDE_BOUNDS = (0, *itertools.accumulate(WIDE_LENS))  # its cu_seqlens (also the determinism stress's wide batch)
 HALF_V_BOUNDS = (0, 0, 500, 1000)  # the half-V batch's cu_seqlens (at H = 32; also the determinism stress's)
@@ -64,11 +60,6 @@ def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype = torch.bfloat1
 def run_prefill(shape: str, gen: torch.Generator) -> str:
     from cula.lightning import lightning_prefill
 
-    if shape.endswith(FINALS_IN_C):  # lever 5's form forced (prefill_backend.FINALS_IN_C; the default is off)
-        from cula_runtime.cute.lightning import prefill_backend as pb
-
-        pb.FINALS_IN_C = True
-        shape = shape.removesuffix(FINALS_IN_C)
     if shape.startswith("prefill-large"):
         B, T, H, cu = 2, 4096, 8, None
     elif shape.startswith("prefill-direct64"):

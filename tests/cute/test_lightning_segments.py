@@ -127,25 +127,26 @@ class FakeKernels:
         self.calls: list[tuple] = []
         self.direct_block_vs: list[int] = []  # the direct form's V block per launch
 
-    # chunk_states' unchecked entries (skip_last: the last segments' own states are left as NaN, never read)
+    # chunk_states' unchecked entries, as the backend runs them (skip_last: the last segments' own states are left
+    # as NaN, never read; the scan writes the final states of sequences without tokens only)
     def _states_run(self, k, v, g_gamma, segments, seg_state, block_v, skip_last=False) -> None:
         assert block_v in (64, 128) and seg_state.dtype == torch.float32 and seg_state.is_contiguous()
-        assert k.dim() == 3 and v.dim() == 3 and segments.dtype == torch.int32
+        assert k.dim() == 3 and v.dim() == 3 and segments.dtype == torch.int32 and skip_last
         self.calls.append(("A", segments.shape[0], block_v))
         own = emulate_segment_states(k, v, g_gamma, segments).float()
-        if skip_last:
-            own[segments[:, 3].cpu() != 0] = float("nan")
+        own[segments[:, 3].cpu() != 0] = float("nan")
         seg_state.copy_(own)
 
     def _scan_run(self, seg_state, segments, seq_segments, g_gamma, initial_state, ht, state_v_first, pool=None,
                   state_indices=None, has_initial_state=None, skip_last=False) -> None:
+        assert skip_last
         self.calls.append(("B", seq_segments.shape[0] - 1))
         starts, final, slots = emulate_scan(seg_state, segments, seq_segments, g_gamma, initial_state, state_v_first,
                                             pool, state_indices, has_initial_state, skip_last)
         seg_state.copy_(starts.float())
         offsets = seq_segments.tolist()
         empty = [n for n in range(len(offsets) - 1) if offsets[n] == offsets[n + 1]]
-        write_final_states(final, state_v_first, ht, pool, slots, empty if skip_last else None)
+        write_final_states(final, state_v_first, ht, pool, slots, empty)
 
     def scan_flags(self, initial_state, output_final_state, state_v_first, pool, has_initial_state) -> tuple:
         return (initial_state is not None, bool(output_final_state), bool(state_v_first),
@@ -159,11 +160,6 @@ class FakeKernels:
         v_first = flags[2]
         return lambda seg_state, segments, seq_segments, g_gamma, h0, ht, pool, idx, has_init: self._scan_run(
             seg_state, segments, seq_segments, g_gamma, h0, ht, v_first, pool, idx, has_init, skip_last)
-
-    def lightning_chunk_output(self, q, k, v, g_gamma, seg_state, segments, o, scale, seg_len) -> None:
-        assert q.dim() == 3 and o.dim() == 3 and o.shape[0] == q.shape[0]
-        self.calls.append(("C", segments.shape[0], seg_len))
-        emulate_chunk_output(q, k, v, g_gamma, seg_state, segments, o, scale, seg_len)
 
     def segments_output_run(self, q, k, v, g_gamma, seg_state, segments, o, scale, ht, state_v_first, pool,
                             state_indices) -> None:
@@ -187,7 +183,8 @@ class FakeKernels:
             write_final_states(final, state_v_first, ht, pool, slots, last)
 
     def plan_chunk_output(self, H, device, flags=None):  # (the bound kernel C of plans: the table's lengths)
-        v_first = False if flags is None else flags[2]
+        assert flags is not None  # (the scan's flags: the last segments write the final states)
+        v_first = flags[2]
 
         def run(q, k, v, g_gamma, seg_state, segments, o, scale, ht=None, pool=None, state_indices=None) -> None:
             assert q.shape[1] == H
@@ -499,15 +496,14 @@ def _oracle(q, k, v, g_gamma, scale, h0, cu, v_first):
     pytest.param(1, 130, 2, (0, 1, 130), False, False, 0, id="varlen-chosen-seg_len"),
     pytest.param(16, 70, 8, None, True, True, 0, id="fixed-B16-T70-H8-h0-vk-fills-the-wave"),
 ])
-@pytest.mark.parametrize(("direct", "finals_in_c"), [(None, False), (None, True), (True, None)],
-                         ids=["auto", "auto-finals-in-C", "direct"])
+@pytest.mark.parametrize("direct", [None, True], ids=["auto", "direct"])
 @pytest.mark.parametrize("planned", [False, True], ids=["call", "plan"])
 def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, cu, h0, v_first, seg_len,
-                                           direct: bool | None, finals_in_c: bool | None, planned: bool,
+                                           direct: bool | None, planned: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both forms: the three launches where a sequence is cut into segments (the final states from kernel B, or
-    from kernel C's last segments: ``finals_in_c``), the direct form (one launch) where every sequence fits one (B16
-    H8: 128 CTAs fill the wave uncut) or where it is forced."""
+    """Both forms: the three launches where a sequence is cut into segments (the final states from kernel C's last
+    segments, kernel A skipping them), the direct form (one launch) where every sequence fits one (B16 H8: 128 CTAs
+    fill the wave uncut) or where it is forced."""
     from cula_runtime.lightning_args import validate_lightning_prefill
 
     q, k, v, g_gamma, cu_t = _inputs(B, T, H, 1, cu)
@@ -516,10 +512,10 @@ def test_backend_reproduces_the_recurrence(fake_kernels: FakeKernels, B, T, H, c
     args = validate_lightning_prefill(q, k, v, g_gamma, initial_state=initial, output_final_state=True,
                                       cu_seqlens=cu_t, state_v_first=v_first)
     if planned:
-        plan = pb.plan_lightning_prefill(args, seg_len=seg_len, direct=direct, finals_in_c=finals_in_c)
+        plan = pb.plan_lightning_prefill(args, seg_len=seg_len, direct=direct)
         o, ht = plan(args.q, args.k, args.v, args.g_gamma, args.initial_state, args.cu_seqlens, None, None, None)
     else:
-        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len, direct=direct, finals_in_c=finals_in_c)
+        o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=seg_len, direct=direct)
     ref_o, ref_ht = _oracle(q, k, v, g_gamma, args.scale, initial, cu_t, v_first)
     assert o.dtype == torch.bfloat16 and o.shape == (B, T, H, 128)
     assert ht.dtype == torch.float32 and ht.shape == args.state_shape
@@ -550,13 +546,11 @@ def test_a_plan_refuses_a_misaligned_q_before_any_kernel(fake_kernels: FakeKerne
     assert [c[0] for c in fake_kernels.calls] == ["A", "B", "C"] and fake_kernels.calls[-1][2] is None
 
 
-@pytest.mark.parametrize("finals_in_c", [False, True], ids=["finals-in-B", "finals-in-C"])
-def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(finals_in_c: bool,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan's kernel C launch (``plan_chunk_output``) gets what ``lightning_chunk_output`` (``finals_in_c``:
-    ``segments_output_run``) passes: q, k, v and o as ``[1, B·T, H, 128]`` views of the call's own tensors, the
-    decays, the scan's start states, the segment table, (``finals_in_c``: ``ht``, its last segments writing the
-    final states) and the scale; kernels A and B before it, nothing compiled here."""
+def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's kernel C launch (``plan_chunk_output``) gets what ``segments_output_run`` passes: q, k, v and o as
+    ``[1, B·T, H, 128]`` views of the call's own tensors, the decays, the scan's start states, the segment table,
+    ``ht`` (its last segments writing the final states) and the scale; kernels A and B before it, both skipping the
+    last segments; nothing compiled here."""
     from cula_runtime import cute as cula_cute
 
     if not cula_cute.is_available():
@@ -570,20 +564,17 @@ def test_a_plan_launches_kernel_c_bound_on_the_wrappers_tensors(finals_in_c: boo
     pb.clear_segment_cache()
     q, k, v, g_gamma, cu = _inputs(1, 300, 2, 1, (0, 0, 70, 70, 199, 300))
     args = validate_lightning_prefill(q, k, v, g_gamma, output_final_state=True, cu_seqlens=cu)
-    plan = pb.plan_lightning_prefill(args, finals_in_c=finals_in_c)
+    plan = pb.plan_lightning_prefill(args)
     o, ht = plan(args.q, args.k, args.v, args.g_gamma, None, args.cu_seqlens, None, None, None)
     assert len(launches) == 3
     (a_cls, a_config, a_args), (_, b_config, b_args), (c_cls, c_config, c_args) = launches
-    assert a_config.skip_last == b_config.skip_last == finals_in_c  # the last segments are kernel C's, or not
+    assert a_config.skip_last and b_config.skip_last  # the last segments are kernel C's
     assert c_cls is LightningChunkOutput and c_config.num_heads == 2
     assert len(c_args) == len(LightningChunkOutput(c_config).argument_specs()) + 1
     for got, want in zip(c_args[:3] + c_args[6:7], (args.q, args.k, args.v, o), strict=True):
         assert got.shape == (1, 300, 2, 128) and got.data_ptr() == want.data_ptr()
     assert c_args[3] is args.g_gamma and c_args[4] is b_args[0] and c_args[5] is b_args[1]  # start states, table
-    if finals_in_c:
-        assert c_args[8] is ht and c_config.output_final_state  # the last segments write the final states
-    else:
-        assert c_args[8] is None and not c_config.output_final_state
+    assert c_args[8] is ht and c_config.output_final_state  # the last segments write the final states
     assert c_args[7] is None and c_args[9:12] == (None,) * 3  # no h0, no pool
     assert c_args[12] == args.scale
     assert b_args[5] is ht  # (kernel B: the final states of sequences without tokens)
@@ -668,10 +659,9 @@ def test_the_direct_launch_gets_the_call_s_tensors(pool_dtype, planned: bool, mo
     assert call[12] == args.scale
 
 
-@pytest.mark.parametrize(("direct", "finals_in_c"), [(False, True), (False, False), (True, True)],
-                         ids=["segments", "segments-finals-in-B", "direct"])
-def test_backend_pool(fake_kernels: FakeKernels, direct: bool, finals_in_c: bool) -> None:
-    """The pool form, in both forms (over segments the final states from kernel C or, as before lever 5, kernel B):
+@pytest.mark.parametrize("direct", [False, True], ids=["segments", "direct"])
+def test_backend_pool(fake_kernels: FakeKernels, direct: bool) -> None:
+    """The pool form, in both forms (over segments the final states from kernel C's last segments):
     slots read and written in place (fp32), a padding row (-1) and an out-of-pool slot start from zeros and write
     nothing, a False flag starts from zeros but writes its slot, an empty sequence writes its start state back,
     unnamed slots keep their bits."""
@@ -685,7 +675,7 @@ def test_backend_pool(fake_kernels: FakeKernels, direct: bool, finals_in_c: bool
     flags = torch.tensor([True, True, True, False, True])
     args = validate_lightning_prefill(q, k, v, g_gamma, cu_seqlens=cu_t, state=pool, state_indices=idx,
                                       has_initial_state=flags)
-    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64, direct=direct, finals_in_c=finals_in_c)
+    o, ht = pb.lightning_prefill_cutedsl_backend(args, seg_len=64, direct=direct)
     assert ht is None
     assert [c[0] for c in fake_kernels.calls] == (["D"] if direct else ["A", "B", "C"])
     h0 = torch.stack([before[4], before[1], torch.zeros(2, 128, 128), torch.zeros(2, 128, 128), before[2]])

@@ -163,21 +163,19 @@ def _cutedsl_prefill(kwargs: dict, **form):
     return pb.lightning_prefill_cutedsl_backend(args, **form)
 
 
-# the backend's form arguments: the three launches (the final states from kernel B, or from kernel C's last segments:
-# lever 5, prefill_backend.FINALS_IN_C), the direct form in 8-warp and in half-V CTAs
-FORMS = {"segments": dict(direct=False, finals_in_c=False),
-         "segments-finals-in-C": dict(direct=False, finals_in_c=True),
-         "direct": dict(direct=True, direct_block_v=128), "direct64": dict(direct=True, direct_block_v=64)}
+# the backend's form arguments: the three launches (the final states from kernel C's last segments), the direct form
+# in 8-warp and in half-V CTAs
+FORMS = {"segments": dict(direct=False), "direct": dict(direct=True, direct_block_v=128),
+         "direct64": dict(direct=True, direct_block_v=64)}
 
 
 @pytest.mark.parametrize("case", FORM_CASES, ids=_ids(FORM_CASES))
 @pytest.mark.parametrize("form", list(FORMS))
 def test_both_prefill_forms_match_fp64(form: str, case: lc.LightningCase) -> None:
     """The CuTeDSL prefill in each form forced on the same calls: the three launches over 64-token segments (these
-    small calls would otherwise pick the shortest anyway), their final states from kernel B or from kernel C's last
-    segments (kernel A then skipping them), and the direct form (one launch, every sequence one segment from its
-    initial state to its final state, empty sequences writing theirs back), in one CTA per sequence and head or two
-    half-V CTAs."""
+    small calls would otherwise pick the shortest anyway), their final states from kernel C's last segments (kernel
+    A skipping them), and the direct form (one launch, every sequence one segment from its initial state to its
+    final state, empty sequences writing theirs back), in one CTA per sequence and head or two half-V CTAs."""
     kwargs = lc.make_inputs(case, "cuda")
     before = kwargs["state"].clone() if case.pool else None
     o_ref, expected = lc.oracle(case, kwargs, before)

@@ -3,18 +3,19 @@
 Every sequence is cut into segments of ``seg_len`` tokens (a multiple of the chunk, 64; a sequence's last segment
 may be shorter), chosen per call so that the segment-parallel grids fill the GPU (:func:`choose_seg_len`). Then:
 
-1. kernel A (:mod:`.chunk_states`): each segment's own state from zero, fp32 ``seg_state [NSEG, H, K, V]``;
+1. kernel A (:mod:`.chunk_states`): each segment's own state from zero, fp32 ``seg_state [NSEG, H, K, V]``, but
+   for each sequence's last segment (``skip_last``: its own state would only feed the final state);
 2. kernel B (:mod:`.chunk_states`): the scan over each sequence's segments: the start states (``initial_state``, a
-   pool slot, or zeros) in, each segment's START state written over its own in ``seg_state``, the final states out
-   (``final_state``, or back into the pool in place);
-3. kernel C (:mod:`.chunk_output`): each segment's outputs from its start state.
+   pool slot, or zeros) in, each segment's START state written over its own in ``seg_state``; the final states
+   (``final_state``, or back into the pool in place) of sequences without tokens only;
+3. kernel C (:mod:`.chunk_output`): each segment's outputs from its start state; each sequence's last segment also
+   steps its state over its last (partial) chunk and writes the final state (``final_state`` or the pool slot).
 
-With ``finals_in_c`` (:data:`FINALS_IN_C`; lever 5 of ``docs/lightning_notes.md``, not yet run on a GPU) kernel A
-skips each sequence's last segment (``skip_last``: its own state would only feed the final state), kernel B writes
-only the final states of sequences without tokens, and each sequence's last segment in kernel C also steps its
-state over its last (partial) chunk and writes the final state (``final_state`` or the pool slot): kernel A reads
-1 / segments-per-sequence less of k and v, and the final states come from kernel C's FFMA state step, as in the
-direct form.
+Final states from kernel C (lever 5 of ``docs/lightning_notes.md``): kernel A reads 1 / segments-per-sequence less
+of k and v, and the final states come from kernel C's FFMA state step, as in the direct form. Timed on a lent H100
+against the final states from kernel B (kernel A over every segment; the form is in the history, 1db471f):
+0.79-0.99x its time on every row, o the same bits, the final states' error 0.24-0.94x
+(``benchmarks/results/lightning_last_segment_ab_h100.md``).
 
 Where every sequence fits in one segment of the chosen length (many sequences, or many heads: the grid fills the GPU
 without cutting any), or where no sequence is much longer than the tokens per SM (:func:`uses_direct_form`), the
@@ -41,7 +42,10 @@ FLA in ``benchmarks/results/lightning_h200.md``. The direct form and kernel C's 
 (``benchmarks/results/lightning_safety_h100.md``), timed in ``lightning_prefill_forms_ab_h100.md`` and beside FLA in
 ``lightning_prefill_bench_h100.md``. Its half-V CTAs (V block 64): on sm_90 (a lent H100, 2026-12-07, thirty-second
 session): the same GPU tests, compute-sanitizer and 10^5 replays, timed in ``lightning_prefill_forms_ab_h100.md``.
-Compiled for sm_100a and sm_103a in CI, where no GPU has run them.
+The final states from kernel C over segments: on sm_90 (a lent H100, 2026-12-07, thirty-fifth session) the forms
+test against float64 on 16 cases and compute-sanitizer at ``prefill-large``, before it became the only form (the
+whole Lightning GPU suite has not yet run on it). Compiled for sm_100a and sm_103a in CI, where no GPU has run
+them.
 """
 
 from __future__ import annotations
@@ -84,11 +88,6 @@ _ROW_ALIGN = 16  # bytes: the token tensors' promise to kernels A and C (16-byte
 HEAD_DIM = 128
 # seg_len candidates, longest first: the longest whose grid fills one wave of CTAs on the GPU's SMs (fewest state
 # passes: each costs NSEG · H · 64 KB against the inputs' T · H · 1 KB), else the shortest (choose_seg_len)
-# Over segments, whether kernel C's last segments write the final states (kernels A and B skip_last: lever 5 of
-# docs/lightning_notes.md) or kernel B writes them all (the form timed and verified so far). Lever 5 is compiled and
-# checked on the CPU but has not run on a GPU: it becomes the default once the GPU tests, the sanitizer and
-# benchmarks/ab_lightning_last_segment.py have run on it (docs/STATUS.md), and the losing form is then deleted.
-FINALS_IN_C = False
 SEG_LEN_CHOICES = (4096, 2048, 1024, 512, 256, 128, 64)
 WAVE_FILL = 0.9  # CTAs per SM that count as one wave: 128 CTAs on 132 SMs do
 # The direct form beyond one segment per sequence (uses_direct_form): its longest sequence at most this many times the
@@ -402,8 +401,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: int = 0, block_v: int = 0,
-                                      direct: bool | None = None, direct_block_v: int = 0,
-                                      finals_in_c: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                      direct: bool | None = None,
+                                      direct_block_v: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run validated ``lightning_prefill`` arguments (accepted by :func:`verify_lightning_prefill`) on the CuTeDSL
     kernels: ``(o, final_state)``.
 
@@ -415,9 +414,6 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
             both forms on the same inputs).
         direct_block_v: kernel C's value columns per CTA in the direct form, 64 or 128 (the same bits); 0:
             :func:`choose_direct_block_v`.
-        finals_in_c: over segments, kernel C's last segments write the final states and kernel A skips them
-            (True), or kernel A computes every segment's state and kernel B writes every final state (False); None:
-            :data:`FINALS_IN_C`.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
@@ -438,7 +434,7 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
     if args.N == 0:
         return o, ht
     num_sms = sm_count(device)
-    chosen, segments, seq_segments, use_direct, c_block_v = device_segments(
+    _, segments, seq_segments, use_direct, c_block_v = device_segments(
         B, T, H, args.cu_seqlens, device, num_sms, _requested_seg_len(seg_len), direct,
         _requested_block_v(direct_block_v))
     q, k, v, o_flat = _flat(args.q), _flat(args.k), _flat(args.v), _flat(o)
@@ -448,30 +444,26 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         return o, ht
     nseg = segments.shape[0]
     seg_state = torch.empty(nseg, H, K, V, dtype=torch.float32, device=device)
-    finals_in_c = FINALS_IN_C if finals_in_c is None else finals_in_c
     if nseg:
         states._states_run(k, v, args.g_gamma, segments, seg_state, block_v or recurrence_block_v(nseg * H, num_sms),
-                           skip_last=finals_in_c)
+                           skip_last=True)
     states._scan_run(seg_state, segments, seq_segments, args.g_gamma, args.initial_state, ht, args.state_v_first,
-                     pool, args.state_indices, args.has_initial_state, skip_last=finals_in_c)
-    if nseg and finals_in_c:
+                     pool, args.state_indices, args.has_initial_state, skip_last=True)
+    if nseg:
         _kernel_c().segments_output_run(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, ht,
                                         args.state_v_first, pool, args.state_indices)
-    elif nseg:
-        _kernel_c().lightning_chunk_output(q, k, v, args.g_gamma, seg_state, segments, o_flat, args.scale, chosen)
     return o, ht
 
 
-def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0, direct: bool | None = None,
-                           finals_in_c: bool | None = None) -> Callable | None:
+def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
+                           direct: bool | None = None) -> Callable | None:
     """A call plan (``cula.call_plans``) for every later call with the signature of ``args`` (validated arguments
     :func:`verify_lightning_prefill` accepted): ``plan(q, k, v, g_gamma, initial_state, cu_seqlens, state,
     state_indices, has_initial_state) -> (o, final)`` runs the three kernels (or the direct form's one) with nothing
     validated or dispatched, through launches bound once (``compile_cache.bound_launch``), the segment table from its
     cache (fixed length: built here, once; varlen: per ``cu_seqlens`` tensor and version, from the cached checked
     host copy of its values). ``seg_len``: as :func:`lightning_prefill_cutedsl_backend`'s, fixed for every call of the
-    plan. ``direct``, ``finals_in_c``: as the backend's (the form is decided per call from the table: a varlen plan
-    may run either).
+    plan. ``direct``: as the backend's (the form is decided per call from the table: a varlen plan may run either).
     Holds no tensor of the call it was made from.
 
     A launch TVM-FFI refuses raises ``LaunchDeclined`` before it launches (the caller then runs the call unplanned).
@@ -487,7 +479,6 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0, dire
     num_sms = sm_count(device)
     fixed_seg_len = _requested_seg_len(seg_len)
     flags = states.scan_flags(args.initial_state, want_ht, v_first, args.state, args.has_initial_state)
-    in_c = FINALS_IN_C if finals_in_c is None else finals_in_c
     runs_a: dict[int, Callable] = {}
     run_b: list[Callable] = []  # kernel B, bound on the first call that cuts segments (or has no tokens)
     run_c: list[Callable] = []  # kernel C, bound on the first call with tokens
@@ -516,19 +507,16 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0, dire
             bv = recurrence_block_v(nseg * H, num_sms)
             run_a = runs_a.get(bv)
             if run_a is None:
-                run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device, skip_last=in_c)
+                run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device, skip_last=True)
             run_a(kf, _flat(v), g_gamma, segments, seg_state)
         if not run_b:
-            run_b.append(states.plan_segment_scan(H, N, flags, device, skip_last=in_c))
+            run_b.append(states.plan_segment_scan(H, N, flags, device, skip_last=True))
         run_b[0](seg_state, segments, seq_segments, g_gamma, initial_state, ht, state, state_indices,
                  has_initial_state)
         if nseg:
             if not run_c:
-                run_c.append(_kernel_c().plan_chunk_output(H, device, flags if in_c else None))
-            if in_c:
-                run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale, ht, state, state_indices)
-            else:
-                run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale)
+                run_c.append(_kernel_c().plan_chunk_output(H, device, flags))
+            run_c[0](_flat(q), kf, _flat(v), g_gamma, seg_state, segments, o_flat, scale, ht, state, state_indices)
         return o, ht
 
     return plan
