@@ -14,6 +14,7 @@
 # 400 s); "..." = source .devcarry/bootstrap.sh && source tools/h200_setup.sh. The bench in two calls, the second
 # merging into the first's results (its lightning_h200.json, copied into the working tree first):
 #   ... && bash tools/h200_session.sh tests:lightning
+#   ... && bash tools/h200_lanes.sh tests:lightning-cute tests:lightning-api   (the same in two lanes, one call)
 #   ... && LIGHTNING_ONLY=prefill bash tools/h200_session.sh bench:lightning
 #   ... && LIGHTNING_ONLY=decode LIGHTNING_MERGE=benchmarks/results/lightning_h200.json \
 #          bash tools/h200_session.sh bench:lightning
@@ -84,12 +85,16 @@ ncu_decode() {
 }
 # The Lightning GPU tests that exist (tests/cute/test_lightning_*_gpu.py, tests/gpu/test_lightning_*gpu.py): a missing
 # file named to pytest would stop the whole run, and none named would make h200_tests.sh run every GPU test.
+# The Lightning GPU test files: $1 "cute" (the kernels'), "api" (the public calls', tests/gpu) or "all"; the first
+# two halves run side by side as lanes (tools/h200_lanes.sh), the whole suite being longer than one step's cap.
 lightning_gpu_tests() {
-  local f files=()
-  for f in tests/cute/test_lightning_*_gpu.py tests/gpu/test_lightning_*gpu.py; do [ -e "$f" ] && files+=("$f"); done
+  local f files=() globs=()
+  [ "$1" = api ] || globs+=(tests/cute/test_lightning_*_gpu.py)
+  [ "$1" = cute ] || globs+=(tests/gpu/test_lightning_*gpu.py)
+  for f in "${globs[@]}"; do [ -e "$f" ] && files+=("$f"); done
   if [ ${#files[@]} = 0 ]; then echo "no Lightning GPU test files"; return 1; fi
-  echo "Lightning GPU tests: ${files[*]}"
-  GPU_LOG_TAG=_lightning timeout "${TESTS_TIMEOUT:-400}" bash tools/h200_tests.sh -q "${files[@]}"
+  echo "Lightning GPU tests ($1): ${files[*]}"
+  GPU_LOG_TAG=_lightning_$1 timeout "${TESTS_TIMEOUT:-400}" bash tools/h200_tests.sh -q "${files[@]}"
 }
 for step in "$@"; do
   echo "=== $step ($(date -u +%H:%M:%S))"
@@ -197,7 +202,9 @@ for step in "$@"; do
                        --out "$OUT/kda_unbounded_h200.md" ;;
     # Lightning Attention (issue 28): the GPU tests, the bench against FLA (LIGHTNING_ONLY: bench_lightning.py
     # --only; LIGHTNING_MERGE: an earlier run's JSON to merge into), the sanitizer, 10^5 graph replays per problem
-    tests:lightning) lightning_gpu_tests ;;
+    tests:lightning) lightning_gpu_tests all ;;
+    tests:lightning-cute) lightning_gpu_tests cute ;;
+    tests:lightning-api) lightning_gpu_tests api ;;
     bench:lightning) timeout 560 python3 benchmarks/bench_lightning.py ${LIGHTNING_ONLY:+--only "$LIGHTNING_ONLY"} \
                        ${LIGHTNING_MERGE:+--merge "$LIGHTNING_MERGE"} --deadline-s 480 --out "$OUT/lightning_h200.md" ;;
     sanitizer:lightning) sanitize_lightning ;;
@@ -222,7 +229,7 @@ for step in "$@"; do
           "fla bench bench-fixed bench-rest stress[:sm90|:cutedsl] sanitizer[:sm90|:cutedsl]" \
           "profile[:sm90|:tuned|:short|:ablation] intra ncu ncu:decode host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors host:op-split probe:state-access ab:k-first-lines sanitizer:unbounded sanitizer:decode" \
-          "stress:unbounded stress:decode tests:lightning bench:lightning sanitizer:lightning stress:lightning" \
+          "stress:unbounded stress:decode tests:lightning[-cute|-api] bench:lightning sanitizer:lightning stress:lightning" \
           "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-decode-caps)" ;;
   esac
   echo "=== $step: exit $?"
