@@ -210,7 +210,9 @@ KERNELS: tuple[KernelEntry, ...] = (
         status=_LIGHTNING_CUTE_STATUS,
         entry="cula_runtime.cute.lightning.chunk_output:lightning_chunk_output",
         summary="CuTeDSL Lightning prefill, kernel C: every segment's outputs from its start state (fp32 state in "
-                "registers across its chunks, the decayed score tile made in the kernel, warp MMA); K = V = 128",
+                "registers across its chunks, the decayed score tile made in the kernel, warp MMA); K = V = 128; in "
+                "the cutedsl backend each sequence's last segment also writes its final state (kernels A and B then "
+                "skip it)",
     ),
     KernelEntry(
         name="lightning_decode_cutedsl", family="lightning", backend="cutedsl", archs=_CUTE_ARCHS,
