@@ -152,14 +152,14 @@ class FakeKernels:
         return (initial_state is not None, bool(output_final_state), bool(state_v_first),
                 None if pool is None else str(pool.dtype), has_initial_state is not None)
 
-    def plan_segment_states(self, H, dtype, block_v, device, skip_last=False):
+    def plan_segment_states(self, H, dtype, block_v, device):  # (the backend's form: last segments skipped)
         return lambda k, v, g_gamma, segments, seg_state: self._states_run(k, v, g_gamma, segments, seg_state,
-                                                                           block_v, skip_last)
+                                                                           block_v, True)
 
-    def plan_segment_scan(self, H, N, flags, device, skip_last=False):
+    def plan_segment_scan(self, H, N, flags, device):
         v_first = flags[2]
         return lambda seg_state, segments, seq_segments, g_gamma, h0, ht, pool, idx, has_init: self._scan_run(
-            seg_state, segments, seq_segments, g_gamma, h0, ht, v_first, pool, idx, has_init, skip_last)
+            seg_state, segments, seq_segments, g_gamma, h0, ht, v_first, pool, idx, has_init, True)
 
     def segments_output_run(self, q, k, v, g_gamma, seg_state, segments, o, scale, ht, state_v_first, pool,
                             state_indices) -> None:
@@ -182,8 +182,7 @@ class FakeKernels:
         if rows and (ht is not None or pool is not None):
             write_final_states(final, state_v_first, ht, pool, slots, last)
 
-    def plan_chunk_output(self, H, device, flags=None):  # (the bound kernel C of plans: the table's lengths)
-        assert flags is not None  # (the scan's flags: the last segments write the final states)
+    def plan_chunk_output(self, H, device, flags):  # (the bound kernel C of plans: the table's lengths)
         v_first = flags[2]
 
         def run(q, k, v, g_gamma, seg_state, segments, o, scale, ht=None, pool=None, state_indices=None) -> None:

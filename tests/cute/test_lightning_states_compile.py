@@ -251,7 +251,8 @@ def test_segment_states_marshalling(monkeypatch: pytest.MonkeyPatch, planned: bo
         cs._states_run(k, v, g, segments, seg_state, 64)
     (kernel_cls, config, specs, tensors, outputs, scalars), = rec.launches
     assert kernel_cls is cs.LightningSegmentStates and scalars == ()
-    assert config == cs.LightningSegmentStatesConfig(num_heads=3, block_v=64, dtype="bfloat16")
+    # (bound: the prefill backend's form, each sequence's last segment skipped)
+    assert config == cs.LightningSegmentStatesConfig(num_heads=3, block_v=64, dtype="bfloat16", skip_last=planned)
     _check_marshalled(kernel_cls, config, specs, tensors, outputs, {0: k, 1: v, 2: segments, 3: g, 4: seg_state})
     assert outputs == frozenset({4})
     rec.launches.clear()
@@ -293,7 +294,7 @@ def test_segment_scan_marshalling(monkeypatch: pytest.MonkeyPatch, form: str, v_
     assert config == cs.LightningSegmentScanConfig(
         num_heads=H, has_initial_state=h0 is not None, output_final_state=ht is not None, state_v_first=v_first,
         state_pool=pool is not None, state_dtype="bfloat16" if "bf16" in form else "float32",
-        initial_state_flags=flags is not None)
+        initial_state_flags=flags is not None, skip_last=planned)  # (bound: the prefill backend's form)
     _check_marshalled(kernel_cls, config, specs, tensors, outputs,
                       {0: seg_state, 1: segments, 2: seq_segments, 3: g, 4: h0, 5: ht, 6: pool, 7: idx})
     if flags is not None:

@@ -791,11 +791,11 @@ def segments_output_run(q, k, v, g_gamma, seg_state, segments, o, scale: float, 
                                                          state_indices), _FINAL_OUTPUTS, q.device, float(scale))
 
 
-def plan_chunk_output(H: int, device, flags: tuple | None = None) -> Callable:
+def plan_chunk_output(H: int, device, flags: tuple) -> Callable:
     """Kernel C bound to one call signature (:func:`~cula_runtime.cute.compile_cache.bound_launch`, for the prefill's
     call plans): ``run(q, k, v, g_gamma, seg_state, segments, o, scale, ht=None, pool=None, state_indices=None)``
-    with :func:`segments_output_run`'s tensors and nothing checked; ``flags``: as :func:`_plan`'s (None: no final
-    states); ``LaunchDeclined`` where TVM-FFI refuses a pointer (nothing launched). The caller launches only with
+    with :func:`segments_output_run`'s tensors and nothing checked; ``flags``: kernel B's, as :func:`_plan`'s;
+    ``LaunchDeclined`` where TVM-FFI refuses a pointer (nothing launched). The caller launches only with
     segments and rows."""
     config, specs = _plan(H, flags)
     run = bound_launch(LightningChunkOutput, config, specs, device)

@@ -623,10 +623,11 @@ def _states_run(k, v, g_gamma, segments, seg_state, block_v: int, skip_last: boo
     launch(LightningSegmentStates, config, specs, (k, v, segments, g_gamma, seg_state), _STATES_OUTPUTS, k.device)
 
 
-def plan_segment_states(H: int, dtype, block_v: int, device, skip_last: bool = False):
-    """Kernel A bound to one call signature (``compile_cache.bound_launch``): ``run(k, v, g_gamma, segments,
-    seg_state)`` launches with nothing checked (no launch without segments); ``skip_last``: as the config's."""
-    config, specs = _states_plan(H, block_v, _TORCH_NAMES[str(dtype)], skip_last)
+def plan_segment_states(H: int, dtype, block_v: int, device):
+    """Kernel A bound to one call signature (``compile_cache.bound_launch``), in the prefill backend's form (each
+    sequence's last segment skipped, ``skip_last``): ``run(k, v, g_gamma, segments, seg_state)`` launches with
+    nothing checked (no launch without segments)."""
+    config, specs = _states_plan(H, block_v, _TORCH_NAMES[str(dtype)], True)
     run = bound_launch(LightningSegmentStates, config, specs, device)
 
     def run_states(k, v, g_gamma, segments, seg_state) -> None:
@@ -716,13 +717,13 @@ def _scan_run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, sta
     launch(LightningSegmentScan, config, specs, tensors, _SCAN_OUTPUTS, seg_state.device)
 
 
-def plan_segment_scan(H: int, N: int, flags: tuple, device, skip_last: bool = False):
-    """Kernel B bound to one call signature: ``run(seg_state, segments, seq_segments, g_gamma, initial_state, ht,
-    pool, state_indices, has_initial_state)`` with nothing checked; ``flags``: :func:`scan_flags` (no launch for
-    N = 0); ``skip_last``: as the config's."""
+def plan_segment_scan(H: int, N: int, flags: tuple, device):
+    """Kernel B bound to one call signature, in the prefill backend's form (``skip_last``: the final states of
+    sequences without tokens only): ``run(seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool,
+    state_indices, has_initial_state)`` with nothing checked; ``flags``: :func:`scan_flags` (no launch for N = 0)."""
     if N == 0:
         return lambda *tensors: None
-    config, specs = _scan_plan(H, flags, skip_last)
+    config, specs = _scan_plan(H, flags, True)
     run = bound_launch(LightningSegmentScan, config, specs, device)
 
     def run_scan(seg_state, segments, seq_segments, g_gamma, initial_state, ht, pool, state_indices,

@@ -507,10 +507,10 @@ def plan_lightning_prefill(args: LightningPrefillArgs, *, seg_len: int = 0,
             bv = recurrence_block_v(nseg * H, num_sms)
             run_a = runs_a.get(bv)
             if run_a is None:
-                run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device, skip_last=True)
+                run_a = runs_a[bv] = states.plan_segment_states(H, dtype, bv, device)
             run_a(kf, _flat(v), g_gamma, segments, seg_state)
         if not run_b:
-            run_b.append(states.plan_segment_scan(H, N, flags, device, skip_last=True))
+            run_b.append(states.plan_segment_scan(H, N, flags, device))
         run_b[0](seg_state, segments, seq_segments, g_gamma, initial_state, ht, state, state_indices,
                  has_initial_state)
         if nseg:
