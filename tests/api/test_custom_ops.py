@@ -180,6 +180,19 @@ def test_bad_arguments_raise_the_python_api_errors_through_the_ops() -> None:
         torch.ops.cula.kda_decode_out(**clone_kwargs(DECODE["T1-B3"]), out=torch.empty(3, 1, HV, V + 1))
 
 
+@pytest.mark.parametrize(("op", "kwargs", "name"), [
+    ("kda_prefill", PREFILL["fixed-h0-vfirst"], "initial_state"), ("kda_prefill", PREFILL["packed-cpu-copy"], "k"),
+    ("kda_prefill_pool", PREFILL_POOL["packed-has-initial"], "has_initial_state"),
+    ("kda_decode", DECODE["speculative-W3"], "num_accepted_tokens"), ("kda_decode", DECODE["T1-B3"], "state"),
+], ids=["prefill-h0", "prefill-k", "prefill-pool-has-initial", "decode-accepted", "decode-state"])
+def test_one_meta_tensor_among_real_ones_is_refused_by_name(op: str, kwargs: dict, name: str) -> None:
+    """A meta tensor among CPU ones sends the call to the fake implementation (the meta kernel), which refuses it
+    as the Python API does instead of returning uninitialised outputs."""
+    mixed = dict(clone_kwargs(kwargs), **{name: kwargs[name].to("meta")})
+    with pytest.raises(ValueError, match=f"^{name} must be on q's device \\(cpu\\), got meta$"):
+        getattr(torch.ops.cula, op)(**mixed)
+
+
 def test_gradients_flow_through_an_op_only_where_the_python_api_has_them() -> None:
     """No op registers a backward: torch's autograd fallback lets the CPU reference's own torch ops record the
     graph (the gradient is the Python API's), and warns that the op has no autograd kernel."""
@@ -190,6 +203,28 @@ def test_gradients_flow_through_an_op_only_where_the_python_api_has_them() -> No
     with pytest.warns(UserWarning, match="an autograd kernel was not registered"):
         torch.ops.cula.kda_prefill(**op_kwargs)[0].sum().backward()
     torch.testing.assert_close(op_kwargs["q"].grad, api_kwargs["q"].grad, rtol=0, atol=0)
+
+
+def test_the_cpu_reference_has_gradients_for_every_input() -> None:
+    """The Python API on the CPU (the reference, fp32 inside) differentiates through every float input, g included,
+    and its gradients match the float64 recurrence's (autograd through ``kda_naive``)."""
+    from cula_runtime.reference import kda_naive
+
+    base = {name: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x)
+            for name, x in inputs().items()}
+    names = [name for name in ("q", "k", "v", "g", "beta") if isinstance(base.get(name), torch.Tensor)]
+    grads = []
+    for run in (kda_prefill, kda_naive):
+        kwargs = clone_kwargs(base)
+        for name in names:
+            kwargs[name].requires_grad_()
+        o = run(**kwargs)[0]
+        (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view_as(o)).sum().backward()
+        grads.append([kwargs[name].grad for name in names])
+    for name, got, want in zip(names, *grads, strict=True):
+        assert got is not None and torch.isfinite(got).all(), name
+        error = float((got - want).norm() / want.norm())
+        assert error < 1e-5, f"{name}: relative L2 error {error:.1e} against the float64 recurrence's gradient"
 
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,

@@ -51,6 +51,30 @@ def gate(**overrides) -> dict:
     return kwargs
 
 
+def aliased(kwargs: dict, name: str, of: str) -> dict:
+    """``kwargs`` with argument ``name`` a view of the memory of argument ``of`` (its shape and dtype kept)."""
+    shape, source = kwargs[name].shape, kwargs[of]
+    return dict(kwargs, **{name: source.reshape(-1)[:shape.numel()].view(shape)})
+
+
+def overlapping_pool() -> torch.Tensor:
+    """A pool [P, HV, K, V] whose slots overlap: the slot stride is one head's K · V elements."""
+    return torch.zeros((P + HV) * K * V).as_strided((P, HV, K, V), (K * V, K * V, V, 1))
+
+
+def indices_in_the_pool() -> dict:
+    """A decode whose state_indices (valid values) lie in the pool's first bytes."""
+    kwargs = decode()
+    indices = kwargs["state"].view(-1).view(torch.int32)[:B]
+    indices.copy_(_i32([0, 3, 5]))  # (no negative index: its bits would be a NaN of the pool)
+    return dict(kwargs, state_indices=indices)
+
+
+def inference_pool() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.zeros(P, HV, K, V)
+
+
 BAD_DECODE = {
     # name: (kwargs, exception, words that must appear in the message)
     "q-not-tensor": (decode(q=[1.0]), TypeError, ["q", "torch.Tensor"]),
@@ -119,6 +143,19 @@ BAD_DECODE = {
     "out-shape": (decode(out=torch.zeros(B, T, HV, V + 1)), ValueError, ["out", f"[{B}, {T}, {HV}, {V}]"]),
     "out-not-contiguous": (decode(out=torch.zeros(B, T, V, HV).transpose(2, 3)), ValueError, ["out", "contiguous"]),
     "out-device": (decode(out=torch.zeros(B, T, HV, V, device="meta")), ValueError, ["out", "device"]),
+    # what the call writes in place owns its memory: no overlapping slots, no aliasing of another argument
+    "state-slot-stride-0": (decode(state=torch.zeros(1, HV, K, V).expand(P, HV, K, V)), ValueError,
+                            ["state", "must not overlap", f"{HV * K * V} elements"]),
+    "state-slots-overlap": (decode(state=overlapping_pool()), ValueError, ["state", "must not overlap"]),
+    "state-requires-grad": (decode(state=torch.zeros(P, HV, K, V, requires_grad=True)), ValueError,
+                            ["state", "must not require grad"]),
+    "state-inference-tensor": (decode(state=inference_pool()), ValueError, ["state", "inference_mode"]),
+    "out-is-v": (aliased(decode(out=torch.zeros(B, T, HV, V)), "out", "v"), ValueError,
+                 ["out and v share memory"]),
+    "out-in-the-pool": (aliased(decode(out=torch.zeros(B, T, HV, V)), "out", "state"), ValueError,
+                        ["state and out share memory"]),
+    "v-in-the-pool": (aliased(decode(), "v", "state"), ValueError, ["state and v share memory", "writes state"]),
+    "indices-in-the-pool": (indices_in_the_pool(), ValueError, ["state and state_indices share memory"]),
 }
 
 
@@ -200,6 +237,13 @@ BAD_PREFILL = {
     "state-fp16": (prefill(state=torch.zeros(P, HV, K, V).half()), TypeError, ["state", "dtype"]),
     "state-shape": (prefill(state=torch.zeros(P, HV, V, K + 1)), ValueError, ["state", f"[P, {HV}, {K}, {V}]"]),
     "state-device": (prefill(state=torch.zeros(P, HV, K, V, device="meta")), ValueError, ["state", "device"]),
+    "state-slot-stride-0": (prefill(state=torch.zeros(1, HV, K, V).expand(P, HV, K, V)), ValueError,
+                            ["state", "must not overlap"]),
+    "state-slots-overlap": (prefill(state=overlapping_pool()), ValueError, ["state", "must not overlap"]),
+    "state-requires-grad": (prefill(state=torch.zeros(P, HV, K, V, requires_grad=True)), ValueError,
+                            ["state", "must not require grad"]),
+    "q-in-the-pool": (aliased(prefill(state=torch.zeros(2 * B * 20 * H * K // (HV * K * V) + P, HV, K, V)), "q",
+                              "state"), ValueError, ["state and q share memory"]),
 }
 
 
@@ -223,3 +267,45 @@ def test_packed_prefill_pool_checks_one_index_per_sequence() -> None:
 
     args = validate_kda_prefill(**packed_inputs, cu_seqlens=cu, state=kwargs["state"], state_indices=_i32([0, 1, 2]))
     assert args.pool_slots.start == (0, 1, 2) and args.state is kwargs["state"]
+
+
+def test_a_host_cu_seqlens_rewritten_through_numpy_is_read_again() -> None:
+    """A CPU ``cu_seqlens`` reused with new values written through a NumPy view (its version counter unchanged, as a
+    serving engine's host buffers) gives the result of a fresh tensor of those values, and new values that break
+    the rules are refused: no answer comes from what an earlier call checked."""
+    kwargs = packed()
+    cu = kwargs["cu_seqlens"]
+    pool = kwargs["state"]
+
+    def run(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state = pool.clone()
+        return kda_decode(**dict(kwargs, state=state, cu_seqlens=cu_seqlens)), state
+
+    run(cu)  # [0, 1, 1, 4] checked (and kept) once
+    cu.numpy()[1:3] = 2  # lengths 2, 0, 2
+    reused, fresh = run(cu), run(_i32([0, 2, 2, 4]))
+    assert torch.equal(reused[0], fresh[0]) and torch.equal(reused[1], fresh[1])
+    cu.numpy()[1] = 3
+    with pytest.raises(ValueError, match="non-decreasing"):
+        run(cu)
+
+
+def test_a_reused_cu_seqlens_cpu_copy_is_read_again() -> None:
+    """The pool form of ``kda_prefill`` with ``cu_seqlens_cpu``: the host copy rewritten through NumPy (and
+    ``cu_seqlens`` by a torch op) gives the result of fresh tensors."""
+    base = prefill(state_indices=_i32([-1, 1, 4]))  # (sequence 0 a padding row: its o rows are zeros)
+    inputs = {name: base[name][:1] for name in ("q", "k", "v", "g", "beta")}
+    cu = _i32([0, 5, 5, 20])
+    cu_cpu = cu.clone()
+
+    def run(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state = base["state"].clone()
+        o, _ = kda_prefill(**inputs, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, state=state,
+                           state_indices=base["state_indices"])
+        return o, state
+
+    run(cu, cu_cpu)
+    cu.copy_(_i32([0, 12, 12, 20]))
+    cu_cpu.numpy()[1:3] = 12
+    reused, fresh = run(cu, cu_cpu), run(_i32([0, 12, 12, 20]), _i32([0, 12, 12, 20]))
+    assert torch.equal(reused[0], fresh[0]) and torch.equal(reused[1], fresh[1])

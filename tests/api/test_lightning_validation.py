@@ -51,6 +51,12 @@ def decode_kwargs(**changes) -> dict:
     return prefill_kwargs(**base)
 
 
+def in_the_pool(kwargs: dict, name: str, of: str = "state") -> dict:
+    """``kwargs`` with argument ``name`` a view of the memory of argument ``of`` (the pool by default)."""
+    shape = kwargs[name].shape
+    return dict(kwargs, **{name: kwargs[of].reshape(-1)[:shape.numel()].view(shape)})
+
+
 _DROP = object()
 X = torch.randn(B, T, H, K)
 
@@ -157,6 +163,11 @@ PREFILL_ERRORS = [
      r"has_initial_state must have dtype torch\.bool, got torch\.int32"),
     ("has-shape", pool_kwargs(has_initial_state=torch.ones(B + 1, dtype=torch.bool)), ValueError,
      r"has_initial_state must have shape \[2\] \(\[N\], one flag per sequence\), got \[3\]"),
+    ("pool-slot-stride-0", pool_kwargs(state=torch.zeros(1, H, K, V).expand(P, H, K, V)), ValueError,
+     r"its slots must not overlap"),
+    ("pool-requires-grad", pool_kwargs(state=torch.zeros(P, H, K, V, requires_grad=True)), ValueError,
+     r"state \(the pool\) is written in place and must not require grad"),
+    ("v-in-the-pool", in_the_pool(pool_kwargs(), "v"), ValueError, r"^state and v share memory"),
 ]
 
 
@@ -216,6 +227,13 @@ DECODE_ERRORS = [
      r"out must be on q's device"),
     ("flag-int", decode_kwargs(state_v_first=0), TypeError, r"state_v_first must be a bool, got int"),
     ("scale-negative", decode_kwargs(scale=-1.0), ValueError, r"scale must be a finite positive float"),
+    ("state-slots-overlap", decode_kwargs(state=torch.zeros((P + H) * K * V).as_strided((P, H, K, V),
+                                                                                     (K * V, K * V, V, 1))),
+     ValueError, r"its slots must not overlap"),
+    ("out-is-q", in_the_pool(decode_kwargs(out=torch.empty(B, T, H, V)), "out", "q"), ValueError,
+     r"^out and q share memory, and the call writes out in place"),
+    ("out-in-the-pool", in_the_pool(decode_kwargs(out=torch.empty(B, T, H, V)), "out"), ValueError,
+     r"^state and out share memory"),
 ]
 
 
@@ -277,3 +295,13 @@ def test_empty_calls_are_valid() -> None:
     o = lightning_decode(torch.randn(1, 0, H, K), torch.randn(1, 0, H, K), torch.randn(1, 0, H, V),
                          torch.zeros(H), state=pool, state_indices=_i32([0, 1]), cu_seqlens=_i32([0, 0, 0]))
     assert o.shape == (1, 0, H, V) and torch.equal(pool, before)
+
+
+def test_numpy_integers_give_the_layer_decay() -> None:
+    np = pytest.importorskip("numpy")
+    from cula_runtime.lightning_args import resolve_g_gamma
+
+    got = resolve_g_gamma(None, np.int64(1), np.int32(3), H, torch.device("cpu"))
+    assert torch.equal(got, resolve_g_gamma(None, 1, 3, H, torch.device("cpu")))
+    with pytest.raises(TypeError, match=r"^layer_idx must be an int, got numpy\.float64$"):
+        resolve_g_gamma(None, np.float64(1), 3, H, torch.device("cpu"))

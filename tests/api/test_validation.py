@@ -209,3 +209,20 @@ def test_cu_seqlens_cpu_is_checked_in_place_of_cu_seqlens(monkeypatch: pytest.Mo
     o, ht = kda_prefill(**kwargs, cu_seqlens_cpu=cpu, output_final_state=True)
     o_ref, ht_ref = kda_prefill(**kwargs, output_final_state=True)
     assert torch.equal(o, o_ref) and torch.equal(ht, ht_ref)
+
+
+def test_numpy_scalars_are_taken_as_numbers_and_named_as_numpy_types() -> None:
+    """A NumPy float for ``scale`` / ``lower_bound`` is a number (the same result as the Python float); a NumPy bool
+    for a flag is refused, and the message names it as NumPy's type (not as a bare ``bool``)."""
+    np = pytest.importorskip("numpy")
+    args = validate_kda_prefill(**gate_in_kernel(scale=np.float32(0.5), lower_bound=np.float64(-4.0)))
+    assert args.scale == 0.5 and type(args.scale) is float and args.lower_bound == -4.0
+    o_np, _ = kda_prefill(**valid(scale=np.float32(0.25)))
+    o_py, _ = kda_prefill(**valid(scale=0.25))
+    assert torch.equal(o_np, o_py)
+    with pytest.raises(TypeError, match=r"^safe_gate must be a bool, got numpy\.bool_?$"):
+        kda_prefill(**valid(safe_gate=np.bool_(True)))
+    with pytest.raises(TypeError, match=r"^scale must be a float or None \(default K\*\*-0\.5\), got numpy\.bool_?$"):
+        kda_prefill(**valid(scale=np.bool_(True)))
+    with pytest.raises(TypeError, match=r"^q must be a torch\.Tensor, got numpy\.ndarray$"):
+        kda_prefill(**valid(q=np.zeros(3)))

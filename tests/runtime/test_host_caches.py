@@ -1,7 +1,8 @@
 """The host-side caches that spare per-call work: checked cu_seqlens boundaries (the host copy that
 ``prepare_chunk_indices`` then builds from, sparing the device's launches and synchronisations) and the device
-capability. Each test could fail if a cache answered for another tensor, another version of one tensor, or another
-device."""
+capability. Each test could fail if a cache answered for another tensor, another version of one tensor, other values
+of a host tensor, or another device. A device ``cu_seqlens`` is cached on its identity and version, a CPU one on its
+values: the tests of the former stand CPU tensors in for device ones (fixture ``device_keys``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,52 @@ def built_from(monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(index, "_chunks_per_sequence", spy_tensor)
     monkeypatch.setattr(index, "_chunk_counts", spy_list)
     return seen
+
+
+@pytest.fixture
+def device_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors keyed as device ones are (identity and version counter), for the tests of that path."""
+    monkeypatch.setattr(index, "_keyed_on_values", lambda cu_seqlens: False)
+
+
+def test_host_tensors_are_keyed_on_their_values(built_from: list) -> None:
+    """A CPU ``cu_seqlens`` whose memory changes without its version counter (written through a NumPy view, as a
+    serving engine writes its host buffers) is checked again and indexed from its new values: a stale entry is never
+    used, and new values that break the rules are refused."""
+    clear_index_cache()
+    cu = torch.tensor([0, 65, 130], dtype=torch.int32)
+    assert checked_cu_seqlens_values(cu, 130) == [0, 65, 130]
+    assert prepare_chunk_indices(cu, 64).tolist() == _loop_indices([0, 65, 130], 64)
+    version = cu._version
+    cu.numpy()[1] = 10
+    assert cu._version == version  # (the counter did not see the write)
+    assert checked_cu_seqlens_values(cu, 130) == [0, 10, 130]
+    assert prepare_chunk_indices(cu, 64).tolist() == _loop_indices([0, 10, 130], 64)
+    cu.numpy()[1] = 131
+    with pytest.raises(ValueError, match="non-decreasing"):
+        checked_cu_seqlens_values(cu, 130)
+    cu.numpy()[1] = 65  # the first values again: their entries serve (no new build)
+    builds = len(built_from)
+    assert prepare_chunk_indices(cu, 64).tolist() == _loop_indices([0, 65, 130], 64) and len(built_from) == builds
+    other = torch.tensor([0, 65, 130], dtype=torch.int32)  # another tensor of the same values shares them
+    assert prepare_chunk_indices(other, 64).tolist() == _loop_indices([0, 65, 130], 64) and len(built_from) == builds
+    assert prepare_chunk_indices(other.to(torch.int64), 64).dtype == torch.int64  # (the dtype is in the key)
+
+
+@pytest.mark.usefixtures("device_keys")
+def test_indices_built_from_a_host_copy_follow_its_values(built_from: list) -> None:
+    """A device ``cu_seqlens`` of an unchanged version with a host copy of new values (rewritten outside torch, the
+    copy handed over as ``cu_seqlens_cpu`` / ``host=``): the index is built from the copy's new values."""
+    clear_index_cache()
+    cu = torch.tensor([0, 65, 130], dtype=torch.int32)
+    host = cu.clone()
+    assert prepare_chunk_indices(cu, 64, host=host).tolist() == _loop_indices([0, 65, 130], 64)
+    host.numpy()[1] = 10
+    cu.numpy()[1] = 10  # (its version unchanged)
+    assert prepare_chunk_indices(cu, 64, host=host).tolist() == _loop_indices([0, 10, 130], 64)
+    assert built_from[-1] == [0, 10, 130]
+    launch = index.prepare_varlen_launch(cu, 64, host=host)
+    assert launch[0].tolist() == _loop_indices([0, 10, 130], 64)
 
 
 def test_checked_values_are_read_once_per_version(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,6 +125,7 @@ def test_indices_of_checked_cu_seqlens_need_no_device_read(cu_list: list[int], b
     assert built_from == [cu_list]  # the host copy's boundaries, not the tensor
 
 
+@pytest.mark.usefixtures("device_keys")
 def test_boundaries_of_an_older_version_are_never_used(built_from: list) -> None:
     clear_index_cache()
     cu = torch.tensor([0, 100, 228], dtype=torch.int32)
@@ -90,6 +138,7 @@ def test_boundaries_of_an_older_version_are_never_used(built_from: list) -> None
     assert len(built_from) == 2 and built_from[1] == [0, 10, 300]
 
 
+@pytest.mark.usefixtures("device_keys")
 def test_boundaries_of_another_tensor_are_never_used(built_from: list) -> None:
     """A new tensor that reuses a freed one's id (and version 0) gets its own rows."""
     clear_index_cache()
@@ -102,6 +151,7 @@ def test_boundaries_of_another_tensor_are_never_used(built_from: list) -> None:
         assert built_from[-1] is cu
 
 
+@pytest.mark.usefixtures("device_keys")
 def test_inference_tensors_keep_no_boundaries(built_from: list) -> None:
     with torch.inference_mode():
         cu = torch.tensor([0, 65, 130], dtype=torch.int32)

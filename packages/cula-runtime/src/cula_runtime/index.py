@@ -4,8 +4,14 @@ All helpers take ``cu_seqlens``, an integer tensor ``[N+1]`` of cumulative seque
 non-decreasing), and return tensors of the same dtype and device.
 
 Results are cached on the identity of ``cu_seqlens`` *and* its version counter, so an in-place update of
-``cu_seqlens`` is never answered from a stale entry, and a cache hit touches no device memory (no
-synchronisation). Inference-mode tensors carry no version counter and are never cached.
+``cu_seqlens`` by a torch op is never answered from a stale entry, and a cache hit touches no device memory (no
+synchronisation); a device tensor in inference mode carries no version counter and is never cached. A CPU tensor
+(``cu_seqlens`` on the host, or the host copy a caller hands over as ``cu_seqlens_cpu`` / ``host=``) is cached on its
+*values* instead: its memory may change without its version counter (a serving engine writes its host buffers
+through NumPy views), and reading it costs no synchronisation. So the one case a cache cannot see is a device
+``cu_seqlens`` rewritten outside torch (by a foreign kernel through its pointer) and passed again as the same tensor
+object: pass the host copy as well (``cu_seqlens_cpu``, whose values key the index tensors built from it) or a new
+tensor.
 
 Device synchronisation: :func:`checked_cu_seqlens_host` (the validator's check) copies ``cu_seqlens`` to the host
 once per (tensor, version) and keeps that copy, which the validator also hands to the backends
@@ -33,6 +39,7 @@ __all__ = [
     "check_chunk_size",
     "check_cu_seqlens_values",
     "checked_cu_seqlens_host", "checked_cu_seqlens_values", "cached_on_version", "clear_index_cache",
+    "host_values_key",
 ]
 
 _CACHE_CAPACITY = 128  # entries; a cu_seqlens tensor takes up to six (its checked copy twice, index tensors)
@@ -78,24 +85,52 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> list[int]:
     return values
 
 
+def host_values_key(host: torch.Tensor) -> tuple:
+    """A CPU integer tensor's dtype and values as a hashable key (its bytes in order; about 1 us for a few hundred
+    values): what a cache of things derived from a host tensor's values must be keyed on, since its memory may
+    change without its version counter (NumPy views, ``.data``, DLPack)."""
+    try:
+        values: object = host.numpy().tobytes()
+    except (RuntimeError, TypeError):  # (a tensor NumPy cannot view: its values as ints)
+        values = tuple(host.tolist())
+    return (host.dtype, tuple(host.shape), values)
+
+
+def _keyed_on_values(cu_seqlens: torch.Tensor) -> bool:
+    """Whether the cache keys entries of ``cu_seqlens`` on its values (a CPU tensor) rather than its identity."""
+    return cu_seqlens.device.type == "cpu"
+
+
+def _cache_key(kind: str, cu_seqlens: torch.Tensor, extra: object) -> tuple[tuple | None, torch.Tensor | None]:
+    """``(key, owner)`` of an entry: a CPU tensor's values (owner None: any tensor of those values shares it), or a
+    device tensor's identity and version counter (owner: the tensor, held weakly by the entry); ``(None, None)``
+    for a device tensor in inference mode (no version counter: never cached)."""
+    if _keyed_on_values(cu_seqlens):
+        return (kind, "values", host_values_key(cu_seqlens), extra), None
+    if cu_seqlens.is_inference():
+        return None, None
+    return (kind, id(cu_seqlens), cu_seqlens._version, extra), cu_seqlens
+
+
 def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build: Callable[[], _T], *,
                       on_device: bool = True) -> _T:
-    """Return ``build()``, cached on (``kind``, identity and version counter of ``cu_seqlens``, ``extra``).
+    """Return ``build()``, cached on (``kind``, identity and version counter of ``cu_seqlens``, ``extra``), or for a
+    CPU ``cu_seqlens`` on (``kind``, its values, ``extra``) (the module docstring says why).
 
     The one cache of everything derived from ``cu_seqlens`` (index tensors, validation results). ``on_device``
     (the default): the value may hold device tensors, so a build on a miss runs outside any CUDA graph's memory
     pool (:func:`~cula_runtime.graph_pools.built_outside_graph_pools`); False for a value of host tensors only.
     """
-    if cu_seqlens.is_inference():
+    key, owner = _cache_key(kind, cu_seqlens, extra)
+    if key is None:
         return build()
-    key = (kind, id(cu_seqlens), cu_seqlens._version, extra)
     hit = _cache.get(key)
-    if hit is not None and hit[0]() is cu_seqlens:
+    if hit is not None and (owner is None or hit[0]() is owner):
         _cache.move_to_end(key)
         return hit[1]
     # (the entry outlives the call: never in a CUDA graph's pool)
     value = built_outside_graph_pools(cu_seqlens.device, build) if on_device else build()
-    _cache[key] = (weakref.ref(cu_seqlens), value)
+    _cache[key] = (None if owner is None else weakref.ref(owner), value)
     while len(_cache) > _CACHE_CAPACITY:
         _cache.popitem(last=False)
     return value
@@ -103,20 +138,19 @@ def cached_on_version(kind: str, cu_seqlens: torch.Tensor, extra: object, build:
 
 def _cached(kind: str, cu_seqlens: torch.Tensor, extra: object) -> Any:
     """The entry :func:`cached_on_version` holds for this key, or None; never builds one."""
-    if cu_seqlens.is_inference():
-        return None
-    hit = _cache.get((kind, id(cu_seqlens), cu_seqlens._version, extra))
-    return hit[1] if hit is not None and hit[0]() is cu_seqlens else None
+    key, owner = _cache_key(kind, cu_seqlens, extra)
+    hit = None if key is None else _cache.get(key)
+    return hit[1] if hit is not None and (owner is None or hit[0]() is owner) else None
 
 
 def checked_cu_seqlens_host(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """A host (CPU) copy of ``cu_seqlens`` that :func:`check_cu_seqlens_values` accepted, cached on (identity and
-    version of ``cu_seqlens``, ``T``).
+    version of ``cu_seqlens``, ``T``), or on (its values, ``T``) for a CPU ``cu_seqlens``.
 
     The first call per (tensor, version) copies the boundaries to the host (one synchronisation), checks the copy and
-    keeps it, also for the index helpers; later calls touch no device memory. An inference-mode tensor is copied and
-    checked on every call (it has no version counter); pass the copy to the index helpers (``host=``) so that they
-    build from it. ``ValueError`` as :func:`check_cu_seqlens_values` (a failed check is not cached).
+    keeps it, also for the index helpers; later calls touch no device memory. A device tensor in inference mode is
+    copied and checked on every call (it has no version counter); pass the copy to the index helpers (``host=``) so
+    that they build from it. ``ValueError`` as :func:`check_cu_seqlens_values` (a failed check is not cached).
     """
 
     def build() -> torch.Tensor:
@@ -188,6 +222,12 @@ def _chunk_counts(values: list[int], chunk_size: int) -> list[int]:
     return [-(-(b - a) // chunk_size) for a, b in zip(values, values[1:], strict=False)]
 
 
+def _host_key(host: torch.Tensor | None) -> tuple | None:
+    """The values of a host copy an index is built from, for its cache key (a device ``cu_seqlens`` rewritten
+    outside torch keeps its version; its new host copy does not keep its values), or None without one."""
+    return None if host is None else host_values_key(host)
+
+
 def _host_copy(host: object, cu_seqlens: torch.Tensor) -> torch.Tensor | None:
     """``host`` checked as a CPU copy of ``cu_seqlens`` (same dtype and length), or None."""
     if host is None:
@@ -222,7 +262,7 @@ def prepare_chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int, *,
     chunk_size = check_chunk_size(chunk_size)
     cu_seqlens = _check_cu_seqlens_tensor(cu_seqlens)
     host = _host_copy(host, cu_seqlens)
-    return cached_on_version("offsets", cu_seqlens, chunk_size, lambda: _built_on_host(
+    return cached_on_version("offsets", cu_seqlens, (chunk_size, _host_key(host)), lambda: _built_on_host(
         cu_seqlens, host, lambda cu: _offsets_built(cu, chunk_size), lambda v: _offsets_values(v, chunk_size)))
 
 
@@ -243,7 +283,7 @@ def prepare_sequence_order(cu_seqlens: torch.Tensor, *, host: torch.Tensor | Non
     validator's cached one) when there is one, else on the device (no synchronisation either way)."""
     cu_seqlens = _check_cu_seqlens_tensor(cu_seqlens)
     host = _host_copy(host, cu_seqlens)
-    return cached_on_version("sequence_order", cu_seqlens, None,
+    return cached_on_version("sequence_order", cu_seqlens, _host_key(host),
                              lambda: _built_on_host(cu_seqlens, host, _order_built, _order_values))
 
 
@@ -278,7 +318,7 @@ def prepare_chunk_indices(cu_seqlens: torch.Tensor, chunk_size: int, *,
     chunk_size = check_chunk_size(chunk_size)
     cu_seqlens = _check_cu_seqlens_tensor(cu_seqlens)
     host = _host_copy(host, cu_seqlens)
-    return cached_on_version("indices", cu_seqlens, chunk_size, lambda: _built_on_host(
+    return cached_on_version("indices", cu_seqlens, (chunk_size, _host_key(host)), lambda: _built_on_host(
         cu_seqlens, host, lambda cu: _indices_built(cu, chunk_size),
         lambda v: _indices_values(v, chunk_size)).view(-1, 2))
 
@@ -331,4 +371,4 @@ def prepare_varlen_launch(cu_seqlens: torch.Tensor, chunk_size: int, *, host: to
         return (device_buffer.narrow(0, 0, 2 * num_chunks).view(num_chunks, 2),
                 device_buffer.narrow(0, starts[1], N + 1), device_buffer.narrow(0, starts[2], N))
 
-    return cached_on_version("varlen_launch", cu_seqlens, chunk_size, build)
+    return cached_on_version("varlen_launch", cu_seqlens, (chunk_size, _host_key(host)), build)

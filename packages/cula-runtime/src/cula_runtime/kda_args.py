@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from .state_pool import PoolSlots, pool_slots
 __all__ = ["KdaCallArgs", "KdaPrefillArgs", "validate_kda_prefill", "gpu_kernel_rejection", "gate_is_bounded",
            "empty_prefill_result", "checked_boundaries", "check_input_types", "check_kda_inputs", "check_flags",
            "check_devices", "check_scale", "check_gate", "check_cu_seqlens_shape", "check_state_pool",
+           "check_writable", "check_apart",
            "sequence_lengths", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN", "POOL_REFUSAL"]
 
 MAX_HEAD_DIM = 256
@@ -138,9 +140,21 @@ class KdaPrefillArgs(KdaCallArgs):
         )
 
 
+def type_name(x: object) -> str:
+    """``x``'s type as a message names it: a builtin's bare name (``list``), any other with its module
+    (``numpy.bool``, ``numpy.ndarray``), so that a NumPy bool is not reported as a ``bool``."""
+    kind = type(x)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def real_number(x: object) -> bool:
+    """Whether ``x`` is a real number a float argument takes: a Python or NumPy int or float, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def _tensor(name: str, x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type_name(x)}")
     return x
 
 
@@ -157,7 +171,7 @@ def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> 
 
 def _flag(name: str, x: object) -> bool:
     if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a bool, got {type_name(x)}")
     return x
 
 
@@ -242,8 +256,8 @@ def check_scale(scale: object, K: int) -> float:
     """``scale`` as a float (``None``: ``K ** -0.5``); ``TypeError``/``ValueError`` unless finite and positive."""
     if scale is None:
         return K**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None (default K**-0.5), got {type(scale).__name__}")
+    if not real_number(scale):
+        raise TypeError(f"scale must be a float or None (default K**-0.5), got {type_name(scale)}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite positive float or None (default K**-0.5), got {scale}")
     return float(scale)
@@ -291,6 +305,44 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor, shape: tuple[int, ...],
         raise ValueError(f"out must be contiguous (it is written in place), got strides {list(out.stride())}")
 
 
+def check_writable(name: str, x: torch.Tensor) -> None:
+    """A tensor the call writes in place (a pool, ``out``): not one that requires grad while grad mode is on (the
+    kernels record no graph, and torch refuses an in-place write to a leaf that requires grad), nor an
+    inference-mode tensor outside inference mode (torch refuses writes to it there): ``ValueError`` naming it, before
+    anything runs."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} is written in place and must not require grad while grad mode is enabled; pass a "
+                         f"tensor that does not (e.g. x.detach() of the same memory) or call under torch.no_grad()")
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{name} is an inference-mode tensor, which torch lets no one write outside "
+                         f"torch.inference_mode(); call under torch.inference_mode() or pass a normal tensor")
+
+
+def _memory_span(x: torch.Tensor) -> tuple[int, int] | None:
+    """The byte range ``[first, end)`` a tensor's elements lie in (None: no elements, or no memory: meta)."""
+    if x.numel() == 0 or x.device.type == "meta":
+        return None
+    last = sum((n - 1) * stride for n, stride in zip(x.shape, x.stride(), strict=True))
+    start = x.data_ptr()
+    return start, start + (last + 1) * x.element_size()
+
+
+def check_apart(written: tuple[tuple[str, torch.Tensor | None], ...],
+                others: tuple[tuple[str, torch.Tensor | None], ...]) -> None:
+    """Each tensor a call writes in place (``written``: the pool, ``out``) shares no memory with any other tensor
+    argument (``others``, and the other written ones): a kernel would read what it, or another of its CTAs, is
+    writing. ``ValueError`` naming both. Conservative: two views whose elements interleave within one range count as
+    overlapping."""
+    spans = [(name, _memory_span(x)) for name, x in (*written, *others) if x is not None]
+    spans = [(name, span) for name, span in spans if span is not None]
+    writers = {name for name, x in written if x is not None}
+    for i, (name, (start, end)) in enumerate(spans):
+        for other, (other_start, other_end) in spans[i + 1:]:
+            if (name in writers or other in writers) and start < other_end and other_start < end:
+                raise ValueError(f"{name} and {other} share memory, and the call writes "
+                                 f"{name if name in writers else other} in place: pass tensors that do not overlap")
+
+
 def check_pool_form(state: object, state_indices: object, initial_state: object, output_final_state: bool,
                     heads: str = "HV") -> None:
     """A prefill's pool form (any of ``state``, ``state_indices``, ``has_initial_state`` given): ``state`` is given,
@@ -326,8 +378,8 @@ def check_gate(use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow
         raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (beta = 2*sigmoid(beta))")
 
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        if not real_number(lower_bound):
+            raise TypeError(f"lower_bound must be a float or None, got {type_name(lower_bound)}")
         if not (use_gate_in_kernel or safe_gate):
             if safe_gate is None:
                 raise ValueError("lower_bound is only used with use_gate_in_kernel=True (the lower-bound gate form); "
@@ -399,6 +451,11 @@ def check_state_pool(state: object, state_indices: object, N: int, HV: int, K: i
     if not _slots_dense(state):
         raise ValueError(f"state (the pool) is written in place, so it is never copied: each slot state[p] must be "
                          f"dense row-major (the slot stride is free), got strides {list(state.stride())}")
+    slot_size = inner[0] * inner[1] * inner[2]
+    if state.shape[0] > 1 and state.stride(0) < slot_size:
+        raise ValueError(f"state (the pool) is written in place: its slots must not overlap, so the slot stride must "
+                         f"be at least a slot's {slot_size} elements, got strides {list(state.stride())}")
+    check_writable("state (the pool)", state)
     if state_indices.dtype != torch.int32:
         raise TypeError(f"state_indices must have dtype torch.int32, got {state_indices.dtype}")
     per_token = state_indices.ndim == 2
@@ -414,7 +471,7 @@ def _checked_cpu_copy(cu_seqlens_cpu: object, cu_seqlens: torch.Tensor, T: int) 
     """``cu_seqlens_cpu`` checked as the host copy of ``cu_seqlens`` (a CPU int32 tensor of its shape) holding valid
     boundaries for ``T`` tokens; returns the checked copy (cached per tensor and version)."""
     if not isinstance(cu_seqlens_cpu, torch.Tensor):
-        raise TypeError(f"cu_seqlens_cpu must be a torch.Tensor or None, got {type(cu_seqlens_cpu).__name__}")
+        raise TypeError(f"cu_seqlens_cpu must be a torch.Tensor or None, got {type_name(cu_seqlens_cpu)}")
     if cu_seqlens_cpu.device.type != "cpu":
         raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got device "
                          f"{cu_seqlens_cpu.device}")
@@ -510,6 +567,9 @@ def validate_kda_prefill(
     if pooled:
         slots = _prefill_pool(state, state_indices, has_initial_state, initial_state, output_final_state, N, T, HV,
                               K, V, state_v_first, cu_host)
+        check_apart((("state", state),), (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log),
+                                          ("dt_bias", dt_bias), ("cu_seqlens", cu_seqlens),
+                                          ("state_indices", state_indices), ("has_initial_state", has_initial_state)))
 
     lower_bound, dt_bias = check_gate(use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate,
                                       lower_bound, A_log, dt_bias, HV, K)

@@ -19,6 +19,7 @@ import torch
 
 from .kda_args import (
     KdaCallArgs,
+    check_apart,
     check_decode_cu_seqlens,
     check_devices,
     check_flags,
@@ -113,6 +114,10 @@ def validate_kda_decode(
                                       lower_bound, A_log, dt_bias, HV, K)
 
     check_out(out, q, (B, T, HV, V), "[B, T, HV, V]")
+    check_apart((("state", state), ("out", out)),
+                (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("A_log", A_log), ("dt_bias", dt_bias),
+                 ("state_indices", state_indices), ("cu_seqlens", cu_seqlens),
+                 ("num_accepted_tokens", num_accepted_tokens)))
 
     slots = None
     if state_indices.device.type == "cpu":

@@ -27,6 +27,7 @@ dense, the slot stride is free; ``out`` must be contiguous).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from .kda_args import (
     _dtype,
     _shape,
     _tensor,
+    check_apart,
     check_decode_cu_seqlens,
     check_flags,
     check_has_initial_state,
@@ -46,6 +48,7 @@ from .kda_args import (
     check_state_pool,
     checked_boundaries,
     sequence_lengths,
+    type_name,
 )
 from .state_pool import PoolSlots, pool_slots
 
@@ -143,9 +146,10 @@ _layer_gammas: dict[tuple[int, int, int, torch.device], torch.Tensor] = {}
 
 
 def _index(name: str, x: object) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    return x
+    """``x`` as an int: a Python or NumPy integer, not a bool."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type_name(x)}")
+    return int(x)
 
 
 def layer_g_gamma(H: int, layer_idx: int, num_layers: int, device: torch.device | str) -> torch.Tensor:
@@ -311,6 +315,8 @@ def validate_lightning_prefill(
         check_pool_form(state, state_indices, initial_state, output_final_state, heads="H")
         P = _check_pool(state, state_indices, N, H, K, V, state_v_first)
         check_has_initial_state(has_initial_state, N)
+        check_apart((("state", state),), (("q", q), ("k", k), ("v", v), ("g_gamma", gamma), ("cu_seqlens", cu_seqlens),
+                                          ("state_indices", state_indices), ("has_initial_state", has_initial_state)))
         if state_indices.device.type == "cpu":  # (GPU values are never read here: out of range is padding)
             lightning_pool_slots(state_indices, sequence_lengths(N, T, cu_host), P, strict=True)
 
@@ -358,6 +364,8 @@ def validate_lightning_decode(
     P = _check_pool(state, state_indices, N, H, K, V, state_v_first)
 
     check_out(out, q, (B, T, H, V), "[B, T, H, V]")
+    check_apart((("state", state), ("out", out)), (("q", q), ("k", k), ("v", v), ("g_gamma", gamma),
+                                                   ("state_indices", state_indices), ("cu_seqlens", cu_seqlens)))
 
     if state_indices.device.type == "cpu":
         lightning_pool_slots(state_indices, sequence_lengths(N, T, cu_host), P, strict=True)

@@ -10,7 +10,9 @@ the H200 the host time before the first launch was 50-110 us, most of it those d
 
 What depends on values is still checked on every call: ``cu_seqlens``' boundaries by ``cula.kda.kda_prefill`` before
 it runs a plan (the validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`, whose host copy the
-plan receives), and each pointer's alignment inside the sm90 plan. Plans are
+plan receives), and each pointer's alignment inside the sm90 plan. Where arguments lie in memory relative to each
+other (a pool or ``out`` sharing memory with another argument, refused by the validators) is checked on the call
+that makes a plan, not on the calls it serves. Plans are
 made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
 holds no tensor of the call that made it. Calls with non-tensor arguments, tensor subclasses (``nn.Parameter`` itself
 aside: a model's ``A_log`` and ``dt_bias`` are planned), flags that are not

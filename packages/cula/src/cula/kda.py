@@ -66,9 +66,15 @@ def kda_prefill(
             with ``lower_bound`` set, ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``.
         use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)`` (``2 * sigmoid`` with ``allow_neg_eigval``).
         safe_gate: the gate is bounded in ``[lower_bound, 0]`` with ``lower_bound >= -5`` (lets kernels use
-            tensor cores on the diagonal blocks). With ``use_gate_in_kernel`` it requires ``lower_bound``.
+            tensor cores on the diagonal blocks). With ``use_gate_in_kernel`` it requires ``lower_bound``
+            (``ValueError`` below -5); with a precomputed ``g`` a ``lower_bound`` below -5 withdraws the promise
+            (the call runs the unbounded-gate form, as without ``safe_gate``).
         A_log: ``[HV]`` fp32, for the in-kernel gate. dt_bias: ``[HV * K]`` or ``[HV, K]`` fp32, optional.
-        cu_seqlens: int32 ``[N + 1]`` cumulative lengths of a packed batch (then ``B`` must be 1).
+        cu_seqlens: int32 ``[N + 1]`` cumulative lengths of a packed batch (then ``B`` must be 1). A buffer reused
+            across calls is read again whenever its values may have changed: a CPU one is checked by its values (a
+            write through a NumPy view included), a GPU one by torch's version counter (any torch op that writes
+            it); a GPU buffer rewritten outside torch (a foreign kernel through its pointer) needs
+            ``cu_seqlens_cpu`` alongside, or a new tensor.
         state_v_first: states laid out ``[N, HV, V, K]``.
         cu_seqlens_cpu: the same boundaries as ``cu_seqlens`` in a CPU int32 tensor, if the caller has them (a
             serving engine builds its batches on the host). The checks and the chunk indices then read this copy,
@@ -76,7 +82,9 @@ def kda_prefill(
             is copied to the host once (one synchronisation). Its values are not compared with
             ``cu_seqlens``' (that would synchronise): they must be equal.
         state: a state pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` if ``state_v_first``), fp32 or bf16 (fp64
-            accepted), read and written in place (never copied: each slot must be dense, the slot stride is free).
+            accepted), read and written in place (never copied: each slot must be dense and own its memory, the
+            slot stride is free; the pool shares no memory with another argument; it must not require grad while
+            grad mode is on).
             Sequence ``n`` starts from slot ``state_indices[n]`` and its final state (rounded to the pool's dtype)
             is written back to that slot; the other slots are untouched. Exclusive with ``initial_state`` and
             ``output_final_state=True`` (``ValueError``).
@@ -167,7 +175,8 @@ def kda_decode(
             ``[B, T, HV]`` (fp32 or bf16) step sizes, or logits with ``use_beta_sigmoid_in_kernel``. Without
             ``cu_seqlens``: ``B`` sequences of ``T`` tokens each (``T = 1``: one decode step).
         state: the pool ``[P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first``), fp32 or bf16 (fp64 accepted),
-            read and written in place, never copied (each slot dense; the slot stride is free). The running state is
+            read and written in place, never copied (each slot dense and its own memory; the slot stride is free; no
+            memory shared with another argument; not requiring grad while grad mode is on). The running state is
             fp32; a bf16 pool is rounded (to nearest) when a state is written.
         state_indices: int32, on q's device. ``[N]``: sequence ``n`` starts from slot ``state_indices[n]`` and its
             state after its last token is written back there. ``[N, W]`` (speculative verification, ``W >=`` every
@@ -184,7 +193,8 @@ def kda_decode(
         cu_seqlens: int32 or int64 ``[N + 1]`` on q's device: ``N`` packed sequences of any lengths, zero included
             (then ``B`` must be 1).
         num_accepted_tokens: int32 ``[N]`` on q's device, with ``[N, W]`` indices only; each in ``[1, W]``.
-        out: the output, written in place when given: contiguous ``[B, T, HV, V]`` in q's dtype on q's device.
+        out: the output, written in place when given: contiguous ``[B, T, HV, V]`` in q's dtype on q's device,
+            sharing no memory with another argument.
 
     Returns:
         ``o`` ``[B, T, HV, V]`` in q's dtype (``out`` when given).

@@ -77,7 +77,8 @@ def lightning_prefill(
             sequences allowed. Its values are checked (one copy to the host per tensor and version).
         state_v_first: states laid out ``[.., H, V, K]``.
         state: a state pool ``[P, H, K, V]`` (``[P, H, V, K]`` with ``state_v_first``), fp32 or bf16, read and
-            written in place (never copied: each slot dense, the slot stride free). Sequence ``n`` starts from slot
+            written in place (never copied: each slot dense and its own memory, the slot stride free, no memory
+            shared with another argument). Sequence ``n`` starts from slot
             ``state_indices[n]`` and its final state (rounded to the pool's dtype) is written back there; the other
             slots are untouched. Exclusive with ``initial_state`` and ``output_final_state=True`` (``ValueError``).
         state_indices: int32 ``[N]`` on q's device, with ``state``. A negative index is a padding row: nothing is
@@ -141,7 +142,8 @@ def lightning_decode(
             ``cu_seqlens``: ``B`` sequences of ``T`` tokens each (``T = 1``: one decode step).
         g_gamma, layer_idx, num_layers, scale: the decay and the query scale, as in :func:`lightning_prefill`.
         state: the pool ``[P, H, K, V]`` (``[P, H, V, K]`` with ``state_v_first``), fp32 or bf16, read and written in
-            place, never copied (each slot dense; the slot stride free). The running state is fp32; a bf16 pool is
+            place, never copied (each slot dense and its own memory; the slot stride free; no memory shared with
+            another argument, out included). The running state is fp32; a bf16 pool is
             rounded when a state is written.
         state_indices: int32 ``[N]`` on q's device: sequence ``n`` starts from slot ``state_indices[n]`` and its
             state after its last token is written back there (a sequence of no tokens writes nothing). A negative

@@ -35,7 +35,12 @@ The Lightning Attention ops (:mod:`cula.lightning`), in the same forms, the deca
 - ``lightning_decode_out(q, k, v, state, state_indices, out, g_gamma=None, ...) -> ()``.
 
 ``o`` is always ``[B, T, HV, V]`` (Lightning: ``[B, T, H, V]``) in q's dtype on q's device, contiguous. Bad
-arguments raise the Python API's ``TypeError``/``ValueError`` naming the argument.
+arguments raise the Python API's ``TypeError``/``ValueError`` naming the argument, with one exception: torch parses
+each call against the op's schema before any of cuLA runs, so a value the schema cannot take (a list or an array
+for a ``Tensor``, a string for a ``float``, a missing required argument) is torch's ``RuntimeError`` naming the
+argument, and a value the schema converts reaches cuLA converted (``True`` for ``scale`` as 1.0, ``1`` for a flag as
+``True``). The fake implementations check that every tensor is on q's device (a meta tensor among real ones would
+otherwise reach them: ``ValueError`` naming it, as the Python API).
 
 No op registers a backward (cuLA serves inference): gradients flow through an op exactly where they flow through the
 Python API (the CPU reference is torch code, whose ops record the graph under torch's autograd fallback; the GPU
@@ -232,6 +237,22 @@ _IMPLEMENTATIONS = {
 }
 
 
+def _on_q_device(name: str, fake):
+    """``fake`` with the Python API's device check first: every tensor argument on q's device (``ValueError`` naming
+    the first that is not). A call whose tensors mix a meta tensor with real ones dispatches to the fake (the meta
+    kernel): without the check it would return uninitialised outputs on q's device."""
+    arg_names = [argument.name for argument in torch._C.parse_schema(f"{NAMESPACE}::{name}{SCHEMAS[name]}").arguments]
+
+    def checked(*args, **kwargs):
+        device = args[0].device
+        for arg_name, x in (*zip(arg_names, args, strict=False), *kwargs.items()):
+            if isinstance(x, torch.Tensor) and x.device != device:
+                raise ValueError(f"{arg_name} must be on q's device ({device}), got {x.device}")
+        return fake(*args, **kwargs)
+
+    return checked
+
+
 def _defined(name: str) -> bool:
     try:
         getattr(getattr(torch.ops, NAMESPACE), name)
@@ -250,7 +271,7 @@ def _register() -> torch.library.Library | None:
         real, fake = _IMPLEMENTATIONS[name]
         # every device: the real implementation dispatches by the tensors' device itself (cula.dispatch)
         library.impl(name, real, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=library)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", _on_q_device(name, fake), lib=library)
     return library
 
 

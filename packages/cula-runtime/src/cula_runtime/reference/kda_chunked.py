@@ -252,9 +252,12 @@ def kda_chunk_scores(
                 e = _reverse_exclusive_cumsum(seg, dim=2)  # sum over m in (j, i]
                 del seg
             above = ar[None, :r1] > ar[r0:r1, None]
-            e.masked_fill_(above[None, :, :, None], float("-inf"))
-            e.exp_()
-            e.mul_(k[b0:b1, None, :r1, :])  # exp(Γ_i - Γ_j) ⊙ k_j
+            if e.requires_grad:  # (autograd keeps exp's output for its backward: no in-place op after it)
+                e = e.masked_fill(above[None, :, :, None], float("-inf")).exp() * k[b0:b1, None, :r1, :]
+            else:  # in place: the slab is the largest temporary of the call
+                e.masked_fill_(above[None, :, :, None], float("-inf"))
+                e.exp_()
+                e.mul_(k[b0:b1, None, :r1, :])  # exp(Γ_i - Γ_j) ⊙ k_j
             akk[b0:b1, r0:r1, :r1] = torch.matmul(e, k[b0:b1, r0:r1, :, None]).squeeze(-1)
             aqk[b0:b1, r0:r1, :r1] = torch.matmul(e, q[b0:b1, r0:r1, :, None]).squeeze(-1)
             del e
