@@ -319,11 +319,15 @@ def check_writable(name: str, x: torch.Tensor) -> None:
 
 
 def _memory_span(x: torch.Tensor) -> tuple[int, int] | None:
-    """The byte range ``[first, end)`` a tensor's elements lie in (None: no elements, or no memory: meta)."""
+    """The byte range ``[first, end)`` a tensor's elements lie in (None: no elements, no memory (meta), or a tensor
+    subclass that has no data pointer)."""
     if x.numel() == 0 or x.device.type == "meta":
         return None
+    try:
+        start = x.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
     last = sum((n - 1) * stride for n, stride in zip(x.shape, x.stride(), strict=True))
-    start = x.data_ptr()
     return start, start + (last + 1) * x.element_size()
 
 
