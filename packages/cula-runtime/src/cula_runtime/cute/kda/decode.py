@@ -53,6 +53,12 @@ bf16 pool) and sums its rows; the two layouts then reduce over K differently (:m
   bytes). Timed on a lent H100 (``benchmarks/results/decode_k_first_lines_ab_h100.md``): whole rows 0.3-2.5% faster
   than one line from 128 MiB of state up, up to 45% slower at N = 1; the step stays 1.05-1.15x an in-place pass over
   its bytes, where a pass over one-line blocks alone costs 1.05-1.06x (``decode_state_access_probe_h100.md``).
+* **Whole columns** (``k_first_columns``, a candidate for the K-first layout, chosen by no call yet; timed by
+  ``benchmarks/ab_decode_k_first_lines.py``): each warp holds all 128 K rows of 64 or 128 bytes of columns (16 or
+  32 fp32, 32 bf16), lane ``l`` the 16-byte vector ``l % pieces`` of ``rows`` = 16 or 32 contiguous K rows; 4 warps
+  per CTA (the head's whole state, or half of it at 64 bytes of fp32). Both reductions over K are the lane's rows
+  then a ``shfl.bfly`` all-reduce over the warp's row groups, as in V-first: no shared memory, no barrier. A lane
+  holds 64 or 128 state values (3 or 2 CTAs per SM; the q and k rows stay bf16, widened at each use).
 * **Bytes per step** (T = 1, fp32 pool, HV = 32): ``N · HV · 2 · 64 KB`` of state plus ``≈ 1.3 KB`` of inputs and
   output per (sequence, head): N = 128 moves 537 MB, a floor of 125 us at 4.3 TB/s (bf16 pool: 268 MB, 62 us).
   Little's law at 4.3 TB/s and ≈ 1 us of loaded DRAM latency wants ≈ 33 KB in flight per SM, more counting the
@@ -254,7 +260,8 @@ class KdaDecode:
         """Layout promises of the twelve tensor arguments of ``__call__``, in order (None: argument absent)."""
         c, gate = self.config, self.config.gate
         index = TensorSpec(Int32, 1)
-        # K-first: a lane's 8 K rows are contiguous, so its q, k (and bf16 g) rows are one 16-byte vector
+        # K-first: a lane's 8 (whole columns: 16 or 32) K rows are contiguous, so its q, k (and bf16 g) rows are
+        # 16-byte vectors of 8 rows
         qk_vec = 4 if c.state_v_first else 8
         g_vec = 8 if not c.state_v_first and gate.g_dtype == "bfloat16" else 4
         return (
@@ -394,7 +401,8 @@ class KdaDecode:
         ``slot``. Token 0 is peeled so that its inputs are loaded before the state (the two latencies overlap);
         a later token's inputs are loaded at the top of its iteration (a register prefetch of the next token would
         cost ≈ 19 registers across the whole loop, half the occupancy the bandwidth needs at T = 1). ``red``:
-        K-first, the warps' exchange (shared memory, warp and lane: :meth:`cta_publish`); None in V-first."""
+        K-first line groups, the warps' exchange (shared memory, warp and lane: :meth:`cta_publish`); None in V-first
+        and in whole columns."""
         c = self.config
         VC, VEC = self.cols, self.vec
         state_type = _DTYPES[c.state_dtype]
@@ -438,7 +446,7 @@ class KdaDecode:
                         stores_o, red)
         for t in cutlass.range(1, length, unroll=1):
             tok = bos + t
-            if const_expr(red is not None):
+            if const_expr(not c.state_v_first):
                 tok = cutlass.min(tok, mQ.shape[1] - 1)
             self.load_token(mQ, mK, mV, mG, mBeta, frags, b, tok, h, hv, col0, bases, red)
             self.token_step(mState, mIdx, mO, frags, rS, rRaw, s_atom, consts, b, tok, t, n, hv, col0, bases,
@@ -464,7 +472,7 @@ class KdaDecode:
 
         q = rQ.load().to(Float32)
         k = rK.load().to(Float32)
-        if const_expr(c.l2norm and not self.warp_norms):  # fp32 sums of squares over the 16 lanes of the column
+        if const_expr(c.l2norm and not self.warp_norms):  # fp32 sums of squares over the lanes of the column
             # group; bf16 result
             sums_sq = self.lane_sum([(q * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
                                      (k * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)])
@@ -494,7 +502,7 @@ class KdaDecode:
             qk = self.lane_sum([(q * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)])[0]
         beta = activate_beta(rB[0].to(Float32), gate.beta_sigmoid, gate.allow_neg_eigval)
 
-        # S <- diag(α) S over the lane's 8 K rows (α = exp of the log-gate or of its in-kernel activation)
+        # S <- diag(α) S over the lane's K rows (α = exp of the log-gate or of its in-kernel activation)
         for i in cutlass.range_constexpr(R):
             x = rG[i % 4, i // 4].to(Float32)
             if const_expr(gate.form != "none"):
@@ -543,7 +551,7 @@ class KdaDecode:
     @cute.jit
     def load_token(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                    frags: tuple, b: Int32, tok: Int32, h: Int32, hv: Int32, col0: Int32, bases: tuple, red):
-        """Issue the loads of token ``tok``'s q, k, g (the lane's 8 K rows), v (its columns) and β into ``frags``
+        """Issue the loads of token ``tok``'s q, k, g (the lane's K rows), v (its columns) and β into ``frags``
         (K-first with the L2 norm: also the warp's view of q and k)."""
         qk_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=64)
         g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mG.element_type,
@@ -577,7 +585,7 @@ class KdaDecode:
 
     def lane_layout(self, warp_idx, lane, vb) -> tuple:
         """``(r, col0, bases)`` of a lane: its K-row group ``r``, its first value column ``col0`` (its columns are
-        ``col0 .. col0 + cols - 1``) and the K rows of its row index ``i`` (0..7), ``bases[i // 4] + i % 4``.
+        ``col0 .. col0 + cols - 1``) and the K rows of its row index ``i`` (0 .. rows - 1), ``bases[i // 4] + i % 4``.
         Plain arithmetic: the kernel calls it on device values, the tests on Python ints.
 
         V-first: the 16 lanes ``r = l % 16`` of each column group (``l // 16``) hold rows ``4 r ..`` and
@@ -724,7 +732,7 @@ class KdaDecode:
             cute.copy(o_atom, rO, cute.local_tile(mO[b, tok, hv, None], (VC,), (col0 // VC,)))
 
     def element(self, e: int, p: int) -> tuple[int, int]:
-        """(K row index among the lane's 8, column among its ``cols``) of state vector ``p``'s element ``e``."""
+        """(K row index among the lane's ``rows``, column among its ``cols``) of state vector ``p``'s element ``e``."""
         if self.config.state_v_first:  # vectors along K: column p // per_column, rows of piece p % per_column
             per_column = 8 // self.vec
             return (p % per_column) * self.vec + e, p // per_column
@@ -732,12 +740,13 @@ class KdaDecode:
 
     @staticmethod
     def row(i: int, bases: tuple):
-        """The K row of the lane's row index ``i`` (0..7): rows ``bases[0] + 0..3`` then ``bases[1] + 0..3``."""
+        """The K row of the lane's row index ``i`` (0 .. rows - 1): rows ``bases[0] + 0..3``, then ``bases[1] + 0..3``,
+        ..."""
         return bases[i // 4] + i % 4
 
     def head_state(self, mState: cute.Tensor, slot: Int32, hv: Int32) -> cute.Tensor:
         """One head's state ``[K, V]`` (or ``[V, K]``) in the pool, its row stride static (the pool's last two modes
-        are compact, which the wrapper checks): the lane's 8 vectors are then immediate offsets of one address."""
+        are compact, which the wrapper checks): the lane's vectors are then immediate offsets of one address."""
         K = self.config.head_dim
         head = mState[slot, hv, None, None]
         return cute.make_tensor(head.iterator, cute.make_layout((K, K), stride=(K, 1)))
