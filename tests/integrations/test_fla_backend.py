@@ -275,8 +275,9 @@ def test_chunk_kda_with_grad_mode_on_but_nothing_requiring_grad_runs_on_cula(spi
 
 
 def test_one_int64_cu_seqlens_is_narrowed_once_for_many_calls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model's layers share one ``cu_seqlens``: its int32 copy is made once (cached on the tensor and its version),
-    so cuLA's own caches see one tensor; an in-place update of it makes a new copy."""
+    """A model's layers share one ``cu_seqlens``: its int32 copy is made once (cached as cuLA caches what it derives
+    from ``cu_seqlens``: a CPU one on its values), so cuLA's own caches see one tensor; new values (written through
+    a NumPy view: no new version) make a new copy."""
     kwargs = _packed([5, 6])
     seen = []
     real = cula_fla.kda_prefill
@@ -289,10 +290,12 @@ def test_one_int64_cu_seqlens_is_narrowed_once_for_many_calls(monkeypatch: pytes
     with torch.no_grad():
         for _ in range(3):
             chunk_kda(**kwargs)
-        kwargs["cu_seqlens"].add_(0)  # (a new version of the same tensor)
+        kwargs["cu_seqlens"].add_(0)  # (a new version, the same values: the same copy)
         chunk_kda(**kwargs)
-    assert len(seen) == 4 and seen[0].dtype == torch.int32 and seen[0] is seen[1] is seen[2]
-    assert seen[3] is not seen[0] and torch.equal(seen[3], seen[0])
+        kwargs["cu_seqlens"].numpy()[1] = 6  # (new values, the same version)
+        chunk_kda(**kwargs)
+    assert len(seen) == 5 and seen[0].dtype == torch.int32 and seen[0] is seen[1] is seen[2] is seen[3]
+    assert seen[4] is not seen[0] and seen[4].tolist() == [0, 6, 11]
 
 
 # ---- chunk_kda: declined -------------------------------------------------------------------------------------------
@@ -427,6 +430,16 @@ def test_fla_fused_recurrent_kda_returns_a_new_final_state_from_cula(with_h0: bo
     assert no_state is None
 
 
+def test_a_new_final_state_has_no_autograd_history(spies: dict, fla_decode_kernel: _FlaDecodeKernel) -> None:
+    """``fused_recurrent_kda`` with an ``initial_state`` that requires grad: the final state cuLA returns is a new
+    tensor with no history (as FLA's kernel returns it), not a copy of ``initial_state`` whose backward would hand
+    ``initial_state`` an identity gradient."""
+    h0 = states(2).requires_grad_()
+    _, final_state = fused_recurrent_kda(**_decode_inputs(2, 1), initial_state=h0, output_final_state=True)
+    assert spies["kda_decode"] == 1 and not fla_decode_kernel.launches
+    assert final_state.grad_fn is None and not final_state.requires_grad
+
+
 # ---- fused_recurrent_kda_fwd: declined -----------------------------------------------------------------------------
 
 DECODE_DECLINED = {
@@ -440,6 +453,14 @@ DECODE_DECLINED = {
                   "state must have dtype"),
     "unknown-kwarg": (dict(_decode_inputs(3, 1), initial_state=states(6), ssm_state_indices=_slots([4, 0, 2]),
                            head_first=False), "no equivalent of: head_first"),
+    # packed sequences of 2 and 0 tokens with [N] indices (as many tokens as sequences): FLA writes token 1's state
+    # into the next sequence's slot
+    "one-slot-per-sequence-packed-2-0": (dict(_decode_inputs(1, 2), initial_state=states(4),
+                                              ssm_state_indices=_slots([1, 3]), cu_seqlens=torch.tensor([0, 2, 2])),
+                                         "more than one token per sequence"),
+    "new-state-of-another-shape": (dict(_decode_inputs(2, 1), initial_state=states(2, HV=HV + 1),
+                                        inplace_final_state=False, output_final_state=True),
+                                   f"one state per sequence, [N, HV, K, V]=[2, {HV}, {K}, {V}]"),
 }
 
 

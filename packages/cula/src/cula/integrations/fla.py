@@ -28,10 +28,13 @@ What cuLA serves, and declines with a reason:
   (``[N]``: one token per sequence, as FLA's kernel assumes; ``[N, W]`` with ``num_accepted_tokens``: speculative
   verification); without indices, ``initial_state`` is updated in place per sequence (``inplace_final_state=True``)
   or, with ``inplace_final_state=False`` (FLA's ``fused_recurrent_kda``), a new fp32 final state is returned (cuLA
-  runs on a copy). int64 indices and counts are narrowed to int32 (one copy each per call); ``out`` is written in
-  place. Declined: ``ssm_state_indices`` with ``inplace_final_state=False`` (FLA then writes each token's state to a
-  new tensor's row ``bos + t``, a layout cuLA does not produce), ``[N]`` indices with more than one token per
-  sequence (FLA writes token ``t``'s state to ``ssm_state_indices[n + t]``), per-channel ``beta``, and what cuLA's
+  runs on a copy, without autograd history, as FLA's). int64 indices and counts are narrowed to int32 (one copy
+  each per call); ``out`` is written in place. Declined: ``ssm_state_indices`` with ``inplace_final_state=False``
+  (FLA then writes each token's state to a new tensor's row ``bos + t``, a layout cuLA does not produce), ``[N]``
+  indices with more than one token per sequence (FLA writes token ``t``'s state to ``ssm_state_indices[n + t]``;
+  known from a CPU ``cu_seqlens``, and on a GPU from more tokens than sequences: a GPU batch of at most one token
+  per sequence on average is taken as a decode step's), an ``initial_state`` of another shape than one state per
+  sequence (``inplace_final_state=False``), per-channel ``beta``, and what cuLA's
   validator refuses (an ``initial_state`` of FLA's ``inplace_final_state`` without one, an in-kernel gate without
   ``A_log`` or ``lower_bound``...); on a GPU, calls no GPU decode kernel serves. Returned: ``(o, final_state)``,
   ``final_state`` the pool itself in place.
@@ -90,14 +93,24 @@ def register() -> None:
 
 
 def _int32(x: object) -> object:
-    """An int64 tensor as an int32 copy, cached on its identity and version (cuLA's caches then see one tensor per
-    ``cu_seqlens``); anything else as it is (the validator judges it). Not cached while a CUDA graph is captured
-    (the copy would be filled only when the graph is replayed)."""
+    """An int64 ``cu_seqlens`` as an int32 copy, cached as cuLA caches what it derives from ``cu_seqlens`` (a CPU
+    one on its values, a GPU one on its identity and version: :mod:`cula_runtime.index`), so that cuLA's caches see
+    one tensor per ``cu_seqlens``; anything else as it is (the validator judges it). Not cached while a CUDA graph
+    is captured (the copy would be filled only when the graph is replayed)."""
     if x.__class__ is not _Tensor or x.dtype != torch.int64:
         return x
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return x.to(torch.int32)
     return cached_on_version("int32 copy of an FLA index", x, None, lambda: x.to(torch.int32))
+
+
+def _int32_each_call(x: object) -> object:
+    """An int64 index tensor (slots, accepted counts: new values every step, which a graph replay or a foreign
+    kernel may write without torch's version counter seeing it) as a fresh int32 copy on every call; anything else
+    as it is."""
+    if x.__class__ is not _Tensor or x.dtype != torch.int64:
+        return x
+    return x.to(torch.int32)
 
 
 def _needs_grad(*tensors: object) -> bool:
@@ -121,7 +134,8 @@ def _prefill_call(q, k, v, g, beta, scale=None, initial_state=None, output_final
                 "a CUDA graph captured with them cannot be replayed with new cu_seqlens values")
     if kwargs and not kwargs.keys() <= _CHUNK_KWARGS:
         unknown = ", ".join(sorted(kwargs.keys() - _CHUNK_KWARGS))
-        return f"argument(s) cuLA has no equivalent of: {unknown} (state_v_first replaces transpose_state_layout)"
+        hint = " (state_v_first replaces transpose_state_layout)" if "transpose_state_layout" in unknown else ""
+        return f"argument(s) cuLA has no equivalent of: {unknown}{hint}"
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in (32, 64):
         return f"chunk_size={chunk_size!r}: FLA refuses anything but 32 or 64"
@@ -188,6 +202,21 @@ def _prefill_verdict(call: tuple, fla_arguments: tuple[tuple, dict] | None = Non
 _identity_slots: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+def _more_than_one_token(q: torch.Tensor, cu_seqlens: object, N: int) -> bool:
+    """Whether a call may hold a sequence of more than one token: a fixed batch with ``T > 1``; packed sequences
+    whose CPU boundaries say so, or on a GPU (whose values are not read: that would synchronise) more tokens than
+    sequences. A GPU call of ``T <= N`` tokens with ``[N]`` indices is taken as one token or none per sequence, as
+    a decode step's batch is (FLA's ``[N]`` semantics for longer sequences write into the neighbours' slots)."""
+    if cu_seqlens is None:
+        return q.shape[1] > 1
+    if q.shape[1] > N:
+        return True
+    integral = not (cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool)
+    if cu_seqlens.device.type == "cpu" and integral and cu_seqlens.ndim == 1 and cu_seqlens.numel() > 1:
+        return bool((cu_seqlens[1:] - cu_seqlens[:-1]).max() > 1)
+    return False  # (a cu_seqlens cuLA's checks refuse is declined by them)
+
+
 def _identity_indices(N: int, device: torch.device) -> torch.Tensor:
     """int32 ``[0, 1, ..., N - 1]`` on ``device`` (sequence ``n`` in slot ``n``), kept per ``(N, device)``."""
     key = (N, device)
@@ -228,11 +257,11 @@ def _decode_call(verifying: bool, q, k, v, g, beta, A_log=None, dt_bias=None, in
                     "of a new tensor, a layout cuLA does not produce (it writes states into the pool)")
         if initial_state is None:
             return "ssm_state_indices without initial_state (the pool they index)"
-        if getattr(ssm_state_indices, "ndim", None) == 1 and q.shape[1] > (1 if cu_seqlens is None else N):
+        if getattr(ssm_state_indices, "ndim", None) == 1 and _more_than_one_token(q, cu_seqlens, N):
             return ("[N] ssm_state_indices with more than one token per sequence: FLA writes token t's state to "
                     "ssm_state_indices[n + t]; pass [N, W] indices (a slot per token)")
-        state, indices, final_state = initial_state, _int32(ssm_state_indices), initial_state
-        accepted = _int32(num_accepted_tokens)
+        state, indices, final_state = initial_state, _int32_each_call(ssm_state_indices), initial_state
+        accepted = _int32_each_call(num_accepted_tokens)
     else:
         accepted = None  # (FLA reads the counts only with indices)
         if inplace_final_state:
@@ -242,14 +271,20 @@ def _decode_call(verifying: bool, q, k, v, g, beta, A_log=None, dt_bias=None, in
         else:
             HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
             shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-            if initial_state is not None and getattr(initial_state, "shape", (None,))[0] != N:
-                return f"initial_state must hold one state per sequence (N={N}), as FLA reads it"
+            if initial_state is not None:
+                if not isinstance(initial_state, _Tensor):
+                    return f"initial_state must be a tensor or None, got {type(initial_state).__name__}"
+                if tuple(initial_state.shape) != shape:
+                    dims = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+                    return (f"initial_state must hold one state per sequence, {dims}={list(shape)} as FLA reads it, "
+                            f"got {list(initial_state.shape)}")
             if verifying:
                 state = torch.empty(shape, dtype=torch.float32, device=q.device)
             elif initial_state is None:
                 state = torch.zeros(shape, dtype=torch.float32, device=q.device)
-            else:  # cuLA runs on a copy: FLA returns a new fp32 final state and leaves initial_state as it was
-                state = initial_state.to(torch.float32, copy=True)
+            else:  # cuLA runs on a copy: FLA returns a new fp32 final state (no autograd history) and leaves
+                # initial_state as it was
+                state = initial_state.detach().to(torch.float32, copy=True)
             final_state = state if output_final_state else None
         indices = _identity_indices(N, q.device)
     if not use_gate_in_kernel:  # (FLA's kernel reads the gate parameters only for the in-kernel gate)
