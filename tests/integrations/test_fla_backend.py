@@ -246,6 +246,10 @@ _served("packed-int64-cu", dict(_packed_cu, output_final_state=True),
 _served("packed-int64-cu-and-cpu-copy", dict(_packed_cu, cu_seqlens_cpu=_packed_cu["cu_seqlens"].clone(),
                                              initial_state=states(3), output_final_state=True),
         dict(cu_seqlens=_packed_cu["cu_seqlens"].int(), cu_seqlens_cpu=_packed_cu["cu_seqlens"].int()))
+# FLA's deprecated name of state_v_first, taken as FLA takes it
+_served("gva-vfirst-by-its-deprecated-name", dict(inputs(H=2, HV=4), initial_state=states(B, True, HV=4),
+                                                  output_final_state=True, transpose_state_layout=True),
+        dict(state_v_first=True), drop=("transpose_state_layout",))
 # what FLA ignores, cuLA ignores: the gate parameters without the in-kernel gate, its tiling and its backward
 _served("ignored-gate-params-chunk-size-recompute", dict(inputs(), lower_bound=-1.0, chunk_size=32,
                                                          disable_recompute=True, max_num_seqs=4, **gate()),
@@ -308,7 +312,9 @@ DECLINED = {
     "cp-context": (dict(inputs(), cp_context=types.SimpleNamespace(cu_seqlens=None, cu_seqlens_cpu=None)),
                    "cp_context", AssertionError),
     "unknown-kwarg": (dict(inputs(), head_first=False), "no equivalent of: head_first", None),
-    "transpose-state-layout": (dict(inputs(), transpose_state_layout=True), "transpose_state_layout", None),
+    "transpose-state-layout-and-state-v-first": (dict(inputs(), transpose_state_layout=True, state_v_first=True),
+                                                  "both state_v_first and the deprecated transpose_state_layout",
+                                                  ValueError),
     "bf16-initial-state": (dict(inputs(), initial_state=states(B).bfloat16()), "initial_state is not fp32",
                            AssertionError),
     "chunk-size-16": (dict(inputs(), chunk_size=16), "chunk_size=16", ValueError),
@@ -368,6 +374,9 @@ def _slots(values, dtype=torch.int32) -> torch.Tensor:
 DECODE_SERVED = {
     "pool-T1-B3": (dict(_decode_inputs(3, 1), initial_state=states(6), ssm_state_indices=_slots([4, 0, 2])),
                    dict(state_indices=_slots([4, 0, 2]))),
+    "pool-vfirst-by-its-deprecated-name": (dict(_decode_inputs(3, 1), initial_state=states(6, True),
+                                                ssm_state_indices=_slots([4, 0, 2]), transpose_state_layout=True),
+                                           dict(state_indices=_slots([4, 0, 2]), state_v_first=True)),
     "pool-T1-int64-slots-gate-vfirst": (
         dict(_decode_inputs(3, 1), initial_state=states(6, True), ssm_state_indices=_slots([1, 5, 3], torch.int64),
              state_v_first=True, use_gate_in_kernel=True, lower_bound=-3.0, use_qk_l2norm_in_kernel=True,
@@ -455,6 +464,9 @@ DECODE_DECLINED = {
                            head_first=False), "no equivalent of: head_first"),
     # packed sequences of 2 and 0 tokens with [N] indices (as many tokens as sequences): FLA writes token 1's state
     # into the next sequence's slot
+    "both-layout-names": (dict(_decode_inputs(3, 1), initial_state=states(6, True), ssm_state_indices=_slots([4, 0, 2]),
+                               state_v_first=True, transpose_state_layout=True),
+                          "both state_v_first and the deprecated transpose_state_layout"),
     "one-slot-per-sequence-packed-2-0": (dict(_decode_inputs(1, 2), initial_state=states(4),
                                               ssm_state_indices=_slots([1, 3]), cu_seqlens=torch.tensor([0, 2, 2])),
                                          "more than one token per sequence"),

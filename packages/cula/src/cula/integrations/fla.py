@@ -16,8 +16,9 @@ What cuLA serves, and declines with a reason:
   Triton kernels cannot run) every valid call runs on cuLA's torch reference. Declined: ``return_intermediate_states``
   (cuLA returns no per-chunk states), ``cp_context`` (no context parallelism), ``use_graph`` (cuLA builds a packed
   batch's chunk indices on the host, so a captured graph cannot be replayed with new ``cu_seqlens``), a non-fp32
-  ``initial_state`` and a ``chunk_size`` other than 32 or 64 (FLA's own checks refuse both), the deprecated
-  ``transpose_state_layout`` and any other keyword cuLA does not know. Mapped: int64 ``cu_seqlens`` and
+  ``initial_state`` and a ``chunk_size`` other than 32 or 64 (FLA's own checks refuse both), and any keyword cuLA
+  does not know. Mapped: the deprecated ``transpose_state_layout`` to ``state_v_first`` (as FLA maps it; both
+  given: declined, FLA refuses the pair), int64 ``cu_seqlens`` and
   ``cu_seqlens_cpu`` (FLA's LongTensors) to int32 copies, cached per tensor and version (so a model's layers
   sharing one ``cu_seqlens`` share one copy and cuLA's caches); ``cu_seqlens_cpu`` is served (cuLA checks and
   indexes from it, no synchronisation); ``A_log``/``dt_bias``/``lower_bound`` only with ``use_gate_in_kernel``
@@ -113,6 +114,16 @@ def _int32_each_call(x: object) -> object:
     return x.to(torch.int32)
 
 
+def _state_layout(state_v_first: object, kwargs: dict) -> object:
+    """``state_v_first``, or FLA's deprecated ``transpose_state_layout`` (taken out of ``kwargs``) in its place, as
+    FLA maps it; why cuLA declines where both are given (FLA raises)."""
+    if "transpose_state_layout" not in kwargs:
+        return state_v_first
+    if state_v_first:
+        return "both state_v_first and the deprecated transpose_state_layout: FLA refuses the pair"
+    return kwargs.pop("transpose_state_layout")
+
+
 def _needs_grad(*tensors: object) -> bool:
     """Whether grad mode is on and any of ``tensors`` requires grad."""
     return torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in tensors)
@@ -132,10 +143,11 @@ def _prefill_call(q, k, v, g, beta, scale=None, initial_state=None, output_final
     if use_graph:
         return ("use_graph=True: cuLA builds a packed batch's chunk indices on the host for each new cu_seqlens, so "
                 "a CUDA graph captured with them cannot be replayed with new cu_seqlens values")
+    state_v_first = _state_layout(state_v_first, kwargs)
+    if isinstance(state_v_first, str):
+        return state_v_first
     if kwargs and not kwargs.keys() <= _CHUNK_KWARGS:
-        unknown = ", ".join(sorted(kwargs.keys() - _CHUNK_KWARGS))
-        hint = " (state_v_first replaces transpose_state_layout)" if "transpose_state_layout" in unknown else ""
-        return f"argument(s) cuLA has no equivalent of: {unknown}{hint}"
+        return f"argument(s) cuLA has no equivalent of: {', '.join(sorted(kwargs.keys() - _CHUNK_KWARGS))}"
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in (32, 64):
         return f"chunk_size={chunk_size!r}: FLA refuses anything but 32 or 64"
@@ -241,6 +253,9 @@ def _decode_call(verifying: bool, q, k, v, g, beta, A_log=None, dt_bias=None, in
     arguments, the final state FLA returns, whether the state is the caller's pool)`` (q, k, v, g, beta among the
     keywords), or why cuLA declines. ``verifying``: a stand-in state where the call needs a new one (nothing is
     copied; the third element is then False)."""
+    state_v_first = _state_layout(state_v_first, kwargs)
+    if isinstance(state_v_first, str):
+        return state_v_first
     if kwargs:
         return f"argument(s) cuLA has no equivalent of: {', '.join(sorted(kwargs))}"
     if not isinstance(q, _Tensor) or not isinstance(v, _Tensor):
