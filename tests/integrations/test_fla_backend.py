@@ -281,7 +281,7 @@ def test_chunk_kda_with_grad_mode_on_but_nothing_requiring_grad_runs_on_cula(spi
 def test_one_int64_cu_seqlens_is_narrowed_once_for_many_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model's layers share one ``cu_seqlens``: its int32 copy is made once (cached as cuLA caches what it derives
     from ``cu_seqlens``: a CPU one on its values), so cuLA's own caches see one tensor; new values (written through
-    a NumPy view: no new version) make a new copy."""
+    .data, as through a NumPy view: no new version) make a new copy."""
     kwargs = _packed([5, 6])
     seen = []
     real = cula_fla.kda_prefill
@@ -296,7 +296,7 @@ def test_one_int64_cu_seqlens_is_narrowed_once_for_many_calls(monkeypatch: pytes
             chunk_kda(**kwargs)
         kwargs["cu_seqlens"].add_(0)  # (a new version, the same values: the same copy)
         chunk_kda(**kwargs)
-        kwargs["cu_seqlens"].numpy()[1] = 6  # (new values, the same version)
+        kwargs["cu_seqlens"].data[1] = 6  # (new values, the same version: a write through .data)
         chunk_kda(**kwargs)
     assert len(seen) == 5 and seen[0].dtype == torch.int32 and seen[0] is seen[1] is seen[2] is seen[3]
     assert seen[4] is not seen[0] and seen[4].tolist() == [0, 6, 11]
