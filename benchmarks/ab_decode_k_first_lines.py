@@ -1,12 +1,10 @@
-"""The K-first decode CTAs' forms side by side on a GPU (issues 26 and 28): one decode step of the KDA decode
-(``cute/kda/decode.py``) and of the Lightning decode (``cute/lightning/decode.py``) with each K-first CTA reading 1,
-2 or 4 128-byte lines of every K row (``k_first_lines``: 4 CTAs per fp32 head reading 128 bytes at a 512-byte
-stride, down to one CTA reading the head's 64 KB whole), and, KDA only, CTAs of whole columns
-(``k_first_columns``: each warp holds all 128 K rows of 64 or 128 bytes of columns and reduces over K within
-itself, no exchange between warps), in one process, interleaved.
+"""The K-first decode CTAs' lines per K row side by side on a GPU (issues 26 and 28): one decode step of the KDA
+decode (``cute/kda/decode.py``) and of the Lightning decode (``cute/lightning/decode.py``) with each K-first CTA
+reading 1, 2 or 4 128-byte lines of every K row (``k_first_lines``: 4 CTAs per fp32 head reading 128 bytes at a
+512-byte stride, down to one CTA reading the head's 64 KB whole), in one process, interleaved.
 
-    python benchmarks/ab_decode_k_first_lines.py [--only "fp32 kfirst H8"] [--lines 1,2,4] [--columns 64,128]
-        [--min-n 128] [--out FILE.md]
+    python benchmarks/ab_decode_k_first_lines.py [--only "fp32 kfirst H8"] [--lines 1,2,4] [--min-n 128]
+        [--out FILE.md]
 
 Rows: the K-first decode rows at N >= ``--min-n`` (128) of ``bench_kda_decode.py`` (the precomputed fp32 log-gate,
 L2 norm in kernel; H = HV = 32, 8 and H16/HV64) and of ``bench_lightning.py`` (H = 64), fp32 and bf16 pools, their
@@ -15,9 +13,7 @@ replaced; the register cap follows, the same threads per SM); time = us per step
 ``--graph-calls`` steps, median of CUDA-event timings in interleaved rounds (``bench_kda_prefill.interleaved_ms``),
 beside an in-place pass over the states' bytes (``bench_kda_decode.in_place_pass``) and the row's floor at 4.3
 TB/s. "same bits": one step from the same pool gives the 1-line CTAs' o and pool bit for bit (the lines change
-which CTA holds a column, not the order of any sum: expected "yes"); whole columns add each column's 128 K rows in
-another order, so their row says instead how far their o and pool are from the 1-line CTAs' (relative L2
-difference; the GPU tests check both forms against float64). Nothing is asserted.
+which CTA holds a column, not the order of any sum: expected "yes"). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kda_decode as kda_bench  # noqa: E402
 import bench_lightning as la_bench  # noqa: E402
 import torch  # noqa: E402
-from ab_lightning_decode_caps import step_from_pristine, steps_side_by_side  # noqa: E402
+from ab_lightning_decode_caps import steps_side_by_side  # noqa: E402
 from ab_lightning_prefill_forms import ab_parser, add_row, is_selected, report_head  # noqa: E402
 from bench_kda_prefill import warm_up_gpu  # noqa: E402
 
@@ -44,8 +40,7 @@ K = V = 128
 @dataclasses.dataclass
 class Row:
     """One row: its name, the pool and its untouched copy, o, the states a step reads and writes (elements), the
-    floor, the step of a form (a number of lines, or ``"c64"`` / ``"c128"``: whole columns of 64 or 128 bytes per
-    warp), the most lines a row allows and the column widths its pool allows (none for Lightning)."""
+    floor, and the step at a number of lines."""
 
     name: str
     pool: torch.Tensor
@@ -53,16 +48,14 @@ class Row:
     out: torch.Tensor
     states: int
     floor_us: float
-    step: Callable[[int | str], Callable[[], None]]
+    step: Callable[[int], Callable[[], None]]
     max_lines: int
-    columns: tuple[int, ...] = ()
 
 
-def kda_decode_step(case, inp) -> Callable[[int | str], Callable[[], None]]:
-    """``step(form)``: a zero-argument KDA decode step of ``case`` (a ``bench_kda_decode`` row) on its inputs
+def kda_decode_step(case, inp) -> Callable[[int], Callable[[], None]]:
+    """``step(lines)``: a zero-argument KDA decode step of ``case`` (a ``bench_kda_decode`` row) on its inputs
     ``inp`` (the fp32 log-gate, L2 norm in the kernel), launched directly in the product's configuration of the
-    call with ``k_first_lines`` replaced by ``form`` (0 or None: the product's own), or with ``"c64"`` / ``"c128"``
-    its CTAs of whole columns (``k_first_columns``)."""
+    call with ``k_first_lines`` replaced by ``lines`` (0 or None: the product's own)."""
     from cula_runtime.cute.compile_cache import launch
     from cula_runtime.cute.kda import decode
 
@@ -71,12 +64,9 @@ def kda_decode_step(case, inp) -> Callable[[int | str], Callable[[], None]]:
         case.v_first, None, None)
     tensors = (inp.q, inp.k, inp.v, inp.g, inp.beta, A_log, dt_bias, inp.pool, inp.idx, None, None, inp.out)
 
-    def step(form: int | str | None) -> Callable[[], None]:
-        if isinstance(form, str):
-            formed = dataclasses.replace(config, k_first_lines=0, k_first_columns=int(form[1:]))
-        else:
-            formed = dataclasses.replace(config, k_first_lines=form) if form else config
-        return lambda: launch(decode.KdaDecode, formed, specs, tensors, decode._OUTPUTS, inp.q.device, *scalars)
+    def step(lines: int | None) -> Callable[[], None]:
+        lined = dataclasses.replace(config, k_first_lines=lines) if lines else config
+        return lambda: launch(decode.KdaDecode, lined, specs, tensors, decode._OUTPUTS, inp.q.device, *scalars)
 
     return step
 
@@ -88,9 +78,8 @@ def kda_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
         if case.v_first or case.N < min_n or not is_selected(name, only):
             continue
         inp = kda_bench.make_decode_inputs(case, "cuda", seed)
-        fp32 = case.pool_dtype == "fp32"
         yield Row(name, inp.pool, inp.pristine, inp.out, case.N * case.HV * K * V, kda_bench.floor_us(case, 4),
-                  kda_decode_step(case, inp), 4 if fp32 else 2, (64, 128) if fp32 else (64,))
+                  kda_decode_step(case, inp), 4 if case.pool_dtype == "fp32" else 2)
 
 
 def lightning_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
@@ -115,56 +104,36 @@ def lightning_rows(only: str, min_n: int, seed: int) -> Iterator[Row]:
                   la_bench.floor_us(la_bench.decode_floor_bytes(case)), step, 4 if case.pool_dtype == "fp32" else 2)
 
 
-def measure(row: Row, lines: list[int], columns: list[int], opts: argparse.Namespace) -> list[str]:
-    """The row's table lines, one per form (1 line first)."""
-    forms: list[int | str] = [n for n in [1, *(n for n in lines if n != 1)] if n <= row.max_lines]
-    forms += [f"c{width}" for width in columns if width in row.columns]
-    steps = {form: row.step(form) for form in forms}
+def measure(row: Row, lines: list[int], opts: argparse.Namespace) -> list[str]:
+    """The row's table lines, one per number of lines (1 first)."""
+    steps = {n: row.step(n) for n in [1, *(n for n in lines if n != 1)] if n <= row.max_lines}
     per_step, bits = steps_side_by_side(row, steps, row.states, opts)
-    agreement = {form: "yes" if bits[form] else "NO" for form in forms}
-    if any(isinstance(form, str) for form in forms):  # whole columns: how far from the 1-line CTAs' results
-        reference = tuple(t.clone() for t in step_from_pristine(row, steps[1]))
-        for form in (f for f in forms if isinstance(f, str)):
-            diffs = [_rel_l2(got, want) for got, want in zip(step_from_pristine(row, steps[form]), reference,
-                                                            strict=True)]
-            agreement[form] = f"o {diffs[0]:.1e}, pool {diffs[1]:.1e}"
     yard = per_step[kda_bench.STATE_PASS]
-    label = {form: f"columns {form[1:]} B" if isinstance(form, str) else str(form) for form in forms}
-    return [f"| {row.name} | {label[form]} | {row.floor_us:.1f} | {yard:.1f} | {per_step[str(form)]:.1f} | "
-            f"{per_step[str(form)] / row.floor_us:.3f} | {per_step[str(form)] / yard:.3f} | "
-            f"{per_step[str(form)] / per_step['1']:.3f} | {agreement[form]} |" for form in forms]
-
-
-def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``‖got - want‖ / ‖want‖`` in fp64."""
-    want64 = want.double()
-    return float((got.double() - want64).norm() / want64.norm().clamp_min(1e-30))
+    return [f"| {row.name} | {n} | {row.floor_us:.1f} | {yard:.1f} | {per_step[str(n)]:.1f} | "
+            f"{per_step[str(n)] / row.floor_us:.3f} | {per_step[str(n)] / yard:.3f} | "
+            f"{per_step[str(n)] / per_step['1']:.3f} | {'yes' if bits[n] else 'NO'} |" for n in steps]
 
 
 def main() -> None:
     parser = ab_parser(__doc__, "benchmarks/results/decode_k_first_lines_ab.md")
     parser.add_argument("--lines", default="1,2,4", help="K-first lines per CTA to compile (up to a row's lines)")
-    parser.add_argument("--columns", default="64,128",
-                        help="KDA: whole-column CTAs' bytes per row and warp to compile (fp32: 64, 128; bf16: 64)")
     parser.add_argument("--min-n", type=int, default=128, help="the least batch N of the rows")
     parser.add_argument("--graph-calls", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args()
     lines = [int(x) for x in opts.lines.split(",") if x.strip()]
-    widths = [int(x) for x in opts.columns.split(",") if x.strip()]
-    legend = ("One decode step (T = 1) per K-first CTA form (the number of 128-byte lines of each K row a CTA reads, "
-              "or whole columns of 64 or 128 bytes of each row per warp): us per step in a CUDA graph of "
-              f"{opts.graph_calls} steps, median of CUDA-event timings in interleaved rounds; floor = the row's bytes "
-              "at 4.3 TB/s (the benches' floors); state pass = an in-place pass over the states' bytes (torch mul_); "
-              "same bits = o and the pool equal the 1-line CTAs' (whole columns: their relative L2 distance).")
-    columns = ["row", "form", "floor us", "state pass us", "us per step", "x floor", "x state pass",
+    legend = ("One decode step (T = 1) per number of 128-byte lines of each K row a K-first CTA reads: us per step "
+              f"in a CUDA graph of {opts.graph_calls} steps, median of CUDA-event timings in interleaved rounds; "
+              "floor = the row's bytes at 4.3 TB/s (the benches' floors); state pass = an in-place pass over the "
+              "states' bytes (torch mul_); same bits = o and the pool equal the 1-line CTAs'.")
+    columns = ["row", "lines per CTA", "floor us", "state pass us", "us per step", "x floor", "x state pass",
                "x 1 line", "same bits"]
     report = report_head("The K-first decode CTAs' lines per K row side by side (issues 26, 28)", legend, columns,
                          torch.cuda.get_device_properties(0).multi_processor_count)
     warm_up_gpu(2.0)
     for row in itertools.chain(kda_rows(opts.only, opts.min_n, opts.seed),
                                  lightning_rows(opts.only, opts.min_n, opts.seed)):
-        for line in measure(row, lines, widths, opts):
+        for line in measure(row, lines, opts):
             add_row(report, line, opts.out)
 
 

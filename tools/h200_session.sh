@@ -195,9 +195,9 @@ for step in "$@"; do
     host:op-split) timeout 200 python3 benchmarks/host_op_split_kda.py --out "$OUT/kda_host_op_split.md" ;;
     # an in-place pass over decode pools in the K-first decode's CTA shape and two others (Triton; ~1 min)
     probe:state-access) timeout 200 python3 benchmarks/probe_state_access.py --out "$OUT/decode_state_access_probe.md" ;;
-    # the K-first decode CTAs at 1, 2 and 4 lines per K row and (KDA) of whole columns, 64 and 128 bytes per warp, side
-    # by side (KDA and Lightning rows, N >= 128; ~5 min; AB_ONLY, AB_MIN_N, AB_LINES, AB_COLUMNS: the script's options)
-    ab:k-first-lines) timeout 400 python3 benchmarks/ab_decode_k_first_lines.py ${AB_ONLY:+--only "$AB_ONLY"} ${AB_MIN_N:+--min-n "$AB_MIN_N"} ${AB_LINES:+--lines "$AB_LINES"} ${AB_COLUMNS:+--columns "$AB_COLUMNS"} --out "$OUT/decode_k_first_lines_ab.md" ;;
+    # the K-first decode CTAs at 1, 2 and 4 lines per K row side by side (KDA and Lightning rows, N >= 128; ~4 min;
+    # AB_ONLY, AB_MIN_N, AB_LINES: the script's options)
+    ab:k-first-lines) timeout 400 python3 benchmarks/ab_decode_k_first_lines.py ${AB_ONLY:+--only "$AB_ONLY"} ${AB_MIN_N:+--min-n "$AB_MIN_N"} ${AB_LINES:+--lines "$AB_LINES"} --out "$OUT/decode_k_first_lines_ab.md" ;;
     # the unbounded gate's Kimi rows against FLA (UNB_ONLY: bench_kda_unbounded.py --only)
     bench:unbounded) timeout 560 python3 benchmarks/bench_kda_unbounded.py ${UNB_ONLY:+--only "$UNB_ONLY"} \
                        --out "$OUT/kda_unbounded_h200.md" ;;

@@ -8,9 +8,7 @@ decode kernel on any GPU backend: cula-sm90 has none), on a pool of 13 slots: Ki
 padding rows (-1, and a slot past the pool), GVA packed lengths 0/1/2/5 on a V-first pool, a bf16 pool with int64
 cu_seqlens, and speculative verification (per-token slots, accepted counts); and ``decode-whole-rows``, Kimi's step
 over 64 sequences on a pool of 67 slots (128 MiB of state: K-first CTAs of whole rows, 4 line groups behind named
-barriers). Each decode call checks the slots no index names unchanged after a synchronisation. The
-``decode-*-columns64`` / ``-columns128`` shapes run the K-first decode shapes in the candidate form of whole-column
-CTAs (``k_first_columns``: 64 or 128 bytes of each K row per warp; no exchange between warps).
+barriers). Each decode call checks the slots no index names unchanged after a synchronisation.
 """
 
 from __future__ import annotations
@@ -42,21 +40,6 @@ DECODE_SHAPES = {
     "decode-spec": "spec-verify-H4-packed",
     "decode-whole-rows": "kimi-H32-N64-T1-whole-rows",  # 128 MiB of state: K-first CTAs of 4 lines
 }
-# the candidate K-first form of whole columns on the K-first decode shapes: (shape, bytes of a row per warp)
-DECODE_COLUMN_SHAPES = {f"{shape}-columns{width}": (shape, width)
-                        for shape in ("decode-kimi", "decode-bf16", "decode-spec", "decode-whole-rows")
-                        for width in ((64,) if shape == "decode-bf16" else (64, 128))}
-
-
-def with_columns(width: int) -> None:
-    """Every later decode launch takes K-first CTAs of whole columns of ``width`` bytes per warp."""
-    import dataclasses
-
-    from cula_runtime.cute.kda import decode
-
-    plan = decode._plan
-    decode._plan = lambda *key: (dataclasses.replace(plan(*key)[0], k_first_lines=0, k_first_columns=width),
-                                 plan(*key)[1])
 
 
 def run_decode(shape: str) -> str:
@@ -79,11 +62,6 @@ def run_decode(shape: str) -> str:
 if __name__ == "__main__":
     from cula.kda import kda_prefill
 
-    if sys.argv[1] in DECODE_COLUMN_SHAPES:
-        shape, width = DECODE_COLUMN_SHAPES[sys.argv[1]]
-        with_columns(width)
-        print(f"{sys.argv[1]}: ok, {run_decode(shape)}")
-        sys.exit(0)
     if sys.argv[1] in DECODE_SHAPES:
         print(f"{sys.argv[1]}: ok, {run_decode(sys.argv[1])}")
         sys.exit(0)

@@ -3,7 +3,6 @@ each contender gets, the accuracy check, the unit conversions of the timings, th
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import sys
 import warnings
@@ -292,25 +291,3 @@ def test_the_defaults_write_the_issue_results_file() -> None:
     assert opts.out == "benchmarks/results/kda_decode_h200.md" and not opts.pool_prefill
     assert (opts.gate, opts.cula_form, opts.merge, opts.only) == ("fp32", "dense", "", "")
     assert "gate fp32, cula form dense" in bench.settings_line(opts)
-
-
-def test_the_k_first_forms_a_b_launches_each_form_on_the_row_s_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``ab_decode_k_first_lines.kda_decode_step``: a number of lines replaces ``k_first_lines`` in the product's
-    configuration of the call, ``"c64"`` / ``"c128"`` take whole columns of that many bytes per warp (no lines);
-    every form gets the row's tensors, the pool in place and o into ``out``."""
-    pytest.importorskip("cula_runtime.cute.kda.decode", exc_type=ImportError)
-    import ab_decode_k_first_lines as ab
-
-    from tests.cute.compile_helpers import record_launches
-
-    launches = record_launches(monkeypatch)
-    case = bench.DecodeCase("fp32", False, 4, 4, 2)
-    inp = _inputs(case)
-    step = ab.kda_decode_step(case, inp)
-    for form in (None, 2, "c64", "c128"):
-        step(form)()
-    (_, product, args), (_, two, _), (_, c64, args64), (_, c128, _) = launches
-    assert product.k_first_lines == 0 and product.k_first_columns == 0  # (1 line at this size)
-    assert two == dataclasses.replace(product, k_first_lines=2)
-    assert c64 == dataclasses.replace(product, k_first_columns=64) and c128.k_first_columns == 128
-    assert args[7] is inp.pool and args[11] is inp.out and all(a is b for a, b in zip(args, args64, strict=True))

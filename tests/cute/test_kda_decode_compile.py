@@ -93,47 +93,11 @@ SPILLS = {
 }
 
 
-# The candidate K-first form of whole columns (k_first_columns: bytes of each K row per warp), compiled in the
-# serving case and the fullest per-token configurations: fp32 pools at 64 and 128 bytes, bf16 at 64
-COLUMN_CONFIGS = {
-    "T1-fp32-kv-H4-HV8-columns64": dict(num_heads=4, num_v_heads=8, k_first_columns=64),
-    "T1-fp32-kv-H4-HV8-columns128": dict(num_heads=4, num_v_heads=8, k_first_columns=128),
-    "T1-fp32-kv-l2-H32-HV32-columns128": dict(num_heads=32, num_v_heads=32, l2norm=True, k_first_columns=128),
-    "T1-bf16-kv-H4-HV8-columns64": dict(num_heads=4, num_v_heads=8, state_dtype="bfloat16", k_first_columns=64),
-    "slots-fp32-kv-l2-safe-H4-HV4-columns64": dict(CONFIGS["slots-fp32-kv-l2-safe-H4-HV4"], k_first_columns=64),
-    "varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8-columns64": dict(
-        CONFIGS["varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8"], k_first_columns=64),
-}
-# Their local-memory spills as measured: ptxas' choices vary widely with the configuration (up to 168 registers at
-# 64 fp32 values per lane, 255 at 128); with an in-kernel gate and the beta sigmoid, 128 bytes per warp spilled
-# 400-600 instructions (not compiled here)
-COLUMN_SPILLS = {
-    "4.6": {
-        "T1-fp32-kv-H4-HV8-columns64": {"sm_90a": 23, "sm_100a": 24, "sm_103a": 27},
-        "T1-fp32-kv-H4-HV8-columns128": {"sm_90a": 92, "sm_100a": 82, "sm_103a": 100},
-        "T1-fp32-kv-l2-H32-HV32-columns128": {"sm_90a": 98, "sm_100a": 94, "sm_103a": 94},
-        "T1-bf16-kv-H4-HV8-columns64": {"sm_90a": 0, "sm_100a": 69, "sm_103a": 69},
-        "slots-fp32-kv-l2-safe-H4-HV4-columns64": {"sm_90a": 95, "sm_100a": 0, "sm_103a": 0},
-        "varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8-columns64": {"sm_90a": 0, "sm_100a": 0,
-                                                                              "sm_103a": 0},
-    },
-    "4.8": {
-        "T1-fp32-kv-H4-HV8-columns64": {"sm_90a": 23, "sm_100a": 35, "sm_103a": 35},
-        "T1-fp32-kv-H4-HV8-columns128": {"sm_90a": 0, "sm_100a": 64, "sm_103a": 58},
-        "T1-fp32-kv-l2-H32-HV32-columns128": {"sm_90a": 10, "sm_100a": 54, "sm_103a": 54},
-        "T1-bf16-kv-H4-HV8-columns64": {"sm_90a": 0, "sm_100a": 6, "sm_103a": 6},
-        "slots-fp32-kv-l2-safe-H4-HV4-columns64": {"sm_90a": 97, "sm_100a": 12, "sm_103a": 12},
-        "varlen-slots-accepted-bf16-kv-l2-softplus-bf16gb-H2-HV8-columns64": {"sm_90a": 0, "sm_100a": 0,
-                                                                              "sm_103a": 0},
-    },
-}
-
-
 def _config(config_id: str):
     from cula_runtime.cute.kda.decode import KdaDecodeConfig
     from cula_runtime.cute.kda.intra import InKernelGate
 
-    fields = dict(CONFIGS[config_id] if config_id in CONFIGS else COLUMN_CONFIGS[config_id])
+    fields = dict(CONFIGS[config_id])
     if "gate" in fields:
         fields["gate"] = InKernelGate(**fields["gate"])
     return KdaDecodeConfig(**fields)
@@ -195,34 +159,6 @@ def test_kda_decode_machine_code(config_id: str, target: str) -> None:
     assert code.opcodes["SHFL.BFLY"] == steps * shuffles
     assert code.count("MUFU.EX2") >= 8  # the decay of the lane's 8 K rows
     assert_measured_spills(code, SPILLS, config_id, target)
-
-
-@pytest.mark.parametrize(("config_id", "target"), compile_params(COLUMN_CONFIGS, ()))
-def test_kda_decode_whole_columns_machine_code(config_id: str, target: str) -> None:
-    """Whole columns: no shared memory and no barrier (the reductions over K are shuffles within the warp); the
-    state moves as 16-byte vectors, one per K row of the lane, once each way; per token step 16-byte loads of the
-    lane's q and k rows (8 per vector), of g (fp32: 4 rows per vector, bf16: 8) and of v (a bf16 pool's 8
-    columns; fp32: an 8-byte load); the all-reduces over the warp's row groups; spills as measured."""
-    from cula_runtime.cute.kda.decode import KdaDecode
-
-    config = _config(config_id)
-    kernel = KdaDecode(config)
-    code = compile_machine_code(KdaDecode, config, target)
-    assert_simt_only(code)
-    for prefix in ("LDS", "STS", "BAR"):
-        assert code.count(prefix) == 0, prefix
-    steps, R, VC = 2, kernel.rows, kernel.cols
-    per_step = 2 * (R // 8) + (R // 4 if config.gate.g_dtype == "float32" else R // 8) + (1 if VC == 8 else 0)
-    assert code.opcodes["LDG.E.128"] == R + steps * per_step + (R // 4 if config.gate.has_dt_bias else 0)
-    assert code.opcodes["LDG.E.64"] == (0 if VC == 8 else steps)
-    state_stores = 2 * R if config.per_token_slots else R
-    o_store = "STG.E.64" if VC == 4 else "STG.E.128"
-    assert code.opcodes["STG.E.128"] == state_stores + (3 if o_store == "STG.E.128" else 0)
-    assert code.opcodes[o_store] == 3 + (state_stores if o_store == "STG.E.128" else 0)
-    values = 1 + 2 * VC + (2 if config.l2norm else 0)
-    assert code.opcodes["SHFL.BFLY"] == steps * len(kernel.reduce_masks) * values
-    assert code.count("MUFU.EX2") >= R  # the decay of the lane's K rows
-    assert_measured_spills(code, COLUMN_SPILLS, config_id, target)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,67 +313,6 @@ def test_exchange_writes_meet_reads(state_dtype: str, lines: int) -> None:
                         assert slots[slot] == (1, warp, half, col0 + j)
 
 
-# K-first CTAs of whole columns (``k_first_columns``: the bytes of each K row a warp holds), a candidate form:
-# (pool dtype, bytes)
-COLUMN_FORMS = [pytest.param(dtype, width, id=f"{dtype}-columns{width}")
-                for dtype, width in (("float32", 64), ("float32", 128), ("bfloat16", 64))]
-
-
-def _columns_kernel(state_dtype: str, width: int):
-    from cula_runtime.cute.kda.decode import KdaDecode, KdaDecodeConfig
-
-    return KdaDecode(KdaDecodeConfig(num_heads=1, num_v_heads=1, state_dtype=state_dtype, k_first_columns=width))
-
-
-@pytest.mark.parametrize(("state_dtype", "width"), COLUMN_FORMS)
-def test_whole_columns_hold_each_element_once_and_reduce_within_the_warp(state_dtype: str, width: int) -> None:
-    """Whole columns: every element of a head is held by exactly one lane of one CTA, as 16-byte aligned vectors of
-    one K row; each warp-wide access covers aligned ``width``-byte pieces of K rows (sector pairs or whole lines);
-    the lanes one shfl.bfly all-reduce combines hold the same columns and, together, all 128 K rows of them once (no
-    exchange between warps); the lane's q, k and g rows are its state rows, contiguous from a multiple of 8; o is
-    written once per column."""
-    kernel = _columns_kernel(state_dtype, width)
-    elem_bytes = 16 // kernel.vec
-    assert not kernel.exchanges and not kernel.warp_norms and kernel.smem_carveout == 0
-    assert kernel.num_warps == 4 and kernel.rows * kernel.vec in (64, 128)
-    assert kernel.block_v * kernel.v_blocks == K and kernel.warp_cols * elem_bytes == width
-    holders: set[tuple[int, int]] = set()
-    written: list[int] = []
-    for vb in range(kernel.v_blocks):
-        for warp in range(kernel.num_warps):
-            per_access: list[set[int]] = [set() for _ in range(kernel.rows)]
-            by_column: dict[int, list[int]] = {}
-            for lane in range(32):
-                r, col0, bases = kernel.lane_layout(warp, lane, vb)
-                rows = [kernel.row(i, bases) for i in range(kernel.rows)]
-                assert rows == list(range(rows[0], rows[0] + kernel.rows)) and rows[0] % 8 == 0
-                assert [bases[p] + e for p in range(kernel.rows // 4) for e in range(4)] == rows
-                for p in range(kernel.rows):
-                    elements = [(kernel.row(kernel.element(e, p)[0], bases), col0 + kernel.element(e, p)[1])
-                                for e in range(kernel.vec)]
-                    offsets = [k * K + v for k, v in elements]
-                    assert offsets == list(range(offsets[0], offsets[0] + kernel.vec)) and offsets[0] % kernel.vec == 0
-                    for element in elements:
-                        assert element not in holders, f"element {element} held twice"
-                        holders.add(element)
-                        assert vb * kernel.block_v <= element[1] < (vb + 1) * kernel.block_v
-                    per_access[p].update(range(offsets[0] * elem_bytes, (offsets[0] + kernel.vec) * elem_bytes))
-                group = {lane ^ mask_set for mask_set in _xor_span(kernel.reduce_masks)}
-                assert all(kernel.lane_layout(warp, other, vb)[1] == col0 for other in group)
-                for v in range(col0, col0 + kernel.cols):
-                    by_column.setdefault(v, []).extend(rows)
-                if kernel.stores_o(r, 32 * warp + lane):
-                    written.extend(range(col0, col0 + kernel.cols))
-            for v, rows in by_column.items():
-                assert sorted(rows) == list(range(K)), f"column {v}: its K rows not held once within warp {warp}"
-            for p, covered in enumerate(per_access):
-                pieces = {byte // width for byte in covered}
-                assert len(covered) == width * len(pieces), f"warp {warp} access {p} covers partial pieces"
-                assert len(pieces) == 32 * 16 // width  # the 32 lanes' 16 bytes
-    assert len(holders) == K * K
-    assert sorted(written) == list(range(K)), "o written once per column"
-
-
 def test_one_binary_serves_every_batch() -> None:
     """Every extent of every tensor argument is symbolic: one compilation for any B, T, N, W, P or cu_seqlens."""
     from cula_runtime.cute import compile_cache
@@ -496,10 +371,6 @@ def test_whole_rows_from_128_mib_of_state(pool: str, N: int, HV: int, v_first: b
         ({"k_first_lines": 8}, "k_first_lines=8"),
         ({"state_dtype": "bfloat16", "k_first_lines": 4}, "a row's 2 lines"),
         ({"state_v_first": True, "k_first_lines": 1}, "K-first"),
-        ({"k_first_columns": 32}, "k_first_columns=32"),
-        ({"state_dtype": "bfloat16", "k_first_columns": 128}, "k_first_columns=128"),
-        ({"state_v_first": True, "k_first_columns": 64}, "K-first without k_first_lines"),
-        ({"k_first_lines": 2, "k_first_columns": 64}, "K-first without k_first_lines"),
     ],
 )
 def test_can_implement_says_why(changes: dict, reason: str) -> None:

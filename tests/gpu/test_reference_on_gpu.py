@@ -1,4 +1,6 @@
-"""The torch reference backend on a CUDA GPU (the dispatch's stand-in until the GPU kernels land).
+"""The torch reference backend on a CUDA GPU (the fallback of calls no GPU kernel serves), forced with
+``CULA_BACKEND=reference``: these calls' shapes are ones the GPU kernels serve, whose bf16 stages the fp32 state's
+bound here does not allow for.
 
 Compares GPU results with the float64 oracle computed on the CPU, on fresh random inputs with outputs checked for
 NaN, GVA, varlen with tails and an empty sequence, both beta dtypes, both state layouts; and checks that replays
@@ -49,6 +51,11 @@ def _inputs(cfg: dict, device: str, seed: int = 0) -> dict:
 
 def _to_cpu(kwargs: dict) -> dict:
     return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+
+
+@pytest.fixture(autouse=True)
+def _reference_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dispatch.ENV_FORCE, "reference")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS), ids=list(CONFIGS))

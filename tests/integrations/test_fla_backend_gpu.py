@@ -69,6 +69,12 @@ def _log(line: str) -> None:
 
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """How many times the FLA backend called cuLA's Python API. No call plan is left from earlier tests (a call
+    whose signature has one runs the plan itself, not the API: in a session of many GPU tests the spies would then
+    see nothing)."""
+    from cula import call_plans
+
+    call_plans.clear_call_plans()
     calls = {"kda_prefill": 0, "kda_decode": 0}
 
     def spy_on(name: str):

@@ -53,12 +53,6 @@ bf16 pool) and sums its rows; the two layouts then reduce over K differently (:m
   bytes). Timed on a lent H100 (``benchmarks/results/decode_k_first_lines_ab_h100.md``): whole rows 0.3-2.5% faster
   than one line from 128 MiB of state up, up to 45% slower at N = 1; the step stays 1.05-1.15x an in-place pass over
   its bytes, where a pass over one-line blocks alone costs 1.05-1.06x (``decode_state_access_probe_h100.md``).
-* **Whole columns** (``k_first_columns``, a candidate for the K-first layout, chosen by no call yet; timed by
-  ``benchmarks/ab_decode_k_first_lines.py``): each warp holds all 128 K rows of 64 or 128 bytes of columns (16 or
-  32 fp32, 32 bf16), lane ``l`` the 16-byte vector ``l % pieces`` of ``rows`` = 16 or 32 contiguous K rows; 4 warps
-  per CTA (the head's whole state, or half of it at 64 bytes of fp32). Both reductions over K are the lane's rows
-  then a ``shfl.bfly`` all-reduce over the warp's row groups, as in V-first: no shared memory, no barrier. A lane
-  holds 64 or 128 state values (3 or 2 CTAs per SM; the q and k rows stay bf16, widened at each use).
 * **Bytes per step** (T = 1, fp32 pool, HV = 32): ``N · HV · 2 · 64 KB`` of state plus ``≈ 1.3 KB`` of inputs and
   output per (sequence, head): N = 128 moves 537 MB, a floor of 125 us at 4.3 TB/s (bf16 pool: 268 MB, 62 us).
   Little's law at 4.3 TB/s and ≈ 1 us of loaded DRAM latency wants ≈ 33 KB in flight per SM, more counting the
@@ -116,13 +110,6 @@ WHOLE_ROWS_BYTES = 128 << 20
 MIN_BLOCKS_PER_SM = {"float32": 5, "bfloat16": 8}
 MIN_BLOCKS_PER_SM_K_FIRST = {"float32": 5, "bfloat16": 4}
 WARP_MASKS = (1, 2, 4, 8, 16)  # shfl.bfly masks of an all-reduce over the warp
-# K-first CTAs of whole columns (``k_first_columns`` bytes of each row per warp, all 128 K rows of them): 4 warps
-# per CTA; a lane holds 16-byte pieces of 16 rows (64 bytes per warp: 64 fp32 or 128 bf16 state values per lane)
-# or 32 rows (128 bytes, fp32: 128 values). The CTAs per SM asked of ptxas, by a lane's state values: 64 values,
-# 3 CTAs (up to 168 registers: at 4 CTAs, 128 registers, ptxas spilled 80 instructions on sm_90a); 128 values, 2
-# (up to 255)
-COLUMN_WARPS = 4
-MIN_BLOCKS_PER_SM_COLUMNS = {64: 3, 128: 2}
 NO_GATE = InKernelGate(form="none", has_A_log=False, has_dt_bias=False, beta_sigmoid=False)
 
 
@@ -145,11 +132,6 @@ class KdaDecodeConfig:
         num_accepted: ``num_accepted_tokens [N]`` is given (needs ``per_token_slots``).
         k_first_lines: K-first CTAs' 128-byte lines per K row (1, 2 or 4 fp32; 1 or 2 bf16); 0: one
             (:func:`k_first_lines` chooses per call).
-        k_first_columns: K-first CTAs of whole columns: 0 (off), or the bytes of each K row a warp holds (64, or
-            128 with an fp32 pool): each warp holds all 128 K rows of its value columns (16 or 32 fp32, 32 bf16),
-            so both reductions over K stay in the warp (no exchange, no barrier), and a CTA holds the head's whole
-            state. A candidate timed beside the line groups (``benchmarks/ab_decode_k_first_lines.py``); no call
-            chooses it yet.
     """
 
     num_heads: int
@@ -163,7 +145,6 @@ class KdaDecodeConfig:
     per_token_slots: bool = False
     num_accepted: bool = False
     k_first_lines: int = 0
-    k_first_columns: int = 0
 
 
 class KdaDecode:
@@ -195,10 +176,6 @@ class KdaDecode:
         if c.k_first_lines and (c.state_v_first or c.k_first_lines not in (1, 2, 4) or c.k_first_lines > row_lines):
             return False, (f"k_first_lines={c.k_first_lines}: expected 0 (one line) or, K-first, 1, 2 or 4 up to "
                            f"a row's {row_lines} lines")
-        if c.k_first_columns and (c.state_v_first or c.k_first_lines or c.k_first_columns not in (64, 128)
-                                  or c.k_first_columns // (4 if c.state_dtype == "float32" else 2) > 32):
-            return False, (f"k_first_columns={c.k_first_columns}: expected 0 or, K-first without k_first_lines, 64 "
-                           f"(128 with an fp32 pool)")
         return True, ""
 
     def __init__(self, config: KdaDecodeConfig):
@@ -208,9 +185,6 @@ class KdaDecode:
         self.config = config
         state_bytes = 4 if config.state_dtype == "float32" else 2
         self.vec = 16 // state_bytes  # state elements per 16-byte access
-        self.rows = 8  # K rows per lane (its state vectors: one 16-byte vector per row in K-first)
-        # K-first line groups reduce over their 4 warps through shared memory; the other forms within a warp
-        self.exchanges = not config.state_v_first and not config.k_first_columns
         if config.state_v_first:
             self.lines = 1  # (K-first only)
             self.block_v = BLOCK_V  # a CTA's value columns
@@ -220,18 +194,6 @@ class KdaDecode:
             self.min_blocks_per_sm = MIN_BLOCKS_PER_SM[config.state_dtype]
             # lanes sharing a lane's columns (the reduction over K): the other 16 of its column group
             self.reduce_masks = (1, 2, 4, 8)
-            self.smem_carveout = 0  # no shared memory
-        elif config.k_first_columns:
-            self.lines = 1  # (line groups: none)
-            pieces = config.k_first_columns // 16  # lanes per row piece: 4 (64 bytes), 8 (128)
-            self.rows = config.head_dim * pieces // 32  # a lane's K rows: 16 or 32
-            self.warp_cols = config.k_first_columns // state_bytes  # a warp's value columns
-            self.num_warps = COLUMN_WARPS
-            self.block_v = COLUMN_WARPS * self.warp_cols  # 256 or 512 bytes of each row: 2 CTAs per head or 1
-            self.cols = self.vec
-            self.min_blocks_per_sm = MIN_BLOCKS_PER_SM_COLUMNS[self.rows * self.vec]
-            # lanes sharing a lane's columns: the warp's row groups (lane // pieces)
-            self.reduce_masks = tuple(m for m in WARP_MASKS if m >= pieces)
             self.smem_carveout = 0  # no shared memory
         else:
             self.lines = config.k_first_lines or 1  # line groups per CTA
@@ -254,14 +216,13 @@ class KdaDecode:
         self.v_blocks = config.head_dim // self.block_v
         # K-first L2 norm: each warp sums q², k² over all 128 K rows itself (4 elements per lane), so that no
         # second exchange between the warps is needed
-        self.warp_norms = config.l2norm and self.exchanges
+        self.warp_norms = config.l2norm and not config.state_v_first
 
     def argument_specs(self) -> tuple[TensorSpec | None, ...]:
         """Layout promises of the twelve tensor arguments of ``__call__``, in order (None: argument absent)."""
         c, gate = self.config, self.config.gate
         index = TensorSpec(Int32, 1)
-        # K-first: a lane's 8 (whole columns: 16 or 32) K rows are contiguous, so its q, k (and bf16 g) rows are
-        # 16-byte vectors of 8 rows
+        # K-first: a lane's 8 K rows are contiguous, so its q, k (and bf16 g) rows are one 16-byte vector
         qk_vec = 4 if c.state_v_first else 8
         g_vec = 8 if not c.state_v_first and gate.g_dtype == "bfloat16" else 4
         return (
@@ -347,7 +308,7 @@ class KdaDecode:
         r, col0, bases = self.lane_layout(warp_idx, lane, vb)
         stores_o = self.stores_o(r, tidx)
         red = None
-        if const_expr(self.exchanges):
+        if const_expr(not c.state_v_first):
             # the exchange of the warps' sums over their K rows, double-buffered by token parity (one barrier per
             # token: a warp writes token t + 1's sums only after every warp passed token t's barrier, hence read
             # token t - 1's)
@@ -401,16 +362,14 @@ class KdaDecode:
         ``slot``. Token 0 is peeled so that its inputs are loaded before the state (the two latencies overlap);
         a later token's inputs are loaded at the top of its iteration (a register prefetch of the next token would
         cost ≈ 19 registers across the whole loop, half the occupancy the bandwidth needs at T = 1). ``red``:
-        K-first line groups, the warps' exchange (shared memory, warp and lane: :meth:`cta_publish`); None in V-first
-        and in whole columns."""
+        K-first, the warps' exchange (shared memory, warp and lane: :meth:`cta_publish`); None in V-first."""
         c = self.config
         VC, VEC = self.cols, self.vec
         state_type = _DTYPES[c.state_dtype]
-        R = self.rows
         frags = (
-            cute.make_rmem_tensor(cute.make_layout((4, R // 4)), BFloat16),  # q: rows bases[p] + e at (e, p)
-            cute.make_rmem_tensor(cute.make_layout((4, R // 4)), BFloat16),  # k
-            cute.make_rmem_tensor(cute.make_layout((4, R // 4)), mG.element_type),  # g
+            cute.make_rmem_tensor(cute.make_layout((4, 2)), BFloat16),  # q: rows bases[p] + e at (e, p)
+            cute.make_rmem_tensor(cute.make_layout((4, 2)), BFloat16),  # k
+            cute.make_rmem_tensor(cute.make_layout((4, 2)), mG.element_type),  # g
             cute.make_rmem_tensor(cute.make_layout(VC), BFloat16),  # v: the lane's columns
             cute.make_rmem_tensor(cute.make_layout(1), mBeta.element_type),  # beta
         )
@@ -419,14 +378,13 @@ class KdaDecode:
                              cute.make_rmem_tensor(cute.make_layout(4), BFloat16))
         self.load_token(mQ, mK, mV, mG, mBeta, frags, b, bos, h, hv, col0, bases, red)
 
-        # ---- the start state: 8 16-byte vectors per lane (whole columns: 32 or 16), issued right after token 0's
-        # inputs
+        # ---- the start state: 8 16-byte vectors per lane, issued right after token 0's inputs
         s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), state_type, num_bits_per_copy=128)
         head = self.head_state(mState, slot, hv)
-        rRaw = cute.make_rmem_tensor(cute.make_layout((VEC, R)), state_type)
-        for p in cutlass.range_constexpr(R):
+        rRaw = cute.make_rmem_tensor(cute.make_layout((VEC, 8)), state_type)
+        for p in cutlass.range_constexpr(8):
             cute.copy(s_atom, self.state_vector(head, p, col0, bases), rRaw[None, p])
-        rS = cute.make_rmem_tensor(cute.make_layout((VEC, R)), Float32)
+        rS = cute.make_rmem_tensor(cute.make_layout((VEC, 8)), Float32)
         rS.store(rRaw.load().to(Float32))
 
         # ---- per-head constants of the gate: exp(A_log), dt_bias of the lane's K rows
@@ -436,9 +394,9 @@ class KdaDecode:
             a_scale = cute.math.exp(mALog[hv])
         rBias = None
         if const_expr(gate.has_dt_bias):
-            rBias = cute.make_rmem_tensor(cute.make_layout((4, R // 4)), Float32)
+            rBias = cute.make_rmem_tensor(cute.make_layout((4, 2)), Float32)
             f_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-            for p in cutlass.range_constexpr(R // 4):
+            for p in cutlass.range_constexpr(2):
                 cute.copy(f_atom, cute.local_tile(mDtBias[hv, None], (4,), (bases[p] // 4,)), rBias[None, p])
         consts = (a_scale, rBias, scale, lower_bound)
 
@@ -446,7 +404,7 @@ class KdaDecode:
                         stores_o, red)
         for t in cutlass.range(1, length, unroll=1):
             tok = bos + t
-            if const_expr(not c.state_v_first):
+            if const_expr(red is not None):
                 tok = cutlass.min(tok, mQ.shape[1] - 1)
             self.load_token(mQ, mK, mV, mG, mBeta, frags, b, tok, h, hv, col0, bases, red)
             self.token_step(mState, mIdx, mO, frags, rS, rRaw, s_atom, consts, b, tok, t, n, hv, col0, bases,
@@ -472,7 +430,7 @@ class KdaDecode:
 
         q = rQ.load().to(Float32)
         k = rK.load().to(Float32)
-        if const_expr(c.l2norm and not self.warp_norms):  # fp32 sums of squares over the lanes of the column
+        if const_expr(c.l2norm and not self.warp_norms):  # fp32 sums of squares over the 16 lanes of the column
             # group; bf16 result
             sums_sq = self.lane_sum([(q * q).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
                                      (k * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)])
@@ -486,31 +444,23 @@ class KdaDecode:
                                      (kw * kw).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)], WARP_MASKS)
             q = (q * cute.math.rsqrt(sums_sq[0] + L2NORM_EPS)).to(BFloat16).to(Float32)
             k = (k * cute.math.rsqrt(sums_sq[1] + L2NORM_EPS)).to(BFloat16).to(Float32)
-        R = self.rows
-        if const_expr(c.k_first_columns):  # the lane's 128 state values leave no room for fp32 copies of its 32
-            # q and k rows: their bf16 rows (normalised in place), widened at each use (:meth:`row_f32`)
-            if const_expr(c.l2norm):
-                rQ.store(q.to(BFloat16))
-                rK.store(k.to(BFloat16))
-            rQf, rKf = rQ, rK
-        else:
-            rQf = cute.make_rmem_tensor(cute.make_layout((4, R // 4)), Float32)
-            rKf = cute.make_rmem_tensor(cute.make_layout((4, R // 4)), Float32)
-            rQf.store(q)
-            rKf.store(k)
+        rQf = cute.make_rmem_tensor(cute.make_layout((4, 2)), Float32)
+        rKf = cute.make_rmem_tensor(cute.make_layout((4, 2)), Float32)
+        rQf.store(q)
+        rKf.store(k)
         if const_expr(red is None):
             qk = self.lane_sum([(q * k).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)])[0]
         beta = activate_beta(rB[0].to(Float32), gate.beta_sigmoid, gate.allow_neg_eigval)
 
-        # S <- diag(α) S over the lane's K rows (α = exp of the log-gate or of its in-kernel activation)
-        for i in cutlass.range_constexpr(R):
+        # S <- diag(α) S over the lane's 8 K rows (α = exp of the log-gate or of its in-kernel activation)
+        for i in cutlass.range_constexpr(8):
             x = rG[i % 4, i // 4].to(Float32)
             if const_expr(gate.form != "none"):
                 if const_expr(gate.has_dt_bias):
                     x = x + rBias[i % 4, i // 4]
                 x = activate_gate(gate.form, x, a_scale, lower_bound)
             alpha = cute.math.exp(x, fastmath=True)
-            for p in cutlass.range_constexpr(R):
+            for p in cutlass.range_constexpr(8):
                 for e in cutlass.range_constexpr(VEC):
                     if const_expr(self.element(e, p)[0] == i):
                         rS[e, p] = alpha * rS[e, p]
@@ -518,11 +468,11 @@ class KdaDecode:
         # kᵀS and qᵀS of the decayed state: the lane's rows, then (V-first) the 16 lanes of its column group or
         # (K-first) the warp's 4 row groups and the 4 warps
         part = [Float32(0.0)] * (2 * VC)
-        for p in cutlass.range_constexpr(R):
+        for p in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(VEC):
                 i, j = self.element(e, p)
-                part[j] = part[j] + self.row_f32(rKf, i) * rS[e, p]
-                part[VC + j] = part[VC + j] + self.row_f32(rQf, i) * rS[e, p]
+                part[j] = part[j] + rKf[i % 4, i // 4] * rS[e, p]
+                part[VC + j] = part[VC + j] + rQf[i % 4, i // 4] * rS[e, p]
         if const_expr(red is None):
             sums = self.lane_sum(part)
         else:  # K-first: the warp's 32 rows (with q·k), then the 4 warps' sums through shared memory
@@ -532,10 +482,10 @@ class KdaDecode:
 
         # v' = β (v - kᵀS);  S += k v'ᵀ;  o = scale (qᵀS + (q·k) v'), the read of the updated state
         vnew = [beta * (rV[j].to(Float32) - sums[j]) for j in range(VC)]
-        for p in cutlass.range_constexpr(R):
+        for p in cutlass.range_constexpr(8):
             for e in cutlass.range_constexpr(VEC):
                 i, j = self.element(e, p)
-                rS[e, p] = rS[e, p] + self.row_f32(rKf, i) * vnew[j]
+                rS[e, p] = rS[e, p] + rKf[i % 4, i // 4] * vnew[j]
         if const_expr(red is None):
             self.store_output(mO, sums[VC:], qk, vnew, scale, b, tok, hv, col0, stores_o)
         else:  # K-first: a line group's first warp (its row group 0 holds each column once) gathers qᵀS and q·k and
@@ -551,7 +501,7 @@ class KdaDecode:
     @cute.jit
     def load_token(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                    frags: tuple, b: Int32, tok: Int32, h: Int32, hv: Int32, col0: Int32, bases: tuple, red):
-        """Issue the loads of token ``tok``'s q, k, g (the lane's K rows), v (its columns) and β into ``frags``
+        """Issue the loads of token ``tok``'s q, k, g (the lane's 8 K rows), v (its columns) and β into ``frags``
         (K-first with the L2 norm: also the warp's view of q and k)."""
         qk_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=64)
         g_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), mG.element_type,
@@ -564,17 +514,15 @@ class KdaDecode:
                 cute.copy(qk_atom, cute.local_tile(mQ[b, tok, h, None], (4,), piece), rQ[None, p])
                 cute.copy(qk_atom, cute.local_tile(mK[b, tok, h, None], (4,), piece), rK[None, p])
                 cute.copy(g_atom, cute.local_tile(mG[b, tok, hv, None], (4,), piece), rG[None, p])
-        else:  # rows bases[0] .. bases[0] + rows - 1 are contiguous: 16-byte vectors of 8 rows of q, of k, of bf16
-            # g (fp32 g: of 4 rows)
+        else:  # rows bases[0] .. bases[0] + 7 are contiguous: one 16-byte vector of q, of k, of bf16 g (fp32 g: two)
             row_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-            for m in cutlass.range_constexpr(self.rows // 8):
-                piece = (bases[0] // 8 + m,)
-                cute.copy(row_atom, cute.local_tile(mQ[b, tok, h, None], (8,), piece), self.rows_of(rQ, m))
-                cute.copy(row_atom, cute.local_tile(mK[b, tok, h, None], (8,), piece), self.rows_of(rK, m))
-                if const_expr(mG.element_type.width == 16):
-                    cute.copy(row_atom, cute.local_tile(mG[b, tok, hv, None], (8,), piece), self.rows_of(rG, m))
-            if const_expr(mG.element_type.width != 16):
-                for p in cutlass.range_constexpr(self.rows // 4):
+            piece = (bases[0] // 8,)
+            cute.copy(row_atom, cute.local_tile(mQ[b, tok, h, None], (8,), piece), self.flat(rQ))
+            cute.copy(row_atom, cute.local_tile(mK[b, tok, h, None], (8,), piece), self.flat(rK))
+            if const_expr(mG.element_type.width == 16):
+                cute.copy(row_atom, cute.local_tile(mG[b, tok, hv, None], (8,), piece), self.flat(rG))
+            else:
+                for p in cutlass.range_constexpr(2):
                     cute.copy(g_atom, cute.local_tile(mG[b, tok, hv, None], (4,), (bases[p] // 4,)), rG[None, p])
             if const_expr(self.warp_norms):
                 lane = red[3]
@@ -585,17 +533,14 @@ class KdaDecode:
 
     def lane_layout(self, warp_idx, lane, vb) -> tuple:
         """``(r, col0, bases)`` of a lane: its K-row group ``r``, its first value column ``col0`` (its columns are
-        ``col0 .. col0 + cols - 1``) and the K rows of its row index ``i`` (0 .. rows - 1), ``bases[i // 4] + i % 4``.
+        ``col0 .. col0 + cols - 1``) and the K rows of its row index ``i`` (0..7), ``bases[i // 4] + i % 4``.
         Plain arithmetic: the kernel calls it on device values, the tests on Python ints.
 
         V-first: the 16 lanes ``r = l % 16`` of each column group (``l // 16``) hold rows ``4 r ..`` and
         ``64 + 4 r ..`` (fp32) or ``8 r ..`` (bf16): each instruction reads 256 contiguous bytes of each of two
         columns. K-first: 8 lanes per 128-byte line, lane ``l`` of warp ``w`` holds rows ``32 w + 8 (l // 8) ..
         + 7`` and the 16 bytes at ``(l % 8) · vec`` of the CTA's line of each: instruction ``p`` reads rows
-        ``32 w + 8 r + p`` (r = 0..3), four whole lines. Whole columns (``k_first_columns`` = 64 or 128 bytes of a
-        row per warp, C columns): warp ``w`` holds columns ``C w ..``, ``pieces`` = 4 or 8 lanes per row, lane ``l``
-        the 16 bytes at ``(l % pieces) · vec`` of rows ``R (l // pieces) ..`` (R = 16 or 32 contiguous rows):
-        instruction ``p`` reads rows ``R r + p`` (8 half lines or 4 lines)."""
+        ``32 w + 8 r + p`` (r = 0..3), four whole lines."""
         VC = self.cols
         if self.config.state_v_first:
             r = lane % 16
@@ -604,13 +549,6 @@ class KdaDecode:
                 bases = (4 * r, 64 + 4 * r)
             else:  # bf16: rows 8r .. 8r + 7, one 16-byte vector
                 bases = (8 * r, 8 * r + 4)
-        elif self.config.k_first_columns:  # warp w: columns C w .. C w + C - 1 of all 128 rows; its lanes' pieces
-            # (l % pieces) of a row's C columns, their rows R r .. R r + R - 1 (row group r = l // pieces)
-            pieces = self.warp_cols // VC
-            r = lane // pieces
-            col0 = vb * self.block_v + warp_idx * self.warp_cols + (lane % pieces) * VC
-            row0 = self.rows * r
-            bases = tuple(row0 + 4 * i for i in range(self.rows // 4))
         else:  # line group warp_idx // 4, its rows 32 (warp_idx % 4) ..
             r = lane // 8
             col0 = vb * self.block_v + (warp_idx // K_FIRST_ROW_WARPS) * self.line_cols + (lane % 8) * VC
@@ -628,30 +566,14 @@ class KdaDecode:
         """Whether thread ``tidx`` (row group ``r``) writes o: one lane per column. V-first: row group 0 of each
         column group; K-first: row group 0 of each line group's first warp (lanes 0..7 of warps 0, 4, ...: the 4
         warps of a line group hold the same columns)."""
-        if not self.exchanges:  # (V-first, whole columns: row group 0 of each warp)
+        if self.config.state_v_first:
             return r == 0
         return tidx % (32 * K_FIRST_ROW_WARPS) < 8
-
-    @staticmethod
-    def row_f32(frag: cute.Tensor, i: int):
-        """Row ``i`` of a ``(4, rows / 4)`` row fragment (rows ``bases[p] + e`` at ``(e, p)``) as fp32."""
-        x = frag[i % 4, i // 4]
-        if frag.element_type is not Float32:
-            x = x.to(Float32)
-        return x
 
     @staticmethod
     def flat(frag: cute.Tensor) -> cute.Tensor:
         """A register fragment as one flat mode (a (4, 2) row fragment as its 8 rows in order)."""
         return cute.make_tensor(frag.iterator, cute.make_layout(cute.size(frag)))
-
-    @staticmethod
-    def rows_of(frag: cute.Tensor, m: int) -> cute.Tensor:
-        """Rows ``8 m .. 8 m + 7`` of a ``(4, rows / 4)`` row fragment as one flat mode in order (the whole of an
-        8-row fragment: :meth:`flat`)."""
-        if m == 0 and cute.size(frag) == 8:
-            return KdaDecode.flat(frag)
-        return cute.make_tensor(frag.iterator + 8 * m, cute.make_layout(8))
 
     def exchange_shape_stride(self) -> tuple:
         """K-first: shape and strides (fp32 elements) of the warps' column sums in shared memory, modes ``(e, m, c,
@@ -732,7 +654,7 @@ class KdaDecode:
             cute.copy(o_atom, rO, cute.local_tile(mO[b, tok, hv, None], (VC,), (col0 // VC,)))
 
     def element(self, e: int, p: int) -> tuple[int, int]:
-        """(K row index among the lane's ``rows``, column among its ``cols``) of state vector ``p``'s element ``e``."""
+        """(K row index among the lane's 8, column among its ``cols``) of state vector ``p``'s element ``e``."""
         if self.config.state_v_first:  # vectors along K: column p // per_column, rows of piece p % per_column
             per_column = 8 // self.vec
             return (p % per_column) * self.vec + e, p // per_column
@@ -740,13 +662,12 @@ class KdaDecode:
 
     @staticmethod
     def row(i: int, bases: tuple):
-        """The K row of the lane's row index ``i`` (0 .. rows - 1): rows ``bases[0] + 0..3``, then ``bases[1] + 0..3``,
-        ..."""
+        """The K row of the lane's row index ``i`` (0..7): rows ``bases[0] + 0..3`` then ``bases[1] + 0..3``."""
         return bases[i // 4] + i % 4
 
     def head_state(self, mState: cute.Tensor, slot: Int32, hv: Int32) -> cute.Tensor:
         """One head's state ``[K, V]`` (or ``[V, K]``) in the pool, its row stride static (the pool's last two modes
-        are compact, which the wrapper checks): the lane's vectors are then immediate offsets of one address."""
+        are compact, which the wrapper checks): the lane's 8 vectors are then immediate offsets of one address."""
         K = self.config.head_dim
         head = mState[slot, hv, None, None]
         return cute.make_tensor(head.iterator, cute.make_layout((K, K), stride=(K, 1)))
@@ -764,7 +685,7 @@ class KdaDecode:
                     bases: tuple):
         """Write the lane's fp32 state ``rS`` (rounded to the pool's dtype) into one head of the pool."""
         rRaw.store(rS.load().to(rRaw.element_type))
-        for p in cutlass.range_constexpr(self.rows):
+        for p in cutlass.range_constexpr(8):
             cute.copy(s_atom, rRaw[None, p], self.state_vector(head, p, col0, bases))
 
     def lane_sum(self, values: list, masks: tuple | None = None) -> list:
