@@ -98,10 +98,8 @@ def _int32(x: object) -> object:
     one on its values, a GPU one on its identity and version: :mod:`cula_runtime.index`), so that cuLA's caches see
     one tensor per ``cu_seqlens``; anything else as it is (the validator judges it). Not cached while a CUDA graph
     is captured (the copy would be filled only when the graph is replayed)."""
-    if x.__class__ is not _Tensor or x.dtype != torch.int64:
-        return x
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return x.to(torch.int32)
+    if x.__class__ is not _Tensor or x.dtype != torch.int64 or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return _int32_each_call(x)
     return cached_on_version("int32 copy of an FLA index", x, None, lambda: x.to(torch.int32))
 
 

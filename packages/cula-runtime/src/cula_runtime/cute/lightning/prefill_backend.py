@@ -43,9 +43,9 @@ FLA in ``benchmarks/results/lightning_h200.md``. The direct form and kernel C's 
 ``lightning_prefill_bench_h100.md``. Its half-V CTAs (V block 64): on sm_90 (a lent H100, 2026-12-07, thirty-second
 session): the same GPU tests, compute-sanitizer and 10^5 replays, timed in ``lightning_prefill_forms_ab_h100.md``.
 The final states from kernel C over segments: on sm_90 (a lent H100, 2026-12-07, thirty-fifth session) the forms
-test against float64 on 16 cases and compute-sanitizer at ``prefill-large``, before it became the only form (the
-whole Lightning GPU suite has not yet run on it). Compiled for sm_100a and sm_103a in CI, where no GPU has run
-them.
+test against float64 on 16 cases and compute-sanitizer at ``prefill-large``, before it became the only form; the
+whole Lightning GPU suite and compute-sanitizer at ``prefill-large-pool`` after (thirty-sixth session). Compiled for
+sm_100a and sm_103a in CI, where no GPU has run them.
 """
 
 from __future__ import annotations
