@@ -39,7 +39,7 @@ __all__ = [
     "check_chunk_size",
     "check_cu_seqlens_values",
     "checked_cu_seqlens_host", "checked_cu_seqlens_values", "cached_on_version", "clear_index_cache",
-    "host_values_key",
+    "host_values_key", "is_integer_dtype",
 ]
 
 _CACHE_CAPACITY = 128  # entries; a cu_seqlens tensor takes up to six (its checked copy twice, index tensors)
@@ -56,10 +56,15 @@ def check_chunk_size(chunk_size: object) -> int:
     return chunk_size
 
 
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers (signed or unsigned; not ``bool``): what an index tensor may be."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def _check_cu_seqlens_tensor(cu_seqlens: object) -> torch.Tensor:
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+    if not is_integer_dtype(cu_seqlens.dtype):
         raise TypeError(f"cu_seqlens must be an integer tensor (torch.int32), got {cu_seqlens.dtype}")
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D with N+1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}")

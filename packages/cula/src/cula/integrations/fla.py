@@ -55,7 +55,7 @@ except ImportError as error:  # (no FLA, or one older than its backend registry)
     raise ImportError('cula.integrations.fla needs FLA\'s backend registry (fla-core >= 0.6.0): pip install '
                       '"fla-core>=0.6.0"') from error
 
-from cula_runtime.index import cached_on_version
+from cula_runtime.index import cached_on_version, is_integer_dtype
 from cula_runtime.kda_args import validate_kda_prefill
 from cula_runtime.kda_decode_args import validate_kda_decode
 
@@ -221,8 +221,8 @@ def _more_than_one_token(q: torch.Tensor, cu_seqlens: object, N: int) -> bool:
         return q.shape[1] > 1
     if q.shape[1] > N:
         return True
-    integral = not (cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool)
-    if cu_seqlens.device.type == "cpu" and integral and cu_seqlens.ndim == 1 and cu_seqlens.numel() > 1:
+    if (cu_seqlens.device.type == "cpu" and is_integer_dtype(cu_seqlens.dtype) and cu_seqlens.ndim == 1
+            and cu_seqlens.numel() > 1):
         return bool((cu_seqlens[1:] - cu_seqlens[:-1]).max() > 1)
     return False  # (a cu_seqlens cuLA's checks refuse is declined by them)
 
