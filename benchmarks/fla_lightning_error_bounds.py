@@ -19,7 +19,7 @@ FLA's calls, on exactly the cases' inputs (the same bf16 q/k/v, the same decays)
   state_v_first=, cu_seqlens=int64)``;
 - a pool call in FLA's dense form (FLA 0.6.0 has no state pool): h0 = each sequence's start state gathered from the
   pool (zeros for padding rows and where ``has_initial_state`` is False: ``lightning_cases.start_states``); o of a
-  decode's padding rows set to zero (what the contract gives them) before its error is taken; the state error on the
+  pool call's padding rows set to zero (what the contract gives them) before its error is taken; the state error on the
   slots the call writes, FLA's final states rounded to the pool's dtype against the oracle's pool (as the tests
   measure cuLA's pool).
 Errors: rel. L2 against ``lightning_naive`` in float64 (``lightning_cases.oracle``). A non-finite FLA output (FLA's
@@ -82,7 +82,7 @@ def case_errors(case: lc.LightningCase, kwargs: dict, o: torch.Tensor, states: t
     pool (FLA never writes it)."""
     o_ref, states_ref = lc.oracle(case, kwargs, final_state=True)
     o = o.detach().cpu().double().clone()
-    if case.op == "decode" and case.pool:
+    if case.pool:
         starts = lc.bounds_of(None if case.lens is None else list(case.lens), case.B, case.T)
         flat = o.view(case.B * case.T, *o.shape[2:])
         for n, slot in enumerate(case.indices):

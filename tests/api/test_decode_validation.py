@@ -70,9 +70,13 @@ def indices_in_the_pool() -> dict:
     return dict(kwargs, state_indices=indices)
 
 
-def inference_pool() -> torch.Tensor:
+def inference_tensor(*shape: int) -> torch.Tensor:
     with torch.inference_mode():
-        return torch.zeros(P, HV, K, V)
+        return torch.zeros(*shape)
+
+
+def inference_pool() -> torch.Tensor:
+    return inference_tensor(P, HV, K, V)
 
 
 BAD_DECODE = {
@@ -156,6 +160,16 @@ BAD_DECODE = {
                         ["state and out share memory"]),
     "v-in-the-pool": (aliased(decode(), "v", "state"), ValueError, ["state and v share memory", "writes state"]),
     "indices-in-the-pool": (indices_in_the_pool(), ValueError, ["state and state_indices share memory"]),
+    # out is written in place too: refused before the pool is touched
+    "out-requires-grad": (decode(out=torch.zeros(B, T, HV, V, requires_grad=True)), ValueError,
+                          ["out", "must not require grad"]),
+    "out-inference-tensor": (decode(out=inference_tensor(B, T, HV, V)), ValueError, ["out", "inference_mode"]),
+    # dense tensors only; a scale past float's range is a bad value, not an OverflowError
+    "q-sparse": (decode(q=decode()["q"].to_sparse()), TypeError, ["q must be a dense (strided) tensor"]),
+    "out-sparse": (decode(out=torch.zeros(B, T, HV, V).to_sparse()), TypeError, ["out must be a dense"]),
+    "indices-sparse": (decode(state_indices=_i32([0, 3, -1]).to_sparse()), TypeError,
+                       ["state_indices must be a dense"]),
+    "scale-past-float": (decode(scale=10**400), ValueError, ["scale must be a finite positive", "as a float: inf"]),
 }
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -234,6 +236,12 @@ DECODE_ERRORS = [
      r"^out and q share memory, and the call writes out in place"),
     ("out-in-the-pool", in_the_pool(decode_kwargs(out=torch.empty(B, T, H, V)), "out"), ValueError,
      r"^state and out share memory"),
+    ("out-requires-grad", decode_kwargs(out=torch.empty(B, T, H, V, requires_grad=True)), ValueError,
+     r"out is written in place and must not require grad"),
+    ("g-gamma-sparse", decode_kwargs(g_gamma=torch.tensor([0.0, -1.0, -2.0]).to_sparse()), TypeError,
+     r"g_gamma must be a dense \(strided\) tensor, got layout torch\.sparse_coo"),
+    ("scale-tiny-fraction", decode_kwargs(scale=Fraction(1, 10**400)), ValueError,
+     r"scale must be a finite positive float .* \(as a float: 0\.0\)"),
 ]
 
 

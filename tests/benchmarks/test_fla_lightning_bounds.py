@@ -62,8 +62,8 @@ def test_flas_arguments_name_its_0_6_0_parameters(case: lc.LightningCase) -> Non
 
 @pytest.mark.parametrize("case", lc.CASES, ids=[c.name for c in lc.CASES])
 def test_the_fp64_recurrence_as_fla_measures_near_zero(case: lc.LightningCase) -> None:
-    """(a decode's padding rows: the stand-in computes them from a zero state, the script zeroes them as the contract
-    does; a bf16 pool: both sides rounded alike)"""
+    """(a pool call's padding rows: the stand-in computes them from a zero state, the script zeroes them as the
+    contract does; a bf16 pool: both sides rounded alike)"""
     err_o, err_states = script.measure(case, STAND_INS, "cpu")
     assert 0 <= err_o < 1e-12 and 0 <= err_states < 1e-12
 

@@ -141,7 +141,17 @@ def test_pool_prefill_matches_the_per_sequence_oracle(backend: str, case: lc.Lig
     torch.cuda.synchronize()
     assert none is None
     _check_o(case, o, o_ref)
+    _check_padding_rows_zero(case, o)
     _check_pool(pool, expected, case.written(), before, lc.bound(case.name, 1), case.name)
+
+
+def _check_padding_rows_zero(case: lc.LightningCase, o: torch.Tensor) -> None:
+    """A pool call's padding rows (a slot outside the pool) have outputs exactly zero (KDA_SPEC §10)."""
+    starts = lc.bounds_of(None if case.lens is None else list(case.lens), case.B, case.T)
+    flat = o.cpu().reshape(case.B * case.T, H, V)
+    for n, slot in enumerate(case.indices):
+        if not 0 <= slot < lc.POOL_SLOTS:
+            assert (flat[starts[n]:starts[n + 1]] == 0).all(), f"padding row {n} has non-zero outputs"
 
 
 FORM_CASES = [*lc.PREFILL_CASES, *lc.POOL_PREFILL_CASES]
@@ -185,6 +195,7 @@ def test_both_prefill_forms_match_fp64(form: str, case: lc.LightningCase) -> Non
     _check_o(case, o, o_ref)
     if case.pool:
         assert ht is None
+        _check_padding_rows_zero(case, o)
         _check_pool(kwargs["state"], expected, case.written(), before, lc.bound(case.name, 1), case.name)
     else:
         assert ht.dtype == torch.float32 and torch.isfinite(ht).all()
@@ -308,11 +319,7 @@ def test_decode_matches_the_per_sequence_oracle(backend: str, case: lc.Lightning
     o = lightning_decode(**kwargs)
     torch.cuda.synchronize()
     _check_o(case, o, o_ref)
-    starts = lc.bounds_of(None if case.lens is None else list(case.lens), case.B, case.T)
-    flat = o.cpu().reshape(case.B * case.T, H, V)
-    for n, slot in enumerate(case.indices):
-        if not 0 <= slot < lc.POOL_SLOTS:
-            assert (flat[starts[n]:starts[n + 1]] == 0).all(), f"padding row {n} has non-zero outputs"
+    _check_padding_rows_zero(case, o)
     _check_pool(pool, expected, case.written(), before, lc.bound(case.name, 1), case.name)
 
 

@@ -50,8 +50,8 @@ def pool_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_gamma: torc
     Sequence ``n`` (``lens``: packed lengths, or None: ``B`` rows of ``T``) reads slot ``indices[n]`` when it is in
     ``[0, P)`` (zeros where ``has_initial_state[n]`` is False), runs alone through ``lightning_naive`` and its final
     state (rounded to the pool's dtype) replaces the slot; a decode call's sequence of no tokens writes nothing. A
-    slot outside ``[0, P)`` is padding: nothing read or written; its outputs are zeros (``decode``) or computed from a
-    zero state (prefill). Every other slot keeps its bits."""
+    slot outside ``[0, P)`` is padding: nothing read or written, its outputs zeros (KDA_SPEC §10). Every other slot
+    keeps its bits."""
     B, T, H = q.shape[0], q.shape[1], q.shape[2]
     V = v.shape[3]
     P = pool.shape[0]
@@ -62,16 +62,15 @@ def pool_oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_gamma: torc
     bounds = bounds_of(lens, B, T)
     for n, slot in enumerate(indices):
         begin, end = bounds[n], bounds[n + 1]
-        padding = not 0 <= slot < P
-        if padding and decode:
-            continue
+        if not 0 <= slot < P:
+            continue  # (padding)
         h0 = None
-        if not padding and (has_initial_state is None or has_initial_state[n]):
+        if has_initial_state is None or has_initial_state[n]:
             h0 = expected[slot].double().unsqueeze(0)
         o_n, ht = lightning_naive(_sequence(q, begin, end), _sequence(k, begin, end), _sequence(v, begin, end),
                                   g_gamma, scale=scale, initial_state=h0, output_final_state=True,
                                   state_v_first=v_first)
         o[begin:end] = o_n[0]
-        if not padding and not (decode and end == begin):
+        if not (decode and end == begin):
             expected[slot] = ht[0].to(pool.dtype)
     return o.view(B, T, H, V), expected

@@ -16,7 +16,7 @@ from cula_runtime.lightning_args import layer_g_gamma, validate_lightning_decode
 from cula_runtime.reference.lightning import lightning_naive
 from cula_runtime.reference.lightning_backend import lightning_decode_reference, lightning_prefill_reference
 from tests.helpers import rel_l2
-from tests.reference.lightning_pool_oracle import make_inputs, make_pool, pool_oracle
+from tests.reference.lightning_pool_oracle import bounds_of, make_inputs, make_pool, pool_oracle
 
 H, K, V = 4, 16, 8
 FP32_BOUND = 2e-5  # the fp32 reference against fp64 (fp32 inputs)
@@ -132,13 +132,24 @@ def test_pool_prefill_matches_the_per_sequence_oracle(name: str, v_first: bool, 
                                 state_v_first=v_first, state=pool, state_indices=_i32(case["indices"]),
                                 has_initial_state=None if has is None else torch.tensor(has))
     assert none is None
-    assert rel_l2(o, o_ref) <= FP32_BOUND  # (padding rows' outputs: from a zero state, as the oracle's)
+    assert rel_l2(o, o_ref) <= FP32_BOUND
+    _check_padding_rows_zero(o, case["indices"], lens, 7)
     _check_pool(pool, expected, case["indices"], before)
+
+
+def _check_padding_rows_zero(o: torch.Tensor, indices: list[int], lens: list[int] | None, P: int) -> None:
+    """The outputs of every padding row (a slot outside ``[0, P)``) are exactly zero (KDA_SPEC §10)."""
+    B, T = o.shape[:2]
+    bounds = bounds_of(lens, B, T)
+    flat = o.reshape(B * T, *o.shape[2:])
+    for n, slot in enumerate(indices):
+        if not 0 <= slot < P:
+            assert bool((flat[bounds[n]:bounds[n + 1]] == 0).all()), f"padding row {n} has non-zero outputs"
 
 
 def test_pool_prefill_slot_past_the_pool_is_padding_in_the_backend() -> None:
     """What a GPU call's out-of-pool slot does (the CPU validator refuses it): the reference backend treats it as
-    padding, nothing read or written, its outputs from a zero state."""
+    padding, nothing read or written, its outputs zeros."""
     q, k, v = make_inputs(2, 9, H, K, V, seed=8)
     pool = make_pool(3, H, K, V, v_first=False)
     before = pool.clone()
@@ -147,6 +158,7 @@ def test_pool_prefill_slot_past_the_pool_is_padding_in_the_backend() -> None:
     o, _ = lightning_prefill_reference(args)
     o_ref, expected = pool_oracle(q, k, v, STEEP, None, before, [1, 3], None, v_first=False, decode=False)
     assert rel_l2(o, o_ref) <= FP32_BOUND
+    _check_padding_rows_zero(o, [1, 3], None, 3)
     _check_pool(pool, expected, [1, 3], before)
 
 

@@ -153,8 +153,11 @@ def real_number(x: object) -> bool:
 
 
 def _tensor(name: str, x: object) -> torch.Tensor:
+    """``x`` if it is a dense (strided) tensor; ``TypeError`` naming it otherwise (sparse layouts included)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type_name(x)}")
+    if x.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {x.layout}")
     return x
 
 
@@ -188,10 +191,11 @@ def check_flags(names: tuple[str, ...], flags: tuple[object, ...]) -> None:
 
 
 def check_input_types(q: object, k: object, v: object, g: object, beta: object) -> None:
-    """``TypeError`` naming the first of q, k, v, g, beta that is not a tensor."""
-    Tensor = torch.Tensor
+    """``TypeError`` naming the first of q, k, v, g, beta that is not a dense (strided) tensor."""
+    Tensor, strided = torch.Tensor, torch.strided
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor) and isinstance(g, Tensor)
-            and isinstance(beta, Tensor)):
+            and isinstance(beta, Tensor) and q.layout is strided and k.layout is strided and v.layout is strided
+            and g.layout is strided and beta.layout is strided):
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
             _tensor(name, x)
 
@@ -246,8 +250,7 @@ def check_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     for name, x in (*checked, *optional):
         if x is None:
             continue
-        if not isinstance(x, torch.Tensor):
-            _tensor(name, x)
+        _tensor(name, x)
         if x.device != device:
             raise ValueError(f"{name} must be on q's device ({device}), got {x.device}")
 
@@ -258,9 +261,14 @@ def check_scale(scale: object, K: int) -> float:
         return K**-0.5
     if not real_number(scale):
         raise TypeError(f"scale must be a float or None (default K**-0.5), got {type_name(scale)}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite positive float or None (default K**-0.5), got {scale}")
-    return float(scale)
+    try:
+        value = float(scale)
+    except OverflowError:  # (an int or Fraction past float's range)
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be a finite positive float or None (default K**-0.5), got {scale}"
+                         + ("" if value == scale else f" (as a float: {value})"))
+    return value
 
 
 def check_cu_seqlens_shape(cu_seqlens: torch.Tensor, B: int) -> int:
@@ -294,9 +302,11 @@ def check_decode_cu_seqlens(cu_seqlens: torch.Tensor | None, B: int, T: int) -> 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor, shape: tuple[int, ...], dims: str) -> None:
     """``out`` (None, or written in place): q's dtype, ``shape`` (``dims`` names it, e.g. ``"[B, T, HV, V]"``),
-    contiguous."""
+    contiguous, writable (:func:`check_writable`: checked before the pool is touched, so a refused ``out`` leaves the
+    states as they were)."""
     if out is None:
         return
+    check_writable("out", out)
     if out.dtype != q.dtype:
         raise TypeError(f"out must have the dtype of q ({q.dtype}), got {out.dtype}")
     if out.shape != shape:

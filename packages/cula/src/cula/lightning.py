@@ -82,7 +82,7 @@ def lightning_prefill(
             ``state_indices[n]`` and its final state (rounded to the pool's dtype) is written back there; the other
             slots are untouched. Exclusive with ``initial_state`` and ``output_final_state=True`` (``ValueError``).
         state_indices: int32 ``[N]`` on q's device, with ``state``. A negative index is a padding row: nothing is
-            read or written for it (its outputs are computed from a zero state). An index ``>= P`` or a slot named
+            read or written for it, and its outputs are zeros. An index ``>= P`` or a slot named
             twice is refused (``ValueError``) for CPU tensors; on a GPU the values are not read by the validator and
             an index ``>= P`` is padding.
         has_initial_state: optional bool ``[N]`` on q's device, with ``state``: where False, sequence ``n`` starts

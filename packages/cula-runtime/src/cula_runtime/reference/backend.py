@@ -13,11 +13,11 @@ import torch
 
 from ..kda_args import KdaPrefillArgs, sequence_lengths
 from ..kda_decode_args import KdaDecodeArgs
-from ..state_pool import pool_slots
+from ..state_pool import PoolSlots, pool_slots
 from .kda_chunked import kda_chunked
 from .kda_decode import kda_decode_reference
 
-__all__ = ["verify", "kda_prefill_reference", "verify_decode", "kda_decode_reference"]
+__all__ = ["verify", "kda_prefill_reference", "verify_decode", "kda_decode_reference", "zero_padding_rows"]
 
 NAME = "reference"
 
@@ -63,14 +63,21 @@ def prefill_into_pool(args: KdaPrefillArgs) -> tuple[torch.Tensor, None]:
     kwargs = args.reference_kwargs()
     kwargs.update(initial_state=h0, output_final_state=True)
     o, ht = kda_chunked(**kwargs)
-    if active:
-        index = torch.tensor([slots.final[n] for n in active], dtype=torch.int64, device=device)
-        state.index_copy_(0, index, ht[active].to(state.dtype))
-    bounds = None if args.cu_seqlens_host is None else args.cu_seqlens_host.tolist()
-    for n in range(N):
-        if slots.start[n] < 0:
+    # a sequence of no tokens that read its slot leaves it as it was (an fp64 pool's state went through fp32 here)
+    written = [n for n in active if lens[n] > 0 or not has[n]]
+    if written:
+        index = torch.tensor([slots.final[n] for n in written], dtype=torch.int64, device=device)
+        state.index_copy_(0, index, ht[written].detach().to(state.dtype))  # (a pool holds no graph)
+    zero_padding_rows(o, slots, None if args.cu_seqlens_host is None else args.cu_seqlens_host.tolist())
+    return o, None
+
+
+def zero_padding_rows(o: torch.Tensor, slots: PoolSlots, bounds: list[int] | None) -> None:
+    """Zero a pool call's outputs ``o`` ``[B, T, heads, V]`` on its padding rows (start slot -1; KDA_SPEC §10):
+    ``o[n]`` of a fixed batch, or tokens ``bounds[n]:bounds[n + 1]`` of a packed one (``bounds``: cu_seqlens)."""
+    for n, slot in enumerate(slots.start):
+        if slot < 0:
             if bounds is None:
                 o[n] = 0
             else:
                 o[0, bounds[n]:bounds[n + 1]] = 0
-    return o, None

@@ -28,7 +28,7 @@ def _write(state: torch.Tensor, slots: list[int], S: torch.Tensor, v_first: bool
     """Store the K-first states ``S`` ``[len(slots), HV, K, V]`` in the pool's slots, rounded to its dtype."""
     values = S.transpose(-1, -2) if v_first else S
     index = torch.tensor(slots, dtype=torch.int64, device=state.device)
-    state.index_copy_(0, index, values.to(state.dtype))
+    state.index_copy_(0, index, values.detach().to(state.dtype))  # (a pool holds no graph)
 
 
 def kda_decode_reference(args: KdaDecodeArgs, *, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:

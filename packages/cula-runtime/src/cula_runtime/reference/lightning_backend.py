@@ -21,6 +21,7 @@ import torch
 from ..index import checked_cu_seqlens_host
 from ..kda_args import sequence_lengths
 from ..lightning_args import LightningDecodeArgs, LightningPrefillArgs, lightning_pool_slots
+from .backend import zero_padding_rows
 from .lightning import lightning_chunked
 
 __all__ = ["verify_lightning_prefill", "lightning_prefill_reference", "verify_lightning_decode",
@@ -62,9 +63,10 @@ def lightning_prefill_reference(args: LightningPrefillArgs) -> tuple[torch.Tenso
 def _prefill_into_pool(args: LightningPrefillArgs) -> tuple[torch.Tensor, None]:
     """All sequences in one :func:`lightning_chunked` call from the start states gathered from the pool (zeros for
     padding rows and where ``has_initial_state`` is False); the final states of the rows that are not padding
-    scattered back, rounded to the pool's dtype."""
+    scattered back, rounded to the pool's dtype; the padding rows' outputs zeros."""
     state, N, device = args.state, args.N, args.device
-    lens = sequence_lengths(N, args.T, _host_bounds(args.cu_seqlens, args.T))
+    cu_host = _host_bounds(args.cu_seqlens, args.T)
+    lens = sequence_lengths(N, args.T, cu_host)
     slots = lightning_pool_slots(args.state_indices, lens, state.shape[0], strict=False)
     has = [True] * N if args.has_initial_state is None else args.has_initial_state.tolist()
     active = slots.active
@@ -77,7 +79,8 @@ def _prefill_into_pool(args: LightningPrefillArgs) -> tuple[torch.Tensor, None]:
                               output_final_state=True, cu_seqlens=args.cu_seqlens, state_v_first=args.state_v_first)
     if active:
         index = torch.tensor([slots.final[n] for n in active], dtype=torch.int64, device=device)
-        state.index_copy_(0, index, ht[active].to(state.dtype))
+        state.index_copy_(0, index, ht[active].detach().to(state.dtype))  # (a pool holds no graph)
+    zero_padding_rows(o, slots, None if cu_host is None else cu_host.tolist())
     return o, None
 
 
@@ -123,7 +126,7 @@ def lightning_decode_reference(args: LightningDecodeArgs, *, compute_dtype: torc
             S[:running] = S_t
         values = S.transpose(-1, -2) if args.state_v_first else S
         slot_index = torch.tensor([slots.final[n] for n in rows], dtype=torch.int64, device=device)
-        args.state.index_copy_(0, slot_index, values.to(args.state.dtype))
+        args.state.index_copy_(0, slot_index, values.detach().to(args.state.dtype))  # (a pool holds no graph)
         done = [(r, t) for r, n in enumerate(rows) for t in range(lens[n])]
         o[[positions[r][t] for r, t in done]] = outputs[[r for r, _ in done], [t for _, t in done]]
 

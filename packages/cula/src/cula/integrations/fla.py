@@ -93,6 +93,9 @@ def register() -> None:
     _fla_register("kda")(CulaBackend)
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _int32(x: object) -> object:
     """An int64 ``cu_seqlens`` as an int32 copy, cached as cuLA caches what it derives from ``cu_seqlens`` (a CPU
     one on its values, a GPU one on its identity and version: :mod:`cula_runtime.index`), so that cuLA's caches see
@@ -105,11 +108,13 @@ def _int32(x: object) -> object:
 
 def _int32_each_call(x: object) -> object:
     """An int64 index tensor (slots, accepted counts: new values every step, which a graph replay or a foreign
-    kernel may write without torch's version counter seeing it) as a fresh int32 copy on every call; anything else
-    as it is."""
+    kernel may write without torch's version counter seeing it) as a fresh int32 copy on every call, its values
+    first clamped to ``[-1, 2**31 - 1]`` (on the device: no value is read) so that none wraps onto another slot: a
+    slot past int32 stays past the pool (padding on a GPU, refused on the CPU), a negative one stays padding;
+    anything else as it is."""
     if x.__class__ is not _Tensor or x.dtype != torch.int64:
         return x
-    return x.to(torch.int32)
+    return x.clamp(-1, _INT32_MAX).to(torch.int32)
 
 
 def _state_layout(state_v_first: object, kwargs: dict) -> object:

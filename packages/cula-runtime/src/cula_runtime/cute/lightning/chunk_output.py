@@ -23,7 +23,8 @@ states. **Over segments with final states** (the prefill backend's segments form
 sequence's last segment (``segments[s, 3] != 0``) ends the same way, from its start state in ``seg_state``: its last
 chunk's update decayed by its true length, then ``final_state[n]`` or the pool slot. The accumulator layout reads
 and writes a state as 8-byte pairs where it is V-first (two adjacent k columns),
-as 4-byte elements (32 bytes per 8 lanes) where it is K-first.
+as 4-byte elements (32 bytes per 8 lanes) where it is K-first. In a pool call, every CTA of a padding row (its slot
+outside ``[0, P)``) stores zeros for o, as KDA's pool form does (KDA_SPEC §10).
 
 This is the KDA recurrence's chunk step (:mod:`cula_runtime.cute.kda.recurrence`) with w = 0, u = v, a scalar
 decay and the intra scores made in the kernel. As there, everything is transposed so that the state is the A
@@ -409,6 +410,9 @@ class LightningChunkOutput(ChunkTiles):
         slot = Int32(-1)
         n = mSeg[seg, 0]
         ends = Int32(1)  # the CTA ends its sequence (and writes the final state where there is one)
+        padding = Int32(0)  # a pool call's padding row (its slot outside [0, P)): its outputs are zeros
+        if const_expr(c.state_pool):
+            padding = cutlass.select_(pool_slot(mPool, mStateIdx, n) < 0, Int32(1), Int32(0))
         if const_expr(c.direct):  # the sequence's initial state (or zeros); slot: its pool slot, -1 if none
             slot = self.load_initial_state(thr_mma, tSrS, mH0, mPool, mStateIdx, mHasInit, n, h, vb)
         else:
@@ -467,6 +471,9 @@ class LightningChunkOutput(ChunkTiles):
                                     cute.math.exp2(Float32(chunk_len) * lg, fastmath=True), k_copy)
 
             # ---- o: stage oᵀ over this warp's own v columns (already read), then 16-byte stores of rows < chunk_len
+            if const_expr(c.state_pool):
+                if padding != 0:
+                    accO.fill(0.0)
             rO.store(accO.load().to(BFloat16))
             cute.arch.sync_warp()
             cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
@@ -843,8 +850,8 @@ def direct_output_run(q, k, v, g_gamma, segments, o, scale: float, initial_state
         initial_state: fp32 ``[N, H, K, V]`` (``[N, H, V, K]`` with ``state_v_first``) or None (zeros).
         ht: fp32, ``initial_state``'s layout, to write the final states into, or None.
         pool, state_indices, has_initial_state: a state pool (fp32 or bf16, ``pool_layout_rejection``'s layout),
-            int32 ``[N]`` slots (outside ``[0, P)``: padding, never read or written) and an optional bool ``[N]``
-            (False: start from zeros), instead of ``initial_state`` / ``ht``.
+            int32 ``[N]`` slots (outside ``[0, P)``: padding, never read or written, its rows of o zeros) and an
+            optional bool ``[N]`` (False: start from zeros), instead of ``initial_state`` / ``ht``.
         block_v: value columns per CTA, :data:`BLOCK_V` or :data:`HALF_BLOCK_V` (twice the CTAs; the same bits).
 
     Launched on the current stream; the first call per configuration compiles.

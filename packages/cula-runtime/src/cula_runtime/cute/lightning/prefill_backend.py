@@ -419,7 +419,7 @@ def lightning_prefill_cutedsl_backend(args: LightningPrefillArgs, *, seg_len: in
         ``o`` ``[B, T, H, V]`` in q's dtype, and the fp32 final state in the layout of ``state_v_first`` when
         ``output_final_state`` (else None); with a pool (``args.state``): ``(o, None)``, the pool updated in place
         (each sequence's final state in its slot; a slot outside ``[0, P)`` is padding: not read, not written, its
-        outputs computed from zeros). Launched on the current stream; the intermediate ``seg_state``
+        outputs zeros). Launched on the current stream; the intermediate ``seg_state``
         (``NSEG · H · 64 KB``) lives until the call returns.
     """
     states = _states()
