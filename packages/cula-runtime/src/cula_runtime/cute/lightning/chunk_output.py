@@ -111,7 +111,7 @@ from collections.abc import Callable
 from ..compile_cache import TensorSpec, bound_launch, fake_call_arguments, flag_bytes, launch, missing_cutedsl
 from ..dsl_compat import SmemAllocator
 from ..kda.tiles import ChunkTiles
-from .chunk_states import _STATE_DTYPES, StateIO, pool_slot, read_pool_slot, scan_flags
+from .chunk_states import _STATE_DTYPES, StateIO, load_pool_slot, pool_slot, scan_flags
 
 try:
     import cuda.bindings.driver as cuda
@@ -332,6 +332,11 @@ class LightningChunkOutput(ChunkTiles):
         start = cutlass.max(mSeg[seg, 1], Int32(0))
         length = cutlass.max(cutlass.min(mSeg[seg, 2], rows - start), Int32(0))
         num_chunks = (length + (C - 1)) // C
+        n = mSeg[seg, 0]
+        slot = Int32(-1)  # the sequence's pool slot; -1 outside [0, P) or without a pool
+        if const_expr(c.state_pool):  # a padding row (slot -1): no chunk runs, o gets zeros (after the loop)
+            slot = pool_slot(mPool, mStateIdx, n)
+            num_chunks = cutlass.select_(slot < 0, Int32(0), num_chunks)
 
         # ---- shared memory
         smem = SmemAllocator()
@@ -407,22 +412,15 @@ class LightningChunkOutput(ChunkTiles):
                                          score_word)
 
         # ---- the segment's start state (fp32) into the accumulator layout of Sᵀ
-        slot = Int32(-1)
-        n = mSeg[seg, 0]
         ends = Int32(1)  # the CTA ends its sequence (and writes the final state where there is one)
-        padding = Int32(0)  # a pool call's padding row (its slot outside [0, P)): its outputs are zeros
-        if const_expr(c.state_pool):
-            padding = cutlass.select_(pool_slot(mPool, mStateIdx, n) < 0, Int32(1), Int32(0))
-        if const_expr(c.direct):  # the sequence's initial state (or zeros); slot: its pool slot, -1 if none
-            slot = self.load_initial_state(thr_mma, tSrS, mH0, mPool, mStateIdx, mHasInit, n, h, vb)
+        if const_expr(c.direct):  # the sequence's initial state (or zeros)
+            self.load_initial_state(thr_mma, tSrS, mH0, mPool, slot, mHasInit, n, h, vb)
         else:
             tSgS0 = thr_mma.partition_C(self._state_tile(mS0[seg, h, None, None], vb))
             if num_chunks > 0:
                 tSrS.store(tSgS0.load())
-            if const_expr(c.writes_final_state):  # the sequence's last segment; its pool slot (only written)
+            if const_expr(c.writes_final_state):  # the sequence's last segment (its pool slot only written)
                 ends = cutlass.select_(mSeg[seg, 3] != 0, Int32(1), Int32(0))
-                if const_expr(c.state_pool):
-                    slot = pool_slot(mPool, mStateIdx, n)
 
         for chunk in cutlass.range(num_chunks, unroll=1):
             stage = chunk % 2
@@ -471,9 +469,6 @@ class LightningChunkOutput(ChunkTiles):
                                     cute.math.exp2(Float32(chunk_len) * lg, fastmath=True), k_copy)
 
             # ---- o: stage oᵀ over this warp's own v columns (already read), then 16-byte stores of rows < chunk_len
-            if const_expr(c.state_pool):
-                if padding != 0:
-                    accO.fill(0.0)
             rO.store(accO.load().to(BFloat16))
             cute.arch.sync_warp()
             cute.copy(r2s_C, tCrO_v, tCsO[None, None, None, stage])
@@ -483,6 +478,11 @@ class LightningChunkOutput(ChunkTiles):
         if const_expr(c.writes_final_state):
             if ends != 0:
                 self.store_final_state(thr_mma, tSrS, mHt, mPool, n, h, vb, slot)
+        if const_expr(c.state_pool):
+            if slot < 0:  # a padding row: zeros for o
+                for chunk in cutlass.range((length + (C - 1)) // C, unroll=1):
+                    self.store_zero_rows(mO, Int32(0), h, vb, start + chunk * C, cutlass.min(length - chunk * C, C),
+                                         tidx)
 
     @cute.jit
     def _bf16_pairs_to_f32(self, x: cute.Tensor) -> cute.Tensor:
@@ -596,20 +596,18 @@ class LightningChunkOutput(ChunkTiles):
         return cute.local_tile(view, (c.block_v, K), (vb, 0))
 
     @cute.jit
-    def load_initial_state(self, thr_mma, tSrS: cute.Tensor, mH0, mPool, mStateIdx, mHasInit, n: Int32, h: Int32,
-                           vb: Int32) -> Int32:
+    def load_initial_state(self, thr_mma, tSrS: cute.Tensor, mH0, mPool, slot: Int32, mHasInit, n: Int32, h: Int32,
+                           vb: Int32):
         """The direct form's start state of sequence ``n`` into ``tSrS`` (fp32, accumulator layout of Sᵀ): h0, or
-        the pool slot ``state_indices[n]`` (widened from bf16) when it lies in ``[0, P)`` and ``has_initial_state[n]``
-        is not 0, else zeros. Returns the slot, -1 outside ``[0, P)`` (padding: never read or written)."""
+        its pool slot ``slot`` (:func:`pool_slot`'s; widened from bf16) when it is one (not -1: padding, never read
+        or written) and ``has_initial_state[n]`` is not 0, else zeros."""
         c = self.config
         tSrS.fill(0.0)
-        slot = Int32(-1)
         if const_expr(c.state_pool):
-            slot = read_pool_slot(mPool, mStateIdx, mHasInit, n, c.initial_state_flags, lambda s: tSrS.store(
+            load_pool_slot(slot, mHasInit, n, c.initial_state_flags, lambda s: tSrS.store(
                 thr_mma.partition_C(self._head_tile(mPool[s, h, None, None], vb)).load().to(Float32)))
         elif const_expr(c.has_initial_state):
             tSrS.store(thr_mma.partition_C(self._head_tile(mH0[n, h, None, None], vb)).load())
-        return slot
 
     @cute.jit
     def store_final_state(self, thr_mma, tSrS: cute.Tensor, mHt, mPool, n: Int32, h: Int32, vb: Int32, slot: Int32):

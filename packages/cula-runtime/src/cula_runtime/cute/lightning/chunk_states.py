@@ -328,19 +328,17 @@ def pool_slot(mPool: cute.Tensor, mStateIdx: cute.Tensor, n: Int32) -> Int32:
 
 
 @cute.jit
-def read_pool_slot(mPool: cute.Tensor, mStateIdx: cute.Tensor, mHasInit: cute.Tensor | None, n: Int32,
-                   read_flags: cutlass.Constexpr, load: cutlass.Constexpr) -> Int32:
-    """Sequence ``n``'s pool slot (:func:`pool_slot`); ``load(slot)`` (traced in place) reads the slot's start state
-    where it is a slot and ``has_initial_state[n]`` (``read_flags``: read, else taken as True) is not 0. Kernel B's
-    and kernel C's direct form's start state."""
-    slot = pool_slot(mPool, mStateIdx, n)
+def load_pool_slot(slot: Int32, mHasInit: cute.Tensor | None, n: Int32, read_flags: cutlass.Constexpr,
+                   load: cutlass.Constexpr):
+    """``load(slot)`` (traced in place) reads sequence ``n``'s start state from its pool slot ``slot``
+    (:func:`pool_slot`'s) where it is a slot and ``has_initial_state[n]`` (``read_flags``: read, else taken as True)
+    is not 0. Kernel B's and kernel C's direct form's start state."""
     if slot >= 0:
         read = Int32(1)
         if const_expr(read_flags):
             read = Int32(mHasInit[n])
         if read != 0:
             load(slot)
-    return slot
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -446,8 +444,9 @@ class LightningSegmentScan:
         # ---- the start state
         slot = Int32(-1)
         if const_expr(c.state_pool):  # -1 outside [0, P) (negative: padding; >= P: treated as padding)
-            slot = read_pool_slot(mPool, mStateIdx, mHasInit, n, c.initial_state_flags,
-                                  lambda s: self.load_block(mPool[s, h, None, None], rS, k0, v0, c.state_v_first))
+            slot = pool_slot(mPool, mStateIdx, n)
+            load_pool_slot(slot, mHasInit, n, c.initial_state_flags,
+                           lambda s: self.load_block(mPool[s, h, None, None], rS, k0, v0, c.state_v_first))
         elif const_expr(c.has_initial_state):
             self.load_block(mH0[n, h, None, None], rS, k0, v0, c.state_v_first)
 
