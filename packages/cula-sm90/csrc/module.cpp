@@ -52,6 +52,9 @@ int kda_intra(std::uintptr_t q, std::uintptr_t k, std::uintptr_t v, std::uintptr
               std::uintptr_t kg,
               std::uintptr_t w, std::uintptr_t u, std::uintptr_t Aqk, std::uintptr_t g_last, int tuned,
               std::uintptr_t stream) {
+  if (num_tokens < 0) {  // (the kernel clamps cu_seqlens into [0, num_tokens])
+    throw std::invalid_argument("cula_sm90.kda_intra: num_tokens must be >= 0, got " + std::to_string(num_tokens));
+  }
   // (the valid forms are listed once, beside the launcher's switch; an ablation build adds its timing-only ones)
   if (!cula_sm90::kda_intra_form_built(tuned)) {
     throw std::invalid_argument(std::string("cula_sm90.kda_intra: tuned must be ") +

@@ -590,8 +590,12 @@ __device__ __forceinline__ void intra_item(const KdaIntraParams& p, uint8_t* sme
   const int seq = p.chunk_indices[2 * ci];
   const int cic = p.chunk_indices[2 * ci + 1];
   if (seq < 0) return;  // padding row (static chunk_indices)
-  const int bos = p.cu_seqlens[seq];
-  const int eos = p.cu_seqlens[seq + 1];
+  // The device cu_seqlens may hold other values than the host copy chunk_indices was built from (a CUDA-graph
+  // replay, a write torch's version counter did not see): clamped into 0 <= bos <= eos <= num_tokens, the rows
+  // [t0, t0 + L) lie in [0, num_tokens) whenever L > 0, whatever its values (a wrong chunk for such values, never a
+  // read or write outside q/k/v/g/beta or the workspace).
+  const int bos = min(max(p.cu_seqlens[seq], 0), p.num_tokens);
+  const int eos = min(max(p.cu_seqlens[seq + 1], bos), p.num_tokens);
   const int t0 = bos + cic * 64;
   const int L = min(64, eos - t0);
   if (L <= 0) return;

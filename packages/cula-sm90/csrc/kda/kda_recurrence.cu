@@ -318,11 +318,20 @@ __device__ __forceinline__ void recurrence_cta(const KdaRecurrenceParams& p) {
   const int n = p.seq_order != nullptr ? p.seq_order[slot] : slot;
   const int v0 = vb * kBV;
 
-  const int64_t bos = p.cu_seqlens[n];
-  const int64_t eos = p.cu_seqlens[n + 1];
-  const int64_t len = eos > bos ? eos - bos : 0;
-  const int num_chunks = static_cast<int>((len + kChunk - 1) / kChunk);
-  const int64_t chunk0 = p.chunk_offsets[n];
+  // The device cu_seqlens may hold other values than the host copy that was checked and that chunk_offsets (and
+  // g_last's rows) were built from (a CUDA-graph replay, a write torch's version counter did not see). Whatever its
+  // values, the tokens are clamped into 0 <= bos <= eos <= num_tokens and the chunks into the sequence's g_last rows
+  // [chunk0, chunk_offsets[n + 1]) (host-built): every workspace load, o store and g_last read stays in its tensor
+  // and the chunk loop ends (a wrong o for such values, never an access outside).
+  // (int32 clamps: num_tokens >= 0 is checked on the host; the chunk count in unsigned, no overflow near 2^31)
+  const int bos32 = min(max(p.cu_seqlens[n], 0), p.num_tokens);
+  const int eos32 = min(max(p.cu_seqlens[n + 1], bos32), p.num_tokens);
+  const int64_t bos = bos32;
+  const int64_t len = eos32 - bos32;
+  const int chunk0_32 = p.chunk_offsets[n];
+  const int64_t chunk0 = chunk0_32;
+  const int num_chunks = min(static_cast<int>((static_cast<unsigned>(eos32 - bos32) + kChunk - 1) / kChunk),
+                             max(p.chunk_offsets[n + 1] - chunk0_32, 0));
 
   const uint32_t smem_base = smem_addr(smem);
   const uint32_t gamma_w = smem_base + C::kOffGamma + warp * C::kTileG;

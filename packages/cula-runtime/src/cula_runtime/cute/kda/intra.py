@@ -1120,7 +1120,9 @@ def chunk_kda_fwd_intra_from_raw(
             sub-chunk's first row) for the lower-bound form with ``lower_bound >= -5`` or a precomputed g with
             ``safe_gate``; the unbounded form (:attr:`KdaIntraConfig.unbounded`) for the softplus form,
             ``lower_bound < -5`` and a precomputed g without ``safe_gate``.
-        cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1).
+        cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1). Read on the device and clamped there
+            into ``[0, T]`` (:func:`~.tiles.chunk_span`): values unlike those ``chunk_indices`` was built from give
+            wrong outputs, never an access outside a tensor.
         chunk_indices: int32 ``[NT, 2]`` from :func:`cula_runtime.index.prepare_chunk_indices` (computed when None).
 
     Returns:

@@ -252,11 +252,20 @@ class KdaRecurrence(ChunkTiles):
         warp_idx = tidx // 32
         lane = tidx % 32
 
-        # The sequence: batch row b, first token bos, seqlen tokens.
+        # The sequence: batch row b, first token bos, seqlen tokens, its decay rows from gate_row0 on. Varlen: the
+        # device cu_seqlens may differ from the host copy that was checked and that chunk_offsets and g_last's rows
+        # were built from (a CUDA-graph replay, a write the version counter did not see). Whatever its values, the
+        # tokens [bos, bos + seqlen) are clamped into [0, T), and seqlen to the sequence's rows of g_last
+        # [gate_row0, gate_row1) (clamped into [0, NC)) times C: every load, o store and decay row lies in its
+        # tensor and the chunk loop runs at most NC times (o is wrong for such values, nothing else is touched).
+        gate_row0 = Int32(0)
         if const_expr(c.varlen):
             b = Int32(0)
-            bos = mCuSeqlens[n]
-            seqlen = mCuSeqlens[n + 1] - bos
+            T, NC = mW.shape[1], mG.shape[1]
+            bos = cutlass.min(cutlass.max(mCuSeqlens[n], 0), T)
+            gate_row0 = cutlass.min(cutlass.max(mChunkOffsets[n], 0), NC)
+            gate_row1 = cutlass.min(cutlass.max(mChunkOffsets[n + 1], gate_row0), NC)
+            seqlen = cutlass.min(cutlass.min(cutlass.max(mCuSeqlens[n + 1], bos), T) - bos, (gate_row1 - gate_row0) * C)
         else:
             b = n
             bos = Int32(0)
@@ -347,10 +356,6 @@ class KdaRecurrence(ChunkTiles):
                                      num_bits_per_copy=128)
         loader = (g2s_K, g2s_U, g2s_A, g_atom)
 
-        # chunk 0's row of the decay rows (varlen: the sequence's first, at chunk_offsets[n])
-        gate_row0 = Int32(0)
-        if const_expr(c.varlen):
-            gate_row0 = mChunkOffsets[n]
         if run_chunks > 0:
             self.load_chunk(loader, mQg, mKg, mW, mU, mAqk, mG, sW, sQ, sKg, sU, sA, sG, b, hv, vb, bos,
                             cutlass.min(seqlen, C), Int32(0), tidx, gate_row0)
@@ -424,9 +429,10 @@ class KdaRecurrence(ChunkTiles):
         if const_expr(c.state_pool):
             if slot >= 0:  # back into the slot, in place: the elements this thread read (rounded to the pool's dtype)
                 self._pool_tile(thr_mma, mPool, slot, hv, vb).store(tSrS.load().to(mPool.element_type))
-            else:  # a padding row: its o rows are zeros (nothing was loaded or computed)
+            else:  # a padding row: its o rows are zeros (nothing was loaded or computed); store_zero_rows stores
+                # the rows < length of a C-row tile, so the rows left need no min with C
                 for chunk in cutlass.range(num_chunks, unroll=1):
-                    self.store_zero_rows(mO, b, hv, vb, bos + chunk * C, cutlass.min(seqlen - chunk * C, C), tidx)
+                    self.store_zero_rows(mO, b, hv, vb, bos + chunk * C, seqlen - chunk * C, tidx)
 
     @cute.jit
     def store_zero_rows(self, mO: cute.Tensor, b: Int32, hv: Int32, vb: Int32, tok0: Int32, length: Int32,
@@ -544,7 +550,9 @@ def chunk_kda_fwd_recurrence(
         scale: the factor of ``qg · S``.
         initial_state: fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``) or None (zeros).
         output_final_state: also return the fp32 final state (same layout as the initial state).
-        cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1).
+        cu_seqlens: int32 ``[N + 1]`` for packed sequences (B must be 1). Read on the device and clamped there
+            (the tokens into ``[0, T)``, the chunks into the sequence's ``g_last`` rows): values unlike those
+            ``chunk_offsets`` was built from give a wrong o, never an access outside a tensor.
         chunk_offsets: int32 ``[N + 1]``, each sequence's first row of ``g_last``
             (:func:`~cula_runtime.index.prepare_chunk_offsets`); required with ``cu_seqlens``, unused without.
         block_v: value columns per CTA, 64 or 128 (another value is a ValueError); either gives the same bits.

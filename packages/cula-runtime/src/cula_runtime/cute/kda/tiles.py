@@ -27,13 +27,20 @@ def chunk_span(mCuSeqlens: cute.Tensor | None, mChunkIndices: cute.Tensor | None
                chunk_size: cutlass.Constexpr, varlen: cutlass.Constexpr):
     """``(start, valid)`` of a chunk-parallel CTA's chunk: its first token within its batch row and its number of
     tokens. Fixed length: chunk ``chunk`` of a row of ``seq_len`` tokens. Varlen: row ``chunk`` of the chunk indices
-    ``[NT, 2]`` = (sequence, chunk within it), bounds from ``cu_seqlens``; a negative sequence id is a padding row
-    (``valid = 0``)."""
+    ``[NT, 2]`` = (sequence, chunk within it; host-built), bounds from ``cu_seqlens`` (``seq_len``: the packed
+    token axis T); a negative sequence id is a padding row (``valid = 0``).
+
+    The device ``cu_seqlens`` may hold other values than the host copy the chunk indices were built from (a
+    CUDA-graph replay, a write the version counter did not see): the sequence's bounds are clamped into
+    ``0 <= bos <= eos <= T``, so ``valid > 0`` only where ``[start, start + valid)`` lies in ``[0, T)`` (``valid``
+    may be negative: the caller does nothing then), whatever those values."""
     if const_expr(varlen):
         seq = mChunkIndices[chunk, 0]
         seq_row = cutlass.max(seq, 0)
-        start = mCuSeqlens[seq_row] + mChunkIndices[chunk, 1] * chunk_size
-        valid = cutlass.min(mCuSeqlens[seq_row + 1] - start, chunk_size)
+        bos = cutlass.min(cutlass.max(mCuSeqlens[seq_row], 0), seq_len)
+        eos = cutlass.min(cutlass.max(mCuSeqlens[seq_row + 1], bos), seq_len)
+        start = bos + mChunkIndices[chunk, 1] * chunk_size
+        valid = cutlass.min(eos - start, chunk_size)
         valid = cutlass.select_(seq >= 0, valid, 0)
     else:
         start = chunk * chunk_size
