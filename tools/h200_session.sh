@@ -139,6 +139,11 @@ for step in "$@"; do
                            timeout 500 bash tools/h200_sanitizer.sh; done ;;
     sanitizer:decode) CULA_BACKEND=cutedsl SANITIZER_SHAPES="${SANITIZER_SHAPES:-decode-kimi decode-gva-vfirst decode-bf16 decode-spec decode-whole-rows}" \
                         timeout 400 bash tools/h200_sanitizer.sh ;;
+    # the prefill kernels' clamps of a device cu_seqlens unlike the host tables (37th session): the GPU test, then
+    # memcheck on both backends at the two mismatch shapes
+    tests:cu-clamps) GPU_LOG_TAG=_cu_clamps timeout 300 bash tools/h200_tests.sh -q tests/gpu/test_kda_prefill_cu_seqlens_gpu.py ;;
+    sanitizer:cu-clamps) for b in ${SANITIZER_BACKENDS:-sm90 cutedsl}; do CULA_BACKEND=$b SANITIZER_TOOLS=memcheck \
+                           SANITIZER_SHAPES="cu-mismatch cu-mismatch-pool" timeout 280 bash tools/h200_sanitizer.sh; done ;;
     profile) timeout 300 python3 benchmarks/profile_kda.py | tee "$OUT/profile_kda.txt" ;;
     # each BV (64 and 128: warpgroup MMAs)
     profile:sm90) timeout 100 python3 benchmarks/profile_kda.py --backend sm90 | tee -a "$OUT/profile_kda_sm90.txt" ;;
@@ -231,7 +236,8 @@ for step in "$@"; do
           "profile[:sm90|:tuned|:short|:ablation] intra ncu ncu:decode host:gap host:cutedsl host:lightning tests:pool tests:decode bench:decode" \
           "bench:pool-prefill bench:unbounded tests:doors-ops tests:doors-fla1 tests:doors-fla2 bench:doors host:op-split probe:state-access ab:k-first-lines sanitizer:unbounded sanitizer:decode" \
           "stress:unbounded stress:decode tests:lightning[-cute|-api] bench:lightning sanitizer:lightning stress:lightning" \
-          "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-decode-caps)" ;;
+          "profile:lightning tests:lightning-direct ab:lightning-forms ab:lightning-decode-caps" \
+          "tests:cu-clamps sanitizer:cu-clamps)" ;;
   esac
   echo "=== $step: exit $?"
 done
