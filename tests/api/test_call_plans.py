@@ -333,9 +333,10 @@ def test_cutedsl_calls_are_planned_through_dispatch(monkeypatch) -> None:
 
 
 @needs_cutedsl
-def test_a_cutedsl_plan_call_tvm_ffi_refuses_runs_the_unplanned_path(monkeypatch) -> None:
-    """Where TVM-FFI refuses a planned launch (a misaligned pointer: ``LaunchDeclined``, nothing launched), the call
-    runs ``kda_prefill_cutedsl``, whose launches copy such an input, and returns its result."""
+def test_a_cutedsl_plan_call_tvm_ffi_refuses_declines_before_any_launch(monkeypatch) -> None:
+    """Where TVM-FFI refuses a planned launch (a misaligned pointer, e.g. of a pool, which no copy can stand in for),
+    the plan raises ``LaunchDeclined`` with nothing launched, for ``cula.kda.kda_prefill`` to decide the call as if
+    there were no plan (below); the plan's next call launches as before."""
     from cula_runtime.cute import compile_cache
     from cula_runtime.cute.kda import backend, intra, recurrence
 
@@ -356,16 +357,36 @@ def test_a_cutedsl_plan_call_tvm_ffi_refuses_runs_the_unplanned_path(monkeypatch
     for module in (intra, recurrence):
         monkeypatch.setattr(module, "check_token_tensors", lambda named, B, T: None)
     monkeypatch.setattr(backend, "sm_count", lambda device: 132)
-    unplanned = []
-    original = intra._intra_from_raw
-    monkeypatch.setattr(intra, "_intra_from_raw", lambda *a, **kw: unplanned.append(1) or original(*a, **kw))
     inputs = make_inputs(next(c for c in CASES if c.name == VARLEN), "cpu", seed=1)
     args = validate_kda_prefill(**inputs)
     plan = backend.plan_kda_prefill(args)
-    o, ht = plan(args.q, args.k, args.v, args.g, args.beta, args.initial_state, args.A_log, args.dt_bias,
-                 args.cu_seqlens, args.cu_seqlens_host)
-    assert unplanned == [1] and [cls.__name__ for cls, _, _ in launches] == ["KdaIntra", "KdaRecurrence"]
+    call = (args.q, args.k, args.v, args.g, args.beta, args.initial_state, args.A_log, args.dt_bias,
+            args.cu_seqlens, args.cu_seqlens_host)
+    with pytest.raises(compile_cache.LaunchDeclined):
+        plan(*call)
+    assert launches == []
+    o, ht = plan(*call)
+    assert [cls.__name__ for cls, _, _ in launches] == ["KdaIntra", "KdaRecurrence"]
     assert o.shape == args.v.shape and (ht is None) == (not args.output_final_state)
+
+
+def test_a_plan_that_declines_sends_the_call_to_validation_and_dispatch(planned, monkeypatch) -> None:
+    """A kept prefill plan raising ``LaunchDeclined`` (nothing launched) leaves the call to the unplanned path:
+    validated and dispatched as if there were no plan (the backend's runner serves it); the plan stays kept."""
+    kda, fake, validations = planned
+    kwargs = _inputs("varlen-0-100-100-228", fake, seed=3)
+    first = cula.kda.kda_prefill(**kwargs)
+    (signature, kept), = call_plans._plans.items()
+    declined = []
+
+    def declining(*a, **kw):
+        declined.append(1)
+        raise call_plans.LaunchDeclined
+
+    monkeypatch.setitem(call_plans._plans, signature, declining)
+    again = cula.kda.kda_prefill(**kwargs)  # (validated and dispatched; the backend's plan kept anew)
+    assert declined == [1] and len(validations) == 2 and torch.equal(again[0], first[0])
+    assert torch.equal(cula.kda.kda_prefill(**kwargs)[0], first[0]) and len(validations) == 2
 
 
 def test_planned_varlen_calls_under_inference_mode(planned) -> None:
@@ -424,3 +445,37 @@ def test_plans_can_be_turned_off(planned, monkeypatch) -> None:
     for _ in range(2):
         cula.kda.kda_prefill(**kwargs)
     assert len(validations) == 4 and len(call_plans._plans) == 1
+
+
+def test_a_pool_the_validator_would_refuse_to_write_is_never_served_by_a_plan(planned, monkeypatch) -> None:
+    """A pool-form call's signature holds the pool's ``requires_grad`` and ``is_inference()`` and the grad and
+    inference modes: after a planned call on a writable pool, a pool that requires grad (grad mode on), the same
+    pool with grad mode back on after a plan made under ``no_grad``, and an inference-mode pool outside inference
+    mode are each validated, and refused before anything is written."""
+    kda, fake, validations = planned
+    monkeypatch.setattr(call_plans, "indices_checked_on_host", lambda idx: False)  # (as a GPU index tensor's)
+
+    def pool_call(pool: torch.Tensor) -> dict:
+        kwargs = _inputs(FIXED, fake, seed=1)
+        del kwargs["initial_state"]
+        fake.state_bytes = 0
+        return dict(kwargs, output_final_state=False, state=pool,
+                    state_indices=torch.tensor([2, 0], dtype=torch.int32))
+
+    shape = (4, 4, 128, 128)
+    for _ in range(2):
+        cula.kda.kda_prefill(**pool_call(torch.zeros(shape)))
+    assert validations == [1]
+    refused = torch.zeros(shape, requires_grad=True)
+    with pytest.raises(ValueError, match="must not require grad while grad mode is enabled"):
+        cula.kda.kda_prefill(**pool_call(refused))
+    with torch.no_grad():
+        cula.kda.kda_prefill(**pool_call(refused))
+        cula.kda.kda_prefill(**pool_call(refused))
+    with pytest.raises(ValueError, match="must not require grad while grad mode is enabled"):
+        cula.kda.kda_prefill(**pool_call(refused))
+    with torch.inference_mode():
+        inference_pool = torch.zeros(shape)
+    with pytest.raises(ValueError, match="inference-mode tensor"):
+        cula.kda.kda_prefill(**pool_call(inference_pool))
+    assert validations == [1, 1, 1, 1, 1]

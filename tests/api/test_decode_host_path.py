@@ -379,13 +379,22 @@ def test_the_native_and_python_guards_agree() -> None:
         _fill((base[0].as_subclass(_Marked), *base[1:])),
         _fill((base[0].clone().requires_grad_(), *base[1:])),
         _fill((base[0].to_sparse(), *base[1:])),
+        _fill((_inference(base[0]), *base[1:])),  # (an inference tensor outside inference mode)
     ]
     for other in others:
         assert native.check(*other) == python.check(*other)
-    assert [python.check(*o) for o in others] == [True, True] + [False] * 8
+    assert [python.check(*o) for o in others] == [True, True] + [False] * 9
+    twins = (torch.zeros(4), torch.zeros(4))  # (one tensor at two places: refused by both)
+    native, python = call_plans._native(twins), call_plans._PythonGuards(twins)
+    assert python.check(*twins) and not python.check(twins[0], twins[0]) and not native.check(twins[0], twins[0])
     assert call_plans.tensor_guards((base[0].as_subclass(_Marked), *base[1:])) is None
     assert call_plans.tensor_guards((base[0], base[0], *base[2:])) is None
     assert call_plans.tensor_guards(base) is not None
+
+
+def _inference(x: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return x.clone()
 
 
 def _fill(tensors: tuple) -> list:

@@ -136,3 +136,27 @@ def test_non_contiguous_inputs_are_validated_every_call(recorded) -> None:
         call["q"] = torch.randn(3, 1, 2, 256).bfloat16()[..., ::2]  # a copy by the validator: never planned
         cula.kda.kda_decode(**call)
     assert validations == [1, 1]
+
+
+def test_a_pool_the_validator_would_refuse_to_write_is_never_served_by_a_plan(recorded) -> None:
+    """Grad mode and inference mode are part of the signature (the guards hold the pool's ``requires_grad`` and
+    dispatch keys): a plan made under ``no_grad`` for a pool that requires grad does not serve the same call with
+    grad enabled, which the validator refuses before anything is written; a plan made inside inference mode does not
+    serve an inference-mode pool outside it."""
+    launches, validations = recorded
+    call = _call(1)
+    call["state"] = torch.zeros(7, 4, 128, 128, requires_grad=True)
+    with torch.no_grad():
+        for _ in range(2):
+            cula.kda.kda_decode(**call)
+    assert validations == [1] and len(launches) == 2
+    with pytest.raises(ValueError, match="must not require grad while grad mode is enabled"):
+        cula.kda.kda_decode(**call)
+    with torch.inference_mode():
+        call = {name: x.clone() if isinstance(x, torch.Tensor) else x for name, x in _call(2).items()}
+        for _ in range(2):
+            cula.kda.kda_decode(**call)
+    assert validations == [1, 1, 1] and len(launches) == 4
+    with pytest.raises(ValueError, match="inference-mode tensor"):
+        cula.kda.kda_decode(**call)
+    assert len(launches) == 4

@@ -500,7 +500,8 @@ def test_fla_cula_0_leaves_fla_s_decode_kernel(monkeypatch: pytest.MonkeyPatch, 
 
 def _keep_decode_plan(fla_kwargs: dict, plan) -> None:
     """Keep ``plan`` as a GPU backend would for the decode call FLA's ``fla_kwargs`` make (its signature and the
-    guards of its tensors), as the verifier derives that call."""
+    guards of its tensors), as the verifier derives that call, in the current grad mode (part of a decode
+    signature: keep it in the mode the calls are made in)."""
     from cula import call_plans
     from cula.integrations import fla as cula_fla
 
@@ -597,7 +598,8 @@ def test_a_planned_fla_decode_runs_the_plan_its_verifier_found(monkeypatch: pyte
 
     call_plans.clear_call_plans()
     try:
-        _keep_decode_plan(fla_kwargs, plan)
+        with torch.no_grad():  # (the mode of the call below)
+            _keep_decode_plan(fla_kwargs, plan)
         derived.clear()
         with torch.no_grad():
             o, final_state = fused_recurrent_kda_fwd(**fla_kwargs)

@@ -10,7 +10,10 @@ the H200 the host time before the first launch was 50-110 us, most of it those d
 
 What depends on values is still checked on every call: ``cu_seqlens``' boundaries by ``cula.kda.kda_prefill`` before
 it runs a plan (the validator's cached check, :func:`cula_runtime.kda_args.checked_boundaries`, whose host copy the
-plan receives), and each pointer's alignment inside the sm90 plan. Where arguments lie in memory relative to each
+plan receives), and each pointer's alignment inside the sm90 plan. A call that writes a tensor in place (a pool,
+``out``) holds grad mode and inference mode in its signature too, and the pool's ``requires_grad`` and
+``is_inference()`` (the decode's guards hold them): a pool the validator would refuse to write is never served by a
+plan made for a writable one. Where arguments lie in memory relative to each
 other (a pool or ``out`` sharing memory with another argument, refused by the validators) is checked on the call
 that makes a plan, not on the calls it serves. Plans are
 made only for calls whose tensors needed no copy (contiguous) and whose backend offers one (sm90 and cutedsl); a plan
@@ -82,6 +85,25 @@ class _Unplannable(Exception):
     pass
 
 
+_grad_enabled = torch.is_grad_enabled
+_inference_mode_enabled = torch.is_inference_mode_enabled
+
+
+def _write_modes() -> tuple[bool, bool]:
+    """Grad mode and inference mode now: part of every signature of a call that writes a tensor in place (a pool,
+    ``out``), since whether torch lets the call write it (:func:`cula_runtime.kda_args.check_writable`) depends on
+    them as on the tensor's own ``requires_grad`` and ``is_inference()``."""
+    return _grad_enabled(), _inference_mode_enabled()
+
+
+def _pool_key(state: object, state_indices: object, has_initial_state: object) -> tuple:
+    """A pool call's part of a prefill signature: the three tensors' keys, the pool's ``requires_grad`` and
+    ``is_inference()`` and the modes (:func:`_write_modes`), so that a pool the validator would refuse to write is
+    never served by a plan made for a writable one."""
+    keys = tuple(map(_tensor_key, (state, state_indices, has_initial_state)))
+    return keys, state.requires_grad, state.is_inference(), _write_modes()
+
+
 def _tensor_key(x: object) -> tuple | None:
     if x is None:
         return None
@@ -98,12 +120,13 @@ _ABSENT = tuple(torch.empty(()) for _ in range(16))
 
 
 def _guard_key(x: object) -> tuple:
-    return x.__class__, x.shape, x.stride(), x.dtype, x.device, x.requires_grad
+    return x.__class__, x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.is_inference()
 
 
 class _PythonGuards:
-    """Tensor guards in Python: each tensor's exact class, shape, strides, dtype, device and ``requires_grad``
-    compared with the recorded ones (where torch's native guards are missing or do not answer as expected)."""
+    """Tensor guards in Python: each tensor's exact class, shape, strides, dtype, device, ``requires_grad`` and
+    ``is_inference()`` compared with the recorded ones, and no tensor at two places (where torch's native guards are
+    missing or do not answer as expected)."""
 
     __slots__ = ("_recorded",)
 
@@ -112,7 +135,8 @@ class _PythonGuards:
 
     def check(self, *tensors: object) -> bool:
         try:
-            return tuple(map(_guard_key, tensors)) == self._recorded
+            return (tuple(map(_guard_key, tensors)) == self._recorded
+                    and len(set(map(id, tensors))) == len(tensors))  # (one tensor at two places: as the native)
         except (AttributeError, RuntimeError, TypeError):  # (not a tensor; a layout without strides)
             return False
 
@@ -185,7 +209,7 @@ def call_signature(q, k, v, g, beta, scale, initial_state, output_final_state, u
     try:
         tensors = tuple(map(_tensor_key, (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
                                           cu_seqlens_cpu)))
-        pool = tuple(map(_tensor_key, (state, state_indices, has_initial_state))) if pooled else None
+        pool = _pool_key(state, state_indices, has_initial_state) if pooled else None
     except (_Unplannable, RuntimeError):  # (RuntimeError: a layout without strides)
         return None
     return tensors, pool, flags, scale, lower_bound, env_snapshot()
@@ -210,7 +234,7 @@ def decode_call_signature(q, k, v, g, beta, state, state_indices, scale, A_log, 
         return None
     return ("decode", q.shape, A_log is None, dt_bias is None, cu_seqlens is None, num_accepted_tokens is None,
             out is None, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-            state_v_first, scale, lower_bound, env_snapshot())
+            state_v_first, scale, lower_bound, _write_modes(), env_snapshot())
 
 
 def lookup_guarded(signature: tuple | None, q, k, v, g, beta, state, state_indices, A_log, dt_bias, cu_seqlens,
@@ -261,7 +285,7 @@ def lightning_prefill_call_signature(q, k, v, g_gamma, layer_idx, num_layers, sc
     try:
         decay = _decay_key(g_gamma, layer_idx, num_layers)
         tensors = tuple(map(_tensor_key, (q, k, v, initial_state, cu_seqlens)))
-        pool = tuple(map(_tensor_key, (state, state_indices, has_initial_state))) if pooled else None
+        pool = _pool_key(state, state_indices, has_initial_state) if pooled else None
     except (_Unplannable, RuntimeError):
         return None
     return "lightning_prefill", tensors, decay, pool, output_final_state, state_v_first, scale, env_snapshot()
@@ -286,7 +310,7 @@ def lightning_decode_call_signature(q, k, v, g_gamma, layer_idx, num_layers, sca
             or g_gamma.device.type == "cpu":  # (a CPU g_gamma's values are checked by the validator on every call)
         return None
     return ("lightning_decode", q.shape, g_gamma is None, layer_idx, num_layers, cu_seqlens is None, out is None,
-            state_v_first, scale, env_snapshot())
+            state_v_first, scale, _write_modes(), env_snapshot())
 
 
 def has_guarded_plans(signature: tuple) -> bool:

@@ -106,7 +106,8 @@ def kda_prefill(
     the ``CULA_*`` variables) runs the call plan that call's backend left, without validation and dispatch; it still
     checks ``cu_seqlens``' values (``cula.call_plans``). Pool-form calls run on both GPU backends (the slots read
     on the device); those with CPU index tensors are validated on every call (their slots are checked on the host)
-    and never planned.
+    and never planned. Whether the pool shares memory with another argument is checked on the call that makes a
+    plan, not on those it serves.
     """
     # positional: the same order as validate_kda_prefill's parameters (keywords cost a little on every call)
     signature = call_signature(
@@ -116,8 +117,11 @@ def kda_prefill(
     )  # (None for a call never planned: e.g. a pool with CPU indices)
     plan = lookup(signature)
     if plan is not None:  # a call of this signature passed the checks and dispatch before (cula.call_plans)
-        return run_prefill_plan(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu,
-                                state, state_indices, has_initial_state)
+        try:
+            return run_prefill_plan(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens,
+                                    cu_seqlens_cpu, state, state_indices, has_initial_state)
+        except LaunchDeclined:  # (a pointer refused before launching: decided below, as if there were no plan)
+            pass
     args = validate_kda_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, A_log, dt_bias, cu_seqlens,
@@ -135,7 +139,9 @@ def run_prefill_plan(plan: Callable, q, k, v, g, beta, initial_state, A_log, dt_
                      state=None, state_indices=None, has_initial_state=None) -> tuple:
     """A ``kda_prefill`` call by the plan its signature has (:func:`cula.call_plans.lookup`): ``cu_seqlens``' values
     checked as the validator does (``ValueError`` before any launch), then the plan. For entry points that found
-    the plan themselves (FLA's door, whose verifier looked it up for the same call)."""
+    the plan themselves (FLA's door, whose verifier looked it up for the same call). Raises
+    :class:`~cula.call_plans.LaunchDeclined` where the plan's kernels refuse a pointer before launching (the pool
+    untouched): the caller then runs the call as if there were no plan (:func:`kda_prefill`)."""
     cu_host = None if cu_seqlens is None else checked_boundaries(cu_seqlens, cu_seqlens_cpu, q.shape[1])
     if state is None:
         return plan(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host)
@@ -209,7 +215,8 @@ def kda_decode(
     reference with a ``CulaFallbackWarning`` (which reads the index values back: not capturable). A call with the
     signature of an earlier one served by the kernel (tensors' shapes, strides, dtypes, devices; flags, ``scale``,
     ``lower_bound``; the ``CULA_*`` variables) runs the plan that call left, without validation and dispatch
-    (``cula.call_plans``).
+    (``cula.call_plans``). Whether the pool or ``out`` shares memory with another argument is checked on the call
+    that makes a plan, not on those it serves.
     """
     return kda_decode_ordered(q, k, v, g, beta, state, state_indices, scale, A_log, dt_bias, lower_bound,
                               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,

@@ -96,7 +96,8 @@ def lightning_prefill(
     ``NotImplementedError`` saying which backends were tried and why. ``CULA_BACKEND=reference|cutedsl`` forces a
     backend. A repeated GPU call of one signature (tensors' shapes, strides, dtypes, devices; the decay's form;
     flags; ``scale``; ``CULA_*`` knobs) runs the plan its backend left, without validation and dispatch
-    (``cula.call_plans``); ``cu_seqlens``' values are still checked.
+    (``cula.call_plans``); ``cu_seqlens``' values are still checked. Whether the pool shares memory with another
+    argument is checked on the call that makes a plan, not on those it serves.
     """
     signature = lightning_prefill_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, initial_state,
                                                  output_final_state, cu_seqlens, state_v_first, state, state_indices,
@@ -163,7 +164,8 @@ def lightning_decode(
     with ``out``): it can be captured in a CUDA graph and replayed with new values in the same tensors. The torch
     reference (CPU tensors, or a GPU call no kernel serves, with a ``CulaFallbackWarning``) reads the indices back
     and is not capturable. Bad arguments raise ``TypeError`` or ``ValueError`` naming the argument. Repeated GPU
-    calls of one signature run a call plan (``cula.call_plans``).
+    calls of one signature run a call plan (``cula.call_plans``); whether the pool or ``out`` shares memory with
+    another argument is checked on the call that makes a plan, not on those it serves.
     """
     signature = lightning_decode_call_signature(q, k, v, g_gamma, layer_idx, num_layers, scale, state, state_indices,
                                                 state_v_first, cu_seqlens, out)

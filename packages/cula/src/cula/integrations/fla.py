@@ -369,7 +369,10 @@ class CulaBackend(BaseBackend):
         verified = _verified_plan(args, kwargs)
         if verified is not None:  # (the call its verifier just accepted by its plan)
             c, plan = verified  # (q, k, v, g, beta), then h0, A_log, dt_bias, cu_seqlens, cu_seqlens_cpu
-            return run_prefill_plan(plan, *c[:5], c[6], c[14], c[15], c[16], c[18])
+            try:
+                return run_prefill_plan(plan, *c[:5], c[6], c[14], c[15], c[16], c[18])
+            except LaunchDeclined:  # (a pointer refused before launching: the call as if there were no plan)
+                return kda_prefill(*c)
         call = _prefill_call(*args, **kwargs)
         if call.__class__ is str:  # (FLA asks the verifier first: only a direct call gets here)
             raise NotImplementedError(f"cula does not serve this chunk_kda call: {call}")

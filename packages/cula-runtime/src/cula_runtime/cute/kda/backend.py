@@ -31,7 +31,6 @@ from ...index import prepare_varlen_launch
 from ...kda_args import empty_prefill_result, gate_is_bounded, gpu_kernel_rejection
 from ...kda_tuning import BLOCK_V_CHOICES, recurrence_block_v, sm_count
 from .. import device_rejection
-from ..compile_cache import LaunchDeclined
 
 __all__ = ["verify", "kda_prefill_cutedsl"]
 
@@ -260,14 +259,12 @@ def _planned(args: Any, unplanned: Callable) -> Callable:
         out = carve_workspace(device, groups)
         a_log, dt = (None, None) if form == "none" else gate.gate_tensors(A_log, dt_bias, HV, K, device)
         h0 = None if pool_form else initial_state.float() if h0_float else initial_state
-        try:
-            run_intra(q, k, v, g, beta, out, cu_seqlens, chunk_indices, a_log, dt)
-            w, u, qg, kg, Aqk, g_last = out
-            o, ht = run_recurrence(qg, kg, w, u, Aqk, g_last, h0, cu_seqlens, chunk_offsets, seq_order, state,
-                                   state_indices, has_initial_state)
-        except LaunchDeclined:  # (refused before launching: the unplanned path copies what breaks a promise)
-            return unplanned(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, cu_host, state=state,
-                             state_indices=state_indices, has_initial_state=has_initial_state)
+        # (a pointer TVM-FFI refuses raises LaunchDeclined before that kernel launches: the caller then validates
+        # and dispatches the call as if there were no plan, e.g. a misaligned pool, which this backend declines)
+        run_intra(q, k, v, g, beta, out, cu_seqlens, chunk_indices, a_log, dt)
+        w, u, qg, kg, Aqk, g_last = out
+        o, ht = run_recurrence(qg, kg, w, u, Aqk, g_last, h0, cu_seqlens, chunk_offsets, seq_order, state,
+                               state_indices, has_initial_state)
         return o, None if pool_form else ht
 
     return plan
