@@ -305,3 +305,46 @@ def test_every_op_is_registered_once_with_the_python_api_defaults() -> None:
                        "kda_decode_out": ["state", "out"], "lightning_prefill": [],
                        "lightning_prefill_pool": ["state"], "lightning_decode": ["state"],
                        "lightning_decode_out": ["state", "out"]}
+
+
+def test_the_fake_takes_the_host_copy_of_cu_seqlens_on_the_cpu() -> None:
+    """``cu_seqlens_cpu`` is the host copy of ``cu_seqlens`` (a CPU tensor, as the Python API requires): the fakes'
+    device check takes it on the CPU beside a GPU call's tensors (fake CUDA tensors, as ``torch.compile`` traces a
+    GPU call; no GPU needed) and refuses it on q's device, with the Python API's message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        def cuda(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device="cuda")
+
+        call = dict(q=cuda(1, 9, 1, 8, dtype=torch.bfloat16), k=cuda(1, 9, 1, 8, dtype=torch.bfloat16),
+                    v=cuda(1, 9, 2, 4, dtype=torch.bfloat16), g=cuda(1, 9, 2, 8), beta=cuda(1, 9, 2),
+                    cu_seqlens=cuda(3, dtype=torch.int32), output_final_state=True)
+        o, final_state = torch.ops.cula.kda_prefill(**call, cu_seqlens_cpu=torch.empty(3, dtype=torch.int32))
+        assert o.shape == (1, 9, 2, 4) and o.device.type == "cuda" and final_state.shape == (2, 2, 8, 4)
+        with pytest.raises(ValueError, match=r"^cu_seqlens_cpu must be a CPU tensor \(the host copy of cu_seqlens\)"):
+            torch.ops.cula.kda_prefill(**call, cu_seqlens_cpu=cuda(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("case", ["kda_prefill-v-3d", "kda_decode-v-3d", "lightning_decode-v-3d", "cu_seqlens-empty"])
+def test_a_bad_shape_is_the_api_error_while_tracing(case: str) -> None:
+    """The fakes check their inputs' shapes as the validator does: under ``torch.compile`` a bad shape stops the
+    trace with the Python API's message naming the argument (torch wraps it), not an index error."""
+    H, K, V = 1, 8, 4
+    q, k, g, beta = torch.randn(1, 5, H, K), torch.randn(1, 5, H, K), -torch.rand(1, 5, HV, K), torch.rand(1, 5, HV)
+    calls = {
+        "kda_prefill-v-3d": (lambda v: torch.ops.cula.kda_prefill(q, k, v.flatten(2), g, beta), "v must have shape"),
+        "kda_decode-v-3d": (lambda v: torch.ops.cula.kda_decode(q, k, v.flatten(2), g, beta,
+                                                                 torch.zeros(2, HV, K, V), i32([0])),
+                            "v must have shape"),
+        "lightning_decode-v-3d": (lambda v: torch.ops.cula.lightning_decode(q, k, v[:, :, 0], torch.zeros(2, H, K, V),
+                                                                            i32([0]), layer_idx=0, num_layers=1),
+                                  "v must have shape"),
+        "cu_seqlens-empty": (lambda v: torch.ops.cula.kda_prefill(q, k, v, g, beta, output_final_state=True,
+                                                                  cu_seqlens=i32([])),
+                             r"cu_seqlens must be 1-D \[N\+1\] with N >= 1"),
+    }
+    fn, message = calls[case]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=message):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(torch.randn(1, 5, HV, V))

@@ -53,7 +53,7 @@ from .kda_args import (
 from .state_pool import PoolSlots, pool_slots
 
 __all__ = ["LightningPrefillArgs", "LightningDecodeArgs", "validate_lightning_prefill", "validate_lightning_decode",
-           "layer_g_gamma", "resolve_g_gamma", "lightning_pool_slots", "MAX_HEAD_DIM"]
+           "layer_g_gamma", "resolve_g_gamma", "lightning_pool_slots", "check_lightning_inputs", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -211,7 +211,7 @@ def resolve_g_gamma(g_gamma: object, layer_idx: object, num_layers: object, H: i
 
 # ---- the inputs ---------------------------------------------------------------------------------------------------
 
-def _check_inputs(q: object, k: object, v: object) -> tuple[int, int, int, int, int]:
+def check_lightning_inputs(q: object, k: object, v: object) -> tuple[int, int, int, int, int]:
     """q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` tensors of one dtype (bf16, fp16, fp32) on one device, ``H``,
     ``K``, ``V`` >= 1 (head dims <= 256); returns ``(B, T, H, K, V)``."""
     q, k, v = _tensor("q", q), _tensor("k", k), _tensor("v", v)
@@ -287,7 +287,7 @@ def validate_lightning_prefill(
     checks run in a fixed order and the first failing one raises ``TypeError`` or ``ValueError`` naming its argument.
     ``cu_seqlens``' values are checked (one synchronisation per tensor and version on a GPU), CPU ``state_indices``'
     too (strict slot rules)."""
-    B, T, H, K, V = _check_inputs(q, k, v)
+    B, T, H, K, V = check_lightning_inputs(q, k, v)
     check_flags(("output_final_state", "state_v_first"), (output_final_state, state_v_first))
     device = q.device
     pooled = state is not None or state_indices is not None or has_initial_state is not None
@@ -349,7 +349,7 @@ def validate_lightning_decode(
     """Check every ``lightning_decode`` argument (see ``cula.lightning.lightning_decode``); the first failing check
     raises ``TypeError`` or ``ValueError`` naming its argument. No device value is read: ``cu_seqlens`` and
     ``state_indices`` are checked by value when they are CPU tensors only (strict slot rules)."""
-    B, T, H, K, V = _check_inputs(q, k, v)
+    B, T, H, K, V = check_lightning_inputs(q, k, v)
     check_flags(("state_v_first",), (state_v_first,))
     device = q.device
     if state is None:

@@ -42,9 +42,11 @@ argument, and a value the schema converts reaches cuLA converted (``True`` for `
 ``True``). The fake implementations check that every tensor is on q's device (a meta tensor among real ones would
 otherwise reach them: ``ValueError`` naming it, as the Python API).
 
-No op registers a backward (cuLA serves inference): gradients flow through an op exactly where they flow through the
-Python API (the CPU reference is torch code, whose ops record the graph under torch's autograd fallback; the GPU
-kernels record nothing), and torch warns on a backward through an op that it has no autograd kernel.
+No op registers a backward (cuLA serves inference): called eagerly, gradients flow through an op exactly where they
+flow through the Python API (the CPU reference is torch code, whose ops record the graph under torch's autograd
+fallback; the GPU kernels record nothing), and torch warns on a backward through an op that it has no autograd
+kernel. Under ``torch.compile`` an op is one opaque node: no gradient flows through it on any device, and a pool
+that requires grad is not refused; compile cuLA's calls under ``torch.no_grad()`` or ``torch.inference_mode()``.
 
 Registered with ``torch.library.Library`` (``define``; ``impl`` at ``CompositeExplicitAutograd``, i.e. every device)
 and ``torch.library.register_fake``, not with ``torch.library.custom_op``: the latter's autograd wrapper runs on every
@@ -56,6 +58,9 @@ guard at the Autograd key refusing inputs that require grad (+13 us).
 from __future__ import annotations
 
 import torch
+
+from cula_runtime.kda_args import check_cu_seqlens_shape, check_kda_inputs
+from cula_runtime.lightning_args import check_lightning_inputs
 
 from .kda import kda_decode_ordered, kda_prefill
 from .lightning import lightning_decode, lightning_prefill
@@ -185,43 +190,54 @@ def _kda_prefill_fake(q, k, v, g, beta, scale=None, initial_state=None, output_f
                       use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                       allow_neg_eigval=False, safe_gate=False, lower_bound=None, A_log=None, dt_bias=None,
                       cu_seqlens=None, state_v_first=False, cu_seqlens_cpu=None):
+    check_kda_inputs(q, k, v, g, beta)
     return _prefill_outputs_like(q, v, output_final_state, cu_seqlens, state_v_first)
 
 
 def _prefill_outputs_like(q, v, output_final_state, cu_seqlens, state_v_first):
-    """A prefill's fake ``(o, final state)``: o like v in q's dtype; the fp32 ``[N, HV, K, V]`` (``[N, HV, V, K]``)
-    final state, or the op's empty stand-in for None (v's heads: KDA's HV, Lightning's H)."""
+    """A prefill's fake ``(o, final state)`` (its inputs' shapes checked): o like v in q's dtype; the fp32
+    ``[N, HV, K, V]`` (``[N, HV, V, K]``) final state, or the op's empty stand-in for None (v's heads: KDA's HV,
+    Lightning's H)."""
     o = _output_like(q, v)
     if not output_final_state:
         return o, _no_final_state(q)
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = q.shape[0] if cu_seqlens is None else check_cu_seqlens_shape(cu_seqlens, q.shape[0])
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
     return o, q.new_empty(shape, dtype=torch.float32)
 
 
+# (each fake checks its inputs' shapes and dtypes first, as the Python API's validator does: under torch.compile a
+# bad shape is the API's error naming the argument, raised while tracing)
+
 def _kda_prefill_pool_fake(q, k, v, g, beta, state, state_indices, *args):
+    check_kda_inputs(q, k, v, g, beta)
     return _output_like(q, v)
 
 
 def _kda_decode_fake(q, k, v, g, beta, state, state_indices, *args):
+    check_kda_inputs(q, k, v, g, beta)
     return _output_like(q, v)
 
 
 def _kda_decode_out_fake(q, k, v, g, beta, state, state_indices, out, *args):
+    check_kda_inputs(q, k, v, g, beta)
     return None
 
 
 def _lightning_prefill_fake(q, k, v, g_gamma=None, layer_idx=None, num_layers=None, scale=None, initial_state=None,
                             output_final_state=False, cu_seqlens=None, state_v_first=False):
+    check_lightning_inputs(q, k, v)
     return _prefill_outputs_like(q, v, output_final_state, cu_seqlens, state_v_first)
 
 
 def _lightning_output_fake(q, k, v, *args, **kwargs):
+    check_lightning_inputs(q, k, v)
     return _output_like(q, v)
 
 
 def _lightning_decode_out_fake(q, k, v, *args, **kwargs):
+    check_lightning_inputs(q, k, v)
     return None
 
 
@@ -238,15 +254,22 @@ _IMPLEMENTATIONS = {
 
 
 def _on_q_device(name: str, fake):
-    """``fake`` with the Python API's device check first: every tensor argument on q's device (``ValueError`` naming
-    the first that is not). A call whose tensors mix a meta tensor with real ones dispatches to the fake (the meta
-    kernel): without the check it would return uninitialised outputs on q's device."""
+    """``fake`` with the Python API's device check first: every tensor argument on q's device, but
+    ``cu_seqlens_cpu``, the host copy of ``cu_seqlens``, on the CPU (``ValueError`` naming the first that is not). A
+    call whose tensors mix a meta tensor with real ones dispatches to the fake (the meta kernel): without the check
+    it would return uninitialised outputs on q's device."""
     arg_names = [argument.name for argument in torch._C.parse_schema(f"{NAMESPACE}::{name}{SCHEMAS[name]}").arguments]
 
     def checked(*args, **kwargs):
         device = args[0].device
         for arg_name, x in (*zip(arg_names, args, strict=False), *kwargs.items()):
-            if isinstance(x, torch.Tensor) and x.device != device:
+            if not isinstance(x, torch.Tensor):
+                continue
+            if arg_name == "cu_seqlens_cpu":
+                if x.device.type != "cpu":
+                    raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got device "
+                                     f"{x.device}")
+            elif x.device != device:
                 raise ValueError(f"{arg_name} must be on q's device ({device}), got {x.device}")
         return fake(*args, **kwargs)
 
