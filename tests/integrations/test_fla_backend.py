@@ -643,3 +643,13 @@ def test_the_verified_call_is_matched_by_identity_place_and_keyword_order() -> N
     assert not cula_fla._same_call(call, ((a, b), {"initial_state": b, "scale": None}))
     assert not cula_fla._same_call(call, ((a, b), {"initial_state": a}))
     assert not cula_fla._same_call(call, ((a, b), {"scale": None, "initial_state": a}))
+
+
+def test_int64_slots_past_int32_never_wrap_onto_another_slot() -> None:
+    """FLA's int64 ``ssm_state_indices`` / ``num_accepted_tokens`` are narrowed to int32 for cuLA after a clamp to
+    ``[-1, 2**31 - 1]`` (on the device: no value read): ``2**32 + 1`` stays past any pool (refused on the CPU,
+    padding on a GPU) instead of wrapping to slot 1, and a value below -1 stays padding."""
+    narrowed = cula_fla._int32_each_call(torch.tensor([0, 2**32 + 1, -(2**40), 3]))
+    assert narrowed.dtype == torch.int32 and narrowed.tolist() == [0, 2**31 - 1, -1, 3]
+    int32 = torch.tensor([5], dtype=torch.int32)
+    assert cula_fla._int32_each_call(int32) is int32

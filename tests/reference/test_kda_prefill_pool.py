@@ -87,3 +87,18 @@ def test_prefill_into_the_pool_equals_the_gathered_call() -> None:
     expected = pool.clone()
     expected[slots] = ht
     assert torch.equal(o, o_ref) and torch.equal(result, expected)
+
+
+def test_a_sequence_of_no_tokens_leaves_an_fp64_slot_bit_identical() -> None:
+    """A sequence with no tokens that reads its slot leaves it as it was (its state went through fp32 here before),
+    as ``kda_decode`` does; the other sequence's slot is written."""
+    gen = torch.Generator().manual_seed(4)
+    H = HV = 2
+    K = V = 8
+    q, k, v = (torch.randn(1, 3, H, K, generator=gen) for _ in range(3))
+    pool = torch.randn(6, HV, K, V, dtype=torch.float64, generator=gen)
+    before = pool.clone()
+    kda_prefill(q, 0.3 * k, v, -torch.rand(1, 3, HV, K, generator=gen), torch.rand(1, 3, HV, generator=gen),
+                cu_seqlens=torch.tensor([0, 3, 3], dtype=torch.int32), state=pool,
+                state_indices=torch.tensor([2, 4], dtype=torch.int32))
+    assert torch.equal(pool[4], before[4]) and not torch.equal(pool[2], before[2])
