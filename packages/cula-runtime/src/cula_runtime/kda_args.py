@@ -27,7 +27,7 @@ from .state_pool import PoolSlots, pool_slots
 __all__ = ["KdaCallArgs", "KdaPrefillArgs", "validate_kda_prefill", "gpu_kernel_rejection", "gate_is_bounded",
            "empty_prefill_result", "checked_boundaries", "check_input_types", "check_kda_inputs", "check_flags",
            "check_devices", "check_scale", "check_gate", "check_cu_seqlens_shape", "check_state_pool",
-           "check_writable", "check_apart",
+           "check_writable", "check_apart", "check_host_copy_device",
            "sequence_lengths", "MAX_HEAD_DIM", "SAFE_GATE_LOWER_BOUND_MIN", "POOL_REFUSAL"]
 
 MAX_HEAD_DIM = 256
@@ -481,14 +481,19 @@ def check_state_pool(state: object, state_indices: object, N: int, HV: int, K: i
     return state.shape[0], per_token
 
 
+def check_host_copy_device(cu_seqlens_cpu: torch.Tensor) -> None:
+    """``ValueError`` unless ``cu_seqlens_cpu`` (the host copy of ``cu_seqlens``) is a CPU tensor."""
+    if cu_seqlens_cpu.device.type != "cpu":
+        raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got device "
+                         f"{cu_seqlens_cpu.device}")
+
+
 def _checked_cpu_copy(cu_seqlens_cpu: object, cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
     """``cu_seqlens_cpu`` checked as the host copy of ``cu_seqlens`` (a CPU int32 tensor of its shape) holding valid
     boundaries for ``T`` tokens; returns the checked copy (cached per tensor and version)."""
     if not isinstance(cu_seqlens_cpu, torch.Tensor):
         raise TypeError(f"cu_seqlens_cpu must be a torch.Tensor or None, got {type_name(cu_seqlens_cpu)}")
-    if cu_seqlens_cpu.device.type != "cpu":
-        raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got device "
-                         f"{cu_seqlens_cpu.device}")
+    check_host_copy_device(cu_seqlens_cpu)
     if cu_seqlens_cpu.dtype != torch.int32:
         raise TypeError(f"cu_seqlens_cpu must have dtype torch.int32, got {cu_seqlens_cpu.dtype}")
     if cu_seqlens_cpu.shape != cu_seqlens.shape:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from cula_runtime.kda_args import check_cu_seqlens_shape, check_kda_inputs
+from cula_runtime.kda_args import check_cu_seqlens_shape, check_host_copy_device, check_kda_inputs
 from cula_runtime.lightning_args import check_lightning_inputs
 
 from .kda import kda_decode_ordered, kda_prefill
@@ -266,9 +266,7 @@ def _on_q_device(name: str, fake):
             if not isinstance(x, torch.Tensor):
                 continue
             if arg_name == "cu_seqlens_cpu":
-                if x.device.type != "cpu":
-                    raise ValueError(f"cu_seqlens_cpu must be a CPU tensor (the host copy of cu_seqlens), got device "
-                                     f"{x.device}")
+                check_host_copy_device(x)
             elif x.device != device:
                 raise ValueError(f"{arg_name} must be on q's device ({device}), got {x.device}")
         return fake(*args, **kwargs)

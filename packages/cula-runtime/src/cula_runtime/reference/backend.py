@@ -15,7 +15,7 @@ from ..kda_args import KdaPrefillArgs, sequence_lengths
 from ..kda_decode_args import KdaDecodeArgs
 from ..state_pool import PoolSlots, pool_slots
 from .kda_chunked import kda_chunked
-from .kda_decode import kda_decode_reference
+from .kda_decode import kda_decode_reference, write_slots
 
 __all__ = ["verify", "kda_prefill_reference", "verify_decode", "kda_decode_reference", "zero_padding_rows"]
 
@@ -66,8 +66,7 @@ def prefill_into_pool(args: KdaPrefillArgs) -> tuple[torch.Tensor, None]:
     # a sequence of no tokens that read its slot leaves it as it was (an fp64 pool's state went through fp32 here)
     written = [n for n in active if lens[n] > 0 or not has[n]]
     if written:
-        index = torch.tensor([slots.final[n] for n in written], dtype=torch.int64, device=device)
-        state.index_copy_(0, index, ht[written].detach().to(state.dtype))  # (a pool holds no graph)
+        write_slots(state, [slots.final[n] for n in written], ht[written])
     zero_padding_rows(o, slots, None if args.cu_seqlens_host is None else args.cu_seqlens_host.tolist())
     return o, None
 

@@ -21,11 +21,13 @@ from ..kda_decode_args import KdaDecodeArgs, decode_slots
 from .kda_naive import recurrence_step
 from .preprocess import expand_qk_heads, prepare_kda_inputs
 
-__all__ = ["kda_decode_reference"]
+__all__ = ["kda_decode_reference", "write_slots"]
 
 
-def _write(state: torch.Tensor, slots: list[int], S: torch.Tensor, v_first: bool) -> None:
-    """Store the K-first states ``S`` ``[len(slots), HV, K, V]`` in the pool's slots, rounded to its dtype."""
+def write_slots(state: torch.Tensor, slots: list[int], S: torch.Tensor, v_first: bool = False) -> None:
+    """Store the K-first states ``S`` ``[len(slots), heads, K, V]`` in the pool's slots (transposed into a V-first
+    pool with ``v_first``), rounded to its dtype and without autograd history (every reference backend's pool
+    write)."""
     values = S.transpose(-1, -2) if v_first else S
     index = torch.tensor(slots, dtype=torch.int64, device=state.device)
     state.index_copy_(0, index, values.detach().to(state.dtype))  # (a pool holds no graph)
@@ -77,11 +79,11 @@ def kda_decode_reference(args: KdaDecodeArgs, *, compute_dtype: torch.dtype = to
             if slots.steps is not None:  # [N, W] indices: the state after token t goes to state_indices[n, t]
                 written = [r for r in range(running) if slots.steps[rows[r]][t] >= 0]
                 if written:
-                    _write(args.state, [slots.steps[rows[r]][t] for r in written], S[written],
+                    write_slots(args.state, [slots.steps[rows[r]][t] for r in written], S[written],
                            args.state_v_first)
         finals = [r for r, n in enumerate(rows) if slots.final[n] >= 0]
         if finals:
-            _write(args.state, [slots.final[rows[r]] for r in finals], S[finals], args.state_v_first)
+            write_slots(args.state, [slots.final[rows[r]] for r in finals], S[finals], args.state_v_first)
         done = [(r, t) for r, n in enumerate(rows) for t in range(lens[n])]
         o[[positions[r][t] for r, t in done]] = outputs[[r for r, _ in done], [t for _, t in done]]
 

@@ -22,6 +22,7 @@ from ..index import checked_cu_seqlens_host
 from ..kda_args import sequence_lengths
 from ..lightning_args import LightningDecodeArgs, LightningPrefillArgs, lightning_pool_slots
 from .backend import zero_padding_rows
+from .kda_decode import write_slots
 from .lightning import lightning_chunked
 
 __all__ = ["verify_lightning_prefill", "lightning_prefill_reference", "verify_lightning_decode",
@@ -78,8 +79,7 @@ def _prefill_into_pool(args: LightningPrefillArgs) -> tuple[torch.Tensor, None]:
     o, ht = lightning_chunked(args.q, args.k, args.v, args.g_gamma, scale=args.scale, initial_state=h0,
                               output_final_state=True, cu_seqlens=args.cu_seqlens, state_v_first=args.state_v_first)
     if active:
-        index = torch.tensor([slots.final[n] for n in active], dtype=torch.int64, device=device)
-        state.index_copy_(0, index, ht[active].detach().to(state.dtype))  # (a pool holds no graph)
+        write_slots(state, [slots.final[n] for n in active], ht[active])
     zero_padding_rows(o, slots, None if cu_host is None else cu_host.tolist())
     return o, None
 
@@ -124,9 +124,7 @@ def lightning_decode_reference(args: LightningDecodeArgs, *, compute_dtype: torc
             S_t = lam * S[:running] + ks[:running, t].unsqueeze(-1) * vs[:running, t].unsqueeze(-2)
             outputs[:running, t] = args.scale * torch.einsum("rhk,rhkv->rhv", qs[:running, t], S_t)
             S[:running] = S_t
-        values = S.transpose(-1, -2) if args.state_v_first else S
-        slot_index = torch.tensor([slots.final[n] for n in rows], dtype=torch.int64, device=device)
-        args.state.index_copy_(0, slot_index, values.detach().to(args.state.dtype))  # (a pool holds no graph)
+        write_slots(args.state, [slots.final[n] for n in rows], S, args.state_v_first)
         done = [(r, t) for r, n in enumerate(rows) for t in range(lens[n])]
         o[[positions[r][t] for r, t in done]] = outputs[[r for r, _ in done], [t for _, t in done]]
 

@@ -429,29 +429,8 @@ class KdaRecurrence(ChunkTiles):
         if const_expr(c.state_pool):
             if slot >= 0:  # back into the slot, in place: the elements this thread read (rounded to the pool's dtype)
                 self._pool_tile(thr_mma, mPool, slot, hv, vb).store(tSrS.load().to(mPool.element_type))
-            else:  # a padding row: its o rows are zeros (nothing was loaded or computed); store_zero_rows stores
-                # the rows < length of a C-row tile, so the rows left need no min with C
-                for chunk in cutlass.range(num_chunks, unroll=1):
-                    self.store_zero_rows(mO, b, hv, vb, bos + chunk * C, seqlen - chunk * C, tidx)
-
-    @cute.jit
-    def store_zero_rows(self, mO: cute.Tensor, b: Int32, hv: Int32, vb: Int32, tok0: Int32, length: Int32,
-                        tidx: Int32):
-        """Zeros into rows ``< length`` of ``mO[b, tok0 + row, hv, block vb]`` (a padding row's o), one 16-byte
-        segment per copy, straight from registers."""
-        C, BV = self.config.chunk_size, self.config.block_v
-        per_row = BV // 8
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
-        thr = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8))).get_slice(tidx)
-        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, BV), (0, vb))
-        tOgO = thr.partition_D(gO)  # (CPY, passes, 1)
-        tOcO = thr.partition_D(cute.make_identity_tensor((C, BV)))
-        rZero = cute.make_fragment_like(tOgO[None, 0, None])
-        rZero.fill(0.0)
-        for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
-            if tOcO[(0, 0), p, 0][0] < length:
-                cute.copy(atom, rZero, tOgO[None, p, None])
+            else:  # a padding row: its o rows are zeros (nothing was loaded or computed)
+                self.store_zero_rows(mO, b, hv, vb, bos, seqlen, tidx)
 
     @cute.jit
     def _state_tile(self, head: cute.Tensor, vb: Int32) -> cute.Tensor:

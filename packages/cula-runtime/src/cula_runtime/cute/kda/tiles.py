@@ -153,38 +153,37 @@ class ChunkTiles:
         The warp's columns come from this one tiled copy over all threads, not from a ``local_tile`` of the
         swizzled tile at a warp-dependent offset: CuTeDSL 4.6 adds such an offset twice when it falls inside the
         swizzle's bits (seen in the PTX; on the H200 the warps read each other's columns)."""
-        atom, thr = self._row_copy(tidx)
+        C, BV = self.config.chunk_size, self.config.block_v
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        threads = cute.make_layout((16, (2, self.num_warps)), stride=(2, (1, 32)))
+        thr = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8))).get_slice(tidx)
+        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, BV), (0, vb))
         tOsO = thr.partition_S(sO)  # (CPY, C/16, 1)
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_D(cute.make_identity_tensor((C, BV)))
         tOrO = cute.make_fragment_like(tOsO)
         cute.copy(atom, tOsO, tOrO)
-        self._store_fragment_rows(atom, thr, tOrO, mO, b, hv, vb, tok0, length)
+        for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if tOcO[(0, 0), p, 0][0] < length:
+                cute.copy(atom, tOrO[None, p, None], tOgO[None, p, None])
 
     @cute.jit
     def store_zero_rows(self, mO: cute.Tensor, b: Int32, hv: Int32, vb: Int32, tok0: Int32, length: Int32,
                         tidx: Int32):
-        """Zeros into rows ``< length`` of ``mO[b, tok0 + row, hv, block vb]`` (a ``(C, block_v)`` tile), by the
-        threads and 16-byte segments of :meth:`store_rows`; no shared memory or barrier."""
-        atom, thr = self._row_copy(tidx)
-        tOrO = cute.make_fragment_like(thr.partition_S(cute.make_identity_tensor((self.config.chunk_size,
-                                                                                   self.config.block_v))), BFloat16)
-        tOrO.fill(0.0)
-        self._store_fragment_rows(atom, thr, tOrO, mO, b, hv, vb, tok0, length)
-
-    def _row_copy(self, tidx: Int32) -> tuple:
-        """The 16-byte copy atom and this thread's slice of the row stores (:meth:`store_rows`)."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-        threads = cute.make_layout((16, (2, self.num_warps)), stride=(2, (1, 32)))
-        return atom, cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8))).get_slice(tidx)
-
-    @cute.jit
-    def _store_fragment_rows(self, atom, thr, tOrO: cute.Tensor, mO: cute.Tensor, b: Int32, hv: Int32, vb: Int32,
-                             tok0: Int32, length: Int32):
-        """The register fragment ``tOrO`` (this thread's part of a ``(C, block_v)`` tile) into the rows
-        ``< length`` of ``mO[b, tok0 + row, hv, block vb]``."""
+        """Zeros into the ``length`` rows of ``mO[b, tok0 .., hv, block vb]`` (a padding row's o: the KDA
+        recurrence's and Lightning's kernel C), a C-row tile at a time, one 16-byte segment per copy, straight from
+        registers."""
         C, BV = self.config.chunk_size, self.config.block_v
-        gO = cute.local_tile(cute.domain_offset((tok0, 0), mO[b, None, hv, None]), (C, BV), (0, vb))
-        tOgO = thr.partition_D(gO)
+        per_row = BV // 8
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        threads = cute.make_layout((self.num_threads // per_row, per_row), stride=(per_row, 1))
+        thr = cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, 8))).get_slice(tidx)
         tOcO = thr.partition_D(cute.make_identity_tensor((C, BV)))
-        for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
-            if tOcO[(0, 0), p, 0][0] < length:
-                cute.copy(atom, tOrO[None, p, None], tOgO[None, p, None])
+        for chunk in cutlass.range((length + (C - 1)) // C, unroll=1):  # (rows < length - chunk C of each tile)
+            gO = cute.local_tile(cute.domain_offset((tok0 + chunk * C, 0), mO[b, None, hv, None]), (C, BV), (0, vb))
+            tOgO = thr.partition_D(gO)  # (CPY, passes, 1)
+            rZero = cute.make_fragment_like(tOgO[None, 0, None])
+            rZero.fill(0.0)
+            for p in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+                if tOcO[(0, 0), p, 0][0] < length - chunk * C:
+                    cute.copy(atom, rZero, tOgO[None, p, None])

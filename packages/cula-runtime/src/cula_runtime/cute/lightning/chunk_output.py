@@ -480,9 +480,7 @@ class LightningChunkOutput(ChunkTiles):
                 self.store_final_state(thr_mma, tSrS, mHt, mPool, n, h, vb, slot)
         if const_expr(c.state_pool):
             if slot < 0:  # a padding row: zeros for o
-                for chunk in cutlass.range((length + (C - 1)) // C, unroll=1):
-                    self.store_zero_rows(mO, Int32(0), h, vb, start + chunk * C, cutlass.min(length - chunk * C, C),
-                                         tidx)
+                self.store_zero_rows(mO, Int32(0), h, vb, start, length, tidx)
 
     @cute.jit
     def _bf16_pairs_to_f32(self, x: cute.Tensor) -> cute.Tensor:
